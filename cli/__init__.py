@@ -1,0 +1,1 @@
+"""unitgraph command line."""
