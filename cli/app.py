@@ -1,7 +1,76 @@
+"""The `unitgraph` command: one typer app; commands live in small modules and are registered here.
+
+`main` runs the app without click's standalone mode so that every kind of bad input, a usage error
+as much as an unreadable spec, ends the same way: exit code 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+
 import typer
-app = typer.Typer()
-@app.command()
-def hello():
-    print("hi")
-def main():
-    app()
+
+try:  # typer >= 0.26 vendors click as typer._click
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover - older typer on click
+    from click import exceptions as click_exceptions
+
+from unitgraph.errors import UnitgraphError
+
+from . import core_commands
+
+app = typer.Typer(
+    name="unitgraph",
+    help="Plan, prove and draw split training of diffusion pipelines, and run it.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("plan")(core_commands.plan_command)
+app.command("verify")(core_commands.verify_command)
+
+
+def _register_optional_commands() -> None:
+    """Commands from modules that may not exist yet in a partial install are added when present."""
+    import importlib
+
+    for module_name in ("view_commands", "backend_commands"):
+        try:
+            module = importlib.import_module(f"{__package__}.{module_name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"{__package__}.{module_name}":
+                continue
+            raise
+        module.register(app)
+
+
+_register_optional_commands()
+
+
+def fail(message: str) -> None:
+    typer.echo(f"unitgraph: error: {' '.join(str(message).split())}", err=True)
+    sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(args=argv, prog_name="unitgraph", standalone_mode=False)
+    except UnitgraphError as exc:
+        fail(exc.one_line())
+    except click_exceptions.NoArgsIsHelpError as exc:
+        typer.echo(exc.ctx.get_help() if exc.ctx is not None else exc.format_message())
+        sys.exit(0)
+    except click_exceptions.UsageError as exc:
+        where = f"{exc.ctx.command_path}: " if exc.ctx is not None else ""
+        fail(f"{where}{exc.format_message()}")
+    except (typer.Abort, KeyboardInterrupt):
+        typer.echo("unitgraph: aborted", err=True)
+        sys.exit(130)
+    except click_exceptions.ClickException as exc:
+        fail(exc.format_message())
+    sys.exit(result if isinstance(result, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

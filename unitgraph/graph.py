@@ -1,0 +1,127 @@
+"""The version view of a pipeline: reaching writes, update chains and the unit DAG.
+
+Units are identified by position. For each input of each unit, its *reaching write* is the latest
+earlier unit that writes the param (None: the dataset value). That table is the ground truth for
+correctness; the DAG is its picture: an edge j -> i carries the params i reads from j's writes.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from functools import cached_property
+
+import networkx as nx
+
+from .spec import Pipeline
+
+DATASET = None  # the "writer" of a param's dataset value
+
+
+@dataclass(frozen=True)
+class Read:
+    """One read: `reader` (a unit position, or len(units) for the sink) takes `param` from `writer`."""
+
+    reader: int
+    param: str
+    writer: int | None
+
+
+class VersionGraph:
+    """Reaching-write tables and update chains of one pipeline, with a networkx DiGraph view."""
+
+    def __init__(self, pipeline: Pipeline):
+        self.pipeline = pipeline
+        self.n = len(pipeline.units)
+        self.names = [u.name for u in pipeline.units]
+        self.position = {name: i for i, name in enumerate(self.names)}
+        # update chain: every writer of p, in pipeline order
+        self.writers: dict[str, list[int]] = {}
+        # accessors: every unit that reads or writes p, in pipeline order
+        self.accessors: dict[str, list[int]] = {}
+        # reaching[i] = {param: writer or None} for each input of unit i
+        self.reaching: list[dict[str, int | None]] = []
+        latest: dict[str, int] = {}
+        for i, unit in enumerate(pipeline.units):
+            self.reaching.append({p: latest.get(p) for p in unit.inputs})
+            for p in dict.fromkeys((*unit.inputs, *unit.outputs)):
+                self.accessors.setdefault(p, []).append(i)
+            for p in dict.fromkeys(unit.outputs):
+                self.writers.setdefault(p, []).append(i)
+                latest[p] = i
+        self.last_writer: dict[str, int] = latest
+        # readers_of[j] = units that read a version written by j (with the params), the F edges
+        self.readers_of: list[dict[int, list[str]]] = [{} for _ in range(self.n)]
+        for i, table in enumerate(self.reaching):
+            for p, j in table.items():
+                if j is not None:
+                    self.readers_of[j].setdefault(i, []).append(p)
+
+    # --- tables -------------------------------------------------------------------------------
+
+    @cached_property
+    def dataset_params(self) -> list[str]:
+        """Params read before any unit writes them: provided per sample by the dataset."""
+        found: dict[str, None] = {}
+        for table in self.reaching:
+            for p, writer in table.items():
+                if writer is None:
+                    found.setdefault(p, None)
+        if self.pipeline.sink is not None:
+            for p in self.pipeline.sink.inputs:
+                if p not in self.last_writer:
+                    found.setdefault(p, None)
+        return list(found)
+
+    def reads_of(self, unit: int) -> list[Read]:
+        return [Read(unit, p, w) for p, w in self.reaching[unit].items()]
+
+    def writers_after(self, param: str, position: int) -> list[int]:
+        """Writers of `param` strictly after `position`, in order."""
+        chain = self.writers.get(param, [])
+        return chain[bisect_right(chain, position):]
+
+    def sink_inputs(self) -> list[str]:
+        """Params the sink reads: declared, or every param when the pipeline declares no sink."""
+        if self.pipeline.sink is not None:
+            return list(dict.fromkeys(self.pipeline.sink.inputs))
+        return self.pipeline.params
+
+    def sink_models(self, backward_models: set[str] | frozenset[str]) -> list[str]:
+        """Models the sink calls: declared, or only those that need backward."""
+        if self.pipeline.sink is not None:
+            return sorted(set(self.pipeline.sink.models))
+        return sorted(backward_models)
+
+    def sink_reads(self) -> list[Read]:
+        sink = self.n
+        return [Read(sink, p, self.last_writer.get(p)) for p in self.sink_inputs()]
+
+    # --- networkx view ------------------------------------------------------------------------
+
+    def to_networkx(self) -> nx.DiGraph:
+        """Units as nodes (by position, with name/models/deterministic), reaching-write edges carrying params.
+
+        Update-chain edges between successive writers of a param are added with kind="chain" so
+        drawings can show them distinctly; data edges have kind="data".
+        """
+        g = nx.DiGraph(name=self.pipeline.name)
+        for i, unit in enumerate(self.pipeline.units):
+            g.add_node(i, name=unit.name, models=list(unit.models), deterministic=unit.deterministic)
+        for j, readers in enumerate(self.readers_of):
+            for i, params in readers.items():
+                g.add_edge(j, i, params=sorted(params), kind="data")
+        for p, chain in self.writers.items():
+            for a, b in zip(chain, chain[1:]):
+                if g.has_edge(a, b):
+                    g.edges[a, b].setdefault("chain", []).append(p)
+                else:
+                    g.add_edge(a, b, params=[], chain=[p], kind="chain")
+        return g
+
+    def data_dag(self) -> nx.DiGraph:
+        """Only the reaching-write edges: the graph whose descendants are the forward closure F."""
+        g = nx.DiGraph()
+        g.add_nodes_from(range(self.n))
+        g.add_edges_from((j, i) for j, readers in enumerate(self.readers_of) for i in readers)
+        return g

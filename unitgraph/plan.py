@@ -1,0 +1,269 @@
+"""The plan: a split written down as JSON (DESIGN §4), and the function that makes one."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from .entries import cache_entries, entry_sort_key
+from .errors import PlanFileError, SpecError
+from .graph import VersionGraph
+from .spec import Pipeline
+from .split import CACHE_MODES, LATEST, VERSIONED, Reason, backward_models, train_set
+
+FORMAT = "unitgraph.plan/v1"
+CHECK_NAMES = ("C1", "C2", "C3", "equivalence")
+
+
+@dataclass
+class Plan:
+    """A split of one pipeline for one set of models that need backward.
+
+    Cache entries are (param, writer unit name or None for the dataset value).
+    """
+
+    pipeline: str
+    models_require_backward: list[str]
+    cache_mode: str
+    data_process_units: list[str]
+    data_process_models: list[str]
+    train_units: list[str]
+    train_models: list[str]
+    cache_entries: list[tuple[str, str | None]]
+    fingerprint: str
+    checks: dict[str, bool | None] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+    reason_details: dict[str, dict] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # keys of newer formats, kept on round trips
+    declared_cache_params: list[str] | None = None  # `cache.params` as read from a file, checked by verify
+
+    @property
+    def cache_params(self) -> list[str]:
+        return sorted({p for p, _ in self.cache_entries})
+
+    @property
+    def checks_pass(self) -> bool:
+        return all(v is not False for v in self.checks.values())
+
+    def stage_of(self, unit_name: str) -> str:
+        return "train" if unit_name in self.train_units else "data_process"
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "format": FORMAT,
+            "pipeline": self.pipeline,
+            "models_require_backward": sorted(self.models_require_backward),
+            "data_process": {"units": list(self.data_process_units), "models": sorted(self.data_process_models)},
+            "train": {"units": list(self.train_units), "models": sorted(self.train_models)},
+            "cache_mode": self.cache_mode,
+            "cache": {
+                "params": self.cache_params,
+                "entries": [{"param": p, "writer": w} for p, w in self.cache_entries],
+            },
+            "checks": dict(self.checks),
+            "reasons": dict(self.reasons),
+            "reason_details": dict(self.reason_details),
+            "fingerprint": self.fingerprint,
+        }
+        for key, value in self.extra.items():
+            data.setdefault(key, value)
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<plan>") -> "Plan":
+        """Read a plan strictly enough that a malformed file is one clear error, not a crash later."""
+        reader = _PlanReader(data, source)
+        return reader.plan()
+
+
+def fingerprint(pipeline: Pipeline, backward: Iterable[str], cache_mode: str) -> str:
+    """sha256 of the canonical spec, B, the cache mode and the format: what a cache was made under."""
+    payload = {
+        "format": FORMAT,
+        "spec": pipeline.canonical_dict(),
+        "models_require_backward": sorted(set(backward)),
+        "cache_mode": cache_mode,
+    }
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def split(
+    pipeline: Pipeline,
+    trainable_models: Iterable[str] = (),
+    lora_base_model: str | None = None,
+    cache_mode: str = LATEST,
+) -> Plan:
+    """Plan `pipeline` for the given models: TRAIN, cache entries, models per stage, verified checks."""
+    if cache_mode not in CACHE_MODES:
+        raise SpecError(f"cache mode must be one of {', '.join(CACHE_MODES)}, got {cache_mode!r}")
+    if isinstance(trainable_models, str):
+        trainable_models = trainable_models.split(",")
+    backward = backward_models(trainable_models, lora_base_model)
+    _check_models_exist(pipeline, backward)
+    vg = VersionGraph(pipeline)
+    reasons = train_set(vg, backward, cache_mode)
+    plan = plan_from_train_set(vg, backward, set(reasons), cache_mode, reasons)
+    from .verify import check_results  # verify builds on plan; imported here to keep modules acyclic
+
+    plan.checks = check_results(pipeline, plan)
+    return plan
+
+
+def plan_from_train_set(
+    vg: VersionGraph,
+    backward: frozenset[str],
+    train: set[int],
+    cache_mode: str,
+    reasons: dict[int, Reason] | None = None,
+) -> Plan:
+    """Write down any split of `vg` (sound or not): the verifier and the U-only reference use this."""
+    units = vg.pipeline.units
+    names = vg.names
+    dp = [i for i in range(vg.n) if i not in train]
+    tr = sorted(train)
+    train_models = {m for i in tr for m in units[i].models} | set(backward) | set(vg.sink_models(backward))
+    entries = [(p, None if w is None else names[w]) for p, w in cache_entries(vg, train, cache_mode)]
+    reasons = reasons or {}
+    return Plan(
+        pipeline=vg.pipeline.name,
+        models_require_backward=sorted(backward),
+        cache_mode=cache_mode,
+        data_process_units=[names[i] for i in dp],
+        data_process_models=sorted({m for i in dp for m in units[i].models}),
+        train_units=[names[i] for i in tr],
+        train_models=sorted(train_models),
+        cache_entries=entries,
+        fingerprint=fingerprint(vg.pipeline, backward, cache_mode),
+        reasons={names[i]: r.describe(names) for i, r in reasons.items()},
+        reason_details={names[i]: r.to_dict(names) for i, r in reasons.items()},
+    )
+
+
+def _check_models_exist(pipeline: Pipeline, backward: frozenset[str]) -> None:
+    """A model name that nothing calls is almost always a typo; with a declared sink, say so."""
+    if pipeline.sink is None:
+        return
+    known = set(pipeline.models)
+    unknown = sorted(m for m in backward if m not in known)
+    if unknown:
+        raise SpecError(
+            f"model {unknown[0]!r} needs backward but no unit or the sink calls it (models: {', '.join(sorted(known)) or 'none'})",
+            source=pipeline.source,
+        )
+
+
+def read_plan_file(path: str | Path) -> Plan:
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PlanFileError("no such file", source=source) from None
+    except IsADirectoryError:
+        raise PlanFileError("is a directory, expected a plan file", source=source) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlanFileError(f"cannot read: {exc}", source=source) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanFileError(f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", source=source) from None
+    return Plan.from_dict(data, source=source)
+
+
+class _PlanReader:
+    """Field-by-field reading of a plan dict with errors that name the field."""
+
+    def __init__(self, data: Any, source: str):
+        if not isinstance(data, dict):
+            raise PlanFileError("a plan must be a JSON object", source=source)
+        self.data = data
+        self.source = source
+
+    def fail(self, message: str) -> PlanFileError:
+        return PlanFileError(message, source=self.source)
+
+    def get(self, key: str, kind: type, container: dict | None = None, where: str = "") -> Any:
+        container = self.data if container is None else container
+        if key not in container:
+            raise self.fail(f"missing key '{where}{key}'")
+        value = container[key]
+        if not isinstance(value, kind):
+            raise self.fail(f"'{where}{key}' must be {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    def strings(self, key: str, container: dict | None = None, where: str = "") -> list[str]:
+        values = self.get(key, list, container, where)
+        if not all(isinstance(v, str) for v in values):
+            raise self.fail(f"'{where}{key}' must be a list of strings")
+        return list(values)
+
+    def plan(self) -> Plan:
+        fmt = self.get("format", str)
+        if fmt != FORMAT:
+            raise self.fail(f"unsupported plan format {fmt!r} (this unitgraph reads {FORMAT})")
+        dp = self.get("data_process", dict)
+        tr = self.get("train", dict)
+        cache = self.get("cache", dict)
+        mode = self.get("cache_mode", str)
+        if mode not in (LATEST, VERSIONED):
+            raise self.fail(f"'cache_mode' must be latest or versioned, got {mode!r}")
+        entries = []
+        for k, entry in enumerate(self.get("entries", list, cache, "cache.")):
+            if not isinstance(entry, dict) or set(entry) != {"param", "writer"}:
+                raise self.fail(f"'cache.entries[{k}]' must be an object with keys param and writer")
+            if not isinstance(entry["param"], str) or not (entry["writer"] is None or isinstance(entry["writer"], str)):
+                raise self.fail(f"'cache.entries[{k}]' needs a string param and a string or null writer")
+            entries.append((entry["param"], entry["writer"]))
+        checks = self.data.get("checks", {})
+        reasons = self.data.get("reasons", {})
+        details = self.data.get("reason_details", {})
+        for key, value in (("checks", checks), ("reasons", reasons), ("reason_details", details)):
+            if not isinstance(value, dict):
+                raise self.fail(f"'{key}' must be an object")
+        known = {"format", "pipeline", "models_require_backward", "data_process", "train", "cache_mode",
+                 "cache", "checks", "reasons", "reason_details", "fingerprint"}
+        return Plan(
+            pipeline=self.get("pipeline", str),
+            models_require_backward=self.strings("models_require_backward"),
+            cache_mode=mode,
+            data_process_units=self.strings("units", dp, "data_process."),
+            data_process_models=self.strings("models", dp, "data_process."),
+            train_units=self.strings("units", tr, "train."),
+            train_models=self.strings("models", tr, "train."),
+            cache_entries=entries,
+            declared_cache_params=self.strings("params", cache, "cache."),
+            fingerprint=self.get("fingerprint", str),
+            checks=dict(checks),
+            reasons=dict(reasons),
+            reason_details=dict(details),
+            extra={k: v for k, v in self.data.items() if k not in known},
+        )
+
+
+
+
+
+def models_versioned_keeps_out(pipeline: Pipeline, plan: Plan) -> list[str]:
+    """Models a `latest` plan loads in stage 2 that the `versioned` plan of the same split would not."""
+    if plan.cache_mode != LATEST:
+        return []
+    backward = frozenset(plan.models_require_backward)
+    vg = VersionGraph(pipeline)
+    versioned = plan_from_train_set(vg, backward, set(train_set(vg, backward, VERSIONED)), VERSIONED)
+    return sorted(set(plan.train_models) - set(versioned.train_models))
+
+
+def versioned_savings_line(pipeline: Pipeline, plan: Plan) -> str | None:
+    """The one line DESIGN §3 asks `plan` and `inspect` to print when versioned caching would help."""
+    saved = models_versioned_keeps_out(pipeline, plan)
+    if not saved:
+        return None
+    names = ", ".join(saved)
+    return f"note: --cache-mode versioned would keep {names} out of training (stage 2 would not load {'it' if len(saved) == 1 else 'them'})"

@@ -1,0 +1,267 @@
+"""Pipelines and units: the declarations the planner reasons about (DESIGN §2).
+
+A unit is plain data. Backends keep the code that runs it elsewhere, keyed by the unit's name, so
+the planner never needs torch or a model to decide a split.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from .errors import SpecError
+
+UNIT_KEYS = {"name", "inputs", "outputs", "models", "deterministic"}
+SINK_KEYS = {"inputs", "models"}
+PIPELINE_KEYS = {"name", "units", "sink"}
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One preprocessing step: what it reads, writes and calls."""
+
+    name: str
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+    deterministic: bool = True
+
+    def __post_init__(self) -> None:
+        for attr in ("inputs", "outputs", "models"):
+            object.__setattr__(self, attr, tuple(getattr(self, attr)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "inputs": list(self.inputs),
+            "outputs": list(self.outputs),
+            "models": list(self.models),
+            "deterministic": self.deterministic,
+        }
+
+
+@dataclass(frozen=True)
+class Sink:
+    """The loss: what it reads and which models it calls, after the last unit."""
+
+    inputs: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "models", tuple(self.models))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"inputs": list(self.inputs), "models": list(self.models)}
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """An ordered list of units over one state dictionary, plus an optional declared sink.
+
+    `sink` is None when the pipeline does not declare one: the sink then reads every param and
+    calls only the models that need backward (resolved per split, since it depends on them).
+    """
+
+    name: str
+    units: tuple[Unit, ...]
+    sink: Sink | None = None
+    source: str = field(default="<python>", compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "units", tuple(self.units))
+        validate(self)
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def index(self, unit_name: str) -> int:
+        """Position of a unit, or a SpecError naming the unknown unit."""
+        for i, unit in enumerate(self.units):
+            if unit.name == unit_name:
+                return i
+        raise SpecError(f"no unit named {unit_name!r} in pipeline {self.name!r}", source=self.source)
+
+    @property
+    def params(self) -> list[str]:
+        """Every param a unit or the declared sink touches, in first-mention order."""
+        seen: dict[str, None] = {}
+        for unit in self.units:
+            for p in (*unit.inputs, *unit.outputs):
+                seen.setdefault(p, None)
+        if self.sink is not None:
+            for p in self.sink.inputs:
+                seen.setdefault(p, None)
+        return list(seen)
+
+    @property
+    def models(self) -> list[str]:
+        """Every model a unit or the declared sink calls, sorted."""
+        names = {m for unit in self.units for m in unit.models}
+        if self.sink is not None:
+            names.update(self.sink.models)
+        return sorted(names)
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"name": self.name, "units": [u.to_dict() for u in self.units]}
+        if self.sink is not None:
+            data["sink"] = self.sink.to_dict()
+        return data
+
+    def canonical_dict(self) -> dict[str, Any]:
+        """The spec with every order that carries no meaning sorted away, for fingerprints."""
+        units = [
+            {
+                "name": u.name,
+                "inputs": sorted(set(u.inputs)),
+                "outputs": sorted(set(u.outputs)),
+                "models": sorted(set(u.models)),
+                "deterministic": u.deterministic,
+            }
+            for u in self.units
+        ]
+        sink = None
+        if self.sink is not None:
+            sink = {"inputs": sorted(set(self.sink.inputs)), "models": sorted(set(self.sink.models))}
+        return {"name": self.name, "units": units, "sink": sink}
+
+
+def validate(pipeline: Pipeline) -> None:
+    """Reject what would make a plan ambiguous: empty or duplicate names, non-string entries."""
+    src = pipeline.source
+    if not isinstance(pipeline.name, str) or not pipeline.name.strip():
+        raise SpecError("pipeline 'name' must be a non-empty string", source=src)
+    seen: set[str] = set()
+    for i, unit in enumerate(pipeline.units):
+        if not isinstance(unit, Unit):
+            raise SpecError(f"units[{i}] is {type(unit).__name__}, expected a Unit", source=src)
+        if not isinstance(unit.name, str) or not unit.name.strip():
+            raise SpecError(f"units[{i}] has an empty name", source=src)
+        if unit.name in seen:
+            raise SpecError("duplicate unit name", source=src, unit=unit.name)
+        seen.add(unit.name)
+        for attr in ("inputs", "outputs", "models"):
+            _check_names(getattr(unit, attr), f"'{attr}'", src, unit.name)
+        if not isinstance(unit.deterministic, bool):
+            raise SpecError("'deterministic' must be true or false", source=src, unit=unit.name)
+    if pipeline.sink is not None:
+        _check_names(pipeline.sink.inputs, "sink 'inputs'", src, None)
+        _check_names(pipeline.sink.models, "sink 'models'", src, None)
+
+
+def _check_names(values: Iterable[Any], what: str, src: str, unit: str | None) -> None:
+    for value in values:
+        if not isinstance(value, str) or not value.strip():
+            raise SpecError(f"{what} must hold non-empty strings, got {value!r}", source=src, unit=unit)
+
+
+def pipeline_from_dict(data: Any, source: str = "<dict>") -> Pipeline:
+    """Build a Pipeline from parsed JSON/YAML, strictly: unknown keys and wrong types are errors."""
+    if not isinstance(data, Mapping):
+        raise SpecError(f"a pipeline spec must be a mapping, got {_kind(data)}", source=source)
+    _reject_unknown(data, PIPELINE_KEYS, "pipeline", source, None)
+    if "name" not in data:
+        raise SpecError("missing key 'name'", source=source)
+    if "units" not in data:
+        raise SpecError("missing key 'units'", source=source)
+    name = data["name"]
+    if not isinstance(name, str):
+        raise SpecError(f"'name' must be a string, got {_kind(name)}", source=source)
+    raw_units = data["units"]
+    if not isinstance(raw_units, list):
+        raise SpecError(f"'units' must be a list, got {_kind(raw_units)}", source=source)
+    units = [_unit_from_dict(raw, i, source) for i, raw in enumerate(raw_units)]
+    sink = None
+    if data.get("sink") is not None:
+        raw_sink = data["sink"]
+        if not isinstance(raw_sink, Mapping):
+            raise SpecError(f"'sink' must be a mapping, got {_kind(raw_sink)}", source=source)
+        _reject_unknown(raw_sink, SINK_KEYS, "sink", source, None)
+        sink = Sink(
+            inputs=_string_list(raw_sink, "inputs", source, None, what="sink 'inputs'"),
+            models=_string_list(raw_sink, "models", source, None, what="sink 'models'"),
+        )
+    return Pipeline(name=name, units=tuple(units), sink=sink, source=source)
+
+
+def _unit_from_dict(raw: Any, index: int, source: str) -> Unit:
+    if not isinstance(raw, Mapping):
+        raise SpecError(f"units[{index}] must be a mapping, got {_kind(raw)}", source=source)
+    name = raw.get("name")
+    if not isinstance(name, str) or not name.strip():
+        shown = "missing" if name is None else repr(name)
+        raise SpecError(f"units[{index}] needs a non-empty string 'name' ({shown})", source=source)
+    _reject_unknown(raw, UNIT_KEYS, "unit", source, name)
+    deterministic = raw.get("deterministic", True)
+    if not isinstance(deterministic, bool):
+        raise SpecError(f"'deterministic' must be true or false, got {deterministic!r}", source=source, unit=name)
+    return Unit(
+        name=name,
+        inputs=_string_list(raw, "inputs", source, name),
+        outputs=_string_list(raw, "outputs", source, name),
+        models=_string_list(raw, "models", source, name),
+        deterministic=deterministic,
+    )
+
+
+def _string_list(raw: Mapping, key: str, source: str, unit: str | None, what: str | None = None) -> tuple[str, ...]:
+    what = what or f"'{key}'"
+    value = raw.get(key, [])
+    if value is None:
+        value = []
+    if not isinstance(value, list):
+        raise SpecError(f"{what} must be a list of strings, got {_kind(value)}", source=source, unit=unit)
+    for item in value:
+        if not isinstance(item, str) or not item.strip():
+            raise SpecError(f"{what} must hold non-empty strings, got {item!r}", source=source, unit=unit)
+    return tuple(value)
+
+
+def _reject_unknown(raw: Mapping, allowed: set[str], what: str, source: str, unit: str | None) -> None:
+    unknown = sorted(str(k) for k in raw if k not in allowed)
+    if unknown:
+        raise SpecError(
+            f"unknown {what} key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})",
+            source=source,
+            unit=unit,
+        )
+
+
+def _kind(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def read_spec_file(path: str | Path) -> Pipeline:
+    """Load a JSON or YAML spec file; any problem is one SpecError naming the file."""
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError("no such file", source=source) from None
+    except IsADirectoryError:
+        raise SpecError("is a directory, expected a spec file", source=source) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"cannot read: {exc}", source=source) from None
+    if path.suffix.lower() in {".yaml", ".yml"}:
+        data = _parse_yaml(text, source)
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SpecError(f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", source=source) from None
+    return pipeline_from_dict(data, source=source)
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "not valid YAML"
+        raise SpecError(f"malformed YAML{where}: {problem}", source=source) from None

@@ -1,0 +1,199 @@
+"""Which units must stay in the training loop (DESIGN §3).
+
+TRAIN is the least fixed point above the seed set X0 of T(X) = X ∪ F(X) ∪ W(X) in cache mode
+`latest`, and of X ∪ F(X) in mode `versioned`. The set operators are here as plain functions, for
+reading and for tests; `train_set` computes the fixed point in one forward sweep, recording for
+every unit why it is in TRAIN.
+
+Why one sweep is a worklist in disguise: F adds only units that read a version written by a
+TRAIN unit, so they stand later in the pipeline; W adds only writers that come after the first
+TRAIN access of a param, so they stand later too. Visiting positions in pipeline order therefore
+sees every unit after everything that can pull it in, and each param's first TRAIN access is
+settled the first time the sweep meets it. Total work: units + reads + update-chain lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import networkx as nx
+
+from .graph import VersionGraph
+
+LATEST = "latest"
+VERSIONED = "versioned"
+CACHE_MODES = (LATEST, VERSIONED)
+
+
+@dataclass(frozen=True)
+class Reason:
+    """Why a unit is in TRAIN.
+
+    rule: "model" (calls a model that needs backward), "nondeterministic", "F" (reads a version
+    written by `via`), "U" (later writer in the update chain of `param`, which `via` reads and
+    writes in place), "W" (writes `param` after `via` read or wrote it: a write hazard).
+    """
+
+    rule: str
+    via: int | None = None
+    param: str | None = None
+    models: tuple[str, ...] = ()
+    access: str | None = None  # how `via` touches `param` for U/W: "reads", "writes", "reads and writes"
+
+    @property
+    def is_seed(self) -> bool:
+        return self.rule in ("model", "nondeterministic")
+
+    def describe(self, names: list[str]) -> str:
+        """One sentence, e.g. 'reads prompt_emb written by PromptEmbedder (F)'."""
+        if self.rule == "model":
+            models = ", ".join(self.models)
+            verb = "needs" if len(self.models) == 1 else "need"
+            return f"calls {models}, which {verb} backward (X0)"
+        if self.rule == "nondeterministic":
+            return "is non-deterministic, so it must run fresh every epoch (X0)"
+        via = names[self.via] if self.via is not None else "?"
+        if self.rule == "F":
+            return f"reads {self.param} written by {via} (F)"
+        if self.rule == "U":
+            return f"writes {self.param} later in the update chain that {via} reads and writes in place (U)"
+        if self.access == "reads":
+            return f"writes {self.param} after {via} read it: write-after-read (W)"
+        return f"writes {self.param} after {via} wrote it: write-after-write (W)"
+
+    def to_dict(self, names: list[str]) -> dict:
+        data: dict = {"rule": self.rule}
+        if self.models:
+            data["models"] = list(self.models)
+        if self.via is not None:
+            data["unit"] = names[self.via]
+        if self.param is not None:
+            data["param"] = self.param
+        if self.access is not None:
+            data["access"] = self.access
+        return data
+
+
+def backward_models(trainable_models: Iterable[str] = (), lora_base_model: str | None = None) -> frozenset[str]:
+    """B: the trainable models plus the LoRA base model."""
+    models = {m.strip() for m in trainable_models if m and m.strip()}
+    if lora_base_model and lora_base_model.strip():
+        models.add(lora_base_model.strip())
+    return frozenset(models)
+
+
+def seeds(vg: VersionGraph, backward: frozenset[str]) -> dict[int, Reason]:
+    """X0: units that call a model needing backward, and every non-deterministic unit."""
+    found: dict[int, Reason] = {}
+    for i, unit in enumerate(vg.pipeline.units):
+        hit = tuple(m for m in dict.fromkeys(unit.models) if m in backward)
+        if hit:
+            found[i] = Reason("model", models=hit)
+        elif not unit.deterministic:
+            found[i] = Reason("nondeterministic")
+    return found
+
+
+# --- the set operators of DESIGN §3, as written there --------------------------------------------
+
+
+def forward_closure(vg: VersionGraph, units: Iterable[int]) -> set[int]:
+    """F(X): every unit that reads a version written by a unit of X, transitively."""
+    dag = vg.data_dag()
+    found: set[int] = set()
+    for u in units:
+        found |= nx.descendants(dag, u)
+    return found
+
+
+def _accesses(vg: VersionGraph, i: int) -> list[str]:
+    unit = vg.pipeline.units[i]
+    return list(dict.fromkeys((*unit.inputs, *unit.outputs)))
+
+
+def update_chain_closure(vg: VersionGraph, units: Iterable[int]) -> set[int]:
+    """U(X), the seed design's rule: if the first unit of X reading p also writes p (and is not
+    p's last writer), p's later writers join."""
+    members = sorted(set(units))
+    first_reader: dict[str, int] = {}
+    for i in members:
+        for p in vg.pipeline.units[i].inputs:
+            first_reader.setdefault(p, i)
+    found: set[int] = set()
+    for p, a in first_reader.items():
+        if p in vg.pipeline.units[a].outputs:
+            found.update(vg.writers_after(p, a))
+    return found
+
+
+def write_hazard_closure(vg: VersionGraph, units: Iterable[int]) -> set[int]:
+    """W(X): for each p, every unit writing p after the first unit of X that reads or writes p."""
+    members = sorted(set(units))
+    first_access: dict[str, int] = {}
+    for i in members:
+        for p in _accesses(vg, i):
+            first_access.setdefault(p, i)
+    found: set[int] = set()
+    for p, a in first_access.items():
+        found.update(vg.writers_after(p, a))
+    return found
+
+
+def step(vg: VersionGraph, units: set[int], cache_mode: str = LATEST) -> set[int]:
+    """T(X) = X ∪ F(X) ∪ W(X) (latest) or X ∪ F(X) (versioned)."""
+    result = set(units) | forward_closure(vg, units)
+    if cache_mode == LATEST:
+        result |= write_hazard_closure(vg, units)
+    return result
+
+
+def iterate_to_fixed_point(vg: VersionGraph, start: set[int], operator) -> set[int]:
+    """Apply `operator` from `start` until nothing changes (at most n rounds: T is monotone)."""
+    current = set(start)
+    while True:
+        following = operator(current)
+        if following == current:
+            return current
+        current = following
+
+
+def update_chain_train_set(vg: VersionGraph, backward: frozenset[str]) -> set[int]:
+    """The seed design's split: least fixed point of X ∪ F(X) ∪ U(X). Kept as a reference; it misses
+    write-after-read and write-after-write hazards (see docs/semantics.md)."""
+    return iterate_to_fixed_point(
+        vg,
+        set(seeds(vg, backward)),
+        lambda x: x | forward_closure(vg, x) | update_chain_closure(vg, x),
+    )
+
+
+# --- the fixed point, fast and with reasons -------------------------------------------------------
+
+
+def train_set(vg: VersionGraph, backward: frozenset[str], cache_mode: str = LATEST) -> dict[int, Reason]:
+    """TRAIN as {position: reason}, the least fixed point of `step` above X0, in one forward sweep."""
+    if cache_mode not in CACHE_MODES:
+        raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
+    reasons = seeds(vg, backward)
+    first_access: set[str] = set()
+    for u in range(vg.n):
+        if u not in reasons:
+            continue
+        for reader, params in vg.readers_of[u].items():
+            if reader not in reasons:
+                reasons[reader] = Reason("F", via=u, param=params[0])
+        if cache_mode != LATEST:
+            continue
+        unit = vg.pipeline.units[u]
+        for p in _accesses(vg, u):
+            if p in first_access:
+                continue
+            first_access.add(p)
+            reads, writes = p in unit.inputs, p in unit.outputs
+            access = "reads and writes" if reads and writes else ("reads" if reads else "writes")
+            rule = "U" if reads and writes else "W"
+            for w in vg.writers_after(p, u):
+                if w not in reasons:
+                    reasons[w] = Reason(rule, via=u, param=p, access=access)
+    return dict(sorted(reasons.items()))
