@@ -1,0 +1,79 @@
+"""What a backend needs to execute a plan, in unit names rather than positions.
+
+The planner decides; a backend only follows these tables:
+- `stage1_schedule`: the data_process units in order, and which cache entries to store after each
+  (in `latest` mode all entries are stored from the final stage-1 state);
+- `stage2_bindings`: for every input of every train unit and of the sink, whether it comes from a
+  live train output or from a cache entry (and which one). The verifier simulates exactly this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .entries import bind_inputs
+from .graph import VersionGraph
+from .plan import Plan
+from .spec import Pipeline
+from .split import LATEST
+
+SINK = "<sink>"
+DATASET_WRITER = "dataset"
+
+
+def entry_key(param: str, writer: str | None, cache_mode: str) -> str:
+    """The name a cache entry is stored under: the param in `latest` mode, `param@writer` in `versioned`."""
+    if cache_mode == LATEST:
+        return param
+    return f"{param}@{writer if writer is not None else DATASET_WRITER}"
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Where a stage-2 reader takes one input: source "live" (output of train unit `writer`) or "cache" (entry `key`)."""
+
+    source: str
+    writer: str | None
+    key: str | None = None
+
+
+@dataclass(frozen=True)
+class Stage1Schedule:
+    units: list[str]
+    # entry keys stored right after a unit ran (versioned), keyed by unit name; None = before the first unit
+    snapshots_after: dict[str | None, list[tuple[str, str]]]
+    # latest mode: (param, key) pairs read from the final stage-1 state
+    final: list[tuple[str, str]]
+
+
+def stage1_schedule(plan: Plan) -> Stage1Schedule:
+    snapshots: dict[str | None, list[tuple[str, str]]] = {}
+    final: list[tuple[str, str]] = []
+    for param, writer in plan.cache_entries:
+        key = entry_key(param, writer, plan.cache_mode)
+        if plan.cache_mode == LATEST:
+            final.append((param, key))
+        else:
+            snapshots.setdefault(writer, []).append((param, key))
+    return Stage1Schedule(units=list(plan.data_process_units), snapshots_after=snapshots, final=final)
+
+
+def stage2_bindings(pipeline: Pipeline, plan: Plan) -> dict[tuple[str, str], Binding]:
+    """{(reader unit name or SINK, param): Binding} for stage 2 of `plan`."""
+    vg = VersionGraph(pipeline)
+    train = [vg.position[name] for name in plan.train_units]
+    entries = [(p, None if w is None else vg.position[w]) for p, w in plan.cache_entries]
+    result: dict[tuple[str, str], Binding] = {}
+    for (reader, param), (source, writer) in bind_inputs(vg, train, entries, plan.cache_mode).items():
+        reader_name = SINK if reader == vg.n else vg.names[reader]
+        writer_name = None if writer is None else vg.names[writer]
+        if source == "missing":
+            raise ValueError(f"plan gives {reader_name} no version of {param}; run `unitgraph verify`")
+        key = entry_key(param, writer_name, plan.cache_mode) if source == "cache" else None
+        result[(reader_name, param)] = Binding(source, writer_name, key)
+    return result
+
+
+def cache_keys(plan: Plan) -> list[str]:
+    """Every key a complete cache entry of one sample holds."""
+    return [entry_key(p, w, plan.cache_mode) for p, w in plan.cache_entries]
