@@ -384,12 +384,21 @@ class ModelSources:
         self.cache_dir = cache_dir
         self.tokenizer_path = None if tokenizer_path in (None, "") else str(tokenizer_path)
         self._remote = parse_model_id_with_origin_paths(model_id_with_origin_paths)
-        self.entries: list[_Entry] = [classify_folder(p) for p in parse_model_paths(model_paths)]
+        self.entries: list[_Entry] = []
+        self._seen: set[Path] = set()
+        for given in parse_model_paths(model_paths):
+            self._add(classify_folder(given))
         self._remote_done: set[int] = set()
         # Entries with no slot hint must be fetched to know what they are.
         for i, (model_id, pattern) in enumerate(self._remote):
             if _SUBFOLDER_SLOTS.get(_origin_subfolder(pattern)) is None:
                 self._fetch_remote(i)
+
+    def _add(self, entry: _Entry) -> None:
+        key = entry.path.resolve()
+        if key not in self._seen:  # several shard files of one folder name that folder once
+            self._seen.add(key)
+            self.entries.append(entry)
 
     @property
     def has_sources(self) -> bool:
@@ -403,7 +412,7 @@ class ModelSources:
         folder = _modelscope_snapshot(model_id, pattern, self.cache_dir)
         entry = classify_folder(folder, origin=f"{model_id}:{pattern}")
         entry.model_id = model_id
-        self.entries.append(entry)
+        self._add(entry)
 
     def _fetch_remote_for(self, slot: str) -> None:
         for i, (_, pattern) in enumerate(self._remote):
@@ -471,13 +480,14 @@ class ModelSources:
         entry = self._component(slot)
         if entry is not None:
             return ComponentSource(slot, entry.path, entry.class_name, entry.origin)
-        source = self._pipeline_source(slot) if any(
-            e.kind == "pipeline" and slot in e.subfolders and (e.path / e.subfolders[slot]).is_dir()
-            for e in self.entries) else None
+        pipeline_error = None
+        try:
+            source = self._pipeline_source(slot)
+        except ModelLoadError as exc:  # e.g. the pipeline's tokenizer/ folder is missing
+            source, pipeline_error = None, exc
         if source is not None:
             return source
         # A tokenizer/ folder beside the text encoder folder.
-        text_encoder = None
         self._fetch_remote_for("text_encoder")
         text_encoder = self._component("text_encoder")
         if text_encoder is not None:
@@ -499,8 +509,10 @@ class ModelSources:
                     last_error = exc
                     continue
                 return self._tokenizer_source(folder, f"{model_id}:{DEFAULT_TOKENIZER_ORIGIN[1]}")
-            if last_error is not None:
+            if last_error is not None and pipeline_error is None:
                 raise last_error
+        if pipeline_error is not None:
+            raise pipeline_error
         raise self._missing(slot)
 
     def _tokenizer_source(self, folder: Path, origin: str) -> ComponentSource:
