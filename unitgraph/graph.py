@@ -37,18 +37,16 @@ class VersionGraph:
         self.position = {name: i for i, name in enumerate(self.names)}
         # update chain: every writer of p, in pipeline order
         self.writers: dict[str, list[int]] = {}
-        # accessors: every unit that reads or writes p, in pipeline order
-        self.accessors: dict[str, list[int]] = {}
         # reaching[i] = {param: writer or None} for each input of unit i
         self.reaching: list[dict[str, int | None]] = []
         latest: dict[str, int] = {}
+        get = latest.get
         for i, unit in enumerate(pipeline.units):
-            self.reaching.append({p: latest.get(p) for p in unit.inputs})
-            for p in dict.fromkeys((*unit.inputs, *unit.outputs)):
-                self.accessors.setdefault(p, []).append(i)
-            for p in dict.fromkeys(unit.outputs):
-                self.writers.setdefault(p, []).append(i)
-                latest[p] = i
+            self.reaching.append({p: get(p) for p in unit.inputs})
+            for p in unit.outputs:
+                if latest.get(p) != i:  # a param listed twice is one write
+                    self.writers.setdefault(p, []).append(i)
+                    latest[p] = i
         self.last_writer: dict[str, int] = latest
         # readers_of[j] = units that read a version written by j (with the params), the F edges
         self.readers_of: list[dict[int, list[str]]] = [{} for _ in range(self.n)]
@@ -72,9 +70,6 @@ class VersionGraph:
                 if p not in self.last_writer:
                     found.setdefault(p, None)
         return list(found)
-
-    def reads_of(self, unit: int) -> list[Read]:
-        return [Read(unit, p, w) for p, w in self.reaching[unit].items()]
 
     def writers_after(self, param: str, position: int) -> list[int]:
         """Writers of `param` strictly after `position`, in order."""

@@ -84,13 +84,11 @@ class Plan:
 
 def fingerprint(pipeline: Pipeline, backward: Iterable[str], cache_mode: str) -> str:
     """sha256 of the canonical spec, B, the cache mode and the format: what a cache was made under."""
-    payload = {
-        "format": FORMAT,
-        "spec": pipeline.canonical_dict(),
-        "models_require_backward": sorted(set(backward)),
-        "cache_mode": cache_mode,
-    }
-    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    header = json.dumps(
+        {"format": FORMAT, "models_require_backward": sorted(set(backward)), "cache_mode": cache_mode},
+        sort_keys=True, separators=(",", ":"),
+    )
+    text = f'{header[:-1]},"spec":{pipeline.canonical_json}}}'
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
@@ -107,7 +105,7 @@ def split(
         trainable_models = trainable_models.split(",")
     backward = backward_models(trainable_models, lora_base_model)
     _check_models_exist(pipeline, backward)
-    vg = VersionGraph(pipeline)
+    vg = pipeline.version_graph
     reasons = train_set(vg, backward, cache_mode)
     plan = plan_from_train_set(vg, backward, set(reasons), cache_mode, reasons)
     from .verify import check_results  # verify builds on plan; imported here to keep modules acyclic
@@ -255,7 +253,7 @@ def models_versioned_keeps_out(pipeline: Pipeline, plan: Plan) -> list[str]:
     if plan.cache_mode != LATEST:
         return []
     backward = frozenset(plan.models_require_backward)
-    vg = VersionGraph(pipeline)
+    vg = pipeline.version_graph
     versioned = plan_from_train_set(vg, backward, set(train_set(vg, backward, VERSIONED)), VERSIONED)
     return sorted(set(plan.train_models) - set(versioned.train_models))
 

@@ -60,7 +60,7 @@ def stage1_schedule(plan: Plan) -> Stage1Schedule:
 
 def stage2_bindings(pipeline: Pipeline, plan: Plan) -> dict[tuple[str, str], Binding]:
     """{(reader unit name or SINK, param): Binding} for stage 2 of `plan`."""
-    vg = VersionGraph(pipeline)
+    vg = pipeline.version_graph
     train = [vg.position[name] for name in plan.train_units]
     entries = [(p, None if w is None else vg.position[w]) for p, w in plan.cache_entries]
     result: dict[tuple[str, str], Binding] = {}

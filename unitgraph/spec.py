@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -109,6 +110,18 @@ class Pipeline:
         if self.sink is not None:
             data["sink"] = self.sink.to_dict()
         return data
+
+    @cached_property
+    def canonical_json(self) -> str:
+        """canonical_dict() as compact JSON, computed once: fingerprints of big pipelines reuse it."""
+        return json.dumps(self.canonical_dict(), sort_keys=True, separators=(",", ":"))
+
+    @cached_property
+    def version_graph(self):
+        """The pipeline's VersionGraph, built once (a Pipeline is immutable)."""
+        from .graph import VersionGraph
+
+        return VersionGraph(self)
 
     def canonical_dict(self) -> dict[str, Any]:
         """The spec with every order that carries no meaning sorted away, for fingerprints."""

@@ -47,7 +47,7 @@ def check_results(pipeline: Pipeline, plan: Plan) -> dict[str, bool | None]:
 
 
 def find_violations(pipeline: Pipeline, plan: Plan) -> list[Violation]:
-    vg = VersionGraph(pipeline)
+    vg = pipeline.version_graph
     out: list[Violation] = []
     out += _check_header(pipeline, plan)
     partition = _check_partition(vg, plan)
@@ -71,7 +71,7 @@ def find_violations(pipeline: Pipeline, plan: Plan) -> list[Violation]:
 
 def minimality_note(pipeline: Pipeline, plan: Plan) -> str | None:
     """A sound plan may keep more units in TRAIN than needed; say which could move to stage 1."""
-    vg = VersionGraph(pipeline)
+    vg = pipeline.version_graph
     least = train_set(vg, frozenset(plan.models_require_backward), plan.cache_mode)
     extra = [u for u in plan.train_units if u in vg.position and vg.position[u] not in least]
     if not extra:

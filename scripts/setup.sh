@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Prepare .venv for this checkout: the pinned CPU build of torch first (an unpinned torch would pull a
+# multi-GB CUDA build), then unitgraph itself (editable) with the diffusion backend and test extras,
+# and Graphviz's `dot` for SVG/PNG/PDF drawings. Re-running is cheap: it reinstalls only when
+# pyproject.toml or this script changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+TORCH_PIN=${UNITGRAPH_TORCH_PIN:-torch==2.13.0}
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv" >&2
+  "$PYTHON" -m venv .venv
+fi
+stamp=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ "$(cat .venv/.setup-stamp 2>/dev/null || true)" != "$stamp" ]; then
+  echo "setup: installing $TORCH_PIN and unitgraph[diffusion,dev] into .venv (about a minute)" >&2
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_PIN"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[diffusion,dev]"
+  echo "$stamp" > .venv/.setup-stamp
+fi
+
+if ! command -v dot >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing graphviz (dot) with apt-get" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null) \
+      || echo "setup: warning: could not install graphviz; svg/png/pdf drawings are unavailable" >&2
+  else
+    echo "setup: note: graphviz's dot is not installed; svg/png/pdf drawings need it (apt-get install graphviz)" >&2
+  fi
+fi
