@@ -11,7 +11,17 @@ from unitgraph.plan import read_plan_file, split, versioned_savings_line
 from unitgraph.references import load_pipeline
 from unitgraph.verify import minimality_note, verify
 
-from .options import CacheMode, LoraBaseModel, Output, Spec, TrainableModels, check_cache_mode, model_list
+from .options import (
+    CacheMode,
+    LoraBaseModel,
+    Output,
+    Provided,
+    Spec,
+    TrainableModels,
+    check_cache_mode,
+    model_list,
+    provided_params,
+)
 
 
 def plan_command(
@@ -19,11 +29,12 @@ def plan_command(
     trainable_models: TrainableModels = "",
     lora_base_model: LoraBaseModel = None,
     cache_mode: CacheMode = "latest",
+    with_params: Provided = None,
     output: Output = None,
 ) -> None:
     """Split SPEC into data_process and train stages and write the plan as JSON."""
     pipeline = load_pipeline(spec)
-    plan = split(pipeline, model_list(trainable_models), lora_base_model, check_cache_mode(cache_mode))
+    plan = split(pipeline, model_list(trainable_models), lora_base_model, check_cache_mode(cache_mode), provided_params(with_params))
     violations = verify(pipeline, plan)
     if violations:  # never write a plan that does not hold; this would be a planner bug
         for line in violations:

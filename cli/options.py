@@ -21,6 +21,10 @@ CacheMode = Annotated[
     str,
     typer.Option("--cache-mode", "--cache_mode", help="latest: cache each param's last stage-1 value; versioned: cache exact versions (smallest train set)."),
 ]
+Provided = Annotated[
+    Optional[str],
+    typer.Option("--with", help="Comma-separated dataset params this run provides; units whose `requires` are missing are dropped. Default: every unit runs."),
+]
 Output = Annotated[Optional[str], typer.Option("-o", "--output", help="Write to this file (atomically) instead of stdout.")]
 
 
@@ -32,3 +36,7 @@ def check_cache_mode(mode: str) -> str:
     if mode not in CACHE_MODES:
         raise typer.BadParameter(f"must be one of {', '.join(CACHE_MODES)}, got {mode!r}", param_hint="--cache-mode")
     return mode
+
+
+def provided_params(text: str | None) -> list[str] | None:
+    return None if text is None else model_list(text)

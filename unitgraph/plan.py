@@ -11,6 +11,7 @@ from typing import Any, Iterable
 from .entries import cache_entries, entry_sort_key
 from .errors import PlanFileError, SpecError
 from .graph import VersionGraph
+from .prune import prune
 from .spec import Pipeline
 from .split import CACHE_MODES, LATEST, VERSIONED, Reason, backward_models, train_set
 
@@ -97,21 +98,36 @@ def split(
     trainable_models: Iterable[str] = (),
     lora_base_model: str | None = None,
     cache_mode: str = LATEST,
+    provided: Iterable[str] | None = None,
 ) -> Plan:
-    """Plan `pipeline` for the given models: TRAIN, cache entries, models per stage, verified checks."""
+    """Plan `pipeline` for the given models: TRAIN, cache entries, models per stage, verified checks.
+
+    `provided` names the dataset params a run has; units whose `requires` are not met are dropped
+    first (see prune.py) and listed in the plan as `inactive_units`. None keeps every unit.
+    """
     if cache_mode not in CACHE_MODES:
         raise SpecError(f"cache mode must be one of {', '.join(CACHE_MODES)}, got {cache_mode!r}")
     if isinstance(trainable_models, str):
         trainable_models = trainable_models.split(",")
     backward = backward_models(trainable_models, lora_base_model)
     _check_models_exist(pipeline, backward)
-    vg = pipeline.version_graph
+    active, inactive = prune(pipeline, provided)
+    vg = active.version_graph
     reasons = train_set(vg, backward, cache_mode)
     plan = plan_from_train_set(vg, backward, set(reasons), cache_mode, reasons)
+    if provided is not None:
+        plan.extra["provided"] = sorted(set(provided))
+        plan.extra["inactive_units"] = inactive
     from .verify import check_results  # verify builds on plan; imported here to keep modules acyclic
 
     plan.checks = check_results(pipeline, plan)
     return plan
+
+
+def active_pipeline(pipeline: Pipeline, plan: Plan) -> Pipeline:
+    """The pipeline a plan was made for: pruned by the `provided` params it records, if any."""
+    provided = plan.extra.get("provided")
+    return prune(pipeline, provided)[0] if provided is not None else pipeline
 
 
 def plan_from_train_set(
@@ -225,6 +241,9 @@ class _PlanReader:
         for key, value in (("checks", checks), ("reasons", reasons), ("reason_details", details)):
             if not isinstance(value, dict):
                 raise self.fail(f"'{key}' must be an object")
+        provided = self.data.get("provided")
+        if provided is not None and not (isinstance(provided, list) and all(isinstance(p, str) for p in provided)):
+            raise self.fail("'provided' must be a list of strings")
         known = {"format", "pipeline", "models_require_backward", "data_process", "train", "cache_mode",
                  "cache", "checks", "reasons", "reason_details", "fingerprint"}
         return Plan(
@@ -253,7 +272,7 @@ def models_versioned_keeps_out(pipeline: Pipeline, plan: Plan) -> list[str]:
     if plan.cache_mode != LATEST:
         return []
     backward = frozenset(plan.models_require_backward)
-    vg = pipeline.version_graph
+    vg = active_pipeline(pipeline, plan).version_graph
     versioned = plan_from_train_set(vg, backward, set(train_set(vg, backward, VERSIONED)), VERSIONED)
     return sorted(set(plan.train_models) - set(versioned.train_models))
 

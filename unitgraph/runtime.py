@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .entries import bind_inputs
 from .graph import VersionGraph
-from .plan import Plan
+from .plan import Plan, active_pipeline
 from .spec import Pipeline
 from .split import LATEST
 
@@ -60,7 +60,7 @@ def stage1_schedule(plan: Plan) -> Stage1Schedule:
 
 def stage2_bindings(pipeline: Pipeline, plan: Plan) -> dict[tuple[str, str], Binding]:
     """{(reader unit name or SINK, param): Binding} for stage 2 of `plan`."""
-    vg = pipeline.version_graph
+    vg = active_pipeline(pipeline, plan).version_graph
     train = [vg.position[name] for name in plan.train_units]
     entries = [(p, None if w is None else vg.position[w]) for p, w in plan.cache_entries]
     result: dict[tuple[str, str], Binding] = {}

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping
 
 from .errors import SpecError
 
-UNIT_KEYS = {"name", "inputs", "outputs", "models", "deterministic"}
+UNIT_KEYS = {"name", "inputs", "outputs", "models", "deterministic", "requires"}
 SINK_KEYS = {"inputs", "models"}
 PIPELINE_KEYS = {"name", "units", "sink"}
 
@@ -28,19 +28,24 @@ class Unit:
     outputs: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
     deterministic: bool = True
+    # inputs without which the unit is a no-op (spec v1 extension; empty: always active)
+    requires: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for attr in ("inputs", "outputs", "models"):
+        for attr in ("inputs", "outputs", "models", "requires"):
             object.__setattr__(self, attr, tuple(getattr(self, attr)))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "name": self.name,
             "inputs": list(self.inputs),
             "outputs": list(self.outputs),
             "models": list(self.models),
             "deterministic": self.deterministic,
         }
+        if self.requires:
+            data["requires"] = list(self.requires)
+        return data
 
 
 @dataclass(frozen=True)
@@ -125,16 +130,18 @@ class Pipeline:
 
     def canonical_dict(self) -> dict[str, Any]:
         """The spec with every order that carries no meaning sorted away, for fingerprints."""
-        units = [
-            {
+        units = []
+        for u in self.units:
+            unit = {
                 "name": u.name,
                 "inputs": sorted(set(u.inputs)),
                 "outputs": sorted(set(u.outputs)),
                 "models": sorted(set(u.models)),
                 "deterministic": u.deterministic,
             }
-            for u in self.units
-        ]
+            if u.requires:  # absent when empty, so specs without `requires` keep their fingerprints
+                unit["requires"] = sorted(set(u.requires))
+            units.append(unit)
         sink = None
         if self.sink is not None:
             sink = {"inputs": sorted(set(self.sink.inputs)), "models": sorted(set(self.sink.models))}
@@ -155,8 +162,11 @@ def validate(pipeline: Pipeline) -> None:
         if unit.name in seen:
             raise SpecError("duplicate unit name", source=src, unit=unit.name)
         seen.add(unit.name)
-        for attr in ("inputs", "outputs", "models"):
+        for attr in ("inputs", "outputs", "models", "requires"):
             _check_names(getattr(unit, attr), f"'{attr}'", src, unit.name)
+        stray = [p for p in unit.requires if p not in unit.inputs]
+        if stray:
+            raise SpecError(f"'requires' names {stray[0]!r}, which is not one of the unit's inputs", source=src, unit=unit.name)
         if not isinstance(unit.deterministic, bool):
             raise SpecError("'deterministic' must be true or false", source=src, unit=unit.name)
     if pipeline.sink is not None:
@@ -216,6 +226,7 @@ def _unit_from_dict(raw: Any, index: int, source: str) -> Unit:
         outputs=_string_list(raw, "outputs", source, name),
         models=_string_list(raw, "models", source, name),
         deterministic=deterministic,
+        requires=_string_list(raw, "requires", source, name),
     )
 
 

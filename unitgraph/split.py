@@ -175,18 +175,22 @@ def train_set(vg: VersionGraph, backward: frozenset[str], cache_mode: str = LATE
     """TRAIN as {position: reason}, the least fixed point of `step` above X0, in one forward sweep."""
     if cache_mode not in CACHE_MODES:
         raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
-    reasons = seeds(vg, backward)
+    reasons: list[Reason | None] = [None] * vg.n
+    for i, reason in seeds(vg, backward).items():
+        reasons[i] = reason
+    latest = cache_mode == LATEST
     first_access: set[str] = set()
+    units = vg.pipeline.units
     for u in range(vg.n):
-        if u not in reasons:
+        if reasons[u] is None:
             continue
         for reader, params in vg.readers_of[u].items():
-            if reader not in reasons:
+            if reasons[reader] is None:
                 reasons[reader] = Reason("F", via=u, param=params[0])
-        if cache_mode != LATEST:
+        if not latest:
             continue
-        unit = vg.pipeline.units[u]
-        for p in _accesses(vg, u):
+        unit = units[u]
+        for p in (*unit.inputs, *unit.outputs):
             if p in first_access:
                 continue
             first_access.add(p)
@@ -194,6 +198,6 @@ def train_set(vg: VersionGraph, backward: frozenset[str], cache_mode: str = LATE
             access = "reads and writes" if reads and writes else ("reads" if reads else "writes")
             rule = "U" if reads and writes else "W"
             for w in vg.writers_after(p, u):
-                if w not in reasons:
+                if reasons[w] is None:
                     reasons[w] = Reason(rule, via=u, param=p, access=access)
-    return dict(sorted(reasons.items()))
+    return {i: r for i, r in enumerate(reasons) if r is not None}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .entries import bind_inputs, cache_entries
 from .graph import VersionGraph
-from .plan import Plan, fingerprint
+from .plan import Plan, active_pipeline, fingerprint
 from .spec import Pipeline
 from .split import LATEST, backward_models, seeds, train_set, update_chain_closure, write_hazard_closure
 
@@ -47,6 +47,7 @@ def check_results(pipeline: Pipeline, plan: Plan) -> dict[str, bool | None]:
 
 
 def find_violations(pipeline: Pipeline, plan: Plan) -> list[Violation]:
+    pipeline = active_pipeline(pipeline, plan)
     vg = pipeline.version_graph
     out: list[Violation] = []
     out += _check_header(pipeline, plan)
@@ -71,7 +72,7 @@ def find_violations(pipeline: Pipeline, plan: Plan) -> list[Violation]:
 
 def minimality_note(pipeline: Pipeline, plan: Plan) -> str | None:
     """A sound plan may keep more units in TRAIN than needed; say which could move to stage 1."""
-    vg = pipeline.version_graph
+    vg = active_pipeline(pipeline, plan).version_graph
     least = train_set(vg, frozenset(plan.models_require_backward), plan.cache_mode)
     extra = [u for u in plan.train_units if u in vg.position and vg.position[u] not in least]
     if not extra:
