@@ -1,0 +1,177 @@
+"""Why a unit is in its stage, in words (`unitgraph explain`).
+
+A train unit is explained by the chain of reasons that put it there, followed back to the seed set
+X0: each link names the rule (F, W or U) and the unit it came through, and the chain ends at a unit
+that calls a model needing backward or is non-deterministic.
+
+A data_process unit is explained by the conditions that keep every rule from pulling it in: it
+calls no model that needs backward, it is deterministic, it reads no version a train unit wrote
+(F), and, in `latest` mode, it writes no param after a train unit first read or wrote it (W, which
+contains U). Each condition is stated with the facts that make it true.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .graph import VersionGraph
+from .plan import Plan, split
+from .spec import Pipeline
+from .split import LATEST, Reason, train_set
+
+TRAIN = "train"
+DATA_PROCESS = "data_process"
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why `unit` is in `stage`.
+
+    `chain` (train units): (unit name, reason) from the unit back to a seed of X0.
+    `conditions` (data_process units): the facts that keep each rule from pulling the unit in.
+    `text`: the whole explanation as printed by `unitgraph explain`.
+    """
+
+    unit: str
+    stage: str
+    cache_mode: str
+    text: str
+    chain: tuple[tuple[str, Reason], ...] = ()
+    conditions: tuple[str, ...] = field(default=())
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def explain(
+    pipeline: Pipeline,
+    unit: str,
+    trainable_models: Iterable[str] | str = (),
+    lora_base_model: str | None = None,
+    cache_mode: str = LATEST,
+) -> Explanation:
+    """Explain `unit` for the split `unitgraph.split` makes with the same arguments.
+
+    An unknown unit, model or cache mode is a SpecError (exit 2 on the command line).
+    """
+    position = pipeline.index(unit)  # SpecError naming the unknown unit
+    plan = split(pipeline, trainable_models, lora_base_model, cache_mode)
+    return explain_in_plan(pipeline, plan, position)
+
+
+def explain_in_plan(pipeline: Pipeline, plan: Plan, position: int) -> Explanation:
+    """Explain the unit at `position` of a plan made by `split` (reasons are recomputed, exactly)."""
+    vg = VersionGraph(pipeline)
+    backward = frozenset(plan.models_require_backward)
+    reasons = train_set(vg, backward, plan.cache_mode)
+    if position in reasons:
+        return _explain_train(vg, reasons, position, plan.cache_mode)
+    return _explain_data_process(vg, backward, set(reasons), position, plan)
+
+
+def chain_of(reasons: dict[int, Reason], position: int) -> list[tuple[int, Reason]]:
+    """(unit, reason) from `position` back to a seed; each step follows `Reason.via`."""
+    chain: list[tuple[int, Reason]] = []
+    seen: set[int] = set()
+    current: int | None = position
+    while current is not None and current in reasons and current not in seen:
+        seen.add(current)
+        reason = reasons[current]
+        chain.append((current, reason))
+        if reason.is_seed:
+            break
+        current = reason.via
+    return chain
+
+
+def _explain_train(vg: VersionGraph, reasons: dict[int, Reason], position: int, cache_mode: str) -> Explanation:
+    names = vg.names
+    chain = chain_of(reasons, position)
+    parts = []
+    for k, (_, reason) in enumerate(chain):
+        subject = f"{names[position]} is in train because it" if k == 0 else "which is in train because it"
+        parts.append(f"{subject} {reason.describe(names)}")
+    text = ", ".join(parts) + "."
+    return Explanation(
+        unit=names[position],
+        stage=TRAIN,
+        cache_mode=cache_mode,
+        text=text,
+        chain=tuple((names[i], r) for i, r in chain),
+    )
+
+
+def _explain_data_process(
+    vg: VersionGraph, backward: frozenset[str], train: set[int], position: int, plan: Plan
+) -> Explanation:
+    names = vg.names
+    unit = vg.pipeline.units[position]
+    needing = ", ".join(sorted(backward)) or "none"
+    conditions: list[str] = []
+
+    if unit.models:
+        conditions.append(f"it calls no model that needs backward (it calls {', '.join(unit.models)}; "
+                          f"models that need backward: {needing})")
+    else:
+        conditions.append(f"it calls no model that needs backward (it calls none; models that need backward: {needing})")
+
+    conditions.append("it is deterministic, so its output is the same in every epoch")
+
+    sources = []
+    for p, w in vg.reaching[position].items():
+        sources.append(f"{p} from the dataset" if w is None else f"{p} from {names[w]}")
+    if sources:
+        conditions.append(f"it reads no version written by a train unit (F): it reads {', '.join(sources)}, "
+                          f"all in data_process")
+    else:
+        conditions.append("it reads no version written by a train unit (F): it reads nothing")
+
+    if plan.cache_mode == LATEST:
+        first_train_access = _first_train_access(vg, train)
+        facts = []
+        for p in dict.fromkeys(unit.outputs):
+            a = first_train_access.get(p)
+            if a is None:
+                facts.append(f"no train unit reads or writes {p}")
+            else:
+                facts.append(f"{p} is first touched in train by {names[a]}, after it")
+        if facts:
+            conditions.append("it writes no param after a train unit first read or wrote it (W, which contains U): "
+                              + "; ".join(facts))
+        else:
+            conditions.append("it writes no param after a train unit first read or wrote it (W, which contains U): "
+                              "it writes nothing")
+    else:
+        conditions.append("write hazards (W, U) do not apply in versioned mode: stage 2 reads the exact cached "
+                          "version of every input")
+
+    cached = [p for p, w in plan.cache_entries if w == unit.name]
+    if cached:
+        footer = f"Its output reaches train through the cache: {', '.join(cached)}."
+    else:
+        footer = "None of its outputs is cached: only data_process units use them."
+
+    lines = [f"{unit.name} is in data_process because nothing pulls it into train:"]
+    lines += [f"  - {c}" for c in conditions]
+    lines.append(footer)
+    return Explanation(
+        unit=unit.name,
+        stage=DATA_PROCESS,
+        cache_mode=plan.cache_mode,
+        text="\n".join(lines),
+        conditions=tuple(conditions),
+    )
+
+
+def _first_train_access(vg: VersionGraph, train: set[int]) -> dict[str, int]:
+    """For each param, the first train unit (in pipeline order) that reads or writes it."""
+    first: dict[str, int] = {}
+    for i in sorted(train):
+        unit = vg.pipeline.units[i]
+        for p in (*unit.inputs, *unit.outputs):
+            first.setdefault(p, i)
+    return first
+
+
+__all__ = ["Explanation", "chain_of", "explain", "explain_in_plan"]
