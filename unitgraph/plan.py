@@ -10,6 +10,7 @@ from typing import Any, Iterable
 
 from .entries import cache_entries, entry_sort_key
 from .errors import PlanFileError, SpecError
+from .userfiles import parse_user_json, read_user_text
 from .graph import VersionGraph
 from .prune import prune
 from .spec import Pipeline
@@ -174,20 +175,8 @@ def _check_models_exist(pipeline: Pipeline, backward: frozenset[str]) -> None:
 
 
 def read_plan_file(path: str | Path) -> Plan:
-    path = Path(path)
     source = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PlanFileError("no such file", source=source) from None
-    except IsADirectoryError:
-        raise PlanFileError("is a directory, expected a plan file", source=source) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PlanFileError(f"cannot read: {exc}", source=source) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PlanFileError(f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", source=source) from None
+    data = parse_user_json(read_user_text(path, PlanFileError, "a plan file"), source, PlanFileError)
     return Plan.from_dict(data, source=source)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from .errors import SpecError
+from .userfiles import parse_user_json, read_user_text
 
 UNIT_KEYS = {"name", "inputs", "outputs", "models", "deterministic", "requires"}
 SINK_KEYS = {"inputs", "models"}
@@ -261,21 +262,11 @@ def read_spec_file(path: str | Path) -> Pipeline:
     """Load a JSON or YAML spec file; any problem is one SpecError naming the file."""
     path = Path(path)
     source = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError("no such file", source=source) from None
-    except IsADirectoryError:
-        raise SpecError("is a directory, expected a spec file", source=source) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"cannot read: {exc}", source=source) from None
+    text = read_user_text(path, SpecError, "a spec file")
     if path.suffix.lower() in {".yaml", ".yml"}:
         data = _parse_yaml(text, source)
     else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise SpecError(f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", source=source) from None
+        data = parse_user_json(text, source, SpecError)
     return pipeline_from_dict(data, source=source)
 
 
