@@ -1,0 +1,159 @@
+"""The training command's arguments: every DiffSynth-Studio flag of DESIGN §6, plus unitgraph's own.
+
+One dataclass is the single source of truth: `unitgraph train` builds its options from the fields
+(each in both spellings, `--dataset_base_path` and `--dataset-base-path`), the stages read them, and
+`training_args.json` is `asdict()` of it. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, Optional
+
+from unitgraph.errors import UnitgraphError
+
+
+class BackendError(UnitgraphError):
+    """Bad input to the diffusion backend: printed as one line, exit code 2."""
+
+
+TASKS = (
+    "sft", "sft:data_process", "sft:train", "sft:split",
+    "direct_distill", "direct_distill:data_process", "direct_distill:train", "direct_distill:split",
+)
+DEFAULT_LORA_TARGETS = (
+    "to_q,to_k,to_v,add_q_proj,add_k_proj,add_v_proj,to_out.0,to_add_out,img_mlp.net.2,img_mod.1,txt_mlp.net.2,txt_mod.1"
+)
+
+
+def _f(default: Any, help: str, group: str) -> Any:
+    return field(default=default, metadata={"help": help, "group": group})
+
+
+@dataclass
+class TrainArgs:
+    # dataset
+    dataset_base_path: str = _f("", "Folder of the dataset files; for sft:train / direct_distill:train, the cache folder.", "dataset")
+    dataset_metadata_path: Optional[str] = _f(None, "Metadata file (csv, json or jsonl), one row per sample.", "dataset")
+    dataset_repeat: int = _f(1, "Times each sample is seen per epoch (ignored by data_process).", "dataset")
+    dataset_num_workers: int = _f(0, "Accepted for compatibility (samples are loaded in the main process).", "dataset")
+    data_file_keys: str = _f("image", "Comma-separated metadata columns that name files to load.", "dataset")
+    extra_inputs: Optional[str] = _f(None, "Comma-separated metadata columns handed to the pipeline (e.g. edit_image).", "dataset")
+    # models
+    model_paths: Optional[str] = _f(None, "A JSON list of model folders, or one path (a diffusers pipeline folder works).", "models")
+    model_id_with_origin_paths: Optional[str] = _f(None, "'org/name:sub/pattern,...' resolved through modelscope.", "models")
+    tokenizer_path: Optional[str] = _f(None, "Tokenizer folder (default: beside the text encoder or in the pipeline folder).", "models")
+    modelscope_cache_dir: Optional[str] = _f(None, "modelscope cache folder (default: modelscope's own).", "models")
+    offload_models: Optional[str] = _f(None, "Accepted for compatibility (no effect: each stage loads only its models).", "models")
+    fp8_models: Optional[str] = _f(None, "Accepted for compatibility (no fp8 on CPU; ignored with a warning).", "models")
+    # training
+    learning_rate: float = _f(1e-4, "AdamW learning rate.", "training")
+    weight_decay: float = _f(0.01, "AdamW weight decay.", "training")
+    num_epochs: int = _f(1, "Number of epochs.", "training")
+    trainable_models: Optional[str] = _f(None, "Comma-separated models trained in full (dit, text_encoder, vae).", "training")
+    gradient_accumulation_steps: int = _f(1, "Micro-steps per optimizer step.", "training")
+    find_unused_parameters: bool = _f(False, "DDP find_unused_parameters.", "training")
+    use_gradient_checkpointing: bool = _f(False, "Gradient checkpointing in the trained models.", "training")
+    use_gradient_checkpointing_offload: bool = _f(False, "Accepted for compatibility (same as gradient checkpointing here).", "training")
+    task: str = _f("sft", "sft, sft:data_process, sft:train, sft:split, direct_distill[:data_process|:train|:split].", "training")
+    max_timestep_boundary: float = _f(1.0, "Upper bound of the sampled timestep, as a fraction of the schedule.", "training")
+    min_timestep_boundary: float = _f(0.0, "Lower bound of the sampled timestep, as a fraction of the schedule.", "training")
+    # output
+    output_path: str = _f("./models", "Output folder (plan.json, training_args.json, loss.csv, checkpoints).", "output")
+    remove_prefix_in_ckpt: Optional[str] = _f(None, "Strip this prefix from checkpoint keys (keys are 'transformer.…'; DiffSynth's 'pipe.dit.' is a no-op).", "output")
+    save_steps: Optional[int] = _f(None, "Also save step-N.safetensors every N optimizer steps.", "output")
+    # LoRA
+    lora_base_model: Optional[str] = _f(None, "Model that gets LoRA adapters (dit or text_encoder).", "lora")
+    lora_target_modules: str = _f(DEFAULT_LORA_TARGETS, "Comma-separated module names for LoRA.", "lora")
+    lora_rank: int = _f(32, "LoRA rank.", "lora")
+    lora_alpha: Optional[float] = _f(None, "LoRA alpha (default: the rank, as DiffSynth).", "lora")
+    lora_checkpoint: Optional[str] = _f(None, "Resume LoRA weights from this safetensors file.", "lora")
+    preset_lora_path: Optional[str] = _f(None, "A LoRA merged into --preset_lora_model before training.", "lora")
+    preset_lora_model: Optional[str] = _f(None, "Model the preset LoRA is merged into (default: the LoRA base model).", "lora")
+    # image size
+    height: Optional[int] = _f(None, "Fixed image height (with --width); sides become multiples of 16.", "image")
+    width: Optional[int] = _f(None, "Fixed image width (with --height).", "image")
+    max_pixels: int = _f(1024 * 1024, "Images larger than this many pixels are scaled down.", "image")
+    # unitgraph
+    seed: int = _f(0, "Seed of every random draw (shuffle, latents, noise, timesteps, LoRA init).", "unitgraph")
+    cache_path: Optional[str] = _f(None, "Cache folder for :split (default OUTPUT/cache) and :data_process (default OUTPUT).", "unitgraph")
+    cache_mode: str = _f("latest", "latest or versioned (DESIGN §3).", "unitgraph")
+    batch_size: int = _f(1, "Samples per micro-step (only 1 is supported, as in DiffSynth).", "unitgraph")
+    plot: bool = _f(True, "Write loss.png at the end.", "unitgraph")
+    progress: bool = _f(True, "Show progress bars.", "unitgraph")
+
+    # ------------------------------------------------------------------------------------
+    @property
+    def family(self) -> str:
+        return self.task.split(":", 1)[0]
+
+    @property
+    def stage(self) -> str:
+        """'' (unsplit), 'data_process', 'train' or 'split'."""
+        return self.task.split(":", 1)[1] if ":" in self.task else ""
+
+    def trainable(self) -> list[str]:
+        return split_list(self.trainable_models)
+
+    def extra_input_names(self) -> list[str]:
+        return split_list(self.extra_inputs)
+
+    def file_keys(self) -> list[str]:
+        return split_list(self.data_file_keys)
+
+    def lora_targets(self) -> list[str]:
+        return split_list(self.lora_target_modules)
+
+    def validate(self) -> "TrainArgs":
+        if self.task not in TASKS:
+            raise BackendError(f"--task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.cache_mode not in ("latest", "versioned"):
+            raise BackendError(f"--cache_mode must be latest or versioned, got {self.cache_mode!r}")
+        for name in ("num_epochs", "gradient_accumulation_steps", "dataset_repeat", "lora_rank", "max_pixels"):
+            if getattr(self, name) < 1:
+                raise BackendError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.save_steps is not None and self.save_steps < 1:
+            raise BackendError(f"--save_steps must be at least 1, got {self.save_steps}")
+        if self.batch_size != 1:
+            raise BackendError("--batch_size: only 1 is supported (use --gradient_accumulation_steps)")
+        if (self.height is None) != (self.width is None):
+            raise BackendError("--height and --width go together (or use --max_pixels)")
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value is not None and (value < 16 or value % 16):
+                raise BackendError(f"--{name} must be a positive multiple of 16, got {value}")
+        if not 0.0 <= self.min_timestep_boundary < self.max_timestep_boundary <= 1.0:
+            raise BackendError("timestep boundaries must satisfy 0 <= --min_timestep_boundary < --max_timestep_boundary <= 1")
+        if not self.trainable() and not self.lora_base_model and self.stage != "data_process":
+            raise BackendError("nothing to train: give --lora_base_model and/or --trainable_models")
+        return self
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+
+def split_list(text: Optional[str]) -> list[str]:
+    if not text:
+        return []
+    return [part.strip() for part in str(text).split(",") if part.strip()]
+
+
+def arg_fields() -> list[tuple[str, Any, Any, str]]:
+    """(name, type annotation, default, help) of every flag, in declaration order."""
+    out = []
+    hints = {"int": int, "float": float, "str": str, "bool": bool,
+             "Optional[str]": Optional[str], "Optional[int]": Optional[int], "Optional[float]": Optional[float]}
+    for f in fields(TrainArgs):
+        default = f.default if f.default is not MISSING else None
+        out.append((f.name, hints[f.type] if isinstance(f.type, str) else f.type, default, f.metadata.get("help", "")))
+    return out
+
+
+def make_args(**kwargs: Any) -> TrainArgs:
+    """TrainArgs from keyword arguments, with unknown names reported as a BackendError."""
+    known = {f.name for f in fields(TrainArgs)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise BackendError(f"unknown training argument {unknown[0]!r}")
+    return TrainArgs(**kwargs).validate()

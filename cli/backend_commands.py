@@ -1,0 +1,222 @@
+"""`unitgraph train`, `unitgraph tiny-models` and `unitgraph demo`: the diffusion backend's commands.
+
+torch, diffusers and the backend's training code are imported inside the command functions, so
+`unitgraph plan` and `unitgraph inspect` start without them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from unitgraph.backends.diffusion.args import arg_fields
+
+
+def _option_names(name: str, annotation: Any, default: Any) -> list[str]:
+    dashed = name.replace("_", "-")
+    if annotation is bool and default is True:
+        return [f"--{name}/--no_{name}", f"--{dashed}/--no-{dashed}"] if dashed != name else [f"--{name}/--no-{name}"]
+    return [f"--{name}", f"--{dashed}"] if dashed != name else [f"--{name}"]
+
+
+def _train_signature() -> inspect.Signature:
+    params = []
+    for name, annotation, default, help_text in arg_fields():
+        option = typer.Option(*_option_names(name, annotation, default), help=help_text, show_default=default is not None)
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                        annotation=Annotated[annotation, option]))
+    return inspect.Signature(params)
+
+
+def train_command(**kwargs: Any) -> None:
+    """Train with DiffSynth-Studio's flags (both spellings): --task sft, sft:data_process, sft:train, sft:split, direct_distill[...]."""
+    from unitgraph.backends.diffusion.args import make_args
+    from unitgraph.backends.diffusion.stages import run
+
+    args = make_args(**kwargs)
+    result = run(args)
+    if not _is_main():
+        return
+    for line in result_lines(result):
+        typer.echo(line)
+
+
+train_command.__signature__ = _train_signature()  # type: ignore[attr-defined]
+
+
+def _is_main() -> bool:
+    return os.environ.get("RANK", "0") in ("", "0")
+
+
+def result_lines(result: Any) -> list[str]:
+    lines = []
+    if "data_process" in result.stage_times:
+        how = "reused" if result.cache_reused else f"{result.stage_times['data_process']:.1f} s"
+        lines.append(f"stage 1 (data_process): {result.samples} samples, {how} -> {result.cache_path}")
+    if "train" in result.stage_times:
+        step = result.median_step_s
+        lines.append(f"{'stage 2 (train)' if result.task.endswith((':train', ':split')) else 'training'}: "
+                     f"{result.steps} steps in {result.stage_times['train']:.1f} s"
+                     + (f" ({step * 1000:.0f} ms/step median)" if step else ""))
+    if result.last_checkpoint:
+        lines.append(f"checkpoint: {result.last_checkpoint}")
+    if result.loss_csv:
+        lines.append(f"loss log:   {result.loss_csv}")
+    if result.loss_plot:
+        lines.append(f"loss plot:  {result.loss_plot}")
+    if result.plan_path:
+        lines.append(f"plan:       {result.plan_path}")
+    return lines
+
+
+def tiny_models_command(
+    outdir: Annotated[str, typer.Argument(metavar="OUTDIR", help="Folder to write the pipeline into.", show_default=False)],
+    size: Annotated[str, typer.Option("--size", help="test (a train step ~10 ms) or demo (~0.15 s at 256 px).")] = "test",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
+) -> None:
+    """Write a random-weight Qwen-Image diffusers pipeline folder (loads with QwenImagePipeline.from_pretrained)."""
+    from unitgraph.backends.diffusion.args import BackendError
+
+    if size not in ("test", "demo"):
+        raise BackendError(f"--size must be test or demo, got {size!r}")
+    from unitgraph.backends.diffusion.tiny import write_tiny_models
+
+    start = time.perf_counter()
+    path = write_tiny_models(outdir, size=size, seed=seed)
+    typer.echo(f"wrote {size}-size Qwen-Image pipeline to {path} in {time.perf_counter() - start:.1f} s")
+
+
+def demo_command(
+    output_path: Annotated[str, typer.Option("--output_path", "--output-path", help="Where everything goes.")] = "./output/demo",
+    images: Annotated[int, typer.Option("--images", help="Synthetic captioned images.")] = 32,
+    resolution: Annotated[int, typer.Option("--resolution", help="Image side in pixels (multiple of 16).")] = 256,
+    num_epochs: Annotated[int, typer.Option("--num_epochs", "--num-epochs", help="Epochs of stage 2.")] = 10,
+    compare_steps: Annotated[int, typer.Option("--compare_steps", "--compare-steps", help="Unsplit steps timed for comparison (0: skip).")] = 8,
+    size: Annotated[str, typer.Option("--size", help="Tiny model size: demo or test.")] = "demo",
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+) -> None:
+    """Split training end to end on tiny random-weight Qwen-Image models: plan, stage 1, stage 2, results."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from unitgraph.backends.diffusion.args import BackendError, make_args
+    from unitgraph.backends.diffusion.data import write_synthetic_dataset
+
+    if resolution < 16 or resolution % 16:
+        raise BackendError(f"--resolution must be a positive multiple of 16, got {resolution}")
+    console = Console()
+    out = Path(output_path)
+    wall = time.perf_counter()
+    models_dir = out / "models"
+    data_dir = out / "data"
+    console.rule("[bold]unitgraph demo: split training of a tiny Qwen-Image")
+    if not (models_dir / "model_index.json").is_file():
+        from unitgraph.backends.diffusion.tiny import write_tiny_models
+
+        t = time.perf_counter()
+        write_tiny_models(models_dir, size=size, seed=seed)
+        console.print(f"tiny {size}-size models (random weights) -> {models_dir}  [dim]{time.perf_counter() - t:.1f} s[/dim]")
+    else:
+        console.print(f"tiny models: reusing {models_dir}")
+    metadata = write_synthetic_dataset(data_dir, count=images, size=resolution, seed=seed)
+    console.print(f"dataset: {images} captioned {resolution}x{resolution} images -> {metadata}")
+
+    common = dict(dataset_base_path=str(data_dir), dataset_metadata_path=str(metadata), model_paths=str(models_dir),
+                  lora_base_model="dit", lora_target_modules="to_q,to_k,to_v,to_out.0", lora_rank=8,
+                  learning_rate=1e-3, max_pixels=resolution * resolution, seed=seed)
+    args = make_args(task="sft:split", output_path=str(out / "train"), num_epochs=num_epochs, **common)
+
+    from unitgraph.backends.diffusion.stages import pipeline_for, plan_for, run
+
+    pipeline = pipeline_for(args)
+    plan = plan_for(args, pipeline)
+    _show_plan(console, pipeline, plan, out)
+
+    console.rule("sft:split  (stage 1 fills the cache, stage 2 trains from it)")
+    result = run(args, echo=console.print)
+
+    compare = None
+    if compare_steps > 0:
+        console.rule(f"unsplit sft for comparison ({compare_steps} steps, every unit live each step)")
+        subset = _subset_metadata(metadata, compare_steps)
+        base = make_args(task="sft", output_path=str(out / "unsplit"), num_epochs=1,
+                         **{**common, "dataset_metadata_path": str(subset)})
+        compare = run(base, echo=console.print)
+
+    console.rule("results")
+    table = Table(show_header=True, header_style="bold")
+    table.add_column("")
+    table.add_column("time", justify="right")
+    table.add_column("per item", justify="right")
+    dp = result.stage_times.get("data_process", 0.0)
+    table.add_row("stage 1: data_process" + (" (cache reused)" if result.cache_reused else ""),
+                  f"{dp:.1f} s", "" if result.cache_reused else f"{dp / max(1, result.samples) * 1000:.0f} ms/sample")
+    table.add_row(f"stage 2: train ({result.steps} steps)", f"{result.stage_times['train']:.1f} s",
+                  f"{(result.median_step_s or 0) * 1000:.0f} ms/step")
+    if compare is not None:
+        table.add_row(f"unsplit sft ({compare.steps} steps)", f"{compare.stage_times['train']:.1f} s",
+                      f"{(compare.median_step_s or 0) * 1000:.0f} ms/step")
+    console.print(table)
+    if compare is not None and result.median_step_s and compare.median_step_s:
+        console.print(f"stage 2 steps are {compare.median_step_s / result.median_step_s:.1f}x faster than unsplit steps; "
+                      f"stage 2 loaded only: {', '.join(plan.train_models)}")
+    if result.losses:
+        k = max(1, len(result.losses) // 10)
+        first = sum(result.losses[:k]) / k
+        last = sum(result.losses[-k:]) / k
+        console.print(f"loss: {first:.4f} (first {k} steps) -> {last:.4f} (last {k} steps)")
+    console.print(f"LoRA:      {result.last_checkpoint}")
+    console.print(f"loss plot: {result.loss_plot}")
+    console.print(f"loss log:  {result.loss_csv}")
+    console.print(f"plan:      {result.plan_path}")
+    console.print(f"cache:     {result.cache_path}")
+    console.print(f"[bold]demo done in {time.perf_counter() - wall:.0f} s[/bold]")
+
+
+def _subset_metadata(metadata: Path, rows: int) -> Path:
+    lines = metadata.read_text(encoding="utf-8").splitlines()
+    subset = metadata.with_name("metadata_subset.csv")
+    subset.write_text("\n".join(lines[: rows + 1]) + "\n", encoding="utf-8")
+    return subset
+
+
+def _show_plan(console: Any, pipeline: Any, plan: Any, out: Path) -> None:
+    from unitgraph.atomic import write_bytes_atomic, write_text_atomic
+
+    try:
+        from unitgraph import render
+    except ImportError:  # pragma: no cover - render is part of the core
+        render = None
+    if render is not None and hasattr(render, "text_renderables"):
+        for item in render.text_renderables(pipeline, plan):
+            console.print(item)
+    else:
+        console.print(f"data_process: {', '.join(plan.data_process_units)}  (models: {', '.join(plan.data_process_models)})")
+        console.print(f"train:        {', '.join(plan.train_units)}  (models: {', '.join(plan.train_models)})")
+        console.print(f"cache:        {', '.join(plan.cache_params)}")
+    if render is None:
+        return
+    try:
+        if render.dot_available():
+            path = out / "plan.svg"
+            write_bytes_atomic(path, render.render_image(pipeline, plan, "svg"))
+        else:
+            path = out / "plan.mmd"
+            write_text_atomic(path, render.to_mermaid(pipeline, plan))
+        console.print(f"split diagram: {path}")
+    except Exception as exc:  # a drawing is a bonus; never fail the demo over it
+        console.print(f"[dim](no diagram: {type(exc).__name__}: {exc})[/dim]")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("train", context_settings={"help_option_names": ["-h", "--help"]})(train_command)
+    app.command("tiny-models")(tiny_models_command)
+    app.command("demo")(demo_command)
+
+
+__all__ = ["register", "result_lines"]
