@@ -143,17 +143,24 @@ def test_an_existing_output_survives_a_failed_plan(tmp_path, spec_file):
     assert out.read_text() == "previous content"
 
 
-def test_planning_never_imports_torch(spec_file):
+def test_planning_and_viewing_never_import_torch(spec_file):
     code = textwrap.dedent(f"""
         import sys
         from unitgraph.cli.app import main
-        for argv in (["plan", {str(spec_file)!r}, "--lora-base-model", "dit"], ["plan", "diffusion:qwen_image", "--lora-base-model", "dit"]):
+        for argv in (
+            ["plan", {str(spec_file)!r}, "--lora-base-model", "dit"],
+            ["plan", "diffusion:qwen_image", "--lora-base-model", "dit"],
+            ["inspect", "diffusion:qwen_image", "--lora-base-model", "dit", "--format", "text"],
+            ["inspect", "diffusion:qwen_image", "--lora-base-model", "dit", "--format", "mermaid"],
+            ["explain", "diffusion:qwen_image", "PromptEncoder", "--lora-base-model", "dit"],
+        ):
             try:
                 main(argv)
-            except SystemExit:
-                pass
+            except SystemExit as exc:
+                print("EXIT", exc.code, argv[0], file=sys.stderr)
         heavy = sorted(m for m in ("torch", "diffusers", "transformers", "accelerate", "peft") if m in sys.modules)
         print("HEAVY", heavy, file=sys.stderr)
         """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ.copy())
     assert "HEAVY []" in result.stderr, result.stderr
+    assert result.stderr.count("EXIT 0 ") == 5, result.stderr
