@@ -8,7 +8,6 @@ import typer
 
 from unitgraph.atomic import write_text_atomic
 from unitgraph.plan import read_plan_file, split, versioned_savings_line
-from unitgraph.references import load_pipeline
 from unitgraph.verify import minimality_note, verify
 
 from .options import (
@@ -16,9 +15,12 @@ from .options import (
     LoraBaseModel,
     Output,
     Provided,
+    Source,
     Spec,
     TrainableModels,
+    WithMetadata,
     check_cache_mode,
+    load_spec,
     model_list,
     provided_params,
 )
@@ -30,11 +32,15 @@ def plan_command(
     lora_base_model: LoraBaseModel = None,
     cache_mode: CacheMode = "latest",
     with_params: Provided = None,
+    with_metadata: WithMetadata = None,
+    source: Source = None,
     output: Output = None,
 ) -> None:
     """Split SPEC into data_process and train stages and write the plan as JSON."""
-    pipeline = load_pipeline(spec)
-    plan = split(pipeline, model_list(trainable_models), lora_base_model, check_cache_mode(cache_mode), provided_params(with_params))
+    mode = check_cache_mode(cache_mode)
+    provided = provided_params(with_params, with_metadata)
+    pipeline = load_spec(spec, provided, source)
+    plan = split(pipeline, model_list(trainable_models), lora_base_model, mode, provided)
     violations = verify(pipeline, plan)
     if violations:  # never write a plan that does not hold; this would be a planner bug
         for line in violations:
@@ -54,10 +60,12 @@ def plan_command(
 def verify_command(
     spec: Spec,
     plan_file: Annotated[str, typer.Argument(metavar="PLAN", help="A plan file written by `unitgraph plan`.", show_default=False)],
+    source: Source = None,
 ) -> None:
     """Check PLAN against SPEC: exit 0 when every check holds, 1 with one line per violation."""
-    pipeline = load_pipeline(spec)
     plan = read_plan_file(plan_file)
+    provided = plan.extra.get("provided")  # an adapter may resolve the spec by them, as `plan` did
+    pipeline = load_spec(spec, provided, source)
     violations = verify(pipeline, plan)
     for line in violations:
         typer.echo(line)

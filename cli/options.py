@@ -1,14 +1,21 @@
-"""Options shared by the planning commands (plan, inspect, explain), declared once."""
+"""Options shared by the planning commands (plan, inspect, explain, audit), declared once."""
 
 from __future__ import annotations
 
+import csv
+import json
+import warnings
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from unitgraph.errors import SpecError
+from unitgraph.references import load_pipeline
+from unitgraph.spec import Pipeline
 from unitgraph.split import CACHE_MODES
 
-Spec = Annotated[str, typer.Argument(help="A spec file (JSON or YAML) or a backend reference such as diffusion:qwen_image.", show_default=False)]
+Spec = Annotated[str, typer.Argument(help="A spec file (JSON or YAML) or a pipeline reference: diffusion:qwen_image, diffusers:QwenImageAutoBlocks, diffsynth:qwen_image.QwenImagePipeline.", show_default=False)]
 TrainableModels = Annotated[
     str,
     typer.Option("--trainable-models", "--trainable_models", help="Comma-separated models trained in full (they need backward)."),
@@ -25,6 +32,14 @@ Provided = Annotated[
     Optional[str],
     typer.Option("--with", help="Comma-separated dataset params this run provides; units whose `requires` are missing are dropped. Default: every unit runs."),
 ]
+WithMetadata = Annotated[
+    Optional[str],
+    typer.Option("--with-metadata", "--with_metadata", help="A dataset metadata file (.csv, .json or .jsonl): its columns are provided params, added to --with.", show_default=False),
+]
+Source = Annotated[
+    Optional[str],
+    typer.Option("--source", help="For diffsynth: references, a DiffSynth-Studio source folder to read statically; for diffusers: module:Class references, the folder to import the module from.", show_default=False),
+]
 Output = Annotated[Optional[str], typer.Option("-o", "--output", help="Write to this file (atomically) instead of stdout.")]
 
 
@@ -38,5 +53,66 @@ def check_cache_mode(mode: str) -> str:
     return mode
 
 
-def provided_params(text: str | None) -> list[str] | None:
-    return None if text is None else model_list(text)
+def provided_params(text: str | None, metadata: str | None = None) -> list[str] | None:
+    """--with and the columns of --with-metadata together; None when neither is given."""
+    if text is None and metadata is None:
+        return None
+    names = model_list(text or "")
+    if metadata is not None:
+        names += [c for c in metadata_columns(metadata) if c not in names]
+    return names
+
+
+def metadata_columns(path: str | Path) -> list[str]:
+    """Columns of a dataset metadata file that hold a value in at least one row (all columns of an empty file).
+
+    .csv: the header row; .json: a list of objects (or one object); .jsonl: one object a line.
+    """
+    path = Path(path)
+    where = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError("no such file", source=where) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"cannot read: {exc}", source=where) from None
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        reader = csv.DictReader(text.splitlines())
+        header = [c.strip() for c in (reader.fieldnames or []) if c and c.strip()]
+        rows = list(reader)
+    elif suffix in (".json", ".jsonl"):
+        try:
+            if suffix == ".json":
+                data = json.loads(text)
+                rows = data if isinstance(data, list) else [data]
+            else:
+                rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as exc:
+            raise SpecError(f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", source=where) from None
+        if not all(isinstance(r, dict) for r in rows):
+            raise SpecError("expected objects (one per sample) whose keys are the columns", source=where)
+        header = list(dict.fromkeys(str(k) for r in rows for k in r))
+    else:
+        raise SpecError(f"cannot tell the format of {path.name!r}: use .csv, .json or .jsonl", source=where)
+    if not header:
+        raise SpecError("no columns found", source=where)
+    if not rows:
+        return header
+    return [c for c in header if any(r.get(c) not in (None, "") for r in rows)]
+
+
+def load_spec(spec: str, provided: list[str] | None = None, source: str | None = None) -> Pipeline:
+    """load_pipeline, printing what adapters note (one line each on stderr) instead of Python warnings."""
+    from unitgraph.adapters import AdapterNote, DeclarationWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AdapterNote)
+        pipeline = load_pipeline(spec, provided=provided, source=source)
+    for item in caught:
+        if issubclass(item.category, AdapterNote):
+            prefix = "warning" if issubclass(item.category, DeclarationWarning) else "note"
+            typer.echo(f"{prefix}: {' '.join(str(item.message).split())}", err=True)
+        else:  # not ours: hand it back to the warnings machinery unchanged
+            warnings.warn_explicit(item.message, item.category, item.filename, item.lineno)
+    return pipeline

@@ -15,10 +15,22 @@ import typer
 from unitgraph.atomic import write_bytes_atomic, write_text_atomic
 from unitgraph.explain import explain
 from unitgraph.plan import split, versioned_savings_line
-from unitgraph.references import load_pipeline
 from unitgraph.render import BINARY_FORMATS, FORMATS, SUFFIX_FORMATS, TEXT_WIDTH, render, text_renderables
 
-from .options import CacheMode, LoraBaseModel, Output, Spec, TrainableModels, check_cache_mode, model_list
+from .options import (
+    CacheMode,
+    LoraBaseModel,
+    Output,
+    Provided,
+    Source,
+    Spec,
+    TrainableModels,
+    WithMetadata,
+    check_cache_mode,
+    load_spec,
+    model_list,
+    provided_params,
+)
 
 Format = Annotated[
     Optional[str],
@@ -59,20 +71,26 @@ def inspect_command(
     trainable_models: TrainableModels = "",
     lora_base_model: LoraBaseModel = None,
     cache_mode: CacheMode = "latest",
+    with_params: Provided = None,
+    with_metadata: WithMetadata = None,
+    source: Source = None,
     fmt: Format = None,
     output: Output = None,
 ) -> None:
     """Show how SPEC splits: a table of units, stages, reasons and cache entries, or a diagram.
 
     Without --format the format follows the suffix of -o; with neither, the text table is printed. svg, png and pdf need the Graphviz dot program (dot, mermaid and text do not); without -o they go to stdout, which must not be a terminal for png and pdf.
+
+    With --with (or --with-metadata), units whose `requires` the run does not provide are shown greyed out as inactive.
     """
     fmt = resolve_format(fmt, output)
     mode = check_cache_mode(cache_mode)
     if output is None and fmt in BINARY_FORMATS and sys.stdout.isatty():
         raise typer.BadParameter(f"will not write {fmt} bytes to a terminal; pass -o FILE or redirect stdout",
                                  param_hint="--output")
-    pipeline = load_pipeline(spec)
-    plan = split(pipeline, model_list(trainable_models), lora_base_model, mode)
+    provided = provided_params(with_params, with_metadata)
+    pipeline = load_spec(spec, provided, source)
+    plan = split(pipeline, model_list(trainable_models), lora_base_model, mode, provided)
 
     if fmt == "text" and output is None:
         from rich.console import Console
@@ -108,14 +126,18 @@ def explain_command(
     trainable_models: TrainableModels = "",
     lora_base_model: LoraBaseModel = None,
     cache_mode: CacheMode = "latest",
+    with_params: Provided = None,
+    with_metadata: WithMetadata = None,
+    source: Source = None,
 ) -> None:
     """Say why UNIT is in its stage.
 
-    For a train unit: the chain of rules (F, W, U) back to a seed of X0. For a data_process unit: why no rule pulls it into train.
+    For a train unit: the chain of rules (F, W, U) back to a seed of X0. For a data_process unit: why no rule pulls it into train. For a unit the run leaves inactive (--with): which required params it lacks.
     """
     mode = check_cache_mode(cache_mode)
-    pipeline = load_pipeline(spec)
-    typer.echo(explain(pipeline, unit, model_list(trainable_models), lora_base_model, mode).text)
+    provided = provided_params(with_params, with_metadata)
+    pipeline = load_spec(spec, provided, source)
+    typer.echo(explain(pipeline, unit, model_list(trainable_models), lora_base_model, mode, provided).text)
 
 
 def register(app: typer.Typer) -> None:

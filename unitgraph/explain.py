@@ -8,6 +8,9 @@ A data_process unit is explained by the conditions that keep every rule from pul
 calls no model that needs backward, it is deterministic, it reads no version a train unit wrote
 (F), and, in `latest` mode, it writes no param after a train unit first read or wrote it (W, which
 contains U). Each condition is stated with the facts that make it true.
+
+An inactive unit (its `requires` are not met by the params a run provides, `--with`) is explained
+by the params it lacks: it is dropped before the split, and C1-C3 apply to the active pipeline.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from .graph import VersionGraph
-from .plan import Plan, split
+from .plan import Plan, active_pipeline, split
 from .spec import Pipeline
 from .split import LATEST, Reason, train_set
 
 TRAIN = "train"
 DATA_PROCESS = "data_process"
+INACTIVE = "inactive"
 
 
 @dataclass(frozen=True)
@@ -50,24 +54,64 @@ def explain(
     trainable_models: Iterable[str] | str = (),
     lora_base_model: str | None = None,
     cache_mode: str = LATEST,
+    provided: Iterable[str] | None = None,
 ) -> Explanation:
     """Explain `unit` for the split `unitgraph.split` makes with the same arguments.
 
     An unknown unit, model or cache mode is a SpecError (exit 2 on the command line).
     """
     position = pipeline.index(unit)  # SpecError naming the unknown unit
-    plan = split(pipeline, trainable_models, lora_base_model, cache_mode)
+    plan = split(pipeline, trainable_models, lora_base_model, cache_mode, provided)
     return explain_in_plan(pipeline, plan, position)
 
 
+def missing_requirements(pipeline: Pipeline, provided: Iterable[str]) -> dict[str, list[str]]:
+    """For each unit the provided params leave inactive: its `requires` that are not available.
+
+    The same forward pass as `prune.active_units`: a param is available when the dataset provides
+    it or an earlier active unit writes it.
+    """
+    available = set(provided)
+    missing: dict[str, list[str]] = {}
+    for unit in pipeline.units:
+        lacking = [p for p in unit.requires if p not in available]
+        if lacking:
+            missing[unit.name] = lacking
+        else:
+            available.update(unit.outputs)
+    return missing
+
+
 def explain_in_plan(pipeline: Pipeline, plan: Plan, position: int) -> Explanation:
-    """Explain the unit at `position` of a plan made by `split` (reasons are recomputed, exactly)."""
-    vg = VersionGraph(pipeline)
+    """Explain the unit at `position` of `pipeline` in a plan made by `split` (reasons are recomputed, exactly).
+
+    A plan made with provided params splits the active pipeline; a unit outside it is explained as inactive.
+    """
+    name = pipeline.units[position].name
+    active = active_pipeline(pipeline, plan)
+    if name not in {u.name for u in active.units}:
+        return _explain_inactive(pipeline, plan, position)
+    position = active.index(name)
+    vg = VersionGraph(active)
     backward = frozenset(plan.models_require_backward)
     reasons = train_set(vg, backward, plan.cache_mode)
     if position in reasons:
         return _explain_train(vg, reasons, position, plan.cache_mode)
     return _explain_data_process(vg, backward, set(reasons), position, plan)
+
+
+def _explain_inactive(pipeline: Pipeline, plan: Plan, position: int) -> Explanation:
+    unit = pipeline.units[position]
+    provided = plan.extra.get("provided") or []
+    missing = missing_requirements(pipeline, provided).get(unit.name, list(unit.requires))
+    shown = ", ".join(provided) or "nothing"
+    lacking = ", ".join(missing)
+    verb = "is" if len(missing) == 1 else "are"
+    text = (f"{unit.name} is inactive: it requires {lacking}, which {verb} neither provided by the dataset "
+            f"(it provides {shown}) nor written by an earlier active unit. It is a no-op for this run and is "
+            f"dropped before the split; C1-C3 and the cache apply to the active units only.")
+    return Explanation(unit=unit.name, stage=INACTIVE, cache_mode=plan.cache_mode, text=text,
+                       conditions=tuple(f"requires {p}" for p in missing))
 
 
 def chain_of(reasons: dict[int, Reason], position: int) -> list[tuple[int, Reason]]:
@@ -174,4 +218,4 @@ def _first_train_access(vg: VersionGraph, train: set[int]) -> dict[str, int]:
     return first
 
 
-__all__ = ["Explanation", "chain_of", "explain", "explain_in_plan"]
+__all__ = ["Explanation", "chain_of", "explain", "explain_in_plan", "missing_requirements"]

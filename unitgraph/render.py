@@ -34,7 +34,7 @@ from typing import Any
 from .entries import bind_inputs
 from .errors import UnitgraphError
 from .graph import VersionGraph
-from .plan import Plan, versioned_savings_line
+from .plan import Plan, active_pipeline, versioned_savings_line
 from .spec import Pipeline
 from .split import LATEST
 
@@ -68,6 +68,7 @@ class GraphvizNotFound(UnitgraphError):
 DP_FILL, DP_LINE = "#dbeafe", "#2563eb"
 CACHE_FILL, CACHE_LINE = "#fef3c7", "#b45309"
 SINK_FILL = "#e5e7eb"
+INACTIVE_FILL, INACTIVE_LINE = "#f3f4f6", "#9ca3af"
 RULE_STYLE = {  # rule -> (fill colour, legend text)
     "model": ("#fca5a5", "X0 seed: calls a model that needs backward"),
     "nondeterministic": ("#fcd34d", "X0 seed: non-deterministic, runs fresh every step"),
@@ -84,20 +85,39 @@ MERMAID_CLASS = {"model": "seed", "nondeterministic": "random", "F": "forward", 
 
 @dataclass
 class PlanView:
-    """A plan laid over its pipeline: positions, stages, entries, bindings and reasons."""
+    """A plan laid over its pipeline: positions, stages, entries, bindings and reasons.
+
+    `pipeline` is the pipeline as loaded; `active` the one the plan splits (without the units the
+    plan's `provided` params leave inactive). Positions are positions in `active`.
+    """
 
     pipeline: Pipeline
     plan: Plan
     vg: VersionGraph = field(init=False)
+    active: Pipeline = field(init=False)
 
     def __post_init__(self) -> None:
-        self.vg = VersionGraph(self.pipeline)
+        self.active = active_pipeline(self.pipeline, self.plan)
+        self.vg = VersionGraph(self.active)
         unknown = [n for n in (*self.plan.train_units, *self.plan.data_process_units) if n not in self.vg.position]
         if unknown:
             raise UnitgraphError(
                 f"plan names unit {unknown[0]!r}, which pipeline {self.pipeline.name!r} does not have",
                 source=self.pipeline.source,
             )
+
+    @cached_property
+    def inactive(self) -> list[tuple[int, Any, list[str]]]:
+        """Units the run leaves out: (position in the loaded pipeline, unit, required params it lacks)."""
+        if self.plan.extra.get("provided") is None:
+            return []
+        from .explain import missing_requirements
+
+        missing = missing_requirements(self.pipeline, self.plan.extra["provided"])
+        return [(k, u, missing[u.name]) for k, u in enumerate(self.pipeline.units) if u.name in missing]
+
+    def inactive_line(self, unit: Any, missing: list[str]) -> str:
+        return f"not run: requires {', '.join(missing)}"
 
     @property
     def names(self) -> list[str]:
@@ -212,12 +232,12 @@ class PlanView:
 
     def in_place(self, position: int) -> list[str]:
         """Params the unit reads and writes again: its links in those params' update chains."""
-        unit = self.pipeline.units[position]
+        unit = self.active.units[position]
         return [p for p in dict.fromkeys(unit.inputs) if p in unit.outputs]
 
     def node_lines(self, position: int) -> list[str]:
         """The small lines under a unit's name: models, dataset inputs (stage 1), in-place updates, reason."""
-        unit = self.pipeline.units[position]
+        unit = self.active.units[position]
         lines = [", ".join(unit.models)]
         reads = self.dataset_reads.get(position)
         if reads:  # dataset inputs are listed, not drawn: thirty edges from one node are noise
@@ -281,6 +301,8 @@ def _legend_items(view: PlanView) -> list[tuple[str, str, str]]:
         if rule in present or rule in ("model", "F"):
             items.append(("fill", fill, text + (" (double border)" if rule in ("model", "nondeterministic") else "")))
     items.append(("fill", CACHE_FILL, "cache entry: param ← unit (or dataset) whose version is stored"))
+    if view.inactive:
+        items.append(("fill", INACTIVE_FILL, "inactive: its `requires` are not provided, dropped before the split"))
     items += [
         ("edge", CACHE_LINE, "through the cache, stage 1 → stage 2"),
         ("edge", "#4b5563", "data inside a stage, labelled with its params"),
@@ -369,7 +391,7 @@ def to_graphviz(pipeline: Pipeline, plan: Plan):
         c.attr(label=f"stage 1 · data_process: runs once, loads {_join_models(plan.data_process_models)}",
                style="rounded,filled", fillcolor="#f0f7ff", color=DP_LINE, fontcolor=DP_LINE, fontsize="13")
         for i in dp_positions:
-            unit = pipeline.units[i]
+            unit = view.active.units[i]
             c.node(uid(i), label=_html_node(unit.name, view.node_lines(i)), fillcolor=DP_FILL, color=DP_LINE,
                    tooltip=f"{unit.name}: data_process")
     with g.subgraph(name="cluster_cache") as c:
@@ -383,7 +405,7 @@ def to_graphviz(pipeline: Pipeline, plan: Plan):
         c.attr(label=f"stage 2 · train: runs every step, loads {_join_models(plan.train_models)}",
                style="rounded,filled", fillcolor="#fff5f5", color="#dc2626", fontcolor="#dc2626", fontsize="13")
         for i in tr_positions:
-            unit = pipeline.units[i]
+            unit = view.active.units[i]
             rule = view.rules.get(i, "")
             fill = RULE_STYLE.get(rule, (UNKNOWN_FILL, ""))[0]
             seed = rule in ("model", "nondeterministic")
@@ -393,6 +415,15 @@ def to_graphviz(pipeline: Pipeline, plan: Plan):
         sink_models = view.vg.sink_models(frozenset(plan.models_require_backward))
         c.node("sink", label=_html_node("loss (sink)", [_join_models(sink_models)]), shape="box",
                style="filled,bold", fillcolor=SINK_FILL, color="#111827")
+
+    if view.inactive:  # units the run leaves out, greyed: nothing flows into or out of them
+        with g.subgraph(name="cluster_inactive") as c:
+            c.attr(label=f"inactive: not run for this dataset (provides {', '.join(view.plan.extra['provided']) or 'nothing'})",
+                   style="rounded,dashed", color=INACTIVE_LINE, fontcolor=INACTIVE_LINE, fontsize="13")
+            for k, unit, missing in view.inactive:
+                c.node(f"x{k}", label=_html_node(unit.name, [", ".join(unit.models), view.inactive_line(unit, missing)]),
+                       style="rounded,filled,dashed", fillcolor=INACTIVE_FILL, color=INACTIVE_LINE,
+                       fontcolor=INACTIVE_LINE, tooltip=f"{unit.name}: inactive")
 
     # data inside a stage (and C1 violations, in red)
     for (w, r), params in sorted(view.stage_reads().items()):
@@ -487,7 +518,7 @@ def to_mermaid(pipeline: Pipeline, plan: Plan) -> str:
     out.append(f'  subgraph data_process["stage 1 · data_process: loads {_join_models(plan.data_process_models)}"]')
     for i in range(view.n):
         if i not in view.train:
-            unit = pipeline.units[i]
+            unit = view.active.units[i]
             out.append("    " + node(uid(i), unit.name, view.node_lines(i)))
     out.append("  end")
     out.append(f'  subgraph cache["cache · {len(view.entries)} entries ({plan.cache_mode})"]')
@@ -497,11 +528,16 @@ def to_mermaid(pipeline: Pipeline, plan: Plan) -> str:
     out.append(f'  subgraph train["stage 2 · train: loads {_join_models(plan.train_models)}"]')
     for i in range(view.n):
         if i in view.train:
-            unit = pipeline.units[i]
+            unit = view.active.units[i]
             out.append("    " + node(uid(i), unit.name, view.node_lines(i)))
     sink_models = view.vg.sink_models(frozenset(plan.models_require_backward))
     out.append("    " + node("sink", "loss (sink)", [", ".join(sink_models)]))
     out.append("  end")
+    if view.inactive:
+        out.append(f'  subgraph inactive["inactive: not run for this dataset"]')
+        for k, unit, missing in view.inactive:
+            out.append("    " + node(f"x{k}", unit.name, [", ".join(unit.models), view.inactive_line(unit, missing)]))
+        out.append("  end")
 
     for (w, r), params in sorted(view.stage_reads().items()):
         label = ", ".join(params)
@@ -519,6 +555,9 @@ def to_mermaid(pipeline: Pipeline, plan: Plan) -> str:
 
     out.append(f"  classDef dp fill:{DP_FILL},stroke:{DP_LINE}")
     out.append(f"  classDef entry fill:{CACHE_FILL},stroke:{CACHE_LINE}")
+    if view.inactive:
+        out.append(f"  classDef inactive fill:{INACTIVE_FILL},stroke:{INACTIVE_LINE},color:{INACTIVE_LINE},stroke-dasharray:4 3")
+        out.append(f"  class {','.join(f'x{k}' for k, _, _ in view.inactive)} inactive")
     for rule, css in MERMAID_CLASS.items():
         width = ",stroke-width:3px" if rule in ("model", "nondeterministic") else ""
         out.append(f"  classDef {css} fill:{RULE_STYLE[rule][0]},stroke:#7f1d1d{width}")
@@ -554,6 +593,10 @@ def text_renderables(pipeline: Pipeline, plan: Plan) -> list[Any]:
     view = plan_view(pipeline, plan)
     names = view.names
     out: list[Any] = [Text(view.header(), style="bold")]
+    if plan.extra.get("provided") is not None:
+        provided = ", ".join(plan.extra["provided"]) or "nothing"
+        inactive = ", ".join(u.name for _, u, _ in view.inactive) or "none"
+        out.append(Text(f"dataset provides: {provided} · inactive units: {inactive}", style="dim"))
 
     cached_by: dict[int | None, list[str]] = {}
     for param, writer in view.entries:
@@ -561,11 +604,20 @@ def text_renderables(pipeline: Pipeline, plan: Plan) -> list[Any]:
 
     units = Table(title="units", title_justify="left", box=box.SIMPLE_HEAD, show_lines=False, pad_edge=False)
     units.add_column("#", justify="right", style="dim", no_wrap=True)
-    units.add_column("unit", no_wrap=True, style="bold")
+    # long block paths (diffusers: `denoise.img2img.prepare_img2img_latents`) fold rather than crush the rest
+    units.add_column("unit", overflow="fold", max_width=44, style="bold")
     units.add_column("stage", no_wrap=True)
-    units.add_column("models", overflow="fold")
+    units.add_column("models", overflow="fold", min_width=12)
     units.add_column("why", overflow="fold", ratio=1)
-    for i, unit in enumerate(pipeline.units):
+    inactive = {k: missing for k, _, missing in view.inactive}
+    position = 0
+    for k, unit in enumerate(pipeline.units):
+        if k in inactive:
+            units.add_row(str(k + 1), unit.name, Text("inactive", style="dim"), ", ".join(unit.models) or "-",
+                          view.inactive_line(unit, inactive[k]) + " (dropped before the split)", style="dim")
+            continue
+        i = position
+        position += 1
         if i in view.train:
             stage = Text("train", style="bold red")
             why = plan.reasons.get(unit.name, "(no reason recorded)")
@@ -573,7 +625,7 @@ def text_renderables(pipeline: Pipeline, plan: Plan) -> list[Any]:
             stage = Text("data_process", style="blue")
             cached = cached_by.get(i, [])
             why = f"stage 1; cached: {', '.join(cached)}" if cached else "stage 1; used inside stage 1 only"
-        units.add_row(str(i + 1), unit.name, stage, ", ".join(unit.models) or "-", why)
+        units.add_row(str(k + 1), unit.name, stage, ", ".join(unit.models) or "-", why)
     out.append(units)
 
     cache = Table(title=f"cache entries ({len(view.entries)}, {plan.cache_mode} mode)", title_justify="left",

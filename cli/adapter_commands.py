@@ -1,0 +1,82 @@
+"""`unitgraph audit`: the hazards the update-chain rule misses, per trainable model.
+
+The command docstring keeps each paragraph on one line (docs/cli.md is generated from it).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from unitgraph.atomic import write_text_atomic
+from unitgraph.audit import audit, render_text, text_renderables
+
+from .options import LoraBaseModel, Output, Provided, Source, Spec, WithMetadata, load_spec, provided_params
+
+AUDIT_FORMATS = ("text", "json")
+
+AuditFormat = Annotated[
+    Optional[str],
+    typer.Option("--format", "-f", help="text (a report) or json. Default: json when -o ends in .json, else text.",
+                 show_default=False),
+]
+Models = Annotated[
+    Optional[str],
+    typer.Option("--models", help="Comma-separated models to audit (default: every model a unit or the sink calls).",
+                 show_default=False),
+]
+
+
+def audit_command(
+    spec: Spec,
+    lora_base_model: LoraBaseModel = None,
+    models: Models = None,
+    with_params: Provided = None,
+    with_metadata: WithMetadata = None,
+    source: Source = None,
+    fmt: AuditFormat = None,
+    output: Output = None,
+) -> None:
+    """List, for every model that could be trained, the hazards the update-chain rule misses.
+
+    Each model is audited alone, with the denoiser (the sink's dit, transformer or unet; or --lora-base-model) as LoRA base. For each: the write-after-read and write-after-write hazards that DiffSynth-Studio's update-chain rule misses (the unit the write-hazard rule moves to train, the param and the unit it conflicts with), the versions the update-chain split would read wrongly (the verifier's simulation), and the models stage 2 loads and the cache entries needed in cache modes latest and versioned.
+    """
+    if fmt is None:
+        fmt = "json" if output is not None and output.lower().endswith(".json") else "text"
+    fmt = fmt.strip().lower()
+    if fmt not in AUDIT_FORMATS:
+        raise typer.BadParameter(f"must be one of {', '.join(AUDIT_FORMATS)}, got {fmt!r}", param_hint="--format")
+    provided = provided_params(with_params, with_metadata)
+    pipeline = load_spec(spec, provided, source)
+    chosen = None if models is None else [m.strip() for m in models.split(",") if m.strip()]
+    result = audit(pipeline, lora_base_model=lora_base_model, provided=provided, models=chosen)
+    if fmt == "json":
+        content = json.dumps(result.to_dict(), indent=2) + "\n"
+    elif output is not None:
+        content = render_text(result)
+    else:
+        from rich.console import Console
+
+        from unitgraph.render import TEXT_WIDTH
+
+        console = Console(width=None if sys.stdout.isatty() else TEXT_WIDTH, highlight=False, emoji=False)
+        for item in text_renderables(result):
+            console.print(item)
+        return
+    if output is not None:
+        write_text_atomic(output, content)
+        typer.echo(f"wrote {output}: {len(result.cases)} configurations, {len(result.cases_with_hazards)} with "
+                   f"hazards the update-chain rule misses", err=True)
+    else:
+        typer.echo(content, nl=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `audit` to the unitgraph app."""
+    app.command("audit")(audit_command)
+
+
+__all__ = ["audit_command", "register"]

@@ -1,0 +1,689 @@
+"""DiffSynth-Studio pipelines as unitgraph pipelines (`diffsynth:` references).
+
+`unitgraph plan diffsynth:qwen_image.QwenImagePipeline` reads the units of
+`diffsynth/pipelines/qwen_image.py` without loading any model:
+
+- with `--source PATH` (a DiffSynth-Studio checkout, its `diffsynth` package folder or its
+  `pipelines` folder), statically: the module is parsed, never imported, so neither DiffSynth-Studio
+  nor torch needs to be installed;
+- without it, through the installed `diffsynth` package: the pipeline class is instantiated on the
+  CPU (that creates the unit objects and a scheduler, no model) and the units' declarations are
+  read from the objects; unit code is still read as source.
+
+The mapping (docs/adapters.md explains each decision):
+
+- a unit per entry of the pipeline's `self.units`, in order, named by its class without the
+  pipeline's common `XxxUnit_` prefix;
+- inputs: `input_params` plus the state names of `input_params_posi` / `input_params_nega`
+  (positive and negative sides share one namespace here, as they do in DiffSynth's own split);
+  a `take_over` unit also reads what its code reads from `inputs_shared` / `inputs_posi` / `inputs_nega`;
+- outputs: `output_params` plus the keys of the dicts `process` returns (DiffSynth's runner writes
+  those whatever is declared); a `take_over` unit also writes what its code stores in the dicts;
+- models: `onload_model_names`; deterministic: false when `process` (or a method of the unit it
+  calls) draws random numbers (`pipe.generate_noise`, `torch.randn`, ...);
+- requires: the inputs whose absence makes `process` return nothing (`if edit_image is None:
+  return {}`, for a take-over unit `return inputs_shared, inputs_posi, inputs_nega` unchanged);
+- the sink: DiffSynth hands every param to `model_fn` and the loss, so the sink reads every param
+  and calls the pipeline's `in_iteration_models`.
+
+Declaration mistakes that change DiffSynth's own behaviour are reported as `DeclarationWarning`:
+a bare string where a one-element tuple was meant (`("vae")` is the string "vae": DiffSynth iterates
+its characters, and tests a model name against it as a substring), and outputs `process` returns
+but `output_params` does not declare (DiffSynth's split cannot see those writes). The pipeline
+built here follows what the code means (the tuple the string stood for, the outputs it returns).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import re
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..errors import SpecError
+from ..spec import Pipeline, Sink, Unit
+from . import declaration_warning, note, short_list
+
+# PipelineUnit.__init__ parameters, in order (positional arguments map onto them)
+FIELDS = ("seperate_cfg", "take_over", "input_params", "output_params", "input_params_posi", "input_params_nega",
+          "onload_model_names")
+TUPLE_FIELDS = ("input_params", "output_params", "onload_model_names")
+DICT_FIELDS = ("input_params_posi", "input_params_nega")
+STATE_DICTS = ("inputs_shared", "inputs_posi", "inputs_nega")
+RANDOM_CALLS = frozenset({
+    "generate_noise", "randn_tensor", "randn", "rand", "randint", "randn_like", "rand_like", "randint_like",
+    "randperm", "normal", "normal_", "uniform_", "bernoulli", "multinomial", "poisson", "choice", "shuffle",
+    "random", "uniform", "sample",
+})
+
+
+def resolve(name: str, *, provided: Iterable[str] | None = None, source: str | None = None) -> Pipeline:
+    """The pipeline of `diffsynth:MODULE.Class` (the `unitgraph.backends` entry point `diffsynth`)."""
+    where = f"diffsynth:{name}"
+    module_name, class_name = _split_name(name, where)
+    if source is not None:
+        return from_source(source, module_name, class_name, where=where)
+    if importlib.util.find_spec("diffsynth") is None:
+        raise SpecError("DiffSynth-Studio is not installed; pass --source PATH (a DiffSynth-Studio checkout) "
+                        "to read the pipeline from its source", source=where)
+    return from_installed(module_name, class_name, where=where)
+
+
+def _split_name(name: str, where: str) -> tuple[str, str | None]:
+    name = re.sub(r"^(diffsynth\.)?pipelines\.", "", name.strip())
+    if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)?", name):
+        raise SpecError("expected MODULE.Class, e.g. diffsynth:qwen_image.QwenImagePipeline", source=where)
+    module_name, _, class_name = name.partition(".")
+    return module_name, class_name or None
+
+
+# --- what one unit declares ------------------------------------------------------------------------
+
+
+@dataclass
+class ProcessFacts:
+    """What `process` does, read from its source."""
+
+    guards: list[str] = field(default_factory=list)  # params whose absence makes it return nothing
+    returned: set[str] | None = field(default_factory=set)  # keys of returned dicts (None: unknown)
+    reads: list[str] = field(default_factory=list)  # take_over: state keys read
+    writes: set[str] = field(default_factory=set)  # take_over: state keys seen written (besides output_params)
+    random: bool = False
+
+
+@dataclass
+class UnitDecl:
+    """One unit as DiffSynth sees it: the raw declared values and the facts of its code."""
+
+    class_name: str
+    fields: dict[str, Any]
+    process: ProcessFacts | None = None
+    unreadable: list[str] = field(default_factory=list)
+
+
+# --- reading process code ------------------------------------------------------------------------
+
+
+def analyse_process(func: ast.FunctionDef, methods: dict[str, ast.FunctionDef], take_over: bool) -> ProcessFacts:
+    """Guards, returned keys, state accesses and randomness of a `process` function."""
+    facts = ProcessFacts()
+    args = [a.arg for a in func.args.args]
+    state_names = set(args[2:5]) if take_over else set()
+    aliases: dict[str, str] = {}  # local variable -> state key, for take-over units
+    for stmt in func.body:
+        if take_over and isinstance(stmt, ast.Assign):
+            _record_aliases(stmt, state_names, aliases)
+        if isinstance(stmt, ast.If) and not stmt.orelse and _is_noop_body(stmt.body, args, take_over):
+            for local in _none_tested(stmt.test, state_names):
+                key = aliases.get(local, local)
+                if key not in facts.guards:
+                    facts.guards.append(key)
+    if take_over:
+        facts.reads, facts.writes = _state_accesses(func, state_names)
+        facts.returned = set()
+    else:
+        facts.returned = _returned_keys(func)
+    facts.random = bool(_calls(func, methods) & RANDOM_CALLS)
+    return facts
+
+
+def _walk_own(node: ast.AST):
+    """ast.walk that does not enter nested functions, lambdas or classes."""
+    stack = list(ast.iter_child_nodes(node))
+    while stack:
+        child = stack.pop()
+        yield child
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            stack.extend(ast.iter_child_nodes(child))
+
+
+def _is_noop_body(body: list[ast.stmt], args: list[str], take_over: bool) -> bool:
+    if len(body) != 1 or not isinstance(body[0], ast.Return):
+        return False
+    value = body[0].value
+    if value is None or (isinstance(value, ast.Constant) and value.value is None):
+        return True
+    if isinstance(value, ast.Dict) and not value.keys:
+        return True
+    if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "dict" and not value.args and not value.keywords:
+        return True
+    if take_over and isinstance(value, ast.Tuple):
+        return [getattr(e, "id", None) for e in value.elts] == args[2:5]
+    return False
+
+
+def _none_tested(test: ast.expr, state_names: set[str]) -> list[str]:
+    """Names n such that `n is None` (or `not n`) alone makes `test` true."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or):
+        found: list[str] = []
+        for value in test.values:
+            found += [n for n in _none_tested(value, state_names) if n not in found]
+        return found
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        name = _name_or_state_get(test.operand, state_names)
+        return [name] if name else []
+    if (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Is, ast.Eq))
+            and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None):
+        name = _name_or_state_get(test.left, state_names)
+        return [name] if name else []
+    return []
+
+
+def _name_or_state_get(node: ast.expr, state_names: set[str]) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    return _state_key(node, state_names)
+
+
+def _state_key(node: ast.expr, state_names: set[str]) -> str | None:
+    """"x" for `inputs_shared.get("x", ...)` or `inputs_shared["x"]`."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+            and isinstance(node.func.value, ast.Name) and node.func.value.id in state_names
+            and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        return node.args[0].value
+    if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in state_names
+            and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)):
+        return node.slice.value
+    return None
+
+
+def _record_aliases(stmt: ast.Assign, state_names: set[str], aliases: dict[str, str]) -> None:
+    for target in stmt.targets:
+        if isinstance(target, ast.Name):
+            key = _state_key(stmt.value, state_names)
+            if key:
+                aliases[target.id] = key
+        elif isinstance(target, ast.Tuple) and isinstance(stmt.value, ast.Tuple) and len(target.elts) == len(stmt.value.elts):
+            for t, v in zip(target.elts, stmt.value.elts):
+                key = _state_key(v, state_names)
+                if isinstance(t, ast.Name) and key:
+                    aliases[t.id] = key
+
+
+def _state_accesses(func: ast.FunctionDef, state_names: set[str]) -> tuple[list[str], set[str]]:
+    """Keys a take-over unit reads and writes in the state dicts; `update(variable)` hides its keys
+    (output_params stands for them)."""
+    reads: dict[str, None] = {}
+    writes: set[str] = set()
+    for node in _walk_own(func):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
+            key = _state_key(node, state_names)
+            if key:
+                writes.add(key)
+            continue
+        key = _state_key(node, state_names)
+        if key:
+            reads[key] = None
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update"
+                and isinstance(node.func.value, ast.Name) and node.func.value.id in state_names and node.args):
+            arg = node.args[0]
+            if isinstance(arg, ast.Dict):
+                writes.update(k.value for k in arg.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
+    return list(reads), writes
+
+
+def _returned_keys(func: ast.FunctionDef) -> set[str] | None:
+    keys: set[str] = set()
+    for node in _walk_own(func):
+        if not isinstance(node, ast.Return) or node.value is None:
+            continue
+        value = node.value
+        if isinstance(value, ast.Constant) and value.value is None:
+            continue
+        if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "dict" and not value.args:
+            keys.update(k.arg for k in value.keywords if k.arg)
+            if all(k.arg for k in value.keywords):
+                continue
+            return None
+        if isinstance(value, ast.Dict) and all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in value.keys):
+            keys.update(k.value for k in value.keys)
+        else:
+            return None
+    return keys
+
+
+def _calls(func: ast.FunctionDef, methods: dict[str, ast.FunctionDef]) -> set[str]:
+    """Names of the functions `func` calls, following `self.method(...)` calls within the unit class."""
+    seen: set[str] = set()
+    calls: set[str] = set()
+    todo = [func]
+    while todo:
+        current = todo.pop()
+        for node in ast.walk(current):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if not name:
+                continue
+            calls.add(name)
+            if (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"
+                    and name in methods and name not in seen):
+                seen.add(name)
+                todo.append(methods[name])
+    return calls
+
+
+def _class_methods(classes: list[ast.ClassDef]) -> dict[str, ast.FunctionDef]:
+    """Methods by name, a subclass's own first."""
+    methods: dict[str, ast.FunctionDef] = {}
+    for cls in classes:
+        for stmt in cls.body:
+            if isinstance(stmt, ast.FunctionDef):
+                methods.setdefault(stmt.name, stmt)
+    return methods
+
+
+def _init_call(init: ast.FunctionDef) -> ast.Call | None:
+    """The `super().__init__(...)` (or `Base.__init__(self, ...)`) call of a unit's __init__."""
+    for node in ast.walk(init):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "__init__":
+            owner = node.func.value
+            if isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super":
+                return node
+            if isinstance(owner, (ast.Name, ast.Attribute)):
+                return node
+    return None
+
+
+def _declared_fields(call: ast.Call) -> tuple[dict[str, Any], list[str]]:
+    fields: dict[str, Any] = {}
+    unreadable: list[str] = []
+    args = list(call.args)
+    owner = call.func.value  # `Base.__init__(self, ...)` passes self first
+    if not isinstance(owner, ast.Call) and args and isinstance(args[0], ast.Name) and args[0].id == "self":
+        args = args[1:]
+    pairs = list(zip(FIELDS, args)) + [(k.arg, k.value) for k in call.keywords if k.arg]
+    for key, node in pairs:
+        if key not in FIELDS:
+            continue
+        try:
+            fields[key] = ast.literal_eval(node)
+        except (ValueError, SyntaxError, TypeError):
+            unreadable.append(key)
+    return fields, unreadable
+
+
+# --- the static path: a source folder ------------------------------------------------------------
+
+
+class _SourceReader:
+    """Parsed modules of a DiffSynth source tree, with classes found through relative imports."""
+
+    def __init__(self, pipelines_dir: Path, where: str):
+        self.dir = pipelines_dir
+        self.where = where
+        self.modules: dict[Path, ast.Module] = {}
+
+    def parse(self, path: Path) -> ast.Module:
+        if path not in self.modules:
+            try:
+                self.modules[path] = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+            except (OSError, UnicodeDecodeError) as exc:
+                raise SpecError(f"cannot read {path}: {exc}", source=self.where) from None
+            except SyntaxError as exc:
+                raise SpecError(f"{path.name} line {exc.lineno}: {exc.msg}", source=self.where) from None
+        return self.modules[path]
+
+    def find_class(self, path: Path, name: str, depth: int = 0) -> ast.ClassDef | None:
+        tree = self.parse(path)
+        for stmt in tree.body:
+            if isinstance(stmt, ast.ClassDef) and stmt.name == name:
+                stmt._unitgraph_path = path  # where its bases are looked up
+                return stmt
+        if depth > 4:
+            return None
+        for stmt in tree.body:
+            if isinstance(stmt, ast.ImportFrom) and stmt.level >= 1:
+                for alias in stmt.names:
+                    if (alias.asname or alias.name) == name:
+                        target = self._module_path(path, stmt.level, stmt.module)
+                        if target is not None:
+                            return self.find_class(target, alias.name, depth + 1)
+        return None
+
+    def _module_path(self, path: Path, level: int, module: str | None) -> Path | None:
+        base = path.parent
+        for _ in range(level - 1):
+            base = base.parent
+        parts = module.split(".") if module else []
+        candidate = base.joinpath(*parts)
+        for option in (candidate.with_suffix(".py"), candidate / "__init__.py"):
+            if option.is_file():
+                return option
+        return None
+
+    def lineage(self, cls: ast.ClassDef) -> list[ast.ClassDef]:
+        """The class and its unit base classes found in the source (nearest first)."""
+        out = [cls]
+        while len(out) < 8:
+            current = out[-1]
+            parent = None
+            for base in current.bases:
+                base_name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", None)
+                if base_name and base_name not in ("PipelineUnit", "BasePipeline", "object"):
+                    parent = self.find_class(current._unitgraph_path, base_name)
+                    if parent is not None:
+                        break
+            if parent is None:
+                break
+            out.append(parent)
+        return out
+
+
+def _pipelines_dir(source: str | Path, module_name: str, where: str) -> Path:
+    root = Path(source)
+    if not root.is_dir():
+        raise SpecError(f"--source {str(source)!r} is not a folder", source=where)
+    for candidate in (root / "diffsynth" / "pipelines", root / "pipelines", root):
+        if (candidate / f"{module_name}.py").is_file():
+            return candidate
+    raise SpecError(f"no {module_name}.py under {source} (looked in diffsynth/pipelines/, pipelines/ and the folder itself)",
+                    source=where)
+
+
+def from_source(source: str | Path, module_name: str, class_name: str | None = None, *, where: str | None = None,
+                **options: Any) -> Pipeline:
+    """Read `diffsynth/pipelines/MODULE.py` under `source` statically (nothing is imported)."""
+    where = where or f"diffsynth:{module_name}.{class_name or ''}"
+    pipelines_dir = _pipelines_dir(source, module_name, where)
+    reader = _SourceReader(pipelines_dir, where)
+    path = pipelines_dir / f"{module_name}.py"
+    tree = reader.parse(path)
+    pipeline_cls = _pipeline_class(tree, class_name, path, where)
+    unit_calls, in_iteration = _pipeline_init(reader, pipeline_cls, where)
+    decls = []
+    for k, (unit_name, call) in enumerate(unit_calls):
+        cls = reader.find_class(path, unit_name)
+        if cls is None:
+            raise SpecError(f"unit class {unit_name} (self.units[{k}]) is not defined in {path.name} or a module it "
+                            f"imports from", source=where)
+        decls.append(_decl_from_class(reader, cls, call))
+    return build_pipeline(pipeline_cls.name, decls, in_iteration, where=where, **options)
+
+
+def _pipeline_class(tree: ast.Module, class_name: str | None, path: Path, where: str) -> ast.ClassDef:
+    classes = [s for s in tree.body if isinstance(s, ast.ClassDef)]
+    if class_name is not None:
+        for cls in classes:
+            if cls.name == class_name:
+                cls._unitgraph_path = path
+                return cls
+        raise SpecError(f"{path.name} defines no class {class_name}", source=where)
+    candidates = [c for c in classes if _assigns_units(c)]
+    if len(candidates) != 1:
+        names = ", ".join(c.name for c in candidates) or "none"
+        raise SpecError(f"name the pipeline class (MODULE.Class); classes that set self.units: {names}", source=where)
+    candidates[0]._unitgraph_path = path
+    return candidates[0]
+
+
+def _assigns_units(cls: ast.ClassDef) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr == "units" and isinstance(n.ctx, ast.Store)
+               for n in ast.walk(cls))
+
+
+def _pipeline_init(reader: _SourceReader, cls: ast.ClassDef, where: str):
+    """(unit class names with their constructor calls, in_iteration_models) from the pipeline's __init__."""
+    units = None
+    in_iteration: Any = None
+    for current in reader.lineage(cls):
+        init = next((s for s in current.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"), None)
+        if init is None:
+            continue
+        for node in ast.walk(init):
+            if not isinstance(node, ast.Assign):
+                continue
+            for target in node.targets:
+                if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"):
+                    continue
+                if target.attr == "units" and units is None:
+                    if not isinstance(node.value, (ast.List, ast.Tuple)):
+                        raise SpecError(f"{cls.name}.__init__ builds self.units with code, not a list of units; "
+                                        f"install DiffSynth-Studio and drop --source to read it from the objects",
+                                        source=where)
+                    units = []
+                    for k, element in enumerate(node.value.elts):
+                        if not (isinstance(element, ast.Call) and isinstance(element.func, ast.Name)):
+                            raise SpecError(f"self.units[{k}] of {cls.name} is not a `UnitClass(...)` call", source=where)
+                        units.append((element.func.id, element))
+                elif target.attr == "in_iteration_models" and in_iteration is None:
+                    try:
+                        in_iteration = ast.literal_eval(node.value)
+                    except (ValueError, SyntaxError, TypeError):
+                        note(f"diffsynth: cannot read {cls.name}.in_iteration_models statically")
+        if units is not None:
+            break
+    if units is None:
+        raise SpecError(f"{cls.name} sets no self.units in __init__", source=where)
+    return units, in_iteration
+
+
+def _decl_from_class(reader: _SourceReader, cls: ast.ClassDef, call: ast.Call) -> UnitDecl:
+    lineage = reader.lineage(cls)
+    methods = _class_methods(lineage)
+    fields: dict[str, Any] = {}
+    unreadable: list[str] = []
+    init = methods.get("__init__")
+    init_call = _init_call(init) if init is not None else None
+    if init_call is not None:
+        fields, unreadable = _declared_fields(init_call)
+        if call.args or call.keywords:
+            # declarations computed from constructor arguments cannot be read without running them
+            uses_args = {a.arg for a in init.args.args[1:]}
+            names = {n.id for n in ast.walk(init_call) if isinstance(n, ast.Name)}
+            if uses_args & names:
+                unreadable.append("(constructor arguments)")
+    process = methods.get("process")
+    facts = analyse_process(process, methods, bool(fields.get("take_over"))) if process is not None else None
+    return UnitDecl(cls.name, fields, facts, unreadable)
+
+
+# --- the installed package ------------------------------------------------------------------------
+
+
+def from_installed(module_name: str, class_name: str | None = None, *, where: str | None = None,
+                   **options: Any) -> Pipeline:
+    """Read the units from the installed `diffsynth` package: the pipeline is created on the CPU."""
+    where = where or f"diffsynth:{module_name}.{class_name or ''}"
+    try:
+        module = importlib.import_module(f"diffsynth.pipelines.{module_name}")
+    except ImportError as exc:
+        raise SpecError(f"cannot import diffsynth.pipelines.{module_name}: {exc}", source=where) from None
+    cls = _installed_pipeline_class(module, class_name, where)
+    try:
+        pipe = cls(device="cpu")
+    except Exception as exc:  # fall back on reading the installed source
+        folder = Path(inspect.getsourcefile(module)).parent
+        note(f"diffsynth: {cls.__name__}(device='cpu') failed ({type(exc).__name__}: {exc}); read {folder} statically")
+        return from_source(folder, module_name, cls.__name__, where=where, **options)
+    units = list(getattr(pipe, "units", []) or [])
+    decls = [_decl_from_object(unit) for unit in units]
+    return build_pipeline(cls.__name__, decls, getattr(pipe, "in_iteration_models", None), where=where, **options)
+
+
+def _installed_pipeline_class(module, class_name: str | None, where: str) -> type:
+    if class_name is not None:
+        cls = getattr(module, class_name, None)
+        if not inspect.isclass(cls):
+            raise SpecError(f"{module.__name__} has no class {class_name}", source=where)
+        return cls
+    own = [c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == module.__name__
+           and any(b.__name__ == "BasePipeline" for b in c.__mro__[1:])]
+    if len(own) != 1:
+        names = ", ".join(c.__name__ for c in own) or "none"
+        raise SpecError(f"name the pipeline class (MODULE.Class); pipeline classes: {names}", source=where)
+    return own[0]
+
+
+def _decl_from_object(unit: Any) -> UnitDecl:
+    fields = {key: getattr(unit, key, None) for key in FIELDS}
+    facts = None
+    classes = []
+    for klass in type(unit).__mro__:
+        if klass.__name__ in ("PipelineUnit", "object"):
+            break
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+            classes.append(next(s for s in ast.parse(source).body if isinstance(s, ast.ClassDef)))
+        except (OSError, TypeError, SyntaxError, StopIteration):
+            continue
+    methods = _class_methods(classes)
+    if "process" in methods:
+        facts = analyse_process(methods["process"], methods, bool(fields.get("take_over")))
+    return UnitDecl(type(unit).__name__, fields, facts)
+
+
+# --- declarations to a Pipeline -------------------------------------------------------------------
+
+
+def build_pipeline(
+    name: str,
+    decls: list[UnitDecl],
+    in_iteration_models: Any,
+    *,
+    where: str = "<diffsynth>",
+    deterministic: Iterable[str] = (),
+    nondeterministic: Iterable[str] = (),
+) -> Pipeline:
+    """Map unit declarations to a Pipeline, warning about mistakes that change DiffSynth's behaviour.
+
+    `deterministic` / `nondeterministic` override the rule for the units (short or class names) listed.
+    """
+    names = _unit_names([d.class_name for d in decls])
+    force_det, force_random = set(deterministic), set(nondeterministic)
+    sink_models = _as_names(in_iteration_models)
+    known_models = set(sink_models)
+    for decl in decls:
+        known_models.update(_as_names(decl.fields.get("onload_model_names")))
+    units = []
+    unreadable = []
+    for decl, unit_name in zip(decls, names):
+        _check_declaration(decl, known_models)
+        if decl.unreadable:
+            unreadable.append(f"{decl.class_name} ({', '.join(decl.unreadable)})")
+        units.append(_unit(decl, unit_name, force_det, force_random))
+    if isinstance(in_iteration_models, str):
+        _warn_string("pipeline", "in_iteration_models", in_iteration_models, known_models)
+    if unreadable:
+        note(f"diffsynth: declarations that are not literals, left out: {short_list(unreadable, 4)}")
+    sink = None
+    if sink_models:
+        params = list(dict.fromkeys(p for u in units for p in (*u.inputs, *u.outputs)))
+        sink = Sink(inputs=tuple(params), models=tuple(sink_models))
+    else:
+        note(f"diffsynth: {name} declares no in_iteration_models; the sink reads every param and calls the "
+             f"models that need backward")
+    return Pipeline(name, tuple(units), sink, source=where)
+
+
+def _unit_names(class_names: list[str]) -> list[str]:
+    """Class names without their shared `XxxUnit_` prefix (kept when stripping would clash); unique."""
+    prefixes = {m.group(1) for m in (re.match(r"^(\w*?Unit_)\w", n) for n in class_names) if m}
+    names = list(class_names)
+    if len(prefixes) == 1:
+        prefix = prefixes.pop()
+        stripped = [n[len(prefix):] if n.startswith(prefix) else n for n in class_names]
+        if len(set(stripped)) == len(set(class_names)):
+            names = stripped
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n}#{seen[n]}")
+    return out
+
+
+def _as_names(value: Any) -> list[str]:
+    """What a declaration means: a bare string stands for the one-element tuple it was meant to be."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [v for v in value.values() if isinstance(v, str)]
+    try:
+        return [v for v in value if isinstance(v, str)]
+    except TypeError:
+        return []
+
+
+def _unit(decl: UnitDecl, unit_name: str, force_det: set[str], force_random: set[str]) -> Unit:
+    f = decl.fields
+    facts = decl.process or ProcessFacts(returned=None)
+    posi = f.get("input_params_posi") if isinstance(f.get("input_params_posi"), dict) else {}
+    inputs = list(dict.fromkeys([*_as_names(f.get("input_params")), *_as_names(f.get("input_params_posi")),
+                                 *_as_names(f.get("input_params_nega"))]))
+    declared_out = _as_names(f.get("output_params"))
+    outputs = list(dict.fromkeys(declared_out))
+    if f.get("take_over"):
+        inputs += [p for p in facts.reads if p not in inputs]
+        if facts.writes:
+            outputs += sorted(p for p in facts.writes if p not in outputs)
+        requires = [p for p in facts.guards if p in inputs]
+    else:
+        if facts.returned:
+            outputs += sorted(p for p in facts.returned if p not in outputs)
+        # process receives input_params under their names and the posi side under its local names
+        local = {**{k: v for k, v in posi.items() if isinstance(v, str)}, **{p: p for p in _as_names(f.get("input_params"))}}
+        requires = list(dict.fromkeys(local[g] for g in facts.guards if g in local))
+    models = _as_names(f.get("onload_model_names"))
+    random = facts.random
+    if unit_name in force_random or decl.class_name in force_random:
+        random = True
+    elif unit_name in force_det or decl.class_name in force_det:
+        random = False
+    return Unit(unit_name, tuple(inputs), tuple(outputs), tuple(dict.fromkeys(models)), deterministic=not random,
+                requires=tuple(requires))
+
+
+def _check_declaration(decl: UnitDecl, known_models: set[str]) -> None:
+    f = decl.fields
+    for key in TUPLE_FIELDS:
+        value = f.get(key)
+        if isinstance(value, str):
+            _warn_string(decl.class_name, key, value, known_models)
+        elif value is not None and not isinstance(value, (tuple, list)):
+            declaration_warning(f"diffsynth: {decl.class_name}: {key} is a {type(value).__name__}, expected a tuple of names")
+    for key in DICT_FIELDS:
+        value = f.get(key)
+        if value is not None and not isinstance(value, dict):
+            declaration_warning(f"diffsynth: {decl.class_name}: {key} is a {type(value).__name__}, expected a dict "
+                                f"{{argument name: param name}}; DiffSynth calls .items() on it")
+    facts = decl.process
+    if facts is not None and not f.get("take_over") and facts.returned:
+        missing = sorted(facts.returned - set(_as_names(f.get("output_params"))))
+        if missing:
+            declaration_warning(f"diffsynth: {decl.class_name}: process returns {', '.join(missing)} but output_params "
+                                f"does not declare {'it' if len(missing) == 1 else 'them'}; DiffSynth's split cannot see "
+                                f"{'that write' if len(missing) == 1 else 'those writes'} (taken as outputs here)")
+
+
+def _warn_string(owner: str, key: str, value: str, known_models: set[str]) -> None:
+    chars = ", ".join(repr(c) for c in list(dict.fromkeys(value))[:4])
+    head = (f"diffsynth: {owner}: {key}=({value!r}) is the string {value!r}, not a one-element tuple; write "
+            f"({value!r},).")
+    if key in ("onload_model_names", "in_iteration_models"):
+        others = sorted(m for m in known_models if m != value and m in value)
+        if others:
+            tail = (f" DiffSynth tests model names against it as a substring, so it also treats {', '.join(others)} "
+                    f"as {'called by this unit' if key == 'onload_model_names' else 'used in the denoising loop'}")
+        else:
+            tail = (" DiffSynth tests model names against it as a substring (`name in " + repr(value) + "`), which "
+                    "matches only by luck today")
+    elif key == "input_params":
+        tail = f" DiffSynth iterates its characters ({chars}, ...): its split and its unit runner see those as params"
+    else:
+        tail = (f" DiffSynth iterates its characters ({chars}, ...): its split sees those as outputs and misses the "
+                f"write of {value}")
+    declaration_warning(head + tail)
+
+
+PIPELINES: dict = {}  # open-ended names: `resolve` answers every reference
+
+__all__ = ["ProcessFacts", "UnitDecl", "analyse_process", "build_pipeline", "from_installed", "from_source", "resolve"]
