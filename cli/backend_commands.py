@@ -56,8 +56,16 @@ def _is_main() -> bool:
 def result_lines(result: Any) -> list[str]:
     lines = []
     if "data_process" in result.stage_times:
-        how = "reused" if result.cache_reused else f"{result.stage_times['data_process']:.1f} s"
+        seconds = result.stage_times["data_process"]
+        if result.cache_reused:
+            how = f"all {result.entries_reused} {'entry' if result.entries_reused == 1 else 'entries'} reused"
+        else:
+            how = (f"{result.entries_computed} {'entry' if result.entries_computed == 1 else 'entries'} computed, "
+                   f"{result.entries_reused} reused, {seconds:.1f} s")
         lines.append(f"stage 1 (data_process): {result.samples} samples, {how} -> {result.cache_path}")
+    skipped = getattr(result, "skipped", None) or []
+    if skipped:
+        lines.append(f"skipped:    {len(skipped)} samples (warnings above; first: {skipped[0]['reason']})")
     if "train" in result.stage_times:
         step = result.median_step_s
         lines.append(f"{'stage 2 (train)' if result.task.endswith((':train', ':split')) else 'training'}: "

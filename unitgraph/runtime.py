@@ -77,3 +77,42 @@ def stage2_bindings(pipeline: Pipeline, plan: Plan) -> dict[tuple[str, str], Bin
 def cache_keys(plan: Plan) -> list[str]:
     """Every key a complete cache entry of one sample holds."""
     return [entry_key(p, w, plan.cache_mode) for p, w in plan.cache_entries]
+
+
+@dataclass(frozen=True)
+class Stage1Dependencies:
+    """What the values stage 1 stores depend on, read off a plan (for precise cache keys).
+
+    - `dataset_params`: dataset values that stage 1 reads (a data_process unit's input with no
+      earlier writer) or stores as they are (a cache entry written by the dataset);
+    - `models`: the models the data_process units call;
+    - `units`: the data_process units' declarations, in order;
+    - `entries`: the entry keys stored per sample.
+    Nothing else a stage-1 value can depend on, apart from the settings the units read from their
+    context, which only the backend knows.
+    """
+
+    dataset_params: list[str]
+    models: list[str]
+    units: list[dict]
+    entries: list[str]
+
+
+def stage1_dependencies(pipeline: Pipeline, plan: Plan) -> Stage1Dependencies:
+    active = active_pipeline(pipeline, plan)
+    vg = active.version_graph
+    found: dict[str, None] = {}
+    for name in plan.data_process_units:
+        for param, writer in vg.reaching[vg.position[name]].items():
+            if writer is None:
+                found.setdefault(param, None)
+    for param, writer in plan.cache_entries:
+        if writer is None:
+            found.setdefault(param, None)
+    units = [active.units[vg.position[name]] for name in plan.data_process_units]
+    return Stage1Dependencies(
+        dataset_params=sorted(found),
+        models=sorted({m for u in units for m in u.models}),
+        units=[u.to_dict() for u in units],
+        entries=cache_keys(plan),
+    )

@@ -1,44 +1,74 @@
-"""The stage-1 cache: one safetensors file per sample, plus manifest.json.
+"""The stage-1 cache: content-addressed safetensors entries, a manifest with checksums, per-process journals.
 
-Layout of a cache folder:
+Layout of a cache folder (docs/cache.md has the full story):
 
-    manifest.json                 format, status, plan (and its fingerprint), settings + their hash,
-                                  the entry keys and the list of samples (index, sample_id, file)
-    entries/<sample_id>.safetensors
+    manifest.json                       format, status, the plan and its fingerprint, what the entry keys
+                                        were derived from (`key_inputs`), the arguments stage 1 ran with
+                                        (`made_with`), the samples (index, sample_id, key), one record per
+                                        entry (file, size, sha256) and the samples stage 1 skipped
+    entries/<key>.safetensors           one file per distinct entry key
+    journal/rank-<r>.jsonl              while stage 1 runs: one line per entry process r finished
+    hashes.json                         sha256 of model weights and data files, keyed by path, size, mtime
+    .lock                               held by the process that fills the cache
+
+An entry's key is the sha256 of everything its values depend on, read off the plan: the unit list,
+the settings those units read, the weights of the models they call, and the sample's dataset
+values that stage 1 reads (file bytes, metadata fields). Two samples with the same inputs share
+one entry; a changed input gives a new key, so a stale entry can never be mistaken for a fresh one.
 
 An entry file holds the sample's cached values under their entry keys (`param` in latest mode,
 `param@writer` in versioned mode). Tensors are safetensors tensors; everything else (None, ints,
 strings, lists, tuples) is JSON in the safetensors header (key `unitgraph`), where a tensor nested
-in a list is a reference to a stored tensor. Never pickle. Every file is written atomically, so an
-interrupted stage 1 leaves whole entries only; a manifest that says `complete` is written last.
+in a list is a reference to a stored tensor. Never pickle.
+
+Crash safety: an entry is written to a temporary file, fsynced and renamed into place, then
+recorded (size and sha256) in its process's journal, fsynced. The main process merges journals
+into the manifest before and after the work, under the lock, so no two processes ever write the
+manifest and an interrupted run leaves only complete, recorded entries (an entry renamed but not
+yet recorded is recomputed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import shutil
+import os
+import time
 from pathlib import Path
-from typing import Any, Iterable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from unitgraph.atomic import write_bytes_atomic, write_text_atomic
 
 from .args import BackendError
 
-FORMAT = "unitgraph.cache/v1"
+if TYPE_CHECKING:  # torch is imported where tensors are handled: `cache verify` and `cache info` start without it
+    import torch
+
+FORMAT = "unitgraph.cache/v2"
+HASHES_FORMAT = "unitgraph.hashes/v1"
 MANIFEST = "manifest.json"
 ENTRIES = "entries"
+JOURNAL = "journal"
+HASHES = "hashes.json"
+LOCK = ".lock"
 HEADER_KEY = "unitgraph"
-_LARGE_FILE = 256 * 1024 * 1024  # files above this are identified by size and mtime, not content
+ENTRY_SUFFIX = ".safetensors"
+# Files that can run code when loaded (pickle and formats built on it). A cache never contains
+# them; one found in a cache folder is ignored with a warning, never opened.
+UNSAFE_SUFFIXES = (".pkl", ".pickle", ".pth", ".pt", ".ckpt", ".bin", ".joblib", ".dill", ".npy", ".npz")
+# A file modified this close to the moment it was hashed may change again without a visible
+# mtime change (coarse timestamps): its remembered hash is not trusted (git's "racily clean").
+RACY_NS = 2_000_000_000
 
 
 # ------------------------------------------------------------------------------------------------
 # values <-> safetensors + JSON
 
 
-def _encode(value: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
+def _encode(value: Any, tensors: dict[str, "torch.Tensor"], path: str) -> Any:
+    import torch
+
     if isinstance(value, torch.Tensor):
         tensors[path] = value.detach().to("cpu").contiguous().clone()
         return {"__tensor__": path}
@@ -84,6 +114,19 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return value
 
 
+def _tensor_refs(value: Any) -> list[str]:
+    """Names of the stored tensors an encoded value refers to."""
+    if isinstance(value, dict):
+        if set(value) in ({"__tensor__"}, {"__image__"}):
+            return [next(iter(value.values()))]
+        if set(value) == {"__tuple__"}:
+            return [r for v in value["__tuple__"] for r in _tensor_refs(v)]
+        return [r for v in value.values() for r in _tensor_refs(v)]
+    if isinstance(value, list):
+        return [r for v in value for r in _tensor_refs(v)]
+    return []
+
+
 def entry_bytes(values: dict[str, Any], meta: dict[str, Any]) -> bytes:
     from safetensors.torch import save
 
@@ -93,37 +136,79 @@ def entry_bytes(values: dict[str, Any], meta: dict[str, Any]) -> bytes:
     return save(tensors, metadata={HEADER_KEY: header})
 
 
+def _safetensors_header(data: bytes, source: str) -> dict[str, Any]:
+    if len(data) < 8:
+        raise BackendError(f"not a safetensors file ({len(data)} bytes)", source=source)
+    size = int.from_bytes(data[:8], "little")
+    if size <= 0 or 8 + size > len(data):
+        raise BackendError("not a safetensors file (bad header length)", source=source)
+    try:
+        header = json.loads(data[8:8 + size])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise BackendError("not a safetensors file (unreadable header)", source=source) from None
+    if not isinstance(header, dict):
+        raise BackendError("not a safetensors file (header is not an object)", source=source)
+    return header
+
+
+def parse_entry(data: bytes, source: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(values by entry key, meta) of the bytes of one entry file."""
+    from safetensors.torch import load
+
+    header = _safetensors_header(data, source)
+    raw = (header.get("__metadata__") or {}).get(HEADER_KEY)
+    if raw is None:
+        raise BackendError("not a unitgraph cache entry (no header)", source=source)
+    try:
+        tensors = load(data)
+        content = json.loads(raw)
+        return _decode(content["values"], tensors), content["meta"]
+    except Exception as exc:  # safetensors raises its own error types for damaged files
+        raise BackendError(f"unreadable cache entry ({type(exc).__name__}: {exc})", source=source) from None
+
+
 def write_entry(path: str | Path, values: dict[str, Any], meta: dict[str, Any]) -> None:
     write_bytes_atomic(path, entry_bytes(values, meta))
 
 
 def read_entry(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(values by entry key, meta) of one entry file."""
-    from safetensors import safe_open
-
     path = Path(path)
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            header = (handle.metadata() or {}).get(HEADER_KEY)
-            tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+        data = path.read_bytes()
     except FileNotFoundError:
         raise BackendError("cache entry is missing; run the data_process stage again", source=str(path)) from None
-    except Exception as exc:
-        raise BackendError(f"unreadable cache entry ({type(exc).__name__}: {exc})", source=str(path)) from None
-    if header is None:
-        raise BackendError("not a unitgraph cache entry (no header)", source=str(path))
-    data = json.loads(header)
-    return _decode(data["values"], tensors), data["meta"]
+    except OSError as exc:
+        raise BackendError(f"unreadable cache entry ({exc.strerror or exc})", source=str(path)) from None
+    return parse_entry(data, str(path))
+
+
+def entry_key_sizes(path: str | Path) -> dict[str, int]:
+    """Bytes of tensor data under each entry key of one entry file (reads only the header)."""
+    path = Path(path)
+    with path.open("rb") as handle:
+        head = handle.read(8)
+        size = int.from_bytes(head, "little") if len(head) == 8 else 0
+        data = head + handle.read(size)
+    header = _safetensors_header(data, str(path))
+    content = json.loads((header.get("__metadata__") or {}).get(HEADER_KEY, "{}"))
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    out = {}
+    for key, value in (content.get("values") or {}).items():
+        out[key] = sum(int(tensors[r]["data_offsets"][1]) - int(tensors[r]["data_offsets"][0])
+                       for r in _tensor_refs(value) if r in tensors)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
-# settings hash
+# hashing
 
 
-def file_digest(path: Path) -> str:
-    stat = path.stat()
-    if stat.st_size > _LARGE_FILE:
-        return f"size={stat.st_size};mtime={stat.st_mtime_ns}"
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -131,85 +216,170 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+def canonical_hash(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def settings_hash(settings: dict[str, Any]) -> str:
-    text = json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str)
-    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return "sha256:" + canonical_hash(settings)
+
+
+def entry_key(static_hash: str, sample_inputs: dict[str, Any]) -> str:
+    """The key of one sample's entry: its inputs under the shared unit list, settings and models."""
+    return canonical_hash({"static": static_hash, "sample": sample_inputs})
+
+
+class HashMemo:
+    """sha256 of files, remembered in `path` (JSON) keyed by path, size, mtime (and inode, ctime).
+
+    Weights are hashed once per file version: a later run only stats them. `hashed` lists the
+    files this memo actually read.
+    """
+
+    def __init__(self, path: Optional[Path]):
+        self.path = path
+        self.files: dict[str, dict[str, Any]] = {}
+        self.hashed: list[Path] = []
+        self.touched: set[str] = set()
+        self.dirty = False
+        if path is not None and path.is_file():
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+                if isinstance(data, dict) and data.get("format") == HASHES_FORMAT and isinstance(data.get("files"), dict):
+                    self.files = data["files"]
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                self.files = {}  # a damaged memo only costs re-hashing
+
+    def digest(self, path: Path) -> str:
+        path = Path(path)
+        stat = path.stat()
+        name = os.path.realpath(path)
+        self.touched.add(name)
+        ident = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns, "ino": stat.st_ino}
+        known = self.files.get(name)
+        if known and all(known.get(k) == v for k, v in ident.items()) and stat.st_mtime_ns + RACY_NS < known.get("hashed_at_ns", 0):
+            return known["sha256"]
+        value = sha256_file(path)
+        self.files[name] = {**ident, "sha256": value, "hashed_at_ns": time.time_ns()}
+        self.hashed.append(path)
+        self.dirty = True
+        return value
+
+    def save(self, prune: bool = False) -> None:
+        """Write the memo (when it changed); `prune` forgets files this memo was not asked about."""
+        if prune and set(self.files) - self.touched:
+            self.files = {k: v for k, v in self.files.items() if k in self.touched}
+            self.dirty = True
+        if self.path is None or not self.dirty or not self.path.parent.is_dir():
+            return
+        write_text_atomic(self.path, json.dumps({"format": HASHES_FORMAT, "files": self.files}, sort_keys=True) + "\n")
+        self.dirty = False
+
+
+# ------------------------------------------------------------------------------------------------
+# journals: one append-only file per process
+
+
+class Journal:
+    """Append-only JSON lines, each fsynced: what one process has finished."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def append(self, record: dict[str, Any]) -> None:
+        os.write(self.fd, (json.dumps(record, sort_keys=True) + "\n").encode("utf-8"))
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "Journal":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 # ------------------------------------------------------------------------------------------------
 # the cache folder
 
 
+def sample_label(sample: dict[str, Any]) -> str:
+    index = int(sample["index"])
+    sid = str(sample.get("sample_id") or "")[:12]
+    return f"sample {index} (metadata row {index + 1}{', id ' + sid if sid else ''})"
+
+
 class Cache:
-    """A cache folder for one plan and one set of stage-1 settings."""
+    """One cache folder (see the module docstring)."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
 
+    # --- paths -----------------------------------------------------------------------------------
     @property
     def manifest_path(self) -> Path:
         return self.folder / MANIFEST
 
-    def entry_path(self, sample_id: str) -> Path:
-        return self.folder / ENTRIES / f"{sample_id}.safetensors"
+    @property
+    def entries_dir(self) -> Path:
+        return self.folder / ENTRIES
 
-    def read_manifest(self) -> dict[str, Any] | None:
+    @property
+    def journal_dir(self) -> Path:
+        return self.folder / JOURNAL
+
+    @property
+    def hashes_path(self) -> Path:
+        return self.folder / HASHES
+
+    def entry_file(self, key: str) -> Path:
+        return self.entries_dir / f"{key}{ENTRY_SUFFIX}"
+
+    def entry_path(self, sample_id: str) -> Path:
+        """The entry file of the sample with this id, looked up in the manifest (for readers keyed by sample id).
+
+        Reading through this path skips the checksum; `load_entry` checks it.
+        """
+        if getattr(self, "_by_sample_id", None) is None:
+            manifest = self.read_manifest() or {}
+            self._by_sample_id = {str(s["sample_id"]): str(s["key"]) for s in manifest.get("samples") or []}
+        key = self._by_sample_id.get(str(sample_id))
+        if key is None:
+            raise BackendError(f"no cache entry for sample id {str(sample_id)[:12]} in the manifest", source=str(self.folder))
+        return self.entry_file(key)
+
+    def journal_path(self, rank: int) -> Path:
+        return self.journal_dir / f"rank-{rank}.jsonl"
+
+    # --- manifest --------------------------------------------------------------------------------
+    def read_manifest(self) -> Optional[dict[str, Any]]:
+        if self.folder.exists() and not self.folder.is_dir():
+            raise BackendError("is a file, not a cache folder", source=str(self.folder))
         if not self.manifest_path.is_file():
             return None
         try:
             data = json.loads(self.manifest_path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise BackendError(f"unreadable cache manifest: {exc}", source=str(self.manifest_path)) from None
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BackendError(f"unreadable cache manifest ({exc}); delete the cache folder and run the data_process "
+                               "stage again", source=str(self.manifest_path)) from None
+        if not isinstance(data, dict):
+            raise BackendError("not a unitgraph cache manifest", source=str(self.manifest_path))
+        fmt = data.get("format")
+        if fmt != FORMAT:
+            if isinstance(fmt, str) and fmt.startswith("unitgraph.cache/"):
+                raise BackendError(f"cache format {fmt} is not {FORMAT} (made by another unitgraph version); "
+                                   "delete the folder or choose another cache folder", source=str(self.folder))
             raise BackendError(f"not a unitgraph cache manifest (expected format {FORMAT})", source=str(self.manifest_path))
         return data
 
-    def matches(self, manifest: dict[str, Any] | None, fingerprint: str, settings_digest: str) -> bool:
-        return bool(manifest) and manifest.get("plan_fingerprint") == fingerprint and manifest.get("settings_hash") == settings_digest
-
-    def begin(self, plan: Any, settings: dict[str, Any], settings_digest: str) -> bool:
-        """Prepare for stage 1 (main process). Returns True when existing entries are kept (same plan and settings)."""
-        manifest = self.read_manifest()
-        keep = self.matches(manifest, plan.fingerprint, settings_digest)
-        if not keep:
-            if (self.folder / ENTRIES).is_dir():
-                shutil.rmtree(self.folder / ENTRIES)
-        (self.folder / ENTRIES).mkdir(parents=True, exist_ok=True)
-        self._write_manifest(plan, settings, settings_digest, status="filling", samples=None)
-        return keep
-
-    def finish(self, plan: Any, settings: dict[str, Any], settings_digest: str, samples: list[dict[str, Any]]) -> None:
-        missing = [s for s in samples if not self.entry_path(s["sample_id"]).is_file()]
-        if missing:
-            raise RuntimeError(f"stage 1 left {len(missing)} samples without a cache entry (e.g. index {missing[0]['index']})")
-        self._write_manifest(plan, settings, settings_digest, status="complete", samples=samples)
-
-    def _write_manifest(self, plan: Any, settings: dict[str, Any], settings_digest: str, status: str,
-                        samples: list[dict[str, Any]] | None) -> None:
-        from unitgraph.runtime import cache_keys
-
-        manifest = {
-            "format": FORMAT,
-            "status": status,
-            "pipeline": plan.pipeline,
-            "plan_fingerprint": plan.fingerprint,
-            "cache_mode": plan.cache_mode,
-            "keys": cache_keys(plan),
-            "settings_hash": settings_digest,
-            "settings": settings,
-            "plan": plan.to_dict(),
-            "num_samples": None if samples is None else len(samples),
-            "samples": samples,
-        }
-        write_text_atomic(self.manifest_path, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-
-    def is_complete_for(self, fingerprint: str, settings_digest: str, sample_ids: Iterable[str]) -> bool:
-        manifest = self.read_manifest()
-        if not self.matches(manifest, fingerprint, settings_digest) or manifest.get("status") != "complete":
-            return False
-        listed = {s["sample_id"] for s in manifest.get("samples") or []}
-        ids = list(sample_ids)
-        return listed == set(ids) and all(self.entry_path(i).is_file() for i in ids)
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        write_text_atomic(self.manifest_path, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
     def open_for_training(self, plan: Any) -> dict[str, Any]:
         """The manifest of a complete cache made under `plan`; a one-line BackendError otherwise."""
@@ -218,19 +388,228 @@ class Cache:
         manifest = self.read_manifest()
         if manifest is None:
             raise BackendError("no manifest.json: not a cache folder (run the data_process stage first)", source=str(self.folder))
-        if manifest.get("status") != "complete":
-            raise BackendError("cache is incomplete (its data_process stage did not finish)", source=str(self.folder))
         if manifest.get("plan_fingerprint") != plan.fingerprint:
-            theirs = manifest.get("plan", {})
+            from .registry import TASK_PIPELINES
+
+            family = next((f for f, p in TASK_PIPELINES.items() if p == plan.pipeline), "sft")
             raise BackendError(
-                "cache was made under another plan "
-                f"(cache: {manifest.get('pipeline')}, backward {theirs.get('models_require_backward')}, {manifest.get('cache_mode')}; "
-                f"now: {plan.pipeline}, backward {plan.models_require_backward}, {plan.cache_mode}); "
-                "run data_process again with the same --trainable_models/--lora_base_model/--cache_mode",
+                f"cache was made under another plan ({describe_plan_change(manifest, plan)}); train with the "
+                "--trainable_models/--lora_base_model/--cache_mode it was made with, or build this plan's cache in another "
+                f"folder (--task {family}:data_process, or --task {family}:split)",
                 source=str(self.folder))
+        if manifest.get("status") != "complete":
+            done = len(manifest.get("entries") or {})
+            raise BackendError(f"cache is incomplete ({done} entries; its data_process stage did not finish): "
+                               "re-run the data_process stage to complete it", source=str(self.folder))
         return manifest
 
+    # --- folder hygiene --------------------------------------------------------------------------
+    def unsafe_files(self) -> list[Path]:
+        """Pickle-like files in the folder: never loaded, reported so the user knows."""
+        if not self.folder.is_dir():
+            return []
+        return sorted(p for p in self.folder.rglob("*") if p.is_file() and p.suffix.lower() in UNSAFE_SUFFIXES)
 
-def model_files_digest(files_by_slot: dict[str, list[Path]]) -> dict[str, dict[str, str]]:
-    """{slot: {parent/name: digest}}: what the stage-1 models are, independent of where they live."""
-    return {slot: {f"{p.parent.name}/{p.name}": file_digest(p) for p in files} for slot, files in sorted(files_by_slot.items())}
+    def warn_unsafe(self, warn: Callable[[str], None]) -> None:
+        for path in self.unsafe_files():
+            warn(f"warning: ignoring {path}: unitgraph never loads {path.suffix} files (they can run code); "
+                 "caches hold only safetensors and JSON")
+
+    def clean_temp_files(self) -> int:
+        """Temporary files left by an interrupted atomic write (main process, under the lock)."""
+        removed = 0
+        for folder in (self.folder, self.entries_dir):
+            if folder.is_dir():
+                for path in folder.glob(".*.tmp"):
+                    path.unlink(missing_ok=True)
+                    removed += 1
+        return removed
+
+    def entry_files(self) -> list[Path]:
+        return sorted(self.entries_dir.glob(f"*{ENTRY_SUFFIX}")) if self.entries_dir.is_dir() else []
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Exclusive right to fill this cache (released by the kernel if the process dies)."""
+        import fcntl
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise BackendError("another unitgraph process is filling this cache; wait for it to finish "
+                                   "or choose another cache folder", source=str(self.folder)) from None
+            yield
+        finally:
+            os.close(fd)
+
+    # --- journals --------------------------------------------------------------------------------
+    def read_journals(self) -> list[dict[str, Any]]:
+        """Every complete record of every process's journal (a line cut short by a crash is ignored)."""
+        records = []
+        if not self.journal_dir.is_dir():
+            return records
+        for path in sorted(self.journal_dir.glob("*.jsonl")):
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(record, dict):
+                    records.append(record)
+        return records
+
+    def clear_journals(self) -> None:
+        if self.journal_dir.is_dir():
+            for path in self.journal_dir.glob("*.jsonl"):
+                path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.journal_dir.rmdir()
+
+    # --- entries ---------------------------------------------------------------------------------
+    def store_entry(self, key: str, values: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+        """Write one entry atomically; its record (file, size, sha256) for the manifest."""
+        data = entry_bytes(values, meta)
+        path = self.entry_file(key)
+        write_bytes_atomic(path, data)
+        return {"key": key, "file": f"{ENTRIES}/{path.name}", "size": len(data), "sha256": sha256_bytes(data)}
+
+    def check_entry(self, record: dict[str, Any]) -> Optional[str]:
+        """None when the entry file has the recorded size and checksum; the problem otherwise."""
+        path = self.folder / record["file"]
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return "entry file is missing"
+        if size != record["size"]:
+            return f"entry file has {size} bytes, expected {record['size']} (truncated or overwritten)"
+        if sha256_file(path) != record["sha256"]:
+            return "entry file does not match its checksum (corrupted)"
+        return None
+
+    def load_entry(self, record: dict[str, Any], label: str, verify: bool = True) -> dict[str, Any]:
+        """The values of one entry, checked against its record (size always, checksum when `verify`)."""
+        path = self.folder / record["file"]
+        hint = f"run 'unitgraph cache repair {self.folder}' or the data_process stage again"
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise BackendError(f"cache entry of {label} is missing; {hint}", source=str(path)) from None
+        except OSError as exc:
+            raise BackendError(f"cache entry of {label} is unreadable ({exc.strerror or exc}); {hint}", source=str(path)) from None
+        if len(data) != record["size"]:
+            raise BackendError(f"cache entry of {label} has {len(data)} bytes, expected {record['size']} "
+                               f"(truncated or overwritten); {hint}", source=str(path))
+        if verify and sha256_bytes(data) != record["sha256"]:
+            raise BackendError(f"cache entry of {label} does not match its checksum (corrupted); {hint}", source=str(path))
+        values, _ = parse_entry(data, str(path))
+        return values
+
+
+def describe_plan_change(manifest: dict[str, Any], plan: Any) -> str:
+    theirs = manifest.get("plan") or {}
+    return (f"cache: {manifest.get('pipeline')}, backward {theirs.get('models_require_backward')}, {manifest.get('cache_mode')}; "
+            f"now: {plan.pipeline}, backward {plan.models_require_backward}, {plan.cache_mode}")
+
+
+def model_files_digest(files_by_slot: dict[str, list[Path]], digest: Callable[[Path], str] = sha256_file) -> dict[str, dict[str, str]]:
+    """{slot: {parent/name: sha256}}: what the stage-1 models are, independent of where they live."""
+    return {slot: {f"{p.parent.name}/{p.name}": digest(p) for p in files} for slot, files in sorted(files_by_slot.items())}
+
+
+# ------------------------------------------------------------------------------------------------
+# `unitgraph cache verify` and `unitgraph cache info` (no torch needed)
+
+
+def open_cache(folder: str | Path) -> tuple[Cache, dict[str, Any]]:
+    cache = Cache(folder)
+    if not cache.folder.is_dir():
+        raise BackendError("no such cache folder", source=str(cache.folder))
+    manifest = cache.read_manifest()
+    if manifest is None:
+        raise BackendError("no manifest.json: not a cache folder", source=str(cache.folder))
+    return cache, manifest
+
+
+def verify_cache(folder: str | Path) -> tuple[list[str], dict[str, Any]]:
+    """Check every entry a cache's manifest lists (size and sha256). Returns (problems, statistics)."""
+    start = time.perf_counter()
+    cache, manifest = open_cache(folder)
+    records = manifest.get("entries") or {}
+    samples = manifest.get("samples") or []
+    problems: list[str] = []
+    results: dict[str, Optional[str]] = {}
+    unrecorded = [s for s in samples if s.get("key") not in records]
+    if manifest.get("status") != "complete":
+        problems.append(f"{cache.folder}: cache is incomplete ({len(unrecorded)} of {len(samples)} samples have no entry "
+                        "yet: its data_process stage did not finish); run it again to complete the cache")
+    else:
+        for s in unrecorded:
+            problems.append(f"{cache.manifest_path}: {sample_label(s)} has no entry record")
+    total = 0
+    for s in samples:
+        record = records.get(s.get("key"))
+        if record is None:
+            continue
+        key = record["key"]
+        if key not in results:
+            results[key] = cache.check_entry(record)
+            if results[key] is None:
+                total += int(record["size"])
+        if results[key] is not None:
+            problems.append(f"{cache.folder / record['file']}: {sample_label(s)}: {results[key]}")
+    stats = {"samples": len(samples), "entries": len(results), "bytes": total,
+             "seconds": time.perf_counter() - start, "skipped": len(manifest.get("skipped") or [])}
+    return problems, stats
+
+
+def cache_info(folder: str | Path) -> dict[str, Any]:
+    """What `unitgraph cache info` prints: samples, bytes (per entry key too), plan, models, settings."""
+    cache, manifest = open_cache(folder)
+    records = manifest.get("entries") or {}
+    samples = manifest.get("samples") or []
+    plan = manifest.get("plan") or {}
+    key_sizes: dict[str, dict[str, int]] = {}
+    for key, record in records.items():
+        path = cache.folder / record["file"]
+        try:
+            key_sizes[key] = entry_key_sizes(path)
+        except (OSError, BackendError, ValueError, KeyError):
+            key_sizes[key] = {}
+    per_key: dict[str, int] = {}
+    for s in samples:
+        for name, size in key_sizes.get(s.get("key"), {}).items():
+            per_key[name] = per_key.get(name, 0) + size
+    n = max(1, len(samples))
+    total = sum(int(r["size"]) for r in records.values())
+    return {
+        "folder": str(cache.folder),
+        "format": manifest.get("format"),
+        "status": manifest.get("status"),
+        "pipeline": manifest.get("pipeline"),
+        "plan_fingerprint": manifest.get("plan_fingerprint"),
+        "cache_mode": manifest.get("cache_mode"),
+        "models_require_backward": plan.get("models_require_backward"),
+        "data_process": plan.get("data_process"),
+        "train": plan.get("train"),
+        "samples": len(samples),
+        "skipped": manifest.get("skipped") or [],
+        "entries": len(records),
+        "bytes": total,
+        "bytes_per_sample": total / n if samples else 0,
+        "bytes_per_sample_by_key": {k: per_key.get(k, 0) / n for k in (manifest.get("keys") or sorted(per_key))},
+        "models": (manifest.get("key_inputs") or {}).get("models") or {},
+        "settings": manifest.get("settings") or {},
+        "made_with": manifest.get("made_with") or {},
+        "unsafe_files": [str(p) for p in cache.unsafe_files()],
+    }
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"  # pragma: no cover

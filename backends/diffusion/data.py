@@ -7,7 +7,12 @@ resizes them). The pipeline receives `image` and `prompt`, plus the columns name
 provide are None.
 
 A sample's identity is its metadata row plus the bytes of its files: `sample_id(i)` hashes both,
-so a cache entry or a random draw follows the sample, not its position.
+so a random draw follows the sample, not its position. What a cache entry depends on is narrower:
+`key_inputs(i, params)` describes only the values stage 1 reads (file bytes, typed fields).
+
+Per-sample problems that a cheap look finds (a missing file, a file that is not an image, an image
+smaller than 16 px) raise `SampleError`: the stages skip such a sample with a warning and count it.
+Anything else stops the run (docs/cache.md).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import csv
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 from .args import BackendError
 
@@ -24,6 +29,23 @@ REQUIRED_COLUMNS = ("image", "prompt")
 IMAGE_PARAMS = ("image", "edit_image")
 # Typed dataset params: metadata files (csv in particular) carry strings.
 PARAM_TYPES = {"seed": int, "num_inference_steps": int, "cfg_scale": float}
+MIN_IMAGE_SIDE = 16
+
+
+class SampleError(BackendError):
+    """One sample cannot be used (missing file, not an image, too small): skipped with a warning."""
+
+    def __init__(self, message: str, *, index: int, source: str | None = None):
+        self.index = index
+        super().__init__(message, source=source)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_metadata(path: str | Path) -> list[dict[str, Any]]:
@@ -120,11 +142,12 @@ class DiffusionDataset:
 
     def _file(self, index: int, key: str, name: Any) -> Path:
         if not isinstance(name, str) or not name:
-            raise BackendError(f"row {index + 1}: column {key!r} must name a file, got {name!r}", source=str(self.metadata_path))
+            raise SampleError(f"row {index + 1}: column {key!r} must name a file, got {name!r}", index=index,
+                              source=str(self.metadata_path))
         path = self.base_path / name
         if not path.is_file():
-            raise BackendError(f"row {index + 1}: missing file {name!r} (column {key!r}) under {self.base_path}",
-                               source=str(self.metadata_path))
+            raise SampleError(f"row {index + 1}: missing file {name!r} (column {key!r}) under {self.base_path}",
+                              index=index, source=str(self.metadata_path))
         return path
 
     def files(self, index: int) -> dict[str, list[Path]]:
@@ -138,23 +161,72 @@ class DiffusionDataset:
             out[key] = [self._file(index, key, name) for name in names]
         return out
 
-    def sample_id(self, index: int) -> str:
-        """sha256 of the metadata row and the bytes of its files."""
+    def sample_id(self, index: int, file_digest: Optional[Callable[[Path], str]] = None) -> str:
+        """sha256 of the metadata row and the bytes of its files (`file_digest`: a remembering sha256)."""
         if index not in self._ids:
+            file_digest = file_digest or file_sha256
             digest = hashlib.sha256()
             digest.update(json.dumps(self.rows[index], sort_keys=True, default=str).encode("utf-8"))
             for key, paths in sorted(self.files(index).items()):
                 for path in paths:
                     digest.update(f"\0{key}\0".encode("utf-8"))
-                    digest.update(hashlib.sha256(path.read_bytes()).digest())
+                    digest.update(bytes.fromhex(file_digest(path)))
             self._ids[index] = digest.hexdigest()
         return self._ids[index]
+
+    def key_inputs(self, index: int, params: Iterable[str], file_digest: Optional[Callable[[Path], str]] = None) -> dict[str, Any]:
+        """What the given dataset params of one sample are made of: file digests or typed field values.
+
+        Exactly the inputs stage 1 reads, so a cache key built on it changes when (and only when)
+        one of them does: a column no stage-1 unit reads is not part of it.
+        """
+        file_digest = file_digest or file_sha256
+        files = self.files(index)
+        out: dict[str, Any] = {}
+        for param in params:
+            if param not in self.inputs:
+                out[param] = None
+            elif param in files:
+                out[param] = {"files": [file_digest(path) for path in files[param]]}
+            else:
+                out[param] = {"value": self._value(index, param)}
+        return out
+
+    def check(self, index: int) -> None:
+        """A cheap look at one sample's images: SampleError when one is missing, not an image or too small."""
+        from PIL import Image, UnidentifiedImageError
+
+        files = self.files(index)
+        for param in self.inputs:
+            for path in files.get(param, []):
+                try:
+                    with Image.open(path) as img:
+                        size = img.size
+                        img.verify()  # reads the file's structure (PNG chunk checksums) without decoding
+                except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+                    raise SampleError(f"row {index + 1}: {path.name!r} (column {param!r}) is not a readable image "
+                                      f"({type(exc).__name__}: {_first_line(exc)})", index=index,
+                                      source=str(self.metadata_path)) from None
+                if min(size) < MIN_IMAGE_SIDE:
+                    raise SampleError(f"row {index + 1}: image {path.name!r} (column {param!r}) is {size[0]}x{size[1]} px, "
+                                      f"smaller than {MIN_IMAGE_SIDE} px", index=index, source=str(self.metadata_path))
+
+    def _value(self, index: int, param: str) -> Any:
+        value = self.rows[index].get(param)
+        if value == "":
+            value = None
+        if value is not None and param in PARAM_TYPES:
+            try:
+                value = PARAM_TYPES[param](value)
+            except (TypeError, ValueError):
+                raise BackendError(f"row {index + 1}: column {param!r} must be a {PARAM_TYPES[param].__name__}, got {value!r}",
+                                   source=str(self.metadata_path)) from None
+        return value
 
     def sample(self, index: int) -> dict[str, Any]:
         """The dataset params of one sample (None where the dataset provides nothing)."""
         from PIL import Image, UnidentifiedImageError
 
-        row = self.rows[index]
         files = self.files(index)
         state: dict[str, Any] = {}
         for param in self.dataset_params:
@@ -167,22 +239,18 @@ class DiffusionDataset:
                     try:
                         with Image.open(path) as img:
                             images.append(img.convert("RGB"))
-                    except (UnidentifiedImageError, OSError) as exc:
-                        raise BackendError(f"row {index + 1}: cannot read image {path.name!r}: {exc}",
+                    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+                        raise BackendError(f"row {index + 1}: cannot read image {path.name!r}: {_first_line(exc)}",
                                            source=str(self.metadata_path)) from None
                 state[param] = images[0] if len(images) == 1 else images
                 continue
-            value = row.get(param)
-            if value == "":
-                value = None
-            if value is not None and param in PARAM_TYPES:
-                try:
-                    value = PARAM_TYPES[param](value)
-                except (TypeError, ValueError):
-                    raise BackendError(f"row {index + 1}: column {param!r} must be a {PARAM_TYPES[param].__name__}, got {value!r}",
-                                       source=str(self.metadata_path)) from None
-            state[param] = value
+            state[param] = self._value(index, param)
         return state
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def write_synthetic_dataset(folder: str | Path, count: int = 8, size: int = 64, seed: int = 0,

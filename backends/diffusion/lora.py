@@ -61,7 +61,13 @@ def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_lora_checkpoint(model: torch.nn.Module, slot: str, path: str | Path) -> None:
-    """Load LoRA weights saved by `save_checkpoint` (or diffusers) into the adapter of `model`."""
+    """Load LoRA weights saved by `save_checkpoint` (or diffusers) into the adapter of `model`.
+
+    The checkpoint must fit the adapter exactly: every LoRA weight of the checkpoint names a LoRA
+    module of `model` with the same shape, and every LoRA module gets a weight. Anything else is
+    a BackendError naming the file (a checkpoint whose keys match no module would otherwise load
+    nothing and train from scratch without a word).
+    """
     from peft.utils import set_peft_model_state_dict
 
     state = read_safetensors(path)
@@ -76,6 +82,23 @@ def load_lora_checkpoint(model: torch.nn.Module, slot: str, path: str | Path) ->
             picked[key] = value  # saved with --remove_prefix_in_ckpt
     if not picked:
         raise BackendError(f"no LoRA weights for {slot} in the checkpoint", source=str(path))
+    expected = {k: v.shape for k, v in lora_state_dict(model).items()}
+    matched = [k for k in picked if k in expected]
+    if not matched:
+        raise BackendError(f"none of the checkpoint's {len(picked)} LoRA weights matches a LoRA module of {slot} "
+                           f"(e.g. {next(iter(picked))}); check --lora_target_modules and --lora_base_model", source=str(path))
+    unexpected = [k for k in picked if k not in expected]
+    if unexpected:
+        raise BackendError(f"LoRA checkpoint does not fit {slot} (e.g. {unexpected[0]}); check --lora_target_modules/--lora_rank",
+                           source=str(path))
+    for key in matched:
+        if tuple(picked[key].shape) != tuple(expected[key]):
+            raise BackendError(f"LoRA checkpoint does not fit {slot}: {key} has shape {list(picked[key].shape)}, the adapter "
+                               f"{list(expected[key])}; check --lora_rank", source=str(path))
+    missing = sorted(set(expected) - set(picked))
+    if missing:
+        raise BackendError(f"LoRA checkpoint has no weights for {len(missing)} of the {len(expected)} LoRA weights of {slot} "
+                           f"(e.g. {missing[0]}); use the --lora_target_modules it was trained with", source=str(path))
     result = set_peft_model_state_dict(model, picked, adapter_name=ADAPTER)
     unexpected = getattr(result, "unexpected_keys", None) or []
     if unexpected:

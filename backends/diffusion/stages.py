@@ -1,9 +1,12 @@
 """The training loops: unsplit (`sft`), stage 1 (`:data_process`), stage 2 (`:train`) and both (`:split`).
 
 Stage 1 follows `unitgraph.runtime.stage1_schedule(plan)`: it runs the plan's data_process units
-under no_grad and stores each sample's cache entries. Stage 2 follows `stage2_bindings`: every
-input of a train unit and of the sink comes either from a live train output or from a cache
-entry. Each stage loads only its plan's models.
+under no_grad and stores each sample's cache entry under a key derived from exactly what the entry
+depends on (`stage1_dependencies`, `UNIT_SETTINGS`; see cache.py and docs/cache.md). A re-run
+computes only the entries whose key is new or whose file fails its checksum. Stage 2 follows
+`stage2_bindings`: every input of a train unit and of the sink comes either from a live train
+output or from a cache entry, checked against its size and checksum. Each stage loads only its
+plan's models.
 
 All randomness comes from generators derived from --seed (see `randomness.py`), so the unsplit run
 and the split run draw the same numbers and end with the same losses and weights.
@@ -14,9 +17,12 @@ from __future__ import annotations
 import contextlib
 import csv
 import gc
+import importlib
 import io
 import json
+import math
 import os
+import shutil
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -27,12 +33,13 @@ import torch
 
 from unitgraph.atomic import write_text_atomic
 from unitgraph.plan import Plan, split
-from unitgraph.runtime import SINK, stage1_schedule, stage2_bindings
+from unitgraph.runtime import SINK, stage1_dependencies, stage1_schedule, stage2_bindings
 from unitgraph.spec import Pipeline
 
-from .args import BackendError, TrainArgs
-from .cache import Cache, model_files_digest, read_entry, settings_hash, write_entry
-from .data import DiffusionDataset
+from .args import BackendError, TrainArgs, split_list
+from .cache import (FORMAT, Cache, HashMemo, Journal, canonical_hash, describe_plan_change, entry_key,
+                    model_files_digest, sample_label, settings_hash)
+from .data import DiffusionDataset, SampleError
 from .losses import SINKS
 from .qwen_image import ImageSize, UnitContext, run_unit
 from .randomness import permutation, seeded_global_stream
@@ -41,7 +48,27 @@ from .registry import PIPELINES, TASK_PIPELINES
 # Dataset columns each task family requires, and those it uses when present.
 REQUIRED = {"sft": ("image", "prompt"), "direct_distill": ("image", "prompt", "seed", "num_inference_steps")}
 OPTIONAL = {"sft": (), "direct_distill": ("cfg_scale", "negative_prompt")}
-KEEP_IN_MEMORY_BYTES = 1 << 30  # stage 2 keeps a cache this small in memory after the first epoch
+KEEP_IN_MEMORY_BYTES = 1 << 30  # stage 2 reads (and checks) a cache this small before its first step and keeps it
+
+# The settings each unit reads from its UnitContext (see make_context). A stage-1 cache key holds
+# exactly the settings of the plan's data_process units; a unit missing here is keyed on every
+# setting, which can only rebuild too much, never trust a stale entry.
+UNIT_SETTINGS: dict[str, tuple[str, ...]] = {
+    "ShapeChecker": ("image_size", "dtype"),
+    "ImageEncoder": ("dtype",),
+    "EditImageEncoder": ("dtype",),
+    "PromptEncoder": ("dtype",),
+    "NegativePromptEncoder": ("dtype",),
+    "LatentSampler": ("seed",),
+    "TargetLatents": (),
+    "NoiseInitializer": ("seed",),
+    "SeededNoise": (),
+    "LatentPacker": (),
+    "TimestepSampler": ("seed", "timestep_bounds"),
+}
+# Bump when a unit's code changes what it computes: every entry made before is then rebuilt.
+UNITS_VERSION = 1
+DTYPE = "float32"
 
 
 @dataclass
@@ -52,6 +79,11 @@ class RunResult:
     plan_path: Optional[Path] = None
     cache_path: Optional[Path] = None
     cache_reused: bool = False
+    entries_computed: int = 0
+    entries_reused: int = 0
+    computed_indices: list[int] = field(default_factory=list)  # samples whose entry stage 1 computed
+    skipped: list[dict[str, Any]] = field(default_factory=list)  # samples left out: {"index", "reason"}
+    stage1_reason: str = ""
     loss_csv: Optional[Path] = None
     loss_plot: Optional[Path] = None
     checkpoints: list[Path] = field(default_factory=list)
@@ -150,8 +182,20 @@ def _slots(models: list[str], need_scheduler: bool) -> list[str]:
     return slots
 
 
+def _library_progress_bars(enabled: bool) -> None:
+    """--no-progress also silences the loading bars of transformers and diffusers."""
+    for module in ("transformers.utils.logging", "diffusers.utils.logging"):
+        try:
+            logging = importlib.import_module(module)
+        except ImportError:  # pragma: no cover - both are backend dependencies
+            continue
+        (logging.enable_progress_bar if enabled else logging.disable_progress_bar)()
+
+
 def load_models(args: TrainArgs, models: list[str], need_scheduler: bool, device: Any) -> dict[str, Any]:
     from .models import ModelLoadError, load_components
+
+    _library_progress_bars(args.progress)
 
     try:
         loaded = load_components(_slots(models, need_scheduler), model_paths=args.model_paths,
@@ -168,28 +212,120 @@ def load_models(args: TrainArgs, models: list[str], need_scheduler: bool, device
     return loaded
 
 
-def stage1_settings(args: TrainArgs, plan: Plan) -> dict[str, Any]:
-    """Everything that changes what stage 1 computes (the dataset is covered per sample by its id)."""
+def context_settings(args: TrainArgs) -> dict[str, Any]:
+    """Every setting a unit can read from its context, by the names UNIT_SETTINGS uses."""
+    if args.height is not None and args.width is not None:
+        size: dict[str, Any] = {"height": args.height, "width": args.width}  # --max_pixels is then unused
+    else:
+        size = {"max_pixels": args.max_pixels}
+    return {"image_size": size, "dtype": DTYPE, "seed": args.seed,
+            "timestep_bounds": [args.min_timestep_boundary, args.max_timestep_boundary]}
+
+
+def stage1_key_settings(args: TrainArgs, plan: Plan) -> dict[str, Any]:
+    """The settings the plan's data_process units read: the settings part of every entry key."""
+    everything = context_settings(args)
+    names: set[str] = set()
+    for unit in plan.data_process_units:
+        names.update(UNIT_SETTINGS.get(unit, tuple(everything)))
+    return {name: everything[name] for name in sorted(names)}
+
+
+def describe_setting(name: str, value: Any) -> str:
+    if name == "image_size" and isinstance(value, dict):
+        if "max_pixels" in value:
+            return f"--max_pixels {value['max_pixels']}"
+        return f"--height {value.get('height')} --width {value.get('width')}"
+    if name == "timestep_bounds" and isinstance(value, list) and len(value) == 2:
+        return f"--min_timestep_boundary {value[0]} --max_timestep_boundary {value[1]}"
+    if name == "seed":
+        return f"--seed {value}"
+    return f"{name} {value}"
+
+
+def stage1_model_files(args: TrainArgs, models: list[str]) -> dict[str, list[Path]]:
+    """{slot: files its loader reads} for the given models (and the tokenizer beside a text encoder)."""
     from .models import ModelLoadError, model_weight_files
 
     files = {}
     try:
-        for slot in _slots(plan.data_process_models, need_scheduler=False):
+        for slot in _slots(models, need_scheduler=False):
             files[slot] = model_weight_files(slot, model_paths=args.model_paths,
                                              model_id_with_origin_paths=args.model_id_with_origin_paths,
                                              tokenizer_path=args.tokenizer_path, cache_dir=args.modelscope_cache_dir)
     except ModelLoadError as exc:
         raise BackendError(str(exc)) from None
+    return files
+
+
+def stage1_key_inputs(args: TrainArgs, pipeline: Pipeline, plan: Plan, memo: HashMemo) -> dict[str, Any]:
+    """The part of every entry key shared by all samples: unit list, settings used, model weights."""
+    deps = stage1_dependencies(pipeline, plan)
+    files = stage1_model_files(args, deps.models)
     return {
+        "format": FORMAT,
+        "units_version": UNITS_VERSION,
         "pipeline": plan.pipeline,
-        "plan_fingerprint": plan.fingerprint,
-        "data_process_units": plan.data_process_units,
-        "image_size": {"height": args.height, "width": args.width, "max_pixels": args.max_pixels},
-        "data_file_keys": args.file_keys(),
-        "extra_inputs": args.extra_input_names(),
-        "dtype": "float32",
-        "models": model_files_digest(files),
+        "cache_mode": plan.cache_mode,
+        "units": deps.units,
+        "entries": deps.entries,
+        "dataset_params": deps.dataset_params,
+        "settings": stage1_key_settings(args, plan),
+        "models": model_files_digest(files, memo.digest),
     }
+
+
+def stage1_settings(args: TrainArgs, plan: Plan) -> dict[str, Any]:
+    """What stage 1 ran with, for people: the key settings plus the dataset columns it was given."""
+    return {**stage1_key_settings(args, plan), "data_file_keys": args.file_keys(), "extra_inputs": args.extra_input_names()}
+
+
+def made_with(args: TrainArgs) -> dict[str, Any]:
+    """The arguments stage 1 ran with (absolute paths): what `unitgraph cache repair` re-runs it with."""
+    from .models import ModelLoadError, parse_model_paths
+
+    def absolute(path: Optional[str]) -> Optional[str]:
+        return os.path.abspath(path) if path else None
+
+    model_paths = args.model_paths
+    if model_paths:
+        try:
+            model_paths = json.dumps([os.path.abspath(p) for p in parse_model_paths(model_paths)])
+        except ModelLoadError:
+            pass
+    tokenizer = args.tokenizer_path
+    if tokenizer and os.path.exists(tokenizer):
+        tokenizer = os.path.abspath(tokenizer)
+    return {
+        "task": args.family, "dataset_base_path": absolute(args.dataset_base_path),
+        "dataset_metadata_path": absolute(args.dataset_metadata_path), "data_file_keys": args.data_file_keys,
+        "extra_inputs": args.extra_inputs, "model_paths": model_paths,
+        "model_id_with_origin_paths": args.model_id_with_origin_paths, "tokenizer_path": tokenizer,
+        "modelscope_cache_dir": absolute(args.modelscope_cache_dir), "trainable_models": args.trainable_models,
+        "lora_base_model": args.lora_base_model, "cache_mode": args.cache_mode,
+        "height": args.height, "width": args.width, "max_pixels": args.max_pixels,
+    }
+
+
+def describe_key_change(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two `key_inputs` records, in words a user can act on."""
+    changes = []
+    old_settings, new_settings = old.get("settings") or {}, new.get("settings") or {}
+    for name in sorted(set(old_settings) | set(new_settings)):
+        if old_settings.get(name) != new_settings.get(name):
+            changes.append(f"{describe_setting(name, new_settings.get(name))} now, "
+                           f"{describe_setting(name, old_settings.get(name))} in the cache")
+    old_models, new_models = old.get("models") or {}, new.get("models") or {}
+    for slot in sorted(set(old_models) | set(new_models)):
+        a, b = old_models.get(slot) or {}, new_models.get(slot) or {}
+        if a != b:
+            files = sorted(f for f in set(a) | set(b) if a.get(f) != b.get(f))
+            changes.append(f"{slot} weights differ ({', '.join(files[:3])})")
+    for part in ("format", "units_version", "pipeline", "cache_mode", "units", "entries", "dataset_params"):
+        if old.get(part) != new.get(part):
+            changes.append("the data_process units or their code changed")
+            break
+    return changes
 
 
 def make_context(args: TrainArgs, models: dict[str, Any], device: Any) -> UnitContext:
@@ -213,36 +349,201 @@ def _progress(iterable: Any, total: int, desc: str, enabled: bool):
 # stage 1
 
 
-def run_data_process(args: TrainArgs, pipeline: Pipeline, plan: Plan, accelerator: Any, cache_dir: Path,
-                     report: Reporter) -> tuple[float, int, bool]:
-    """Fill `cache_dir` for `plan`; each sample once, sharded over processes. Returns (seconds, samples, reused)."""
-    start = time.perf_counter()
-    dataset = make_dataset(args, pipeline)
-    n = len(dataset)
-    ids = [dataset.sample_id(i) for i in range(n)]
-    settings = stage1_settings(args, plan)
-    digest = settings_hash(settings)
-    cache = Cache(cache_dir)
-    if cache.is_complete_for(plan.fingerprint, digest, ids):
-        report(f"stage 1: reusing the cache at {cache_dir} ({n} samples)")
-        return time.perf_counter() - start, n, True
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        cache.begin(plan, settings, digest)
-    accelerator.wait_for_everyone()
-    # Each distinct sample goes to exactly one process (no padding, no duplicates).
-    unique = list(dict.fromkeys(ids))
-    first_index = {sid: ids.index(sid) for sid in unique}
-    mine = unique[accelerator.process_index::accelerator.num_processes]
-    todo = [first_index[sid] for sid in mine if not cache.entry_path(sid).is_file()]
-    if todo:
-        models = load_models(args, plan.data_process_models, need_scheduler=False, device=accelerator.device)
-        ctx = make_context(args, models, accelerator.device)
-        schedule = stage1_schedule(plan)
-        units = {u.name: u for u in pipeline.units}
-        with torch.no_grad():
-            bar = _progress(todo, len(todo), "stage 1 (data_process)", args.progress and accelerator.is_local_main_process)
-            for index in bar:
+@dataclass
+class Stage1Result:
+    seconds: float
+    samples: int  # samples in the cache (skipped ones left out)
+    computed: list[int] = field(default_factory=list)  # indices of the samples whose entry this run computed
+    reused: int = 0  # entries found valid and kept
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    reason: str = ""
+
+    @property
+    def reused_all(self) -> bool:
+        return not self.computed
+
+
+def _skip(skipped: list[dict[str, Any]], index: int, exc: BackendError, report: Reporter) -> None:
+    skipped.append({"index": index, "reason": exc.one_line()})
+    report(f"warning: skipping sample {index}: {exc.one_line()}")
+
+
+def prepare_stage1(args: TrainArgs, pipeline: Pipeline, plan: Plan, dataset: DiffusionDataset, cache: Cache,
+                   report: Reporter) -> tuple[dict[str, Any], str]:
+    """Main process, under the cache lock: work out every sample's key, keep the valid entries, write the manifest.
+
+    Returns the manifest (status `filling` with a `pending` list, or `complete`) and one line saying
+    why entries are (re)computed.
+    Raises BackendError before changing anything when the folder holds another plan's cache or the
+    inputs are bad.
+    """
+    existing = cache.read_manifest()
+    if existing is not None and existing.get("plan_fingerprint") != plan.fingerprint:
+        raise BackendError(f"holds the cache of another plan ({describe_plan_change(existing, plan)}); choose another "
+                           "cache folder (--cache_path or --output_path) or delete this one", source=str(cache.folder))
+    cache.warn_unsafe(report)
+    memo = HashMemo(cache.hashes_path)
+    key_inputs = stage1_key_inputs(args, pipeline, plan, memo)
+    static = canonical_hash(key_inputs)
+    params = key_inputs["dataset_params"]
+    samples: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    for i in range(len(dataset)):
+        try:
+            sid = dataset.sample_id(i, memo.digest)
+            key = entry_key(static, dataset.key_inputs(i, params, memo.digest))
+        except SampleError as exc:
+            _skip(skipped, i, exc, report)
+            continue
+        samples.append({"index": i, "sample_id": sid, "key": key})
+
+    # what is already there: the manifest's records and those of an interrupted run's journals
+    records: dict[str, dict[str, Any]] = dict((existing or {}).get("entries") or {})
+    for record in cache.read_journals():
+        if all(k in record for k in ("key", "file", "size", "sha256")):
+            records[record["key"]] = {k: record[k] for k in ("key", "file", "size", "sha256")}
+    first: dict[str, dict[str, Any]] = {}
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for s in samples:
+        first.setdefault(s["key"], s)
+        by_key.setdefault(s["key"], []).append(s)
+    valid: dict[str, dict[str, Any]] = {}
+    damaged = 0
+    for key in first:
+        record = records.get(key)
+        if record is None:
+            continue
+        problem = cache.check_entry(record)
+        if problem is None:
+            valid[key] = record
+        else:
+            damaged += 1
+            report(f"warning: {sample_label(first[key])}: {problem}; recomputing it")
+    # a cheap look at the samples about to be computed (missing, unreadable or tiny images are skipped)
+    bad_keys = set()
+    for key, s in first.items():
+        if key in valid:
+            continue
+        try:
+            dataset.check(s["index"])
+        except SampleError as exc:
+            bad_keys.add(key)
+            for other in by_key[key]:
+                _skip(skipped, other["index"], exc, report)
+    samples = [s for s in samples if s["key"] not in bad_keys]
+    skipped.sort(key=lambda s: s["index"])
+    if not samples:
+        first_reason = skipped[0]["reason"] if skipped else "the metadata has no rows"
+        raise BackendError(f"no usable samples: all {len(dataset)} were skipped (first: {first_reason})",
+                           source=str(dataset.metadata_path))
+    pending = [{"key": key, "index": s["index"], "sample_id": s["sample_id"]}
+               for key, s in first.items() if key not in valid and key not in bad_keys]
+
+    # why there is work, in one line
+    if existing is None:
+        reason = f"new cache: computing {_count(len(pending), 'entry', 'entries')}"
+    else:
+        changes = describe_key_change(existing.get("key_inputs") or {}, key_inputs)
+        if changes and pending:
+            reason = f"{'; '.join(changes)}: recomputing {len(pending)} of {_count(len(first) - len(bad_keys), 'entry', 'entries')}"
+        elif pending:
+            parts = [_count(len(pending) - damaged, "new or changed sample", "new or changed samples")] if len(pending) > damaged else []
+            parts += [f"{damaged} damaged"] if damaged else []
+            reason = f"computing {_count(len(pending), 'entry', 'entries')} ({', '.join(parts)})"
+        else:
+            reason = f"all {_count(len(valid), 'entry', 'entries')} valid: nothing to compute"
+
+    cache.entries_dir.mkdir(parents=True, exist_ok=True)
+    cache.clean_temp_files()
+    manifest = {
+        "format": FORMAT,
+        "status": "filling" if pending else "complete",
+        "pipeline": plan.pipeline,
+        "plan_fingerprint": plan.fingerprint,
+        "cache_mode": plan.cache_mode,
+        "keys": key_inputs["entries"],
+        "plan": plan.to_dict(),
+        "key_inputs": key_inputs,
+        "key_inputs_hash": "sha256:" + static,
+        "settings": stage1_settings(args, plan),
+        "settings_hash": settings_hash(stage1_settings(args, plan)),
+        "made_with": made_with(args),
+        "num_samples": len(samples),
+        "samples": samples,
+        # while filling, records of other entries still on disk are kept (a changed setting may be reverted)
+        "entries": {**{k: r for k, r in records.items() if k not in first and cache.folder.joinpath(r["file"]).is_file()},
+                    **valid} if pending else valid,
+        "skipped": skipped,
+        "pending": pending,
+    }
+    if not pending:
+        del manifest["pending"]
+        _prune_orphans(cache, set(valid))
+    if manifest != existing:
+        cache.write_manifest(manifest)
+    cache.clear_journals()
+    memo.save(prune=True)  # this run asked about every file the cache depends on
+    return manifest, reason
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def _prune_orphans(cache: Cache, keep: set[str]) -> int:
+    removed = 0
+    for path in cache.entry_files():
+        if path.name[: -len(".safetensors")] not in keep:
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def finish_stage1(cache: Cache, manifest: dict[str, Any]) -> tuple[list[int], dict[int, int]]:
+    """Main process, after every process finished: merge the journals; the manifest says `complete`.
+
+    Returns the indices of the samples whose entries this run computed, and how many each process computed.
+    """
+    entries = dict(manifest["entries"])
+    computed = []
+    per_process: dict[int, int] = {}
+    for record in cache.read_journals():
+        if all(k in record for k in ("key", "file", "size", "sha256")):
+            entries[record["key"]] = {k: record[k] for k in ("key", "file", "size", "sha256")}
+            if "index" in record:
+                computed.append(int(record["index"]))
+            rank = int(record.get("rank", 0))
+            per_process[rank] = per_process.get(rank, 0) + 1
+    needed = {s["key"] for s in manifest["samples"]}
+    missing = [s for s in manifest["samples"] if s["key"] not in entries or not cache.entry_file(s["key"]).is_file()]
+    if missing:  # pragma: no cover - every process computes its share or stops with an error
+        raise RuntimeError(f"stage 1 left {len(missing)} samples without a cache entry (e.g. index {missing[0]['index']})")
+    manifest = {k: v for k, v in manifest.items() if k != "pending"}
+    manifest.update(status="complete", entries={k: entries[k] for k in sorted(needed)})
+    _prune_orphans(cache, needed)
+    cache.write_manifest(manifest)
+    cache.clear_journals()
+    return sorted(set(computed)), dict(sorted(per_process.items()))
+
+
+def write_entry(cache: Cache, key: str, values: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """Store one entry (atomically); its record. A module-level hook: benchmarks time stage 1 per entry here."""
+    return cache.store_entry(key, values, meta)
+
+
+def compute_entries(args: TrainArgs, pipeline: Pipeline, plan: Plan, dataset: DiffusionDataset, cache: Cache,
+                    work: list[dict[str, Any]], accelerator: Any) -> None:
+    """Compute and store the given entries, recording each in this process's journal once it is in place."""
+    models = load_models(args, plan.data_process_models, need_scheduler=False, device=accelerator.device)
+    ctx = make_context(args, models, accelerator.device)
+    schedule = stage1_schedule(plan)
+    units = {u.name: u for u in pipeline.units}
+    done = 0
+    bar = _progress(work, len(work), "stage 1 (data_process)", args.progress and accelerator.is_local_main_process)
+    with torch.no_grad(), Journal(cache.journal_path(accelerator.process_index)) as journal:
+        for item in bar:
+            index = int(item["index"])
+            try:
                 state = dataset.sample(index)
                 values = {key: state.get(param) for param, key in schedule.snapshots_after.get(None, [])}
                 for name in schedule.units:
@@ -251,14 +552,94 @@ def run_data_process(args: TrainArgs, pipeline: Pipeline, plan: Plan, accelerato
                         values[key] = state[param]
                 for param, key in schedule.final:
                     values[key] = state.get(param)
-                write_entry(cache.entry_path(ids[index]), values, {"sample_id": ids[index], "index": index})
-        del models, ctx
-        gc.collect()
+            except BackendError as exc:
+                raise BackendError(f"stage 1 stopped at sample {index} (metadata row {index + 1}): {exc.one_line()}; "
+                                   f"the entries finished so far ({done} in this process) are kept: fix the input "
+                                   "and run the same command again") from None
+            record = write_entry(cache, item["key"], values, {"key": item["key"], "index": index, "sample_id": item["sample_id"]})
+            journal.append({**record, "index": index, "rank": accelerator.process_index})
+            done += 1
+    del models, ctx
+    gc.collect()
+
+
+def run_data_process(args: TrainArgs, pipeline: Pipeline, plan: Plan, accelerator: Any, cache_dir: Path,
+                     report: Reporter, before_compute: Optional[Callable[[], None]] = None) -> Stage1Result:
+    """Fill `cache_dir` for `plan`: each missing or damaged entry once, sharded over processes.
+
+    The main process decides the work under the cache lock and writes it into the manifest; every
+    process takes its share of the pending entries (exactly once: no padding), journals them, and
+    the main process merges the journals at the end. Bad input stops before anything is written; a
+    stop while computing keeps every finished entry.
+    """
+    start = time.perf_counter()
+    cache = Cache(cache_dir)
+    main = accelerator.is_main_process
+    dataset = make_dataset(args, pipeline)
+    manifest: dict[str, Any] = {}
+    reason = ""
+    computed: list[int] = []
+    with contextlib.ExitStack() as stack:
+        if main:
+            created = not cache.folder.exists()
+            stack.enter_context(cache.locked())
+            try:
+                manifest, reason = prepare_stage1(args, pipeline, plan, dataset, cache, report)
+            except BaseException:
+                if created:  # nothing of value was written: leave no trace
+                    shutil.rmtree(cache.folder, ignore_errors=True)
+                raise
+            report(f"stage 1: {manifest['num_samples']} samples; {reason}")
+            if before_compute is not None:
+                before_compute()
+        accelerator.wait_for_everyone()
+        if not main:
+            manifest = cache.read_manifest() or {}
+        pending = manifest.get("pending") or []
+        mine = pending[accelerator.process_index::accelerator.num_processes]
+        if mine:
+            compute_entries(args, pipeline, plan, dataset, cache, mine, accelerator)
+        accelerator.wait_for_everyone()
+        if main and pending:
+            computed, per_process = finish_stage1(cache, manifest)
+            shares = ", ".join(str(per_process.get(r, 0)) for r in range(accelerator.num_processes))
+            report(f"stage 1: computed {_count(sum(per_process.values()), 'entry', 'entries')} over {accelerator.num_processes} "
+                   f"process{'es' if accelerator.num_processes > 1 else ''} ({shares})")
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        cache.finish(plan, settings, digest, [{"index": i, "sample_id": ids[i]} for i in range(n)])
-    accelerator.wait_for_everyone()
-    return time.perf_counter() - start, n, False
+    skipped = list(manifest.get("skipped") or [])
+    if main and skipped:
+        report(f"stage 1: skipped {len(skipped)} of {len(skipped) + manifest['num_samples']} samples (warnings above); "
+               "they are left out of the cache")
+    unique = len({s["key"] for s in manifest.get("samples") or []})
+    return Stage1Result(seconds=time.perf_counter() - start, samples=int(manifest.get("num_samples") or 0),
+                        computed=computed, reused=unique - len(pending), skipped=skipped, reason=reason)
+
+
+def repair_cache(cache_dir: str | Path, overrides: Optional[dict[str, Any]] = None,
+                 echo: Optional[Callable[[str], None]] = None, progress: bool = False) -> Stage1Result:
+    """Re-run stage 1 for an existing cache with the arguments recorded in it (`overrides` may relocate
+    the dataset or the models): recomputes exactly the entries that are missing, damaged or out of date."""
+    from .args import make_args
+
+    cache = Cache(cache_dir)
+    manifest = cache.read_manifest()
+    if manifest is None:
+        raise BackendError("no manifest.json: not a cache folder", source=str(cache.folder))
+    recorded = dict(manifest.get("made_with") or {})
+    if not recorded.get("task"):
+        raise BackendError("the manifest does not record how stage 1 ran (made_with); re-run the data_process stage",
+                           source=str(cache.manifest_path))
+    family = recorded.pop("task")
+    recorded.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    args = make_args(task=f"{family}:data_process", output_path=str(cache.folder), cache_path=str(cache.folder),
+                     progress=progress, plot=False, **recorded)
+    pipeline = pipeline_for(args)
+    plan = plan_for(args, pipeline)
+    if plan.fingerprint != manifest.get("plan_fingerprint"):
+        raise BackendError(f"the recorded arguments give another plan ({describe_plan_change(manifest, plan)})",
+                           source=str(cache.folder))
+    accelerator = make_accelerator(args)
+    return run_data_process(args, pipeline, plan, accelerator, cache.folder, Reporter(accelerator, echo))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -272,14 +653,33 @@ class Item:
 
 
 class LiveProvider:
-    """The unsplit baseline: every unit runs on the raw sample, every step."""
+    """The unsplit baseline: every unit runs on the raw sample, every step.
 
-    def __init__(self, args: TrainArgs, pipeline: Pipeline, plan: Plan):
+    Samples that the cheap look of `DiffusionDataset.check` rejects are skipped with a warning, as
+    stage 1 skips them, so an unsplit run and a split run train on the same samples.
+    """
+
+    def __init__(self, args: TrainArgs, pipeline: Pipeline, plan: Plan, report: Optional[Callable[[str], None]] = None):
+        report = report or (lambda _text: None)
         self.pipeline = pipeline
         self.dataset = make_dataset(args, pipeline)
-        self.items = [Item(i, self.dataset.sample_id(i)) for i in range(len(self.dataset))]
+        self.items: list[Item] = []
+        self.skipped: list[dict[str, Any]] = []
+        for i in range(len(self.dataset)):
+            try:
+                self.dataset.check(i)
+                self.items.append(Item(i, self.dataset.sample_id(i)))
+            except SampleError as exc:
+                self.skipped.append({"index": i, "reason": exc.one_line()})
+                report(f"warning: skipping sample {i}: {exc.one_line()}")
+        if not self.items:
+            raise BackendError(f"no usable samples: all {len(self.dataset)} were skipped (first: {self.skipped[0]['reason']})",
+                               source=str(self.dataset.metadata_path))
         self.models = sorted(set(pipeline.models) | set(plan.models_require_backward))
         self.backward = set(plan.models_require_backward)
+
+    def label(self, item: Item) -> str:
+        return sample_label({"index": item.index, "sample_id": item.sample_id})
 
     def sink_inputs(self, item: Item, ctx: UnitContext) -> dict[str, Any]:
         state = self.dataset.sample(item.index)
@@ -289,31 +689,132 @@ class LiveProvider:
         return {p: state.get(p) for p in self.pipeline.sink.inputs}
 
 
-class CacheProvider:
-    """Stage 2: train units and the sink, fed per `stage2_bindings` from live outputs and cache entries."""
+@contextlib.contextmanager
+def _local_models_only():
+    """Resolve modelscope ids from the local cache only, for the duration of the block."""
+    from .models import OFFLINE_ENV
 
-    def __init__(self, pipeline: Pipeline, plan: Plan, cache_dir: Path):
+    before = os.environ.get(OFFLINE_ENV)
+    os.environ[OFFLINE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(OFFLINE_ENV, None)
+        else:
+            os.environ[OFFLINE_ENV] = before
+
+
+def check_cache_matches(args: TrainArgs, pipeline: Pipeline, plan: Plan, cache: Cache, manifest: dict[str, Any],
+                        save_memo: bool = True) -> None:
+    """Stop before training when the cache was made with other stage-1 settings, inputs or models.
+
+    Compared: the settings the data_process units read, the dataset columns they were given
+    (--extra_inputs, --data_file_keys), and, when this run can find them, the weights of the
+    data_process models (hashed once, remembered beside the cache). The message says what changed
+    and how to rebuild.
+    """
+    recorded = manifest.get("key_inputs") or {}
+    changes = []
+    now = stage1_key_settings(args, plan)
+    before = recorded.get("settings") or {}
+    for name in sorted(set(now) | set(before)):
+        if now.get(name) != before.get(name):
+            changes.append(f"{describe_setting(name, now.get(name))} now, {describe_setting(name, before.get(name))} in the cache")
+    deps = stage1_dependencies(pipeline, plan)
+    made = manifest.get("made_with") or {}
+    for flag, current in (("extra_inputs", args.extra_inputs), ("data_file_keys", args.data_file_keys)):
+        a = sorted(x for x in split_list(current) if x in deps.dataset_params)
+        b = sorted(x for x in split_list(made.get(flag)) if x in deps.dataset_params)
+        if a != b:
+            changes.append(f"--{flag} {','.join(a) or '(none)'} now, {','.join(b) or '(none)'} in the cache")
+    try:
+        with _local_models_only():  # never download a stage-1 model just to compare it
+            files = stage1_model_files(args, deps.models)
+    except BackendError:
+        files = None  # stage 2 need not have the stage-1 models at all; then there is nothing to compare
+    if files is not None:
+        memo = HashMemo(cache.hashes_path)
+        digests = model_files_digest(files, memo.digest)
+        if save_memo:
+            with contextlib.suppress(OSError):
+                memo.save()
+        for slot in sorted(set(digests) | set(recorded.get("models") or {})):
+            a, b = digests.get(slot) or {}, (recorded.get("models") or {}).get(slot) or {}
+            if a != b:
+                changed = sorted(f for f in set(a) | set(b) if a.get(f) != b.get(f))
+                changes.append(f"{slot} weights differ from the cache's ({', '.join(changed[:3])})")
+    if changes:
+        family = args.family
+        raise BackendError(f"cache entries do not match this run: {'; '.join(changes)}; rebuild them with --task "
+                           f"{family}:data_process (same flags) or train with --task {family}:split", source=str(cache.folder))
+
+
+class CacheProvider:
+    """Stage 2: train units and the sink, fed per `stage2_bindings` from live outputs and cache entries.
+
+    Before the first step: the cache must be complete, made under this plan (and, given `args`,
+    with this run's stage-1 settings and models), and every entry file must have its recorded
+    size. Each entry's checksum is checked the first time it is read; a small cache is read (and
+    checked) entirely up front. A damaged entry stops training with one line naming the sample.
+    """
+
+    def __init__(self, pipeline: Pipeline, plan: Plan, cache_dir: Path, args: Optional[TrainArgs] = None,
+                 report: Optional[Callable[[str], None]] = None, main: bool = True):
+        report = report or (lambda _text: None)
         self.pipeline = pipeline
         self.plan = plan
         self.cache = Cache(cache_dir)
         manifest = self.cache.open_for_training(plan)
-        self.items = [Item(int(s["index"]), str(s["sample_id"])) for s in manifest["samples"]]
-        self.items.sort(key=lambda it: it.index)
+        self.cache.warn_unsafe(report)
+        if args is not None:
+            check_cache_matches(args, pipeline, plan, self.cache, manifest, save_memo=main)
+        samples = sorted(manifest["samples"], key=lambda s: int(s["index"]))
+        self.items = [Item(int(s["index"]), str(s["sample_id"])) for s in samples]
+        self._keys = {str(s["sample_id"]): str(s["key"]) for s in samples}
+        self._labels = {str(s["sample_id"]): sample_label(s) for s in samples}
+        self.records = manifest.get("entries") or {}
+        self.skipped = list(manifest.get("skipped") or [])
         self.models = list(plan.train_models)
         self.backward = set(plan.models_require_backward)
         self.bindings = stage2_bindings(pipeline, plan)
         self.units = [pipeline.units[pipeline.index(name)] for name in plan.train_units]
         self._entries: dict[str, dict[str, Any]] = {}
-        size = sum(self.cache.entry_path(it.sample_id).stat().st_size for it in self.items
-                   if self.cache.entry_path(it.sample_id).is_file())
-        self.keep_in_memory = size <= KEEP_IN_MEMORY_BYTES
+        self._verified: set[str] = set()
+        total = 0
+        hint = f"run 'unitgraph cache repair {self.cache.folder}' or the data_process stage again"
+        for s in samples:
+            record = self.records.get(str(s["key"]))
+            if record is None:
+                raise BackendError(f"{sample_label(s)} has no entry record; {hint}", source=str(self.cache.manifest_path))
+            path = self.cache.folder / record["file"]
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                raise BackendError(f"cache entry of {sample_label(s)} is missing; {hint}", source=str(path)) from None
+            if size != record["size"]:
+                raise BackendError(f"cache entry of {sample_label(s)} has {size} bytes, expected {record['size']} "
+                                   f"(truncated or overwritten); {hint}", source=str(path))
+            total += size
+        self.keep_in_memory = total <= KEEP_IN_MEMORY_BYTES
+        if self.skipped:
+            report(f"note: the cache leaves out {len(self.skipped)} samples that stage 1 skipped "
+                   f"('unitgraph cache info {self.cache.folder}' lists them)")
+        if self.keep_in_memory:
+            for item in self.items:
+                self.entry(item.sample_id)
+
+    def label(self, item: Item) -> str:
+        return self._labels.get(item.sample_id) or sample_label({"index": item.index, "sample_id": item.sample_id})
 
     def entry(self, sample_id: str) -> dict[str, Any]:
-        if sample_id in self._entries:
-            return self._entries[sample_id]
-        values, _ = read_entry(self.cache.entry_path(sample_id))
+        key = self._keys[sample_id]
+        if key in self._entries:
+            return self._entries[key]
+        values = self.cache.load_entry(self.records[key], self._labels[sample_id], verify=key not in self._verified)
+        self._verified.add(key)
         if self.keep_in_memory:
-            self._entries[sample_id] = values
+            self._entries[key] = values
         return values
 
     def sink_inputs(self, item: Item, ctx: UnitContext) -> dict[str, Any]:
@@ -413,12 +914,42 @@ def write_loss_plot(rows: list[tuple[int, int, float, float]], path: Path, title
     return path
 
 
+def _stop_on_bad_loss(loss: torch.Tensor, step: int, epoch: int, item: Item, provider: Any, accelerator: Any,
+                      result: RunResult) -> None:
+    """A NaN or infinite loss stops training before it reaches the weights, naming the step and the sample.
+
+    With several processes every process learns whether any of them saw one (one tiny all-gather
+    per micro-step), so they all stop together instead of waiting on each other in backward.
+    """
+    value = float(loss.detach().float())
+    bad = not math.isfinite(value)
+    if accelerator.num_processes > 1:
+        mine = torch.tensor([[float(bad), float(item.index), value if bad else 0.0]], device=accelerator.device)
+        every = accelerator.gather(mine).cpu().tolist()
+        culprits = [(rank, int(index), v) for rank, (flag, index, v) in enumerate(every) if flag > 0]
+        if not culprits:
+            return
+        rank, index, value = culprits[0]
+        names = {it.index: it for it in provider.items}
+        item = names.get(index, Item(index, ""))
+        where = f" (process {rank})"
+    elif not bad:
+        return
+    else:
+        where = ""
+    last = result.checkpoints[-1] if result.checkpoints else None
+    kept = f"the last good checkpoint is kept: {last}" if last else "no checkpoint had been saved yet"
+    raise BackendError(f"loss is {value} at step {step} (epoch {epoch}) on {provider.label(item)}{where}: "
+                       f"training stopped before updating the weights; {kept}")
+
+
 def run_training(args: TrainArgs, plan: Plan, provider: Any, accelerator: Any, output: Path, report: Reporter,
                  result: RunResult) -> None:
     """AdamW over the provider's samples; loss.csv, checkpoints, loss plot in `output`."""
     world, rank = accelerator.num_processes, accelerator.process_index
     models = load_models(args, provider.models, need_scheduler=True, device=accelerator.device)
     models, optimizer, lora_config = _prepare_models(args, plan, models, accelerator)
+    result.plan_path = _write_run_files(args, plan, output, accelerator)  # only once every input has been checked
     sink = SINKS[plan.pipeline]
     ctx = make_context(args, models, accelerator.device)
     wrapped = [models[s] for s in plan.models_require_backward if hasattr(models[s], "no_sync")]
@@ -460,6 +991,7 @@ def run_training(args: TrainArgs, plan: Plan, provider: Any, accelerator: Any, o
                             stack.enter_context(model.no_sync())
                     with seeded_global_stream(args.seed, "dropout", epoch, ctx.sample_key):
                         loss = sink(ctx, **provider.sink_inputs(item, ctx))
+                        _stop_on_bad_loss(loss, step + 1, epoch, item, provider, accelerator, result)
                         accelerator.backward(loss / len(group))
                 losses.append(loss.detach().float())
             optimizer.step()
@@ -508,7 +1040,7 @@ def _write_run_files(args: TrainArgs, plan: Plan, output: Path, accelerator: Any
 
 
 def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, accelerator: Any = None) -> RunResult:
-    """Execute `args.task`. Bad input raises BackendError (one line)."""
+    """Execute `args.task`. Bad input raises BackendError (one line) before anything is written."""
     args.validate()
     if args.fp8_models:
         (echo or print)("note: --fp8_models is ignored (no fp8 training on this backend)")
@@ -520,29 +1052,38 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, accelerat
     result = RunResult(task=args.task, output_path=output, plan=plan)
     stage = args.stage
 
+    def stage1(cache_dir: Path, before_compute: Optional[Callable[[], None]] = None) -> None:
+        s1 = run_data_process(args, pipeline, plan, accelerator, cache_dir, report, before_compute)
+        result.cache_path, result.cache_reused = cache_dir, s1.reused_all
+        result.entries_computed, result.entries_reused = len(s1.computed), s1.reused
+        result.computed_indices, result.skipped, result.stage1_reason = s1.computed, s1.skipped, s1.reason
+        result.stage_times["data_process"] = s1.seconds
+        result.samples = s1.samples
+
     if stage == "data_process":
         cache_dir = Path(args.cache_path) if args.cache_path else output
-        result.plan_path = _write_run_files(args, plan, cache_dir, accelerator)
-        seconds, n, reused = run_data_process(args, pipeline, plan, accelerator, cache_dir, report)
-        result.cache_path, result.cache_reused, result.samples = cache_dir, reused, n
-        result.stage_times["data_process"] = seconds
+
+        def write_run_files() -> None:
+            result.plan_path = _write_run_files(args, plan, cache_dir, accelerator)
+
+        stage1(cache_dir, write_run_files)
         return result
 
     if stage == "train":
         if not args.dataset_base_path:
             raise BackendError("--dataset_base_path must be the cache folder written by the data_process stage")
-        provider: Any = CacheProvider(pipeline, plan, Path(args.dataset_base_path))
+        provider: Any = CacheProvider(pipeline, plan, Path(args.dataset_base_path), args=args, report=report,
+                                      main=accelerator.is_main_process)
         result.cache_path = Path(args.dataset_base_path)
+        result.skipped = provider.skipped
     elif stage == "split":
         cache_dir = Path(args.cache_path) if args.cache_path else output / "cache"
-        seconds, n, reused = run_data_process(args, pipeline, plan, accelerator, cache_dir, report)
-        result.cache_path, result.cache_reused = cache_dir, reused
-        result.stage_times["data_process"] = seconds
-        provider = CacheProvider(pipeline, plan, cache_dir)
+        stage1(cache_dir)
+        provider = CacheProvider(pipeline, plan, cache_dir, args=args, report=report, main=accelerator.is_main_process)
     else:
-        provider = LiveProvider(args, pipeline, plan)
+        provider = LiveProvider(args, pipeline, plan, report)
+        result.skipped = provider.skipped
     result.samples = len(provider.items)
-    result.plan_path = _write_run_files(args, plan, output, accelerator)
     start = time.perf_counter()
     run_training(args, plan, provider, accelerator, output, report, result)
     result.stage_times["train"] = time.perf_counter() - start
