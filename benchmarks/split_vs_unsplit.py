@@ -1,0 +1,837 @@
+"""What splitting buys on this CPU: unsplit vs stage 2 vs the denoiser alone, memory, batch size, cache size.
+
+For Qwen-Image-shaped tiny models at three sizes (`test`, `demo`, and `balanced`, where the frozen
+encoders cost about as much as a denoiser step), one run measures, alternating the configurations
+and repeating them, each configuration in its own process:
+
+  stage1   `sft:data_process` (stages.run): seconds per sample, peak RSS
+  unsplit  one `sft` step (stages.run): encoders + denoiser + backward + AdamW, images read each step
+  train    one `sft:train` step (stages.run) from the cache, every entry read from disk
+  loader   the same step fed by backends/diffusion/loader.py (entries read and train units run
+           ahead in a prefetch thread); then samples/s at --batch_size 1, 4, 8
+  limit    the same denoiser step on sink inputs already in memory: the floor for stage 2; then
+           the loss and size of the cache with floating tensors stored as bf16 / fp16 / fp32
+
+plus the whole-process time of `unitgraph plan diffusion:qwen_image --lora-base-model dit`.
+Timings are medians over steps (the first step of a process is left out) and over repeats; peak RSS
+is the process's VmHWM. With --write the results replace the split-vs-unsplit section of
+docs/benchmarks.md and docs/img/benchmark_split_vs_unsplit.png.
+
+    python benchmarks/split_vs_unsplit.py [--sizes test,demo,balanced] [--repeats 3] [--write] [--workdir DIR]
+    python benchmarks/split_vs_unsplit.py --from-results DIR/results.json --write   # re-render only
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+PLOT = ROOT / "docs" / "img" / "benchmark_split_vs_unsplit.png"
+BEGIN, END = "<!-- split-vs-unsplit:begin -->", "<!-- split-vs-unsplit:end -->"
+TITLE = "## Split vs unsplit training (Qwen-Image-shaped tiny models)"
+
+# The `balanced` size: demo's VAE at 256 px, a wider text encoder and a 16-layer DiT, chosen so that
+# encoding one sample (VAE + text) costs about one DiT LoRA step on this CPU (~0.23 s each).
+BALANCED_EXTRA = {
+    "description": "DiT 16 layers x 4 heads x 64, VAE /8 z_dim 16 (narrow), text hidden 512 x 8 layers",
+    "transformer": {"num_layers": 16, "joint_attention_dim": 512},
+    "text": {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8,
+             "num_key_value_heads": 4, "mrope_section": [8, 12, 12]},
+}
+
+# Per size: tiny model size, image side, dataset samples, dataset_repeat of the unsplit and stage-2 runs,
+# steps of the batch-size sweep for B = 1, 4, 8.
+SIZES: dict[str, dict[str, Any]] = {
+    "test": {"tiny": "test", "px": 64, "samples": 16, "unsplit_repeat": 2, "train_repeat": 4, "sweep_steps": [24, 10, 6]},
+    "demo": {"tiny": "demo", "px": 256, "samples": 8, "unsplit_repeat": 1, "train_repeat": 2, "sweep_steps": [6, 3, 2]},
+    "balanced": {"tiny": "balanced", "px": 256, "samples": 6, "unsplit_repeat": 1, "train_repeat": 2, "sweep_steps": [4, 2, 1]},
+}
+CHUNK = 8  # the loader configuration alternates with in-memory steps every CHUNK steps
+CONFIGS = ("stage1", "unsplit", "train", "loader", "limit")
+BATCH_SIZES = (1, 4, 8)
+CACHE_DTYPES = ("float32", "bfloat16", "float16")
+LORA = {"lora_base_model": "dit", "lora_rank": 32}  # DiffSynth's default targets (args.DEFAULT_LORA_TARGETS)
+SEED = 0
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers shared by the parent and the child processes
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (VmHWM)."""
+    with open("/proc/self/status", encoding="utf-8") as handle:
+        for line in handle:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def median(values: list[float]) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def step_median(times: list[float]) -> Optional[float]:
+    """Median step time, leaving out the first step (one-off set-up costs)."""
+    return median(times[1:] or times)
+
+
+def paths(workdir: Path, size: str) -> dict[str, Path]:
+    base = Path(workdir) / size
+    return {"base": base, "models": base / "models", "data": base / "data", "cache": base / "cache"}
+
+
+def load_settings(workdir: Path) -> dict[str, Any]:
+    return json.loads((Path(workdir) / "settings.json").read_text())
+
+
+def train_args(workdir: Path, size: str, task: str, output: Path, **extra: Any):
+    from unitgraph.backends.diffusion.args import make_args
+
+    s = load_settings(workdir)["sizes"][size]
+    p = paths(workdir, size)
+    kwargs = dict(task=task, dataset_base_path=str(p["data"]), dataset_metadata_path=str(p["data"] / "metadata.csv"),
+                  model_paths=str(p["models"]), height=s["px"], width=s["px"], seed=SEED, learning_rate=1e-4,
+                  output_path=str(output), progress=False, plot=False, **LORA)
+    kwargs.update(extra)
+    return make_args(**kwargs)
+
+
+def _quiet(_text: str) -> None:
+    pass
+
+
+# ------------------------------------------------------------------------------------------------
+# child processes: one configuration each
+
+
+def child_prepare(workdir: Path, size: str) -> dict[str, Any]:
+    """Models, dataset and the cache the stage-2 configurations train from."""
+    from unitgraph.backends.diffusion import tiny
+    from unitgraph.backends.diffusion.data import write_synthetic_dataset
+    from unitgraph.backends.diffusion.stages import run
+
+    s = load_settings(workdir)["sizes"][size]
+    p = paths(workdir, size)
+    if s["tiny"] == "balanced" and "balanced" not in tiny.TINY_SIZES:
+        config = copy.deepcopy(tiny.TINY_SIZES["demo"])
+        config["description"] = BALANCED_EXTRA["description"]
+        for part in ("transformer", "text"):
+            config[part].update(BALANCED_EXTRA[part])
+        tiny.TINY_SIZES["balanced"] = config
+    tiny.write_tiny_models(p["models"], size=s["tiny"], seed=SEED)
+    write_synthetic_dataset(p["data"], count=s["samples"], size=s["px"], seed=1)
+    run(train_args(workdir, size, "sft:data_process", p["cache"]), echo=_quiet)
+    return {"description": tiny.TINY_SIZES[s["tiny"]]["description"]}
+
+
+def child_stage1(workdir: Path, size: str, out: Path, rep: int) -> dict[str, Any]:
+    from unitgraph.backends.diffusion import cache, stages
+
+    # Time each sample by the gaps between successive entry writes (stages.write_entry, or
+    # Cache.store_entry where the stage stores through the cache object).
+    stamps: list[float] = []
+    depth = [0]
+
+    def stamped(original: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            depth[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:  # one stamp per entry, however the writers nest
+                    stamps.append(time.perf_counter())
+
+        return timed
+
+    if hasattr(stages, "write_entry"):
+        stages.write_entry = stamped(stages.write_entry)
+    if hasattr(cache.Cache, "store_entry"):
+        cache.Cache.store_entry = stamped(cache.Cache.store_entry)
+    result = stages.run(train_args(workdir, size, "sft:data_process", out), echo=_quiet)
+    total = result.stage_times["data_process"]
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"per_sample_s": median(gaps) if gaps else total / max(1, result.samples), "total_s": total,
+            "samples": result.samples, "rss": peak_rss_bytes(), "method": "entry-write gaps" if gaps else "total / samples"}
+
+
+def child_unsplit(workdir: Path, size: str, out: Path, rep: int) -> dict[str, Any]:
+    from unitgraph.backends.diffusion.stages import run
+
+    s = load_settings(workdir)["sizes"][size]
+    result = run(train_args(workdir, size, "sft", out, dataset_repeat=s["unsplit_repeat"]), echo=_quiet)
+    return {"step_s": step_median(result.step_times), "steps": result.steps, "rss": peak_rss_bytes()}
+
+
+def child_train(workdir: Path, size: str, out: Path, rep: int) -> dict[str, Any]:
+    """stages.run on `sft:train`, then (same process, right after) the same steps on inputs in memory."""
+    from unitgraph.backends.diffusion import stages
+
+    s = load_settings(workdir)["sizes"][size]
+    # Read every entry from disk at every step (as with a cache too big to keep in memory).
+    stages.KEEP_IN_MEMORY_BYTES = 0
+    args = train_args(workdir, size, "sft:train", out, dataset_base_path=str(paths(workdir, size)["cache"]),
+                      dataset_metadata_path=None, dataset_repeat=s["train_repeat"])
+    result = stages.run(args, echo=_quiet)
+    rss = peak_rss_bytes()
+    t_train = step_median(result.step_times)
+    stage = Stage2(workdir, size, out)
+    data = stage.data(batch_size=1, keep_in_memory=True)
+    inputs = [b.inputs for b in data.iterate(0, stage.ctx, prefetch=0)]
+    t_limit = step_median(stage.timed_memory(inputs))
+    return {"step_s": t_train, "steps": result.steps, "rss": rss, "paired_limit_s": t_limit,
+            "paired_ratio": t_train / t_limit, "threads": _threads()}
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+class Stage2:
+    """Stage 2 set up as stages.run_training sets it up: the DiT with LoRA, AdamW, accelerate."""
+
+    def __init__(self, workdir: Path, size: str, out: Path):
+        import torch
+
+        import unitgraph
+        from unitgraph.backends.diffusion.losses import SINKS
+        from unitgraph.backends.diffusion.lora import add_lora
+        from unitgraph.backends.diffusion.models import load_components
+        from unitgraph.backends.diffusion.qwen_image import ImageSize, UnitContext
+        from unitgraph.backends.diffusion.stages import make_accelerator
+
+        self.settings = load_settings(workdir)["sizes"][size]
+        self.cache = paths(workdir, size)["cache"]
+        self.args = args = train_args(workdir, size, "sft:train", out, dataset_base_path=str(self.cache),
+                                      dataset_metadata_path=None, dataset_repeat=self.settings["train_repeat"])
+        self.pipeline = unitgraph.load_pipeline("diffusion:qwen_image")
+        self.plan = unitgraph.split(self.pipeline, lora_base_model="dit")
+        self.accelerator = make_accelerator(args)
+        device = self.accelerator.device
+        models = load_components(list(self.plan.train_models) + ["scheduler"], model_paths=args.model_paths,
+                                 torch_dtype=torch.float32)
+        for value in models.values():
+            if isinstance(value, torch.nn.Module):
+                value.requires_grad_(False)
+                value.eval()
+                value.to(device)
+        dit = models["dit"]
+        add_lora(dit, "dit", args.lora_targets(), args.lora_rank, args.lora_alpha, args.seed)
+        dit.train()
+        params = [p for p in dit.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+        models["dit"] = self.accelerator.prepare(dit)
+        self.optimizer = self.accelerator.prepare(optimizer)
+        self.ctx = UnitContext(models=models, size=ImageSize(args.height, args.width, args.max_pixels), device=device,
+                               seed=args.seed, timestep_bounds=(args.min_timestep_boundary, args.max_timestep_boundary))
+        self.sink = SINKS[self.plan.pipeline]
+
+    def data(self, batch_size: int = 1, keep_in_memory: bool = False, repeat: Optional[int] = None):
+        from unitgraph.backends.diffusion.loader import Stage2Data
+
+        return Stage2Data.from_cache(self.pipeline, self.plan, self.cache, seed=self.args.seed, batch_size=batch_size,
+                                     dataset_repeat=repeat or self.settings["train_repeat"], keep_in_memory=keep_in_memory)
+
+    def step(self, inputs: dict[str, Any], epoch: Optional[int] = None, sample_key: Optional[str] = None) -> float:
+        """One optimizer step on one (micro-)batch; seeded dropout stream as stages.run_training does."""
+        import contextlib
+
+        from unitgraph.backends.diffusion.randomness import seeded_global_stream
+
+        seeded = contextlib.nullcontext() if epoch is None else seeded_global_stream(self.args.seed, "dropout", epoch, sample_key)
+        with seeded:
+            loss = self.sink(self.ctx, **inputs)
+            self.accelerator.backward(loss)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    def timed_memory(self, inputs: list[dict[str, Any]], epoch: Optional[int] = None,
+                     keys: Optional[list[str]] = None) -> list[float]:
+        """Step times on sink inputs already in memory (the limit: no seeded dropout stream unless keys are given)."""
+        times: list[float] = []
+        last = time.perf_counter()
+        for n, values in enumerate(inputs):
+            self.step(values, epoch, None if keys is None else keys[n])
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
+        return times
+
+    def timed_epoch(self, data: Any, epoch: int = 0, max_steps: Optional[int] = None, full_only: bool = False,
+                    batches: Optional[list] = None, prefetch: Optional[int] = None) -> list[float]:
+        """Step times (end of one step to the end of the next) over one epoch of `data`."""
+        times: list[float] = []
+        last = time.perf_counter()
+        for n, batch in enumerate(data.iterate(epoch, self.ctx, prefetch=prefetch, batches=batches)):
+            if max_steps is not None and n >= max_steps:
+                break
+            self.step(batch.inputs, epoch, batch.sample_keys[0])
+            now = time.perf_counter()
+            if not full_only or len(batch) == data.batch_size:
+                times.append(now - last)
+            last = now
+        return times
+
+
+def child_loader(workdir: Path, size: str, out: Path, rep: int) -> dict[str, Any]:
+    """Stage 2 through loader.py, each batch prepared when asked for (`sync`, the CPU default) and up to
+    two batches ahead in a thread (`thread`), alternating every CHUNK steps with the same steps from
+    memory; then samples/s at B = 1, 4, 8."""
+    stage = Stage2(workdir, size, out)
+    data = stage.data(batch_size=1)
+    batches = data.batches(0)
+    memory = stage.data(batch_size=1, keep_in_memory=True)
+    inputs = [b.inputs for b in memory.iterate(0, stage.ctx, prefetch=0)]
+    times: dict[str, list[float]] = {"sync": [], "thread": [], "limit": []}
+    modes = list(times)
+    for n, start in enumerate(range(0, len(batches), CHUNK)):
+        chunk = batches[start:start + CHUNK]
+        for mode in modes[n % 3:] + modes[:n % 3]:
+            # each chunk starts cold (a new iterator) and its first step is left out: steady state only
+            if mode == "limit":
+                times[mode] += stage.timed_memory(inputs[start:start + CHUNK])[1:]
+            else:
+                times[mode] += stage.timed_epoch(data, 0, batches=chunk, prefetch=0 if mode == "sync" else 2)[1:]
+    rss = peak_rss_bytes()  # before the batch-size sweep: B = 1 is the configuration compared
+    t = {mode: median(values) for mode, values in times.items()}
+    # samples/s at B = 1, 4, 8 (order rotated per repeat); enough repeats of the data for 1 + steps batches of 8
+    s = stage.settings
+    repeat = max(s["train_repeat"], -(-BATCH_SIZES[-1] * (1 + max(s["sweep_steps"])) // s["samples"]))
+    sweep: dict[str, Optional[float]] = {}
+    order = list(range(len(BATCH_SIZES)))
+    order = order[rep % len(order):] + order[:rep % len(order)]
+    for k in order:
+        b = BATCH_SIZES[k]
+        step_times = stage.timed_epoch(stage.data(batch_size=b, repeat=repeat), epoch=1 + k,
+                                       max_steps=1 + s["sweep_steps"][k], full_only=True)
+        t_b = step_median(step_times)
+        sweep[str(b)] = None if t_b is None else b / t_b
+    return {"step_s": t["sync"], "thread_step_s": t["thread"], "steps": len(times["sync"]), "rss": rss,
+            "paired_limit_s": t["limit"], "paired_ratio": t["sync"] / t["limit"],
+            "thread_paired_ratio": t["thread"] / t["limit"], "rss_after_sweep": peak_rss_bytes(),
+            "samples_per_s": sweep, "threads": _threads()}
+
+
+def child_limit(workdir: Path, size: str, out: Path, rep: int) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import save
+
+    stage = Stage2(workdir, size, out)
+    data = stage.data(batch_size=1, keep_in_memory=True)
+    prepared = [(batch.elements[0], batch.inputs) for batch in data.iterate(0, stage.ctx, prefetch=0)]
+    times = stage.timed_memory([inputs for _element, inputs in prepared])
+    rss = peak_rss_bytes()
+
+    # Cache dtype: store floating tensors as bf16 / fp16, read them back as float32; same samples, same draws.
+    early = data.early_context(stage.ctx)
+    seen: dict[str, Any] = {}
+    for element, _inputs in prepared:
+        seen.setdefault(element.item.sample_id, element)
+    dtype_results: dict[str, Any] = {}
+    reference: dict[str, float] = {}
+    model = stage.ctx.models["dit"]
+    model.eval()
+    for name in CACHE_DTYPES:
+        dtype = getattr(torch, name)
+        losses: dict[str, float] = {}
+        sizes: list[int] = []
+        for sample_id, element in seen.items():
+            raw = data.read(element.item)
+            stored = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in raw.items()}
+            sizes.append(len(save({k: v.contiguous() for k, v in stored.items() if isinstance(v, torch.Tensor)})))
+            restored = {k: v.to(torch.float32) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                        for k, v in stored.items()}
+            state = data.prepare(element, 0, early, cached=restored)
+            with torch.no_grad():
+                losses[sample_id] = float(stage.sink(stage.ctx, **data.sink_inputs(state)))
+        if name == "float32":
+            reference = losses
+        rel = [abs(losses[k] - reference[k]) / abs(reference[k]) for k in losses]
+        dtype_results[name] = {"tensor_bytes": median(sizes), "loss_rel_median": median(rel), "loss_rel_max": max(rel)}
+    return {"step_s": step_median(times), "steps": len(times), "rss": rss, "cache_dtype": dtype_results,
+            "threads": _threads()}
+
+
+CHILDREN: dict[str, Callable[..., dict[str, Any]]] = {
+    "stage1": child_stage1, "unsplit": child_unsplit, "train": child_train, "loader": child_loader, "limit": child_limit,
+}
+
+
+def child_main(config: str, workdir: Path, size: str, out: Path, rep: int) -> None:
+    threads = load_settings(workdir).get("threads")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{config}-", dir=paths(workdir, size)["base"]))
+    try:
+        if config == "prepare":
+            result = child_prepare(workdir, size)
+        else:
+            result = CHILDREN[config](workdir, size, run_dir / "out", rep)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    out.write_text(json.dumps(result))
+
+
+# ------------------------------------------------------------------------------------------------
+# the parent: alternate the configurations, collect, summarise
+
+
+def spawn(config: str, workdir: Path, size: str, rep: int = 0) -> dict[str, Any]:
+    """Run one configuration in a fresh process; its JSON result plus its wall time and maxrss (wait4)."""
+    out = Path(workdir) / f"result-{config}-{size}-{rep}.json"
+    log = Path(workdir) / f"log-{config}-{size}-{rep}.txt"
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", config, "--size", size,
+               "--workdir", str(workdir), "--out", str(out), "--rep", str(rep)]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false")
+    start = time.perf_counter()
+    with log.open("w") as handle:
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
+        _pid, status, usage = os.wait4(process.pid, 0)
+    wall = time.perf_counter() - start
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0 or not out.exists():
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+        raise RuntimeError(f"benchmark child {config} ({size}) failed with exit code {code}:\n{tail}")
+    result = json.loads(out.read_text())
+    result["wall_s"] = wall
+    result["maxrss_wait4"] = int(usage.ru_maxrss) * 1024
+    return result
+
+
+PLAN_COMMAND = ["plan", "diffusion:qwen_image", "--lora-base-model", "dit"]
+
+
+def planner_startup(repeats: int) -> list[float]:
+    """Seconds for the whole `unitgraph plan diffusion:qwen_image --lora-base-model dit` process (import to exit)."""
+    exe = Path(sys.executable).with_name("unitgraph")
+    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "unitgraph.cli.app"]
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(repeats):
+            start = time.perf_counter()
+            done = subprocess.run(command + PLAN_COMMAND + ["-o", f"{tmp}/plan{i}.json"], capture_output=True, text=True)
+            elapsed = time.perf_counter() - start
+            if done.returncode != 0:
+                last = (done.stderr.strip().splitlines() or ["?"])[-1]
+                print(f"warning: `unitgraph {' '.join(PLAN_COMMAND)}` failed ({last}); planner start-up not measured",
+                      file=sys.stderr)
+                return times
+            times.append(elapsed)
+    return times
+
+
+def cache_bytes(cache_dir: Path) -> dict[str, Any]:
+    """Bytes per sample of the cache: whole entry files, and per cache entry (tensor data by key)."""
+    sys.path.insert(0, str(ROOT))
+    from unitgraph.backends.diffusion.loader import read_safetensors_header
+
+    files = sorted((Path(cache_dir) / "entries").glob("*.safetensors"))
+    per_key: dict[str, list[int]] = {}
+    header_sizes = []
+    for f in files:
+        header = read_safetensors_header(f)
+        totals: dict[str, int] = {}
+        data = 0
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            totals[name.split(".", 1)[0]] = totals.get(name.split(".", 1)[0], 0) + end - start
+            data += end - start
+        values = json.loads((header.get("__metadata__") or {}).get("unitgraph", "{}")).get("values", {})
+        for key in values:
+            per_key.setdefault(key, []).append(totals.get(key, 0))
+        header_sizes.append(f.stat().st_size - data)
+    return {"file": median([f.stat().st_size for f in files]), "header": median(header_sizes),
+            "per_key": {k: median(v) for k, v in sorted(per_key.items())}, "entries": len(files)}
+
+
+def model_bytes(models_dir: Path) -> dict[str, int]:
+    out = {}
+    for slot, folder in (("dit", "transformer"), ("vae", "vae"), ("text_encoder", "text_encoder")):
+        out[slot] = sum(f.stat().st_size for f in (Path(models_dir) / folder).glob("*.safetensors"))
+    return out
+
+
+def measure(sizes: list[str], repeats: int, workdir: Path, settings: Optional[dict[str, Any]] = None,
+            planner_repeats: int = 6, threads: Optional[int] = 1, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Prepare every size, then run every configuration `repeats` times, alternating; raw results.
+
+    threads: torch intra-op threads in every configuration (None: torch's default).
+    """
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    settings = dict(settings or {"sizes": {s: SIZES[s] for s in sizes}})
+    settings.setdefault("threads", threads)
+    (workdir / "settings.json").write_text(json.dumps(settings, indent=2))
+    started = time.perf_counter()
+    results: dict[str, Any] = {"sizes": {}, "settings": settings}
+    for size in sizes:
+        paths(workdir, size)["base"].mkdir(parents=True, exist_ok=True)
+        prepared = spawn("prepare", workdir, size)
+        results["sizes"][size] = {"description": prepared["description"], "runs": {c: [] for c in CONFIGS},
+                                  "cache": cache_bytes(paths(workdir, size)["cache"]),
+                                  "model_bytes": model_bytes(paths(workdir, size)["models"])}
+        echo(f"prepared {size} ({prepared['wall_s']:.1f} s)")
+    planner: list[float] = []
+    for rep in range(repeats):
+        for size in sizes:
+            order = list(CONFIGS[rep % len(CONFIGS):] + CONFIGS[:rep % len(CONFIGS)])  # rotate: no fixed position
+            for config in order:
+                result = spawn(config, workdir, size, rep)
+                results["sizes"][size]["runs"][config].append(result)
+                step = result.get("step_s") or result.get("per_sample_s")
+                echo(f"repeat {rep + 1}/{repeats} {size:>8} {config:>7}: {1000 * step:8.1f} ms, "
+                     f"peak RSS {result['rss'] / 2**20:6.0f} MB ({result['wall_s']:.1f} s)")
+        planner += planner_startup(max(1, planner_repeats // repeats))
+    results["planner_startup_s"] = planner
+    results["total_s"] = time.perf_counter() - started
+    results["environment"] = environment()
+    return results
+
+
+def environment() -> dict[str, Any]:
+    import importlib.metadata as md
+
+    versions = {}
+    for name in ("torch", "diffusers", "transformers", "peft", "accelerate", "safetensors"):
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            versions[name] = None
+    return {"python": platform.python_version(), "cpus": os.cpu_count(), "versions": versions}
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    """Medians over repeats, ratios against their targets, break-even epochs."""
+    rows = []
+    for size, data in results["sizes"].items():
+        runs = data["runs"]
+
+        def med(config: str, key: str) -> Optional[float]:
+            return median([r.get(key) for r in runs[config]])
+
+        row: dict[str, Any] = {"size": size, "description": data["description"], "px": results["settings"]["sizes"][size]["px"]}
+        for config in ("unsplit", "train", "loader", "limit"):
+            row[f"t_{config}"] = med(config, "step_s")
+        row["t_stage1"] = med("stage1", "per_sample_s")
+        row["stage1_total"] = med("stage1", "total_s")
+        for config in CONFIGS:
+            row[f"rss_{config}"] = med(config, "rss")
+
+        def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+            return None if a is None or not b else a / b
+
+        # against the limit: paired in one process (measured right after / alternating), median over repeats
+        row["train_vs_limit"] = med("train", "paired_ratio")
+        row["loader_vs_limit"] = med("loader", "paired_ratio")
+        row["thread_vs_limit"] = med("loader", "thread_paired_ratio")
+        row["loader_overhead_s"] = median([r["step_s"] - r["paired_limit_s"] for r in runs["loader"]
+                                           if r.get("step_s") is not None and r.get("paired_limit_s") is not None])
+        row["t_thread"] = med("loader", "thread_step_s")
+        row["ratio_spread"] = {c: [r.get("paired_ratio") for r in runs[c]] for c in ("train", "loader")}
+        row["train_vs_unsplit"] = ratio(row["t_train"], row["t_unsplit"])
+        row["loader_vs_unsplit"] = ratio(row["t_loader"], row["t_unsplit"])
+        row["rss_train_vs_unsplit"] = ratio(row["rss_train"], row["rss_unsplit"])
+        row["rss_train_vs_limit"] = ratio(row["rss_train"], row["rss_limit"])
+        row["rss_loader_vs_limit"] = ratio(row["rss_loader"], row["rss_limit"])
+
+        def break_even(t_stage2: Optional[float]) -> Optional[float]:
+            if None in (row["t_stage1"], row["t_unsplit"], t_stage2) or row["t_unsplit"] <= t_stage2:
+                return None
+            return row["t_stage1"] / (row["t_unsplit"] - t_stage2)
+
+        row["break_even_train"] = break_even(row["t_train"])
+        row["break_even_loader"] = break_even(row["t_loader"])
+        sweeps = [r.get("samples_per_s") or {} for r in runs["loader"]]
+        row["samples_per_s"] = {str(b): median([s.get(str(b)) for s in sweeps]) for b in BATCH_SIZES}
+        dtypes = [r.get("cache_dtype") or {} for r in runs["limit"]]
+        row["cache_dtype"] = {
+            name: {key: median([d.get(name, {}).get(key) for d in dtypes]) for key in ("tensor_bytes", "loss_rel_median", "loss_rel_max")}
+            for name in CACHE_DTYPES
+        }
+        row["cache"] = data["cache"]
+        row["model_bytes"] = data["model_bytes"]
+        rows.append(row)
+    return {"rows": rows, "planner_startup_s": median(results.get("planner_startup_s", [])),
+            "planner_runs": len(results.get("planner_startup_s", [])), "total_s": results.get("total_s"),
+            "environment": results.get("environment", {}), "threads": results["settings"].get("threads"),
+            "repeats": max((len(r["runs"]["train"]) for r in results["sizes"].values()), default=0)}
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+
+
+def _ms(seconds: Optional[float]) -> str:
+    return "–" if seconds is None else f"{1000 * seconds:.1f}"
+
+
+def _x(value: Optional[float], digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _mb(value: Optional[float]) -> str:
+    return "–" if value is None else f"{value / 2**20:.0f}"
+
+
+def _kb(value: Optional[float]) -> str:
+    return "–" if value is None else f"{value / 1024:.1f}"
+
+
+def _mark(value: Optional[float], target: float) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.3f} {'✓' if value <= target else '✗'}"
+
+
+def markdown(summary: dict[str, Any], plot_name: Optional[str] = None) -> str:
+    rows = summary["rows"]
+    out = []
+    threads = summary.get("threads")
+    out.append("Step times in ms: median over the steps of a process (its first step left out), then over repeats. "
+               "`train` is `sft:train` through `stages.run` as it is today, every cache entry read from disk at its "
+               "step; `loader` is the same step fed by `backends/diffusion/loader.py`, each batch read and its "
+               "model-free train units run when it is asked for (the CPU default); `thread` prepares up to two batches "
+               "ahead in a background thread instead; `limit` is the same denoiser step (LoRA forward, backward, AdamW) "
+               "on sink inputs already in memory, in a process of its own. The ratios to the limit are paired: each "
+               "`train` process runs the same steps from memory right after `stages.run`, each `loader` process "
+               f"alternates its modes and the in-memory steps every {CHUNK} steps; the table gives the median of the "
+               "per-process ratios. "
+               + (f"torch uses {threads} intra-op thread{'s' if threads != 1 else ''} in every configuration "
+                  "(on this shared 2-core machine two threads slow down 5-10x whenever another process runs). " if threads else "")
+               + "\n")
+    out.append("| size | image | t_unsplit | t_stage1 / sample | t_train | t_train (loader) | t_limit | "
+               "train / limit (≤ 1.05) | loader / limit (≤ 1.05) | thread / limit | train / unsplit | loader / unsplit | break-even epochs |")
+    out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        be = r["break_even_loader"] if r["break_even_loader"] is not None else r["break_even_train"]
+        out.append(f"| {r['size']} | {r['px']} px | {_ms(r['t_unsplit'])} | {_ms(r['t_stage1'])} | {_ms(r['t_train'])} | "
+                   f"{_ms(r['t_loader'])} | {_ms(r['t_limit'])} | {_mark(r['train_vs_limit'], 1.05)} | "
+                   f"{_mark(r['loader_vs_limit'], 1.05)} | {_x(r.get('thread_vs_limit'), 3)} | {_x(r['train_vs_unsplit'])} | "
+                   f"{_x(r['loader_vs_unsplit'])} | {_x(be)} |")
+    out.append("")
+    met = [r for r in rows if r["loader_vs_limit"] is not None and r["loader_vs_limit"] <= 1.05]
+    missed = [r for r in rows if r["loader_vs_limit"] is not None and r["loader_vs_limit"] > 1.05]
+    findings = []
+    if met:
+        findings.append("Stage 2 through the loader is within 5% of the bare denoiser step at size "
+                        + ", ".join(f"`{r['size']}` ({r['loader_vs_limit']:.3f})" for r in met) + ".")
+    for r in missed:
+        over = r.get("loader_overhead_s")
+        findings.append(
+            f"At `{r['size']}` the denoiser step takes only {_ms(r['t_limit'])} ms and the work around it "
+            f"({'' if over is None else f'{1000 * over:.2f} ms: '}reading the entry, the four model-free train units that "
+            "draw each sample's latent, noise and timestep, the seeded dropout stream) is CPU time that a CPU-only "
+            "machine cannot hide: running it ahead in a thread costs the same CPU time plus GIL hand-offs (the "
+            "`thread / limit` column). On a GPU the host CPU is idle during the step and `iterate()` prepares batches "
+            "ahead in a thread (its default there); on the CPU the remedies are fewer Python-level operations per "
+            "sample (or batching the train units) and skipping the dropout stream when the trained model has no dropout.")
+    if findings:
+        out.append(" ".join(findings) + "\n")
+    out.append("Sizes: " + "; ".join(f"`{r['size']}`: {r['description']}" for r in rows) + ". "
+               "LoRA rank 32 on DiffSynth's default Qwen-Image targets, AdamW, float32, one sample per step. "
+               "Break-even epochs = t_stage1 per sample / (t_unsplit − t_train (loader)): from that many epochs on, "
+               "stage 1 plus stage 2 costs less than unsplit training (process start and model loading left out).\n")
+    out.append("Peak RSS in MB (VmHWM of each configuration's own process; libraries alone take most of it), and the "
+               "model weights each configuration loads:\n")
+    out.append("| size | unsplit | stage 1 | train | train (loader) | limit | train / unsplit | train / limit (≤ 1.10) | "
+               "loader / limit (≤ 1.10) | weights unsplit | weights stage 2 |")
+    out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        mb = r["model_bytes"]
+        out.append(f"| {r['size']} | {_mb(r['rss_unsplit'])} | {_mb(r['rss_stage1'])} | {_mb(r['rss_train'])} | "
+                   f"{_mb(r['rss_loader'])} | {_mb(r['rss_limit'])} | {_x(r['rss_train_vs_unsplit'])} | "
+                   f"{_mark(r['rss_train_vs_limit'], 1.10)} | {_mark(r['rss_loader_vs_limit'], 1.10)} | "
+                   f"{_mb(sum(mb.values()))} | {_mb(mb['dit'])} |")
+    out.append("")
+    ok = [r for r in rows if r["rss_loader_vs_limit"] is not None]
+    if ok:
+        worst = max(max(r["rss_loader_vs_limit"], r["rss_train_vs_limit"] or 0) for r in ok)
+        saved = ", ".join(f"`{r['size']}` {_mb((r['rss_unsplit'] or 0) - (r['rss_train'] or 0))} MB" for r in ok)
+        out.append(f"Stage 2 never loads the frozen encoders: its peak RSS is at most {100 * (worst - 1):.1f}% above the "
+                   f"limit configuration, and below the unsplit run's by {saved}.\n")
+    out.append("Batch size (stage 2 through the loader: shape buckets, per-sample randomness, one sink call per batch), "
+               "samples per second:\n")
+    out.append("| size | B = 1 | B = 4 | B = 8 | B = 4 vs 1 | B = 8 vs 1 |")
+    out.append("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        sps = r["samples_per_s"]
+
+        def speed(b: int) -> str:
+            return "–" if not sps.get(str(b)) or not sps.get("1") else f"{sps[str(b)] / sps['1']:.2f}x"
+
+        out.append(f"| {r['size']} | {_x(sps.get('1'), 1)} | {_x(sps.get('4'), 1)} | {_x(sps.get('8'), 1)} | {speed(4)} | {speed(8)} |")
+    out.append("")
+    keys = sorted({k for r in rows for k in r["cache"]["per_key"]})
+    out.append("Cache size per sample in KB (float32 as stage 1 writes it today): the whole entry file, its header "
+               "(JSON values such as sizes and img_shapes), and the tensor data of each cache entry:\n")
+    out.append("| size | entry file | header | " + " | ".join(keys) + " |")
+    out.append("|---|---:|---:|" + "---:|" * len(keys))
+    for r in rows:
+        c = r["cache"]
+        out.append(f"| {r['size']} | {_kb(c['file'])} | {_kb(c['header'])} | "
+                   + " | ".join(_kb(c["per_key"].get(k)) if k in c["per_key"] else "–" for k in keys) + " |")
+    out.append("")
+    out.append("Floating cache tensors stored as bf16 / fp16 and read back as float32 (the `--cache_dtype` to come): "
+               "tensor bytes per sample, and the relative change of the loss on the same samples and draws "
+               "(median / max over samples):\n")
+    out.append("| size | fp32 KB | bf16 KB | fp16 KB | loss change bf16 | loss change fp16 |")
+    out.append("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        d = r["cache_dtype"]
+
+        def change(name: str) -> str:
+            m, x = d[name]["loss_rel_median"], d[name]["loss_rel_max"]
+            return "–" if m is None else f"{m:.1e} / {x:.1e}"
+
+        out.append(f"| {r['size']} | {_kb(d['float32']['tensor_bytes'])} | {_kb(d['bfloat16']['tensor_bytes'])} | "
+                   f"{_kb(d['float16']['tensor_bytes'])} | {change('bfloat16')} | {change('float16')} |")
+    out.append("")
+    if summary.get("planner_startup_s") is not None:
+        out.append(f"Planner start-up: `unitgraph plan diffusion:qwen_image --lora-base-model dit` as a whole process "
+                   f"(interpreter start, imports, plan, verification, writing the plan): "
+                   f"**{summary['planner_startup_s']:.2f} s** (median of {summary['planner_runs']} runs; target well under 1 s).\n")
+    if plot_name:
+        out.append(f"![step time and peak RSS per configuration](img/{plot_name})\n")
+    env = summary.get("environment", {})
+    versions = ", ".join(f"{k} {v}" for k, v in (env.get("versions") or {}).items() if v)
+    total = summary.get("total_s")
+    out.append(f"One run of `python benchmarks/split_vs_unsplit.py --write` ({summary['repeats']} repeats, configurations "
+               f"alternating, each in its own process{'' if total is None else f'; {total / 60:.1f} min in all'}) on "
+               f"{env.get('cpus', '?')} CPU cores, Python {env.get('python', '?')}, {versions}. "
+               "The machine is shared: single steps occasionally take several times longer, which the medians absorb.")
+    return "\n".join(out)
+
+
+def plot(summary: dict[str, Any], path: Path) -> Path:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    rows = summary["rows"]
+    colour = {"unsplit": "tab:blue", "stage 1": "tab:gray", "train": "tab:orange", "train (loader)": "tab:green",
+              "limit": "tab:red"}
+    fig = Figure(figsize=(12, 4), dpi=100)
+    configs = [("t_unsplit", "unsplit"), ("t_train", "train"), ("t_loader", "train (loader)"), ("t_limit", "limit")]
+    ax = fig.add_subplot(1, 3, 1)
+    width = 0.8 / len(configs)
+    for k, (key, label) in enumerate(configs):
+        ax.bar([i + k * width for i in range(len(rows))], [1000 * (r[key] or 0) for r in rows], width, label=label,
+               color=colour[label])
+    ax.set_xticks([i + width * (len(configs) - 1) / 2 for i in range(len(rows))], [r["size"] for r in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per step (log)")
+    ax.set_title("step time")
+    ax.legend(fontsize=8)
+    ax = fig.add_subplot(1, 3, 2)
+    rss = [("rss_unsplit", "unsplit"), ("rss_stage1", "stage 1"), ("rss_train", "train"), ("rss_loader", "train (loader)"),
+           ("rss_limit", "limit")]
+    width = 0.8 / len(rss)
+    for k, (key, label) in enumerate(rss):
+        ax.bar([i + k * width for i in range(len(rows))], [(r[key] or 0) / 2**20 for r in rows], width, label=label,
+               color=colour[label])
+    ax.set_xticks([i + width * (len(rss) - 1) / 2 for i in range(len(rows))], [r["size"] for r in rows])
+    ax.set_ylabel("MB")
+    ax.set_title("peak RSS")
+    ax.legend(fontsize=8)
+    ax = fig.add_subplot(1, 3, 3)
+    for r in rows:
+        sps = r["samples_per_s"]
+        if sps.get("1"):
+            ax.plot(BATCH_SIZES, [(sps.get(str(b)) or float("nan")) / sps["1"] for b in BATCH_SIZES], marker="o", label=r["size"])
+    ax.set_xticks(BATCH_SIZES)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("samples/s relative to B = 1")
+    ax.set_title("stage 2 batch size")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(buffer.getvalue())
+    return path
+
+
+def write_doc(text: str, doc: Path = DOC) -> None:
+    section = f"{BEGIN}\n{text}\n{END}"
+    content = doc.read_text() if doc.exists() else "# Benchmarks\n\n"
+    if BEGIN in content:
+        content = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, content, flags=re.S)
+    else:
+        content = content.rstrip("\n") + f"\n\n\n{TITLE}\n\n{section}\n"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(content)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default=",".join(SIZES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--write", action="store_true", help="replace the split-vs-unsplit section of docs/benchmarks.md")
+    parser.add_argument("--workdir", help="keep models, caches and raw results here (default: a temporary folder)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per configuration (0: torch's default)")
+    parser.add_argument("--from-results", help="re-render the report from a results.json of an earlier run (no measuring)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--size", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child_main(args.child, Path(args.workdir), args.size, Path(args.out), args.rep)
+        return
+    if args.from_results:
+        summary = summarize(json.loads(Path(args.from_results).read_text()))
+        text = markdown(summary, PLOT.name if args.write else None)
+        print(text)
+        if args.write:
+            plot(summary, PLOT)
+            write_doc(text)
+        return
+    sizes = [s for s in args.sizes.split(",") if s]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        parser.error(f"unknown size {unknown[0]!r} (choose from {', '.join(SIZES)})")
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="unitgraph-bench-"))
+    try:
+        results = measure(sizes, args.repeats, workdir, threads=args.threads or None)
+        (workdir / "results.json").write_text(json.dumps(results, indent=2))
+        summary = summarize(results)
+        text = markdown(summary, PLOT.name if args.write else None)
+        print(text)
+        if args.write:
+            plot(summary, PLOT)
+            write_doc(text)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

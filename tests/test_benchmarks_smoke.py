@@ -1,0 +1,91 @@
+"""benchmarks/split_vs_unsplit.py: its report from made-up results, and one tiny real run (1 repeat, test size)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench():
+    path = ROOT / "benchmarks" / "split_vs_unsplit.py"
+    spec = importlib.util.spec_from_file_location("split_vs_unsplit", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("split_vs_unsplit", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+PLANNER = "<!-- planner-scaling:begin -->\n| planner table |\n<!-- planner-scaling:end -->"
+
+
+def _fake_results() -> dict:
+    def run(step, rss, **extra):
+        return {"step_s": step, "rss": rss, "wall_s": 1.0, **extra}
+
+    runs = {
+        "stage1": [{"per_sample_s": 0.03, "total_s": 1.0, "rss": 450e6}],
+        "unsplit": [run(0.040, 460e6)],
+        "train": [run(0.011, 404e6, paired_limit_s=0.010, paired_ratio=1.10)],
+        "loader": [run(0.0104, 404e6, paired_limit_s=0.010, paired_ratio=1.04, thread_step_s=0.012, thread_paired_ratio=1.2,
+                       samples_per_s={"1": 90.0, "4": 250.0, "8": 380.0})],
+        "limit": [run(0.010, 403e6, cache_dtype={d: {"tensor_bytes": 9000.0 if d == "float32" else 4600.0,
+                                                      "loss_rel_median": 0.0 if d == "float32" else 1e-5,
+                                                      "loss_rel_max": 0.0 if d == "float32" else 4e-5}
+                                                  for d in bench.CACHE_DTYPES})],
+    }
+    return {
+        "settings": {"sizes": {"test": bench.SIZES["test"]}, "threads": 1},
+        "sizes": {"test": {"description": "tiny", "runs": runs,
+                           "cache": {"file": 10000, "header": 700, "per_key": {"latent_mean": 4096, "prompt_emb": 900}, "entries": 16},
+                           "model_bytes": {"dit": 1_000_000, "vae": 5_000_000, "text_encoder": 10_000_000}}},
+        "planner_startup_s": [0.31, 0.30, 0.33], "total_s": 60.0, "environment": {"python": "3", "cpus": 2, "versions": {}},
+    }
+
+
+def test_report_ratios_table_plot_and_doc_section(tmp_path):
+    summary = bench.summarize(_fake_results())
+    row = summary["rows"][0]
+    assert row["train_vs_limit"] == pytest.approx(1.10) and row["loader_vs_limit"] == pytest.approx(1.04)
+    assert row["train_vs_unsplit"] == pytest.approx(0.011 / 0.040)
+    assert row["rss_train_vs_limit"] == pytest.approx(404 / 403)
+    assert row["break_even_loader"] == pytest.approx(0.03 / (0.040 - 0.0104))
+    assert summary["planner_startup_s"] == pytest.approx(0.31)
+    text = bench.markdown(summary, "benchmark_split_vs_unsplit.png")
+    assert "| test | 64 px | 40.0 |" in text and "1.040 ✓" in text and "1.100 ✗" in text
+    assert "0.31 s" in text and "img/benchmark_split_vs_unsplit.png" in text
+    png = bench.plot(summary, tmp_path / "plot.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# Benchmarks\n\n## Planner scaling\n\n{PLANNER}\n")
+    bench.write_doc(text, doc)
+    bench.write_doc(text.replace("40.0", "41.0"), doc)  # replaced in place, not appended twice
+    content = doc.read_text()
+    assert PLANNER in content and content.count(bench.BEGIN) == 1 and "| test | 64 px | 41.0 |" in content
+    assert content.index("Planner scaling") < content.index(bench.TITLE)
+
+
+@pytest.mark.slow
+def test_one_tiny_real_run(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    settings = {"sizes": {"test": dict(bench.SIZES["test"], samples=4, unsplit_repeat=1, train_repeat=2, sweep_steps=[2, 1, 1])},
+                "threads": 1}
+    results = bench.measure(["test"], 1, tmp_path / "work", settings=settings, planner_repeats=1, echo=lambda _t: None)
+    summary = bench.summarize(results)
+    row = summary["rows"][0]
+    for key in ("t_unsplit", "t_train", "t_loader", "t_limit", "t_stage1", "train_vs_limit", "loader_vs_limit"):
+        assert row[key] is not None and row[key] > 0, key
+    for config in bench.CONFIGS:
+        assert row[f"rss_{config}"] > 100 * 2**20, config
+    assert all(row["samples_per_s"][str(b)] for b in bench.BATCH_SIZES)
+    assert row["cache"]["entries"] == 4 and row["cache"]["per_key"]["latent_mean"] > 0
+    dtypes = row["cache_dtype"]
+    assert dtypes["float32"]["loss_rel_max"] == 0.0
+    assert dtypes["bfloat16"]["tensor_bytes"] < dtypes["float32"]["tensor_bytes"]
+    assert "| test |" in bench.markdown(summary)
