@@ -245,6 +245,9 @@ class Stage2:
         self.ctx = UnitContext(models=models, size=ImageSize(args.height, args.width, args.max_pixels), device=device,
                                seed=args.seed, timestep_bounds=(args.min_timestep_boundary, args.max_timestep_boundary))
         self.sink = SINKS[self.plan.pipeline]
+        from unitgraph.backends.diffusion.stages import draws_dropout
+
+        self.seeded = draws_dropout(models)  # as stages.run_training: the dropout stream only when a model has dropout
 
     def data(self, batch_size: int = 1, keep_in_memory: bool = False, repeat: Optional[int] = None):
         from unitgraph.backends.diffusion.loader import Stage2Data
@@ -253,12 +256,13 @@ class Stage2:
                                      dataset_repeat=repeat or self.settings["train_repeat"], keep_in_memory=keep_in_memory)
 
     def step(self, inputs: dict[str, Any], epoch: Optional[int] = None, sample_key: Optional[str] = None) -> float:
-        """One optimizer step on one (micro-)batch; seeded dropout stream as stages.run_training does."""
+        """One optimizer step on one (micro-)batch; seeded dropout stream as stages.run_training does (when a model has dropout)."""
         import contextlib
 
         from unitgraph.backends.diffusion.randomness import seeded_global_stream
 
-        seeded = contextlib.nullcontext() if epoch is None else seeded_global_stream(self.args.seed, "dropout", epoch, sample_key)
+        seeded = (contextlib.nullcontext() if epoch is None or not self.seeded
+                  else seeded_global_stream(self.args.seed, "dropout", epoch, sample_key))
         with seeded:
             loss = self.sink(self.ctx, **inputs)
             self.accelerator.backward(loss)
@@ -613,8 +617,10 @@ def markdown(summary: dict[str, Any], plot_name: Optional[str] = None) -> str:
     out = []
     threads = summary.get("threads")
     out.append("Step times in ms: median over the steps of a process (its first step left out), then over repeats. "
-               "`train` is `sft:train` through `stages.run` as it is today, every cache entry read from disk at its "
-               "step; `loader` is the same step fed by `backends/diffusion/loader.py`, each batch read and its "
+               "`train` is `sft:train` through `stages.run` (whose stage 2 takes its batches from "
+               "`backends/diffusion/loader.py`), every cache entry read from disk and parsed at its step (its checksum "
+               "checked on its first read); "
+               "`loader` is the same data path in a bare loop of the benchmark's own, each batch read and its "
                "model-free train units run when it is asked for (the CPU default); `thread` prepares up to two batches "
                "ahead in a background thread instead; `limit` is the same denoiser step (LoRA forward, backward, AdamW) "
                "on sink inputs already in memory, in a process of its own. The ratios to the limit are paired: each "
@@ -645,11 +651,13 @@ def markdown(summary: dict[str, Any], plot_name: Optional[str] = None) -> str:
         findings.append(
             f"At `{r['size']}` the denoiser step takes only {_ms(r['t_limit'])} ms and the work around it "
             f"({'' if over is None else f'{1000 * over:.2f} ms: '}reading the entry, the four model-free train units that "
-            "draw each sample's latent, noise and timestep, the seeded dropout stream) is CPU time that a CPU-only "
+            "draw each sample's latent, noise and timestep, the loop's own bookkeeping) is CPU time that a CPU-only "
             "machine cannot hide: running it ahead in a thread costs the same CPU time plus GIL hand-offs (the "
-            "`thread / limit` column). On a GPU the host CPU is idle during the step and `iterate()` prepares batches "
-            "ahead in a thread (its default there); on the CPU the remedies are fewer Python-level operations per "
-            "sample (or batching the train units) and skipping the dropout stream when the trained model has no dropout.")
+            "`thread / limit` column). Right after a denoiser step that Python work also runs from cold CPU caches, "
+            "several times slower than in a tight loop. The seeded dropout stream is already skipped when no trained "
+            "model has dropout (these have none). On a GPU the host CPU is idle during the step and `iterate()` "
+            "prepares batches ahead in a thread (its default there); on the CPU, `--batch_size` spreads the per-step "
+            "work over several samples (the batch-size table below).")
     if findings:
         out.append(" ".join(findings) + "\n")
     out.append("Sizes: " + "; ".join(f"`{r['size']}`: {r['description']}" for r in rows) + ". "
@@ -687,8 +695,9 @@ def markdown(summary: dict[str, Any], plot_name: Optional[str] = None) -> str:
         out.append(f"| {r['size']} | {_x(sps.get('1'), 1)} | {_x(sps.get('4'), 1)} | {_x(sps.get('8'), 1)} | {speed(4)} | {speed(8)} |")
     out.append("")
     keys = sorted({k for r in rows for k in r["cache"]["per_key"]})
-    out.append("Cache size per sample in KB (float32 as stage 1 writes it today): the whole entry file, its header "
-               "(JSON values such as sizes and img_shapes), and the tensor data of each cache entry:\n")
+    out.append("Cache size per sample in KB (float32, stage 1's default; `unitgraph cache info DIR` prints the same per "
+               "entry key): the whole entry file, its header (JSON values such as sizes and img_shapes), and the tensor "
+               "data of each cache entry:\n")
     out.append("| size | entry file | header | " + " | ".join(keys) + " |")
     out.append("|---|---:|---:|" + "---:|" * len(keys))
     for r in rows:
@@ -696,7 +705,7 @@ def markdown(summary: dict[str, Any], plot_name: Optional[str] = None) -> str:
         out.append(f"| {r['size']} | {_kb(c['file'])} | {_kb(c['header'])} | "
                    + " | ".join(_kb(c["per_key"].get(k)) if k in c["per_key"] else "–" for k in keys) + " |")
     out.append("")
-    out.append("Floating cache tensors stored as bf16 / fp16 and read back as float32 (the `--cache_dtype` to come): "
+    out.append("Floating cache tensors stored as bf16 / fp16 and read back as float32 (`--cache_dtype bf16|fp16`): "
                "tensor bytes per sample, and the relative change of the loss on the same samples and draws "
                "(median / max over samples):\n")
     out.append("| size | fp32 KB | bf16 KB | fp16 KB | loss change bf16 | loss change fp16 |")

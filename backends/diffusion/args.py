@@ -22,6 +22,8 @@ TASKS = (
     "sft", "sft:data_process", "sft:train", "sft:split",
     "direct_distill", "direct_distill:data_process", "direct_distill:train", "direct_distill:split",
 )
+# --cache_dtype values -> torch dtype names
+CACHE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DEFAULT_LORA_TARGETS = (
     "to_q,to_k,to_v,add_q_proj,add_k_proj,add_v_proj,to_out.0,to_add_out,img_mlp.net.2,img_mod.1,txt_mlp.net.2,txt_mod.1"
 )
@@ -37,7 +39,7 @@ class TrainArgs:
     dataset_base_path: str = _f("", "Folder of the dataset files; for sft:train / direct_distill:train, the cache folder.", "dataset")
     dataset_metadata_path: Optional[str] = _f(None, "Metadata file (csv, json or jsonl), one row per sample.", "dataset")
     dataset_repeat: int = _f(1, "Times each sample is seen per epoch (ignored by data_process).", "dataset")
-    dataset_num_workers: int = _f(0, "Accepted for compatibility (samples are loaded in the main process).", "dataset")
+    dataset_num_workers: int = _f(0, "Stage 2: DataLoader worker processes that read cache entries and run the model-free train units (0: in the training process).", "dataset")
     data_file_keys: str = _f("image", "Comma-separated metadata columns that name files to load.", "dataset")
     extra_inputs: Optional[str] = _f(None, "Comma-separated metadata columns handed to the pipeline (e.g. edit_image).", "dataset")
     # models
@@ -79,7 +81,8 @@ class TrainArgs:
     seed: int = _f(0, "Seed of every random draw (shuffle, latents, noise, timesteps, LoRA init).", "unitgraph")
     cache_path: Optional[str] = _f(None, "Cache folder for :split (default OUTPUT/cache) and :data_process (default OUTPUT).", "unitgraph")
     cache_mode: str = _f("latest", "latest or versioned (DESIGN §3).", "unitgraph")
-    batch_size: int = _f(1, "Samples per micro-step (only 1 is supported, as in DiffSynth).", "unitgraph")
+    batch_size: int = _f(1, "Samples per micro-step in stage 2 (:train, :split): cached samples of equal shapes batched together; unsplit sft takes 1.", "unitgraph")
+    cache_dtype: Optional[str] = _f(None, "bf16, fp16 or fp32: dtype of the floating tensors stage 1 stores (default: the dtype the model computes in); stage 2 casts them back.", "unitgraph")
     plot: bool = _f(True, "Write loss.png at the end.", "unitgraph")
     progress: bool = _f(True, "Show progress bars.", "unitgraph")
 
@@ -115,8 +118,15 @@ class TrainArgs:
                 raise BackendError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.save_steps is not None and self.save_steps < 1:
             raise BackendError(f"--save_steps must be at least 1, got {self.save_steps}")
-        if self.batch_size != 1:
-            raise BackendError("--batch_size: only 1 is supported (use --gradient_accumulation_steps)")
+        if self.batch_size < 1:
+            raise BackendError(f"--batch_size must be at least 1, got {self.batch_size}")
+        if self.batch_size > 1 and self.stage == "":
+            raise BackendError(f"--batch_size {self.batch_size} needs stage 2 (--task {self.family}:split or {self.family}:train); "
+                               "unsplit training takes one sample per micro-step (use --gradient_accumulation_steps)")
+        if self.cache_dtype is not None and self.cache_dtype not in CACHE_DTYPES:
+            raise BackendError(f"--cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}")
+        if self.dataset_num_workers < 0:
+            raise BackendError(f"--dataset_num_workers must be 0 or more, got {self.dataset_num_workers}")
         if (self.height is None) != (self.width is None):
             raise BackendError("--height and --width go together (or use --max_pixels)")
         for name in ("height", "width"):

@@ -435,10 +435,15 @@ class Stage2Data:
     def bucket_key(self, item: Any) -> Hashable:
         sample_id = item.sample_id
         if sample_id not in self._keys:
+            key: Hashable = None
             if self.entry_path is not None:
-                self._keys[sample_id] = entry_signature(self.entry_path(item), self.sink_keys, self.pad)
-            else:
-                self._keys[sample_id] = value_signature(self.read(item), self.sink_keys, self.pad)
+                try:
+                    key = entry_signature(self.entry_path(item), self.sink_keys, self.pad)
+                except (OSError, ValueError, KeyError, TypeError):
+                    key = None  # an unreadable header: reading the entry says what is wrong with it
+            if key is None:
+                key = value_signature(self.read(item), self.sink_keys, self.pad)
+            self._keys[sample_id] = key
         return self._keys[sample_id]
 
     def buckets(self) -> dict[Hashable, list[int]]:
@@ -485,10 +490,16 @@ class Stage2Data:
 
         from .qwen_image import run_unit
 
+        if not grad:  # one no_grad around all of them (the early units, per sample: every microsecond shows at test size)
+            with torch.no_grad():
+                for unit in units:
+                    out = run_unit(unit, ctx, {p: self._value(state, unit.name, p) for p in unit.inputs})
+                    for p in unit.outputs:
+                        state.live[(unit.name, p)] = out[p]
+            return
         for unit in units:
             inputs = {p: self._value(state, unit.name, p) for p in unit.inputs}
-            needs = grad and (bool(set(unit.models) & self.backward)
-                              or any(_is_tensor(v) and v.requires_grad for v in inputs.values()))
+            needs = bool(set(unit.models) & self.backward) or any(_is_tensor(v) and v.requires_grad for v in inputs.values())
             with contextlib.nullcontext() if needs else torch.no_grad():
                 out = run_unit(unit, ctx, inputs)
             for p in unit.outputs:
@@ -668,8 +679,13 @@ def _one_thread(_worker_id: int) -> None:
 
 def _dataloader(data: Stage2Data, batches: list[list[Element]], epoch: int, early_ctx: Any, workers: int,
                 prefetch: int, pin: bool) -> Iterable[Batch]:
+    import torch
     from torch.utils.data import DataLoader
 
     dataset = _BatchDataset(data, batches, epoch, early_ctx)
+    # Its own generator: starting the workers then draws nothing from torch's global stream (the training
+    # loop may have seeded that stream for dropout when it asks for the first batch).
+    seeds = torch.Generator().manual_seed(data.seed)
     return DataLoader(dataset, batch_size=None, shuffle=False, num_workers=workers, prefetch_factor=prefetch,
-                      collate_fn=_identity, pin_memory=pin, worker_init_fn=_one_thread, persistent_workers=False)
+                      collate_fn=_identity, pin_memory=pin, worker_init_fn=_one_thread, persistent_workers=False,
+                      generator=seeds)

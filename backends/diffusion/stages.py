@@ -22,6 +22,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import time
@@ -36,13 +37,14 @@ from unitgraph.plan import Plan, split
 from unitgraph.runtime import SINK, stage1_dependencies, stage1_schedule, stage2_bindings
 from unitgraph.spec import Pipeline
 
-from .args import BackendError, TrainArgs, split_list
+from .args import CACHE_DTYPES, BackendError, TrainArgs, split_list
 from .cache import (FORMAT, Cache, HashMemo, Journal, canonical_hash, describe_plan_change, entry_key,
                     model_files_digest, sample_label, settings_hash)
 from .data import DiffusionDataset, SampleError
+from .loader import Batch, Stage2Data, _cast, bucket_batches, expand, shard_batches, step_groups
 from .losses import SINKS
 from .qwen_image import ImageSize, UnitContext, run_unit
-from .randomness import permutation, seeded_global_stream
+from .randomness import seeded_global_stream
 from .registry import PIPELINES, TASK_PIPELINES
 
 # Dataset columns each task family requires, and those it uses when present.
@@ -53,18 +55,20 @@ KEEP_IN_MEMORY_BYTES = 1 << 30  # stage 2 reads (and checks) a cache this small 
 # The settings each unit reads from its UnitContext (see make_context). A stage-1 cache key holds
 # exactly the settings of the plan's data_process units; a unit missing here is keyed on every
 # setting, which can only rebuild too much, never trust a stale entry.
+# `cache_dtype` (--cache_dtype) is the dtype stage 1 stores the floating tensors in: a setting of every
+# unit whose outputs include floating tensors, since it changes the stored values of each of them.
 UNIT_SETTINGS: dict[str, tuple[str, ...]] = {
-    "ShapeChecker": ("image_size", "dtype"),
-    "ImageEncoder": ("dtype",),
-    "EditImageEncoder": ("dtype",),
-    "PromptEncoder": ("dtype",),
-    "NegativePromptEncoder": ("dtype",),
-    "LatentSampler": ("seed",),
-    "TargetLatents": (),
-    "NoiseInitializer": ("seed",),
-    "SeededNoise": (),
-    "LatentPacker": (),
-    "TimestepSampler": ("seed", "timestep_bounds"),
+    "ShapeChecker": ("image_size", "dtype", "cache_dtype"),
+    "ImageEncoder": ("dtype", "cache_dtype"),
+    "EditImageEncoder": ("dtype", "cache_dtype"),
+    "PromptEncoder": ("dtype", "cache_dtype"),
+    "NegativePromptEncoder": ("dtype", "cache_dtype"),
+    "LatentSampler": ("seed", "cache_dtype"),
+    "TargetLatents": ("cache_dtype",),
+    "NoiseInitializer": ("seed", "cache_dtype"),
+    "SeededNoise": ("cache_dtype",),
+    "LatentPacker": ("cache_dtype",),
+    "TimestepSampler": ("seed", "timestep_bounds", "cache_dtype"),
 }
 # Bump when a unit's code changes what it computes: every entry made before is then rebuilt.
 UNITS_VERSION = 1
@@ -218,8 +222,16 @@ def context_settings(args: TrainArgs) -> dict[str, Any]:
         size: dict[str, Any] = {"height": args.height, "width": args.width}  # --max_pixels is then unused
     else:
         size = {"max_pixels": args.max_pixels}
-    return {"image_size": size, "dtype": DTYPE, "seed": args.seed,
-            "timestep_bounds": [args.min_timestep_boundary, args.max_timestep_boundary]}
+    settings = {"image_size": size, "dtype": DTYPE, "seed": args.seed,
+                "timestep_bounds": [args.min_timestep_boundary, args.max_timestep_boundary]}
+    if cache_dtype_name(args) != DTYPE:  # absent: stored as computed (so caches made before --cache_dtype keep their keys)
+        settings["cache_dtype"] = cache_dtype_name(args)
+    return settings
+
+
+def cache_dtype_name(args: TrainArgs) -> str:
+    """The torch dtype name stage 1 stores floating tensors in: --cache_dtype, or the model's dtype."""
+    return CACHE_DTYPES[args.cache_dtype] if args.cache_dtype else DTYPE
 
 
 def stage1_key_settings(args: TrainArgs, plan: Plan) -> dict[str, Any]:
@@ -228,7 +240,7 @@ def stage1_key_settings(args: TrainArgs, plan: Plan) -> dict[str, Any]:
     names: set[str] = set()
     for unit in plan.data_process_units:
         names.update(UNIT_SETTINGS.get(unit, tuple(everything)))
-    return {name: everything[name] for name in sorted(names)}
+    return {name: everything[name] for name in sorted(names) if name in everything}
 
 
 def describe_setting(name: str, value: Any) -> str:
@@ -240,6 +252,9 @@ def describe_setting(name: str, value: Any) -> str:
         return f"--min_timestep_boundary {value[0]} --max_timestep_boundary {value[1]}"
     if name == "seed":
         return f"--seed {value}"
+    if name == "cache_dtype":
+        flags = {v: k for k, v in CACHE_DTYPES.items()}
+        return f"--cache_dtype {flags.get(value or DTYPE, value)}"  # absent: the model's dtype
     return f"{name} {value}"
 
 
@@ -303,7 +318,7 @@ def made_with(args: TrainArgs) -> dict[str, Any]:
         "model_id_with_origin_paths": args.model_id_with_origin_paths, "tokenizer_path": tokenizer,
         "modelscope_cache_dir": absolute(args.modelscope_cache_dir), "trainable_models": args.trainable_models,
         "lora_base_model": args.lora_base_model, "cache_mode": args.cache_mode,
-        "height": args.height, "width": args.width, "max_pixels": args.max_pixels,
+        "height": args.height, "width": args.width, "max_pixels": args.max_pixels, "cache_dtype": args.cache_dtype,
     }
 
 
@@ -538,6 +553,7 @@ def compute_entries(args: TrainArgs, pipeline: Pipeline, plan: Plan, dataset: Di
     ctx = make_context(args, models, accelerator.device)
     schedule = stage1_schedule(plan)
     units = {u.name: u for u in pipeline.units}
+    store_dtype = None if cache_dtype_name(args) == DTYPE else getattr(torch, cache_dtype_name(args))
     done = 0
     bar = _progress(work, len(work), "stage 1 (data_process)", args.progress and accelerator.is_local_main_process)
     with torch.no_grad(), Journal(cache.journal_path(accelerator.process_index)) as journal:
@@ -552,6 +568,8 @@ def compute_entries(args: TrainArgs, pipeline: Pipeline, plan: Plan, dataset: Di
                         values[key] = state[param]
                 for param, key in schedule.final:
                     values[key] = state.get(param)
+                if store_dtype is not None:  # --cache_dtype: floating tensors stored in another dtype
+                    values = {key: _cast(value, store_dtype) for key, value in values.items()}
             except BackendError as exc:
                 raise BackendError(f"stage 1 stopped at sample {index} (metadata row {index + 1}): {exc.one_line()}; "
                                    f"the entries finished so far ({done} in this process) are kept: fix the input "
@@ -781,6 +799,9 @@ class CacheProvider:
         self.units = [pipeline.units[pipeline.index(name)] for name in plan.train_units]
         self._entries: dict[str, dict[str, Any]] = {}
         self._verified: set[str] = set()
+        # --cache_dtype: floating tensors stored in another dtype than the model's are cast back when read
+        stored = ((manifest.get("key_inputs") or {}).get("settings") or {}).get("cache_dtype") or DTYPE
+        self.dtype = None if stored == DTYPE else getattr(torch, DTYPE)
         total = 0
         hint = f"run 'unitgraph cache repair {self.cache.folder}' or the data_process stage again"
         for s in samples:
@@ -807,7 +828,13 @@ class CacheProvider:
     def label(self, item: Item) -> str:
         return self._labels.get(item.sample_id) or sample_label({"index": item.index, "sample_id": item.sample_id})
 
+    def entry_file(self, item: Item) -> Path:
+        """The entry file of a sample (its header gives the shapes stage 2 batches by; reading its values goes
+        through `entry`, which checks the checksum)."""
+        return self.cache.folder / self.records[self._keys[item.sample_id]]["file"]
+
     def entry(self, sample_id: str) -> dict[str, Any]:
+        """The values of a sample's entry as stored, checked against its size and (on first read) its checksum."""
         key = self._keys[sample_id]
         if key in self._entries:
             return self._entries[key]
@@ -819,6 +846,8 @@ class CacheProvider:
 
     def sink_inputs(self, item: Item, ctx: UnitContext) -> dict[str, Any]:
         cached = self.entry(item.sample_id)
+        if self.dtype is not None:
+            cached = {k: _cast(v, self.dtype) for k, v in cached.items()}
         live: dict[tuple[str, str], Any] = {}
 
         def value(reader: str, param: str) -> Any:
@@ -914,24 +943,28 @@ def write_loss_plot(rows: list[tuple[int, int, float, float]], path: Path, title
     return path
 
 
-def _stop_on_bad_loss(loss: torch.Tensor, step: int, epoch: int, item: Item, provider: Any, accelerator: Any,
-                      result: RunResult) -> None:
-    """A NaN or infinite loss stops training before it reaches the weights, naming the step and the sample.
+def _stop_on_bad_loss(loss: torch.Tensor, step: int, epoch: int, items: list[Item], provider: Any, accelerator: Any,
+                      result: RunResult, width: int = 1) -> None:
+    """A NaN or infinite loss stops training before it reaches the weights, naming the step and the sample(s).
 
     With several processes every process learns whether any of them saw one (one tiny all-gather
-    per micro-step), so they all stop together instead of waiting on each other in backward.
+    per micro-step: a flag, the loss and the indices of up to `width` samples), so they all stop
+    together instead of waiting on each other in backward.
     """
     value = float(loss.detach().float())
     bad = not math.isfinite(value)
     if accelerator.num_processes > 1:
-        mine = torch.tensor([[float(bad), float(item.index), value if bad else 0.0]], device=accelerator.device)
+        indices = [float(it.index) for it in items][:width]
+        indices += [-1.0] * (width - len(indices))
+        mine = torch.tensor([[float(bad), value if bad else 0.0, *indices]], dtype=torch.float64, device=accelerator.device)
         every = accelerator.gather(mine).cpu().tolist()
-        culprits = [(rank, int(index), v) for rank, (flag, index, v) in enumerate(every) if flag > 0]
+        culprits = [(rank, row) for rank, row in enumerate(every) if row[0] > 0]
         if not culprits:
             return
-        rank, index, value = culprits[0]
+        rank, row = culprits[0]
+        value = row[1]
         names = {it.index: it for it in provider.items}
-        item = names.get(index, Item(index, ""))
+        items = [names.get(int(i), Item(int(i), "")) for i in row[2:] if i >= 0]
         where = f" (process {rank})"
     elif not bad:
         return
@@ -939,84 +972,185 @@ def _stop_on_bad_loss(loss: torch.Tensor, step: int, epoch: int, item: Item, pro
         where = ""
     last = result.checkpoints[-1] if result.checkpoints else None
     kept = f"the last good checkpoint is kept: {last}" if last else "no checkpoint had been saved yet"
-    raise BackendError(f"loss is {value} at step {step} (epoch {epoch}) on {provider.label(item)}{where}: "
+    labels = [provider.label(it) for it in items]
+    on = labels[0] if len(labels) == 1 else f"a batch of {len(labels)}: {'; '.join(labels)}"
+    raise BackendError(f"loss is {value} at step {step} (epoch {epoch}) on {on}{where}: "
                        f"training stopped before updating the weights; {kept}")
 
 
+class LiveData:
+    """The unsplit run's samples, one per micro-batch, with the interface of `loader.Stage2Data`.
+
+    Same elements, order and sharding as stage 2 at batch size 1; every unit runs on the raw sample
+    when its batch is asked for (inside the step's dropout stream, as the units of stage 2 that call
+    models do).
+    """
+
+    batch_size = 1
+
+    def __init__(self, provider: "LiveProvider", seed: int, dataset_repeat: int = 1):
+        self.provider = provider
+        self.seed = int(seed)
+        self.elements = expand(provider.items, dataset_repeat)
+
+    def batches(self, epoch: int, rank: int = 0, world: int = 1) -> list[list[Any]]:
+        order = bucket_batches([0] * len(self.elements), 1, self.seed, epoch)
+        return shard_batches([[self.elements[j] for j in batch] for batch in order], rank, world)
+
+    def iterate(self, epoch: int, ctx: UnitContext, rank: int = 0, world: int = 1, batches: Optional[list] = None,
+                workers: int = 0, prefetch: Optional[int] = None):
+        for elements in (self.batches(epoch, rank, world) if batches is None else batches):
+            element = elements[0]
+            ctx.epoch, ctx.sample_key = epoch, element.sample_key
+            yield Batch(epoch, list(elements), inputs=self.provider.sink_inputs(element.item, ctx))
+
+
+def stage2_data(args: TrainArgs, provider: "CacheProvider") -> Stage2Data:
+    """Stage 2's batches from the provider's cache: entries read through `CacheProvider.entry` (checked
+    against their size and checksum), bucketed by the shapes in their headers, cast back to the model's
+    dtype when --cache_dtype stored them in another."""
+    return Stage2Data(provider.pipeline, provider.plan, provider.items, read=lambda it: provider.entry(it.sample_id),
+                      entry_path=provider.entry_file, seed=args.seed, batch_size=args.batch_size,
+                      dataset_repeat=args.dataset_repeat, backward=provider.backward, dtype=provider.dtype)
+
+
+_DROP_NAME = re.compile(r"Drop|dropout|drop_?path")
+
+
+def draws_dropout(models: dict[str, Any]) -> bool:
+    """Whether a training step can draw from torch's global random stream: some model in training mode
+    has an active dropout (a dropout module with p > 0, a module of another kind named like one, or a
+    positive `*dropout*` / `drop_path*` value in its config). When none has, the seeded dropout stream
+    around each micro-step changes no number and is skipped."""
+    for model in models.values():
+        if not isinstance(model, torch.nn.Module):
+            continue
+        for module in model.modules():
+            if not module.training:
+                continue
+            if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+                if float(module.p) > 0:
+                    return True
+            elif _DROP_NAME.search(type(module).__name__):  # DropPath, StochasticDropout, ... (not EmbedRope)
+                return True
+            config = getattr(module, "config", None)
+            if config is not None and _config_dropout(config):
+                return True
+    return False
+
+
+def _config_dropout(config: Any, depth: int = 0) -> bool:
+    if depth > 4:
+        return False
+    items = config.items() if isinstance(config, dict) else vars(config).items() if hasattr(config, "__dict__") else ()
+    for key, value in items:
+        if isinstance(value, (dict,)) or (hasattr(value, "__dict__") and not isinstance(value, (str, bytes, type))
+                                          and type(value).__module__.startswith(("transformers", "diffusers"))):
+            if _config_dropout(value, depth + 1):
+                return True
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 \
+                and ("dropout" in str(key).lower() or "drop_path" in str(key).lower()):
+            return True
+    return False
+
+
 def run_training(args: TrainArgs, plan: Plan, provider: Any, accelerator: Any, output: Path, report: Reporter,
-                 result: RunResult) -> None:
-    """AdamW over the provider's samples; loss.csv, checkpoints, loss plot in `output`."""
+                 result: RunResult, data: Any = None) -> None:
+    """AdamW over the provider's samples; loss.csv, checkpoints, loss plot in `output`.
+
+    `data` gives each epoch's micro-batches and their sink inputs (`loader.Stage2Data` for stage 2,
+    `LiveData` for the unsplit run; built from the provider when not given).
+    """
     world, rank = accelerator.num_processes, accelerator.process_index
+    if data is None:
+        data = stage2_data(args, provider) if isinstance(provider, CacheProvider) else LiveData(provider, args.seed, args.dataset_repeat)
     models = load_models(args, provider.models, need_scheduler=True, device=accelerator.device)
     models, optimizer, lora_config = _prepare_models(args, plan, models, accelerator)
     result.plan_path = _write_run_files(args, plan, output, accelerator)  # only once every input has been checked
     sink = SINKS[plan.pipeline]
     ctx = make_context(args, models, accelerator.device)
     wrapped = [models[s] for s in plan.models_require_backward if hasattr(models[s], "no_sync")]
+    # Dropout draws from torch's global stream: each micro-step seeds it from its samples' keys, so the
+    # unsplit and the split run draw the same masks. Without any active dropout there is nothing to seed.
+    seeded = draws_dropout(models)
 
-    expanded = [(item, r) for item in provider.items for r in range(args.dataset_repeat)]
     accum = args.gradient_accumulation_steps
-    per_rank = -(-len(expanded) // world)
-    steps_per_epoch = -(-per_rank // accum)
-    total_steps = steps_per_epoch * args.num_epochs
+    total_steps = len(step_groups(data.batches(0, rank, world), accum)) * args.num_epochs
     main = accelerator.is_main_process
     loss_csv = output / "loss.csv"
     rows: list[tuple[int, int, float, float]] = []
+    log: Any = None
     if main:
         output.mkdir(parents=True, exist_ok=True)
-        loss_csv.write_text("step,epoch,loss,elapsed_s\n", encoding="utf-8")
+        log = loss_csv.open("w", encoding="utf-8", newline="")  # opened once; each row is flushed as it is written
+        log.write("step,epoch,loss,elapsed_s\n")
+        log.flush()
+    show = args.progress and accelerator.is_local_main_process
     step = 0
     t0: Optional[float] = None
     last = None
-    bar = _progress(range(total_steps), total_steps, "stage 2 (train)" if isinstance(provider, CacheProvider) else "train",
-                    args.progress and accelerator.is_local_main_process)
-    for epoch in range(args.num_epochs):
-        order = permutation(len(expanded), args.seed, "shuffle", epoch)
-        sequence = [expanded[j] for j in order]
-        if world > 1:  # DDP needs the same number of steps everywhere: wrap around, like DistributedSampler
-            sequence += sequence[: per_rank * world - len(sequence)]
-            sequence = sequence[rank::world]
-        for begin in range(0, len(sequence), accum):
-            group = sequence[begin:begin + accum]
-            if t0 is None:
-                t0 = time.perf_counter()
-            losses = []
-            for k, (item, repeat) in enumerate(group):
-                ctx.epoch = epoch
-                ctx.sample_key = f"{item.index}:{item.sample_id}:{repeat}"
-                sync = k == len(group) - 1
-                with contextlib.ExitStack() as stack:
-                    if not sync and world > 1:
-                        for model in wrapped:
-                            stack.enter_context(model.no_sync())
-                    with seeded_global_stream(args.seed, "dropout", epoch, ctx.sample_key):
-                        loss = sink(ctx, **provider.sink_inputs(item, ctx))
-                        _stop_on_bad_loss(loss, step + 1, epoch, item, provider, accelerator, result)
-                        accelerator.backward(loss / len(group))
-                losses.append(loss.detach().float())
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            step_loss = torch.stack(losses).mean()
-            if world > 1:
-                step_loss = accelerator.reduce(step_loss.to(accelerator.device), reduction="mean")
-            now = time.perf_counter()
-            row = (step, epoch, float(step_loss), now - t0)
-            rows.append(row)
-            result.step_times.append(now - (last if last is not None else t0))
-            last = now
+    bar = _progress(range(total_steps), total_steps, "stage 2 (train)" if isinstance(provider, CacheProvider) else "train", show)
+    try:
+        for epoch in range(args.num_epochs):
+            batches = data.batches(epoch, rank, world)
+            it = data.iterate(epoch, ctx, rank, world, batches=batches, workers=args.dataset_num_workers)
+            try:
+                for group in step_groups(batches, accum):
+                    total = sum(len(b) for b in group)
+                    if t0 is None:
+                        t0 = time.perf_counter()
+                    losses = []
+                    for k, elements in enumerate(group):
+                        keys = [e.sample_key for e in elements]
+                        sync = k == len(group) - 1
+                        with contextlib.ExitStack() as stack:
+                            if not sync and world > 1:
+                                for model in wrapped:
+                                    stack.enter_context(model.no_sync())
+                            if seeded:  # the units that call models run in next(it): inside the stream too
+                                stack.enter_context(seeded_global_stream(args.seed, "dropout", epoch, *keys))
+                            batch = next(it)
+                            if batch.sample_keys != keys:  # pragma: no cover - iterate() follows `batches`
+                                raise RuntimeError(f"stage 2 batches out of order: {batch.sample_keys} instead of {keys}")
+                            ctx.epoch, ctx.sample_key = epoch, keys[0]
+                            loss = sink(ctx, **batch.inputs)
+                            _stop_on_bad_loss(loss, step + 1, epoch, [e.item for e in elements], provider, accelerator,
+                                              result, data.batch_size)
+                            # each micro-batch loss is a mean over its samples: weight it by its share of the step
+                            # (at one micro-batch per step the loss as it is: x / 1 is x, value and gradient)
+                            accelerator.backward(loss if len(batch) == total else loss / total if len(batch) == 1
+                                                 else loss * len(batch) / total)
+                        losses.append((loss.detach().float(), len(batch)))
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    step += 1
+                    step_loss = (torch.stack([value for value, _ in losses]).mean() if all(n == 1 for _, n in losses)
+                                 else sum(value * n for value, n in losses) / total)
+                    if world > 1:
+                        step_loss = accelerator.reduce(step_loss.to(accelerator.device), reduction="mean")
+                    now = time.perf_counter()
+                    row = (step, epoch, float(step_loss), now - t0)
+                    rows.append(row)
+                    result.step_times.append(now - (last if last is not None else t0))
+                    last = now
+                    if log is not None:
+                        csv.writer(log).writerow([row[0], row[1], repr(row[2]), f"{row[3]:.6f}"])
+                        log.flush()
+                    if show:
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{row[2]:.4f}", epoch=epoch)
+                    if args.save_steps and step % args.save_steps == 0:
+                        accelerator.wait_for_everyone()
+                        if main:
+                            result.checkpoints.append(_save(args, output, f"step-{step}.safetensors", models, lora_config, accelerator))
+            finally:
+                it.close()
+            accelerator.wait_for_everyone()
             if main:
-                with loss_csv.open("a", encoding="utf-8", newline="") as handle:
-                    csv.writer(handle).writerow([row[0], row[1], repr(row[2]), f"{row[3]:.6f}"])
-            bar.update(1)
-            bar.set_postfix(loss=f"{row[2]:.4f}", epoch=epoch)
-            if args.save_steps and step % args.save_steps == 0:
-                accelerator.wait_for_everyone()
-                if main:
-                    result.checkpoints.append(_save(args, output, f"step-{step}.safetensors", models, lora_config, accelerator))
-        accelerator.wait_for_everyone()
-        if main:
-            result.checkpoints.append(_save(args, output, f"epoch-{epoch}.safetensors", models, lora_config, accelerator))
+                result.checkpoints.append(_save(args, output, f"epoch-{epoch}.safetensors", models, lora_config, accelerator))
+    finally:
+        if log is not None:
+            log.close()
     bar.close()
     result.steps = step
     result.losses = [r[2] for r in rows]
@@ -1084,8 +1218,9 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, accelerat
         provider = LiveProvider(args, pipeline, plan, report)
         result.skipped = provider.skipped
     result.samples = len(provider.items)
+    data = stage2_data(args, provider) if isinstance(provider, CacheProvider) else LiveData(provider, args.seed, args.dataset_repeat)
     start = time.perf_counter()
-    run_training(args, plan, provider, accelerator, output, report, result)
+    run_training(args, plan, provider, accelerator, output, report, result, data)
     result.stage_times["train"] = time.perf_counter() - start
     return result
 
