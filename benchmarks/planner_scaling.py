@@ -119,7 +119,7 @@ def main() -> None:
              "entries and each check, growing by the same 12-20x, while the chain-shaped pipelines, whose "
              "tables are smaller, grow ~11x. The extra is the cost of dicts and lists that no longer fit in "
              "the CPU caches; the fixed point itself is one pass over units, reads and update chains."
-             "\n\nMedian of {args.repeats} runs, Python {platform.python_version()}, "
+             f"\n\nMedian of {args.repeats} runs, Python {platform.python_version()}, "
              f"`python benchmarks/planner_scaling.py --write`. `plan + verify` is the whole `split()` call on a freshly built Pipeline (version graph and "
              "fingerprint included), which also runs every check (C1-C3 and the version simulation) it records in the plan.")
     print(text)

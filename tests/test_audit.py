@@ -6,11 +6,9 @@ import json
 import subprocess
 import sys
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import unitgraph as ug
 from unitgraph.audit import audit, denoiser_of, render_text
 from unitgraph.spec import Pipeline, Sink, Unit
 from unitgraph.split import backward_models, train_set, update_chain_train_set

@@ -32,13 +32,6 @@ PROMPTS = ["a dog", "a red circle on a blue background", "a cat", "a small white
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from unitgraph.backends.diffusion.tiny import write_tiny_models
-
-    return write_tiny_models(tmp_path_factory.mktemp("tiny") / "qwen", size="test", seed=0)
-
-
-@pytest.fixture(scope="module")
 def squares(tmp_path_factory) -> Path:
     """4 square images: one shape bucket."""
     folder = tmp_path_factory.mktemp("squares")

@@ -27,13 +27,6 @@ VENV_BIN = Path(sys.executable).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
 
 
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory) -> Path:
-    from unitgraph.backends.diffusion.tiny import write_tiny_models
-
-    return write_tiny_models(tmp_path_factory.mktemp("tiny") / "qwen", size="test", seed=0)
-
-
 def stage1_argv(tiny: Path, data: Path, out: Path, size: int) -> list[str]:
     return ["train", "--task", "sft:data_process", "--dataset_base_path", str(data),
             "--dataset_metadata_path", str(data / "metadata.csv"), "--model_paths", str(tiny), "--lora_base_model", "dit",

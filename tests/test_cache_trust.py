@@ -35,13 +35,6 @@ REPO = Path(__file__).resolve().parents[1]
 STAGE1_UNITS = 4  # ShapeChecker, ImageEncoder, EditImageEncoder, PromptEncoder (LoRA on the DiT)
 
 
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory) -> Path:
-    from unitgraph.backends.diffusion.tiny import write_tiny_models
-
-    return write_tiny_models(tmp_path_factory.mktemp("tiny") / "qwen", size="test", seed=0)
-
-
 def make_data(folder: Path, count: int = 4, seed: int = 3) -> Path:
     write_synthetic_dataset(folder, count=count, size=SIZE, seed=seed, edit=True, distill=True)
     return folder

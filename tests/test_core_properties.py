@@ -14,7 +14,6 @@ from unitgraph.plan import plan_from_train_set
 from unitgraph.split import (
     LATEST,
     VERSIONED,
-    backward_models,
     iterate_to_fixed_point,
     seeds,
     step,

@@ -31,13 +31,6 @@ VENV_BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory) -> Path:
-    from unitgraph.backends.diffusion.tiny import write_tiny_models
-
-    return write_tiny_models(tmp_path_factory.mktemp("tiny") / "qwen", size="test", seed=0)
-
-
-@pytest.fixture(scope="session")
 def dataset(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("data")
     write_synthetic_dataset(folder, count=4, size=SIZE, seed=1, edit=True, distill=True)
@@ -205,7 +198,7 @@ def test_split_equals_unsplit(tiny, dataset, tmp_path, cache_mode):
 def test_text_encoder_trained_split_equals_unsplit(tiny, dataset, tmp_path):
     """Full training of the text encoder plus LoRA on the DiT: prompt encoding moves to stage 2 by itself."""
     extra = dict(trainable_models="text_encoder", num_epochs=2, extra_inputs="edit_image", save_steps=3)
-    unsplit = run(make_args(task="sft", output_path=str(tmp_path / "sft"), **common(tiny, dataset, **extra)), echo=quiet)
+    run(make_args(task="sft", output_path=str(tmp_path / "sft"), **common(tiny, dataset, **extra)), echo=quiet)
     dp, tr = split_run(tiny, dataset, tmp_path, **extra)
     assert "PromptEncoder" in tr.plan.train_units and tr.plan.data_process_models == ["vae"]
     assert_same_training(tmp_path / "sft", tmp_path / "train", "epoch-1.safetensors")

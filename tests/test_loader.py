@@ -190,13 +190,6 @@ PROMPTS = ["a dog", "a red circle on a blue background", "a cat", "a small white
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from unitgraph.backends.diffusion.tiny import write_tiny_models
-
-    return write_tiny_models(tmp_path_factory.mktemp("tiny") / "qwen", size="test", seed=0)
-
-
-@pytest.fixture(scope="module")
 def mixed_dataset(tmp_path_factory) -> Path:
     """10 images: 7 squares of 64 px and 3 of 64 x 32, prompts of different lengths."""
     from PIL import Image

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from .entries import cache_entries, entry_sort_key
+from .entries import cache_entries
 from .errors import PlanFileError, SpecError
 from .userfiles import parse_user_json, read_user_text
 from .graph import VersionGraph

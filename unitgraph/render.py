@@ -360,7 +360,6 @@ def to_graphviz(pipeline: Pipeline, plan: Plan):
     """The plan as a `graphviz.Digraph` (needs the python package, not the `dot` program)."""
     graphviz = _import_graphviz()
     view = plan_view(pipeline, plan)
-    names = view.names
     g = graphviz.Digraph(
         name=pipeline.name,
         graph_attr={
@@ -534,7 +533,7 @@ def to_mermaid(pipeline: Pipeline, plan: Plan) -> str:
     out.append("    " + node("sink", "loss (sink)", [", ".join(sink_models)]))
     out.append("  end")
     if view.inactive:
-        out.append(f'  subgraph inactive["inactive: not run for this dataset"]')
+        out.append('  subgraph inactive["inactive: not run for this dataset"]')
         for k, unit, missing in view.inactive:
             out.append("    " + node(f"x{k}", unit.name, [", ".join(unit.models), view.inactive_line(unit, missing)]))
         out.append("  end")
@@ -591,7 +590,6 @@ def text_renderables(pipeline: Pipeline, plan: Plan) -> list[Any]:
     from rich.text import Text
 
     view = plan_view(pipeline, plan)
-    names = view.names
     out: list[Any] = [Text(view.header(), style="bold")]
     if plan.extra.get("provided") is not None:
         provided = ", ".join(plan.extra["provided"]) or "nothing"

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .entries import bind_inputs
-from .graph import VersionGraph
 from .plan import Plan, active_pipeline
 from .spec import Pipeline
 from .split import LATEST
