@@ -355,9 +355,14 @@ def _unit_grad(unit: Any, backward: set[str], inputs: dict[str, Any]) -> Any:
 
 
 def _progress(iterable: Any, total: int, desc: str, enabled: bool):
+    """A progress bar on stderr; redrawn at most every 15 s when stderr is a log file, not a terminal."""
+    import sys
+
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True)
+    interactive = sys.stderr.isatty()
+    return tqdm(iterable, total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True,
+                mininterval=0.1 if interactive else 15.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1137,8 +1142,8 @@ def run_training(args: TrainArgs, plan: Plan, provider: Any, accelerator: Any, o
                         csv.writer(log).writerow([row[0], row[1], repr(row[2]), f"{row[3]:.6f}"])
                         log.flush()
                     if show:
+                        bar.set_postfix(loss=f"{row[2]:.4f}", epoch=epoch, refresh=False)
                         bar.update(1)
-                        bar.set_postfix(loss=f"{row[2]:.4f}", epoch=epoch)
                     if args.save_steps and step % args.save_steps == 0:
                         accelerator.wait_for_everyone()
                         if main:
