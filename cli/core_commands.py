@@ -41,9 +41,8 @@ def plan_command(
     provided = provided_params(with_params, with_metadata)
     pipeline = load_spec(spec, provided, source)
     plan = split(pipeline, model_list(trainable_models), lora_base_model, mode, provided)
-    violations = verify(pipeline, plan)
-    if violations:  # never write a plan that does not hold; this would be a planner bug
-        for line in violations:
+    if plan.violations:  # split() verified it; never write a plan that does not hold (a planner bug)
+        for line in plan.violations:
             typer.echo(line, err=True)
         raise typer.Exit(1)
     if output:

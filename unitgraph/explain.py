@@ -92,7 +92,7 @@ def explain_in_plan(pipeline: Pipeline, plan: Plan, position: int) -> Explanatio
     if name not in {u.name for u in active.units}:
         return _explain_inactive(pipeline, plan, position)
     position = active.index(name)
-    vg = VersionGraph(active)
+    vg = active.version_graph
     backward = frozenset(plan.models_require_backward)
     reasons = train_set(vg, backward, plan.cache_mode)
     if position in reasons:

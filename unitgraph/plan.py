@@ -43,6 +43,8 @@ class Plan:
     reason_details: dict[str, dict] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # keys of newer formats, kept on round trips
     declared_cache_params: list[str] | None = None  # `cache.params` as read from a file, checked by verify
+    # what verify found when split() made this plan (empty for a sound one); not part of the file
+    violations: list[str] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def cache_params(self) -> list[str]:
@@ -126,9 +128,11 @@ def _split(pipeline: Pipeline, backward: frozenset[str], cache_mode: str, provid
     if provided is not None:
         plan.extra["provided"] = sorted(set(provided))
         plan.extra["inactive_units"] = inactive
-    from .verify import check_results  # verify builds on plan; imported here to keep modules acyclic
+    from .verify import checks_from, find_violations  # verify builds on plan; imported here to stay acyclic
 
-    plan.checks = check_results(pipeline, plan)
+    found = find_violations(pipeline, plan)
+    plan.checks = checks_from(found, cache_mode)
+    plan.violations = [str(v) for v in found]
     return plan
 
 

@@ -98,7 +98,7 @@ class PlanView:
 
     def __post_init__(self) -> None:
         self.active = active_pipeline(self.pipeline, self.plan)
-        self.vg = VersionGraph(self.active)
+        self.vg = self.active.version_graph
         unknown = [n for n in (*self.plan.train_units, *self.plan.data_process_units) if n not in self.vg.position]
         if unknown:
             raise UnitgraphError(

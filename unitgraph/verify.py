@@ -36,8 +36,12 @@ def verify(pipeline: Pipeline, plan: Plan) -> list[str]:
 
 def check_results(pipeline: Pipeline, plan: Plan) -> dict[str, bool | None]:
     """The `checks` block of a plan file. C2 and C3 are None (not required) in versioned mode."""
-    failed = {v.check for v in find_violations(pipeline, plan)}
-    latest = plan.cache_mode == LATEST
+    return checks_from(find_violations(pipeline, plan), plan.cache_mode)
+
+
+def checks_from(violations: list[Violation], cache_mode: str) -> dict[str, bool | None]:
+    failed = {v.check for v in violations}
+    latest = cache_mode == LATEST
     return {
         "C1": "C1" not in failed,
         "C2": ("C2" not in failed) if latest else None,
@@ -283,4 +287,4 @@ def _check_equivalence(vg: VersionGraph, plan: Plan, train: set[int], entries: l
     return out
 
 
-__all__ = ["verify", "find_violations", "check_results", "minimality_note", "unsplit_reads", "split_reads", "Violation"]
+__all__ = ["verify", "find_violations", "check_results", "checks_from", "minimality_note", "unsplit_reads", "split_reads", "Violation"]

@@ -138,8 +138,8 @@ def plan_for(args: TrainArgs, pipeline: Pipeline) -> Plan:
     if args.preset_lora_path and (args.preset_lora_model or args.lora_base_model) not in models:
         raise BackendError("--preset_lora_path needs --preset_lora_model (or --lora_base_model) naming a model of the pipeline")
     plan = split(pipeline, trainable_models=args.trainable(), lora_base_model=args.lora_base_model, cache_mode=args.cache_mode)
-    if not plan.checks_pass:  # pragma: no cover - the planner proves its plans
-        raise RuntimeError(f"planner produced a plan failing its checks: {plan.checks}")
+    if plan.violations:  # pragma: no cover - the planner proves its plans
+        raise RuntimeError(f"planner produced a plan failing verification: {plan.violations[0]}")
     return plan
 
 
@@ -154,24 +154,9 @@ def make_accelerator(args: TrainArgs):
     return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no", kwargs_handlers=handlers)
 
 
-def dataset_params(pipeline: Pipeline) -> list[str]:
-    """Params read before any unit writes them (the sink included)."""
-    written: set[str] = set()
-    out: dict[str, None] = {}
-    for unit in pipeline.units:
-        for p in unit.inputs:
-            if p not in written:
-                out.setdefault(p, None)
-        written.update(unit.outputs)
-    for p in pipeline.sink.inputs if pipeline.sink else ():
-        if p not in written:
-            out.setdefault(p, None)
-    return list(out)
-
-
 def make_dataset(args: TrainArgs, pipeline: Pipeline) -> DiffusionDataset:
     return DiffusionDataset(
-        args.dataset_base_path, args.dataset_metadata_path, dataset_params(pipeline),
+        args.dataset_base_path, args.dataset_metadata_path, pipeline.version_graph.dataset_params,
         data_file_keys=args.file_keys(), extra_inputs=args.extra_input_names(),
         required=REQUIRED[args.family], optional=OPTIONAL[args.family],
     )
