@@ -232,3 +232,19 @@ def test_verify_reports_each_kind_of_tampering():
     assert tampered(fingerprint="sha256:0") == ["fingerprint"]
     assert "partition" in tampered(data_process_units=["Encode", "Ghost"])
     assert "partition" in tampered(train_units=["Mix", "Noise"])
+
+
+def test_networkx_view_carries_params_and_update_chains():
+    p = pipeline(
+        ("Encode", ["image"], ["x"], ["vae"], True),
+        ("Refine", ["x"], ["x", "y"], [], True),
+        ("Overwrite", ["z"], ["x"], [], True),
+        ("Read", ["x", "y"], ["out"], [], True),
+    )
+    g = p.version_graph.to_networkx()
+    assert [g.nodes[i]["name"] for i in g.nodes] == ["Encode", "Refine", "Overwrite", "Read"]
+    assert g.edges[0, 1] == {"params": ["x"], "kind": "data", "chain": ["x"]}
+    assert g.edges[1, 3]["params"] == ["y"] and g.edges[1, 3]["kind"] == "data"
+    assert g.edges[2, 3]["params"] == ["x"]
+    assert g.edges[1, 2] == {"params": [], "chain": ["x"], "kind": "chain"}  # successive writers of x
+    assert not g.has_edge(0, 3), "Read takes x from Overwrite, not from Encode"

@@ -15,8 +15,6 @@ import networkx as nx
 
 from .spec import Pipeline
 
-DATASET = None  # the "writer" of a param's dataset value
-
 
 @dataclass(frozen=True)
 class Read:

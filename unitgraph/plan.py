@@ -19,7 +19,6 @@ from .spec import Pipeline
 from .split import CACHE_MODES, LATEST, VERSIONED, Reason, backward_models, train_set
 
 FORMAT = "unitgraph.plan/v1"
-CHECK_NAMES = ("C1", "C2", "C3", "equivalence")
 
 
 @dataclass

@@ -82,16 +82,6 @@ def _load_backend(backend: str, source: str) -> Any:
         raise SpecError(f"backend {backend!r} failed to load: {type(exc).__name__}: {exc}", source=source) from None
 
 
-def backend_pipelines(backend: str, source: str | None = None) -> Mapping[str, Callable[[], Pipeline]]:
-    """The pipeline factories a backend offers; a SpecError when the backend is unknown or broken."""
-    source = source or f"{backend}:"
-    target = _load_backend(backend, source)
-    pipelines = getattr(target, "PIPELINES", None)
-    if not isinstance(pipelines, Mapping):
-        raise SpecError(f"backend {backend!r} has no PIPELINES mapping", source=source)
-    return pipelines
-
-
 def load_reference(
     backend: str,
     name: str,

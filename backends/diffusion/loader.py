@@ -462,9 +462,6 @@ class Stage2Data:
         positions = bucket_batches(keys, self.batch_size, self.seed, epoch, self.drop_last)
         return shard_batches([[self.elements[j] for j in batch] for batch in positions], rank, world)
 
-    def steps_per_epoch(self, accumulation: int = 1, world: int = 1) -> int:
-        return -(-len(self.batches(0, 0, world)) // accumulation)
-
     # -- per-sample work -------------------------------------------------------------------------
 
     def read(self, item: Any) -> dict[str, Any]:

@@ -1219,11 +1219,3 @@ def read_loss_csv(path: str | Path) -> list[dict[str, Any]]:
     with Path(path).open(encoding="utf-8", newline="") as handle:
         return [{"step": int(r["step"]), "epoch": int(r["epoch"]), "loss": float(r["loss"]), "elapsed_s": float(r["elapsed_s"])}
                 for r in csv.DictReader(handle)]
-
-
-def summary_json(result: RunResult) -> str:
-    return json.dumps({
-        "task": result.task, "samples": result.samples, "steps": result.steps,
-        "stage_times_s": result.stage_times, "median_step_s": result.median_step_s,
-        "checkpoint": None if result.last_checkpoint is None else str(result.last_checkpoint),
-    }, indent=2)

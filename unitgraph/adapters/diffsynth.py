@@ -54,7 +54,6 @@ FIELDS = ("seperate_cfg", "take_over", "input_params", "output_params", "input_p
           "onload_model_names")
 TUPLE_FIELDS = ("input_params", "output_params", "onload_model_names")
 DICT_FIELDS = ("input_params_posi", "input_params_nega")
-STATE_DICTS = ("inputs_shared", "inputs_posi", "inputs_nega")
 RANDOM_CALLS = frozenset({
     "generate_noise", "randn_tensor", "randn", "rand", "randint", "randn_like", "rand_like", "randint_like",
     "randperm", "normal", "normal_", "uniform_", "bernoulli", "multinomial", "poisson", "choice", "shuffle",
