@@ -20,7 +20,7 @@ from pathlib import Path
 from unitgraph.graph import VersionGraph
 from unitgraph.spec import Pipeline
 from unitgraph.plan import split
-from unitgraph.split import CACHE_MODES, train_set
+from unitgraph.closure import CACHE_MODES, train_set
 from unitgraph.synthetic import chain_pipeline, random_pipeline
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"

@@ -13,7 +13,7 @@ import typer
 from unitgraph.errors import SpecError
 from unitgraph.references import load_pipeline
 from unitgraph.spec import Pipeline
-from unitgraph.split import CACHE_MODES
+from unitgraph.closure import CACHE_MODES
 
 Spec = Annotated[str, typer.Argument(help="A spec file (JSON or YAML) or a pipeline reference: diffusion:qwen_image, diffusers:QwenImageAutoBlocks, diffsynth:qwen_image.QwenImagePipeline.", show_default=False)]
 TrainableModels = Annotated[

@@ -19,6 +19,7 @@ import unitgraph as ug
 from unitgraph.adapters import AdapterNote, DeclarationWarning
 from unitgraph.adapters.diffsynth import analyse_process, from_installed, from_source, resolve
 from unitgraph.audit import audit
+from unitgraph.graph import VersionGraph
 from unitgraph.prune import prune
 from unitgraph.verify import unsplit_reads
 
@@ -306,7 +307,7 @@ def test_with_prunes_the_optional_units(source):
             continue
         expected.update({(unit.name, p): state.get(p) for p in unit.inputs})
         state.update({p: unit.name for p in unit.outputs})
-    kept = active.version_graph
+    kept = VersionGraph.of(active)
     pruned = {(kept.names[r], p): None if w is None else kept.names[w]
               for (r, p), w in unsplit_reads(kept).items() if r < kept.n}
     assert pruned == expected

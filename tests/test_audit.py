@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unitgraph.audit import audit, denoiser_of, render_text
+from unitgraph.graph import VersionGraph
 from unitgraph.spec import Pipeline, Sink, Unit
-from unitgraph.split import backward_models, train_set, update_chain_train_set
+from unitgraph.closure import backward_models, train_set, update_chain_train_set
 
 
 def hazard_pipeline() -> Pipeline:
@@ -117,7 +118,7 @@ def pipelines(draw):
 @settings(max_examples=150, deadline=None)
 @given(pipelines())
 def test_hazards_are_exactly_what_w_adds_beyond_u(pipeline):
-    vg = pipeline.version_graph
+    vg = VersionGraph.of(pipeline)
     for case in audit(pipeline).cases:
         backward = backward_models(case.trainable_models, case.lora_base_model)
         extra = set(train_set(vg, backward)) - update_chain_train_set(vg, backward)

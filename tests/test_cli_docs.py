@@ -18,7 +18,7 @@ from unitgraph.cli.docgen import generate
 from unitgraph.graph import VersionGraph
 from unitgraph.plan import plan_from_train_set
 from unitgraph.spec import pipeline_from_dict
-from unitgraph.split import backward_models, update_chain_train_set
+from unitgraph.closure import backward_models, update_chain_train_set
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"

@@ -7,7 +7,7 @@ import pytest
 import unitgraph as ug
 from unitgraph.graph import VersionGraph
 from unitgraph.plan import plan_from_train_set
-from unitgraph.split import LATEST, VERSIONED, update_chain_train_set
+from unitgraph.closure import LATEST, VERSIONED, update_chain_train_set
 from unitgraph.verify import find_violations
 
 
@@ -241,7 +241,7 @@ def test_networkx_view_carries_params_and_update_chains():
         ("Overwrite", ["z"], ["x"], [], True),
         ("Read", ["x", "y"], ["out"], [], True),
     )
-    g = p.version_graph.to_networkx()
+    g = VersionGraph.of(p).to_networkx()
     assert [g.nodes[i]["name"] for i in g.nodes] == ["Encode", "Refine", "Overwrite", "Read"]
     assert g.edges[0, 1] == {"params": ["x"], "kind": "data", "chain": ["x"]}
     assert g.edges[1, 3]["params"] == ["y"] and g.edges[1, 3]["kind"] == "data"

@@ -11,7 +11,7 @@ import unitgraph as ug
 from unitgraph.entries import cache_entries
 from unitgraph.graph import VersionGraph
 from unitgraph.plan import plan_from_train_set
-from unitgraph.split import (
+from unitgraph.closure import (
     LATEST,
     VERSIONED,
     iterate_to_fixed_point,

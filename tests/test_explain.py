@@ -13,7 +13,7 @@ from unitgraph import SpecError, split
 from unitgraph.explain import chain_of, explain
 from unitgraph.graph import VersionGraph
 from unitgraph.spec import Pipeline, Sink, Unit, read_spec_file
-from unitgraph.split import backward_models, train_set
+from unitgraph.closure import backward_models, train_set
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "unitgraph" / "examples"

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import unitgraph as ug
+from unitgraph.graph import VersionGraph
 from unitgraph.prune import active_units, prune
 from unitgraph.verify import unsplit_reads
 
@@ -94,7 +95,7 @@ def test_pruning_never_changes_the_versions_an_active_unit_reads(pipeline, provi
     names = [u.name for u in active.units]
     pruned_reads = {
         (names[reader] if reader < len(names) else "<sink>", p): (None if w is None else names[w])
-        for (reader, p), w in unsplit_reads(active.version_graph).items()
+        for (reader, p), w in unsplit_reads(VersionGraph.of(active)).items()
         if reader < len(names)
     }
     assert pruned_reads == full_reads

@@ -10,7 +10,8 @@ The core is importable without torch. Typical use::
 
 from .errors import PlanFileError, SpecError, UnitgraphError
 from .graph import VersionGraph
-from .plan import FORMAT, Plan, read_plan_file, split
+from .plan import split
+from .planfile import FORMAT, Plan, read_plan_file
 from .references import load_pipeline
 from .spec import Pipeline, Sink, Unit, pipeline_from_dict
 from .verify import verify

@@ -20,11 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from .closure import LATEST, VERSIONED, backward_models, train_set, update_chain_train_set
 from .entries import cache_entries
+from .graph import VersionGraph
 from .plan import split
 from .prune import prune
 from .spec import Pipeline
-from .split import LATEST, VERSIONED, backward_models, train_set, update_chain_train_set
 from .verify import MISSING, split_reads, unsplit_reads
 
 FORMAT = "unitgraph.audit/v1"
@@ -186,7 +187,7 @@ def audit(
 
 def _case(pipeline: Pipeline, active: Pipeline, trained: list[str], base: str | None,
           provided: list[str] | None) -> AuditCase:
-    vg = active.version_graph
+    vg = VersionGraph.of(active)
     names = vg.names
     backward = backward_models(trained, base)
     latest = split(pipeline, trained, base, LATEST, provided)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Iterable
 
+from .closure import LATEST
 from .graph import VersionGraph
-from .split import LATEST
 
 Entry = tuple[str, "int | None"]
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from .closure import LATEST, Reason, train_set
 from .graph import VersionGraph
-from .plan import Plan, active_pipeline, split
+from .plan import split
+from .planfile import Plan, active_pipeline
 from .spec import Pipeline
-from .split import LATEST, Reason, train_set
 
 TRAIN = "train"
 DATA_PROCESS = "data_process"
@@ -92,7 +93,7 @@ def explain_in_plan(pipeline: Pipeline, plan: Plan, position: int) -> Explanatio
     if name not in {u.name for u in active.units}:
         return _explain_inactive(pipeline, plan, position)
     position = active.index(name)
-    vg = active.version_graph
+    vg = VersionGraph.of(active)
     backward = frozenset(plan.models_require_backward)
     reasons = train_set(vg, backward, plan.cache_mode)
     if position in reasons:

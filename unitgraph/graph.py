@@ -53,6 +53,17 @@ class VersionGraph:
                 if j is not None:
                     self.readers_of[j].setdefault(i, []).append(p)
 
+    @classmethod
+    def of(cls, pipeline: Pipeline) -> VersionGraph:
+        """The pipeline's VersionGraph, built once per pipeline and then shared.
+
+        Planning, verifying, drawing and explaining one pipeline all read the same tables; building
+        them is linear in units and reads, which on big pipelines is worth doing once. The graph is
+        kept with the pipeline (`Pipeline.derived`), not as a property of it: spec.py then never
+        imports this module, whose tables are computed from a Pipeline and so sit above it.
+        """
+        return pipeline.derived(cls)
+
     # --- tables -------------------------------------------------------------------------------
 
     @cached_property

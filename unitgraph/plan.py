@@ -1,100 +1,36 @@
-"""The plan: a split written down as JSON (DESIGN §4), and the function that makes one."""
+"""Making a plan: the function `split` and what is derived from it (DESIGN §3, §4).
+
+The record a plan is written down as, and its file format, live in planfile.py; they are
+re-exported here, where callers have always found them, so `from unitgraph.plan import Plan,
+read_plan_file, split` keeps working.
+"""
 
 from __future__ import annotations
 
 import gc
-import hashlib
-import json
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
+from .closure import CACHE_MODES, LATEST, VERSIONED, Reason, backward_models, train_set
 from .entries import cache_entries
-from .errors import PlanFileError, SpecError
-from .userfiles import parse_user_json, read_user_text
+from .errors import SpecError
 from .graph import VersionGraph
+from .planfile import FORMAT, Plan, active_pipeline, fingerprint, read_plan_file
 from .prune import prune
 from .spec import Pipeline
-from .split import CACHE_MODES, LATEST, VERSIONED, Reason, backward_models, train_set
+from .verify import checks_from, find_violations
 
-FORMAT = "unitgraph.plan/v1"
-
-
-@dataclass
-class Plan:
-    """A split of one pipeline for one set of models that need backward.
-
-    Cache entries are (param, writer unit name or None for the dataset value).
-    """
-
-    pipeline: str
-    models_require_backward: list[str]
-    cache_mode: str
-    data_process_units: list[str]
-    data_process_models: list[str]
-    train_units: list[str]
-    train_models: list[str]
-    cache_entries: list[tuple[str, str | None]]
-    fingerprint: str
-    checks: dict[str, bool | None] = field(default_factory=dict)
-    reasons: dict[str, str] = field(default_factory=dict)
-    reason_details: dict[str, dict] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)  # keys of newer formats, kept on round trips
-    declared_cache_params: list[str] | None = None  # `cache.params` as read from a file, checked by verify
-    # what verify found when split() made this plan (empty for a sound one); not part of the file
-    violations: list[str] = field(default_factory=list, compare=False, repr=False)
-
-    @property
-    def cache_params(self) -> list[str]:
-        return sorted({p for p, _ in self.cache_entries})
-
-    @property
-    def checks_pass(self) -> bool:
-        return all(v is not False for v in self.checks.values())
-
-    def stage_of(self, unit_name: str) -> str:
-        return "train" if unit_name in self.train_units else "data_process"
-
-    def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            "format": FORMAT,
-            "pipeline": self.pipeline,
-            "models_require_backward": sorted(self.models_require_backward),
-            "data_process": {"units": list(self.data_process_units), "models": sorted(self.data_process_models)},
-            "train": {"units": list(self.train_units), "models": sorted(self.train_models)},
-            "cache_mode": self.cache_mode,
-            "cache": {
-                "params": self.cache_params,
-                "entries": [{"param": p, "writer": w} for p, w in self.cache_entries],
-            },
-            "checks": dict(self.checks),
-            "reasons": dict(self.reasons),
-            "reason_details": dict(self.reason_details),
-            "fingerprint": self.fingerprint,
-        }
-        for key, value in self.extra.items():
-            data.setdefault(key, value)
-        return data
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2) + "\n"
-
-    @classmethod
-    def from_dict(cls, data: Any, source: str = "<plan>") -> "Plan":
-        """Read a plan strictly enough that a malformed file is one clear error, not a crash later."""
-        reader = _PlanReader(data, source)
-        return reader.plan()
-
-
-def fingerprint(pipeline: Pipeline, backward: Iterable[str], cache_mode: str) -> str:
-    """sha256 of the canonical spec, B, the cache mode and the format: what a cache was made under."""
-    header = json.dumps(
-        {"format": FORMAT, "models_require_backward": sorted(set(backward)), "cache_mode": cache_mode},
-        sort_keys=True, separators=(",", ":"),
-    )
-    text = f'{header[:-1]},"spec":{pipeline.canonical_json}}}'
-    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+__all__ = [
+    "FORMAT",
+    "Plan",
+    "active_pipeline",
+    "fingerprint",
+    "models_versioned_keeps_out",
+    "plan_from_train_set",
+    "read_plan_file",
+    "split",
+    "versioned_savings_line",
+]
 
 
 def split(
@@ -121,14 +57,12 @@ def split(
 
 def _split(pipeline: Pipeline, backward: frozenset[str], cache_mode: str, provided: Iterable[str] | None) -> Plan:
     active, inactive = prune(pipeline, provided)
-    vg = active.version_graph
+    vg = VersionGraph.of(active)
     reasons = train_set(vg, backward, cache_mode)
     plan = plan_from_train_set(vg, backward, set(reasons), cache_mode, reasons)
     if provided is not None:
         plan.extra["provided"] = sorted(set(provided))
         plan.extra["inactive_units"] = inactive
-    from .verify import checks_from, find_violations  # verify builds on plan; imported here to stay acyclic
-
     found = find_violations(pipeline, plan)
     plan.checks = checks_from(found, cache_mode)
     plan.violations = [str(v) for v in found]
@@ -146,12 +80,6 @@ def gc_paused():
     finally:
         if was_enabled:
             gc.enable()
-
-
-def active_pipeline(pipeline: Pipeline, plan: Plan) -> Pipeline:
-    """The pipeline a plan was made for: pruned by the `provided` params it records, if any."""
-    provided = plan.extra.get("provided")
-    return prune(pipeline, provided)[0] if provided is not None else pipeline
 
 
 def plan_from_train_set(
@@ -197,94 +125,12 @@ def _check_models_exist(pipeline: Pipeline, backward: frozenset[str]) -> None:
         )
 
 
-def read_plan_file(path: str | Path) -> Plan:
-    source = str(path)
-    data = parse_user_json(read_user_text(path, PlanFileError, "a plan file"), source, PlanFileError)
-    return Plan.from_dict(data, source=source)
-
-
-class _PlanReader:
-    """Field-by-field reading of a plan dict with errors that name the field."""
-
-    def __init__(self, data: Any, source: str):
-        if not isinstance(data, dict):
-            raise PlanFileError("a plan must be a JSON object", source=source)
-        self.data = data
-        self.source = source
-
-    def fail(self, message: str) -> PlanFileError:
-        return PlanFileError(message, source=self.source)
-
-    def get(self, key: str, kind: type, container: dict | None = None, where: str = "") -> Any:
-        container = self.data if container is None else container
-        if key not in container:
-            raise self.fail(f"missing key '{where}{key}'")
-        value = container[key]
-        if not isinstance(value, kind):
-            raise self.fail(f"'{where}{key}' must be {kind.__name__}, got {type(value).__name__}")
-        return value
-
-    def strings(self, key: str, container: dict | None = None, where: str = "") -> list[str]:
-        values = self.get(key, list, container, where)
-        if not all(isinstance(v, str) for v in values):
-            raise self.fail(f"'{where}{key}' must be a list of strings")
-        return list(values)
-
-    def plan(self) -> Plan:
-        fmt = self.get("format", str)
-        if fmt != FORMAT:
-            raise self.fail(f"unsupported plan format {fmt!r} (this unitgraph reads {FORMAT})")
-        dp = self.get("data_process", dict)
-        tr = self.get("train", dict)
-        cache = self.get("cache", dict)
-        mode = self.get("cache_mode", str)
-        if mode not in (LATEST, VERSIONED):
-            raise self.fail(f"'cache_mode' must be latest or versioned, got {mode!r}")
-        entries = []
-        for k, entry in enumerate(self.get("entries", list, cache, "cache.")):
-            if not isinstance(entry, dict) or set(entry) != {"param", "writer"}:
-                raise self.fail(f"'cache.entries[{k}]' must be an object with keys param and writer")
-            if not isinstance(entry["param"], str) or not (entry["writer"] is None or isinstance(entry["writer"], str)):
-                raise self.fail(f"'cache.entries[{k}]' needs a string param and a string or null writer")
-            entries.append((entry["param"], entry["writer"]))
-        checks = self.data.get("checks", {})
-        reasons = self.data.get("reasons", {})
-        details = self.data.get("reason_details", {})
-        for key, value in (("checks", checks), ("reasons", reasons), ("reason_details", details)):
-            if not isinstance(value, dict):
-                raise self.fail(f"'{key}' must be an object")
-        provided = self.data.get("provided")
-        if provided is not None and not (isinstance(provided, list) and all(isinstance(p, str) for p in provided)):
-            raise self.fail("'provided' must be a list of strings")
-        known = {"format", "pipeline", "models_require_backward", "data_process", "train", "cache_mode",
-                 "cache", "checks", "reasons", "reason_details", "fingerprint"}
-        return Plan(
-            pipeline=self.get("pipeline", str),
-            models_require_backward=self.strings("models_require_backward"),
-            cache_mode=mode,
-            data_process_units=self.strings("units", dp, "data_process."),
-            data_process_models=self.strings("models", dp, "data_process."),
-            train_units=self.strings("units", tr, "train."),
-            train_models=self.strings("models", tr, "train."),
-            cache_entries=entries,
-            declared_cache_params=self.strings("params", cache, "cache."),
-            fingerprint=self.get("fingerprint", str),
-            checks=dict(checks),
-            reasons=dict(reasons),
-            reason_details=dict(details),
-            extra={k: v for k, v in self.data.items() if k not in known},
-        )
-
-
-
-
-
 def models_versioned_keeps_out(pipeline: Pipeline, plan: Plan) -> list[str]:
     """Models a `latest` plan loads in stage 2 that the `versioned` plan of the same split would not."""
     if plan.cache_mode != LATEST:
         return []
     backward = frozenset(plan.models_require_backward)
-    vg = active_pipeline(pipeline, plan).version_graph
+    vg = VersionGraph.of(active_pipeline(pipeline, plan))
     versioned = plan_from_train_set(vg, backward, set(train_set(vg, backward, VERSIONED)), VERSIONED)
     return sorted(set(plan.train_models) - set(versioned.train_models))
 

@@ -31,12 +31,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from .closure import LATEST
 from .entries import bind_inputs
 from .errors import UnitgraphError
 from .graph import VersionGraph
-from .plan import Plan, active_pipeline, versioned_savings_line
+from .plan import versioned_savings_line
+from .planfile import Plan, active_pipeline
 from .spec import Pipeline
-from .split import LATEST
 
 FORMATS = ("svg", "png", "pdf", "dot", "mermaid", "text")
 IMAGE_FORMATS = ("svg", "png", "pdf")  # need the Graphviz `dot` program
@@ -98,7 +99,7 @@ class PlanView:
 
     def __post_init__(self) -> None:
         self.active = active_pipeline(self.pipeline, self.plan)
-        self.vg = self.active.version_graph
+        self.vg = VersionGraph.of(self.active)
         unknown = [n for n in (*self.plan.train_units, *self.plan.data_process_units) if n not in self.vg.position]
         if unknown:
             raise UnitgraphError(

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .closure import LATEST
 from .entries import bind_inputs
-from .plan import Plan, active_pipeline
+from .graph import VersionGraph
+from .planfile import Plan, active_pipeline
 from .spec import Pipeline
-from .split import LATEST
 
 SINK = "<sink>"
 DATASET_WRITER = "dataset"
@@ -59,7 +60,7 @@ def stage1_schedule(plan: Plan) -> Stage1Schedule:
 
 def stage2_bindings(pipeline: Pipeline, plan: Plan) -> dict[tuple[str, str], Binding]:
     """{(reader unit name or SINK, param): Binding} for stage 2 of `plan`."""
-    vg = active_pipeline(pipeline, plan).version_graph
+    vg = VersionGraph.of(active_pipeline(pipeline, plan))
     train = [vg.position[name] for name in plan.train_units]
     entries = [(p, None if w is None else vg.position[w]) for p, w in plan.cache_entries]
     result: dict[tuple[str, str], Binding] = {}
@@ -99,7 +100,7 @@ class Stage1Dependencies:
 
 def stage1_dependencies(pipeline: Pipeline, plan: Plan) -> Stage1Dependencies:
     active = active_pipeline(pipeline, plan)
-    vg = active.version_graph
+    vg = VersionGraph.of(active)
     found: dict[str, None] = {}
     for name in plan.data_process_units:
         for param, writer in vg.reaching[vg.position[name]].items():

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from .errors import SpecError
 from .userfiles import parse_user_json, read_user_text
@@ -18,6 +18,8 @@ from .userfiles import parse_user_json, read_user_text
 UNIT_KEYS = {"name", "inputs", "outputs", "models", "deterministic", "requires"}
 SINK_KEYS = {"inputs", "models"}
 PIPELINE_KEYS = {"name", "units", "sink"}
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -122,12 +124,22 @@ class Pipeline:
         """canonical_dict() as compact JSON, computed once: fingerprints of big pipelines reuse it."""
         return json.dumps(self.canonical_dict(), sort_keys=True, separators=(",", ":"))
 
-    @cached_property
-    def version_graph(self):
-        """The pipeline's VersionGraph, built once (a Pipeline is immutable)."""
-        from .graph import VersionGraph
+    def derived(self, build: Callable[[Pipeline], T]) -> T:
+        """`build(self)`, computed on the first call with this `build` and kept with the pipeline.
 
-        return VersionGraph(self)
+        A Pipeline is immutable, so whatever is computed from it alone stays right for as long as
+        the pipeline lives; kept here, it also goes away with it. A module-level cache would do
+        neither well: keyed on pipelines it hashes every unit on each look-up and keeps dead
+        pipelines alive, keyed on id() it can hand a new pipeline a dead one's result. The modules
+        above spec keep their views of a pipeline this way (graph.py: `VersionGraph.of`), which
+        keeps spec, the declarations, from importing them: the package's imports stay acyclic.
+        """
+        memo = self.__dict__.get("_derived")
+        if memo is None:  # a frozen dataclass: its __dict__ is still writable, as cached_property uses
+            memo = self.__dict__["_derived"] = {}
+        if build not in memo:
+            memo[build] = build(self)
+        return memo[build]
 
     def canonical_dict(self) -> dict[str, Any]:
         """The spec with every order that carries no meaning sorted away, for fingerprints."""

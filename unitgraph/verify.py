@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from .closure import LATEST, backward_models, seeds, train_set, update_chain_closure, write_hazard_closure
 from .entries import bind_inputs, cache_entries
 from .graph import VersionGraph
-from .plan import Plan, active_pipeline, fingerprint
+from .planfile import Plan, active_pipeline, fingerprint
 from .spec import Pipeline
-from .split import LATEST, backward_models, seeds, train_set, update_chain_closure, write_hazard_closure
 
 MISSING = "missing"
 
@@ -52,7 +52,7 @@ def checks_from(violations: list[Violation], cache_mode: str) -> dict[str, bool 
 
 def find_violations(pipeline: Pipeline, plan: Plan) -> list[Violation]:
     pipeline = active_pipeline(pipeline, plan)
-    vg = pipeline.version_graph
+    vg = VersionGraph.of(pipeline)
     out: list[Violation] = []
     out += _check_header(pipeline, plan)
     partition = _check_partition(vg, plan)
@@ -76,7 +76,7 @@ def find_violations(pipeline: Pipeline, plan: Plan) -> list[Violation]:
 
 def minimality_note(pipeline: Pipeline, plan: Plan) -> str | None:
     """A sound plan may keep more units in TRAIN than needed; say which could move to stage 1."""
-    vg = active_pipeline(pipeline, plan).version_graph
+    vg = VersionGraph.of(active_pipeline(pipeline, plan))
     least = train_set(vg, frozenset(plan.models_require_backward), plan.cache_mode)
     extra = [u for u in plan.train_units if u in vg.position and vg.position[u] not in least]
     if not extra:

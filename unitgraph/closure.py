@@ -1,4 +1,4 @@
-"""Which units must stay in the training loop (DESIGN §3).
+"""Which units must stay in the training loop (DESIGN §3): TRAIN, the closure of the seeds.
 
 TRAIN is the least fixed point above the seed set X0 of T(X) = X ∪ F(X) ∪ W(X) in cache mode
 `latest`, and of X ∪ F(X) in mode `versioned`. The set operators are here as plain functions, for
@@ -10,6 +10,10 @@ TRAIN unit, so they stand later in the pipeline; W adds only writers that come a
 TRAIN access of a param, so they stand later too. Visiting positions in pipeline order therefore
 sees every unit after everything that can pull it in, and each param's first TRAIN access is
 settled the first time the sweep meets it. Total work: units + reads + update-chain lengths.
+
+The module is named for what it computes, a closure, and not `split`: the package exports the
+function `unitgraph.split` (plan.py), and a submodule of the same name would be shadowed by it, so
+`import unitgraph.split` would hand back the function instead of this module (issue 10).
 """
 
 from __future__ import annotations
