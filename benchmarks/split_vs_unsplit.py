@@ -7,7 +7,7 @@ and repeating them, each configuration in its own process:
   stage1   `sft:data_process` (stages.run): seconds per sample, peak RSS
   unsplit  one `sft` step (stages.run): encoders + denoiser + backward + AdamW, images read each step
   train    one `sft:train` step (stages.run) from the cache, every entry read from disk
-  loader   the same step fed by backends/diffusion/loader.py (entries read and train units run
+  loader   the same step fed by backends/diffusion/executor.py (entries read and train units run
            ahead in a prefetch thread); then samples/s at --batch_size 1, 4, 8
   limit    the same denoiser step on sink inputs already in memory: the floor for stage 2; then
            the loss and size of the cache with floating tensors stored as bf16 / fp16 / fp32
@@ -64,7 +64,8 @@ CHUNK = 8  # the loader configuration alternates with in-memory steps every CHUN
 CONFIGS = ("stage1", "unsplit", "train", "loader", "limit")
 BATCH_SIZES = (1, 4, 8)
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
-LORA = {"lora_base_model": "dit", "lora_rank": 32}  # DiffSynth's default targets (args.DEFAULT_LORA_TARGETS)
+# LoRA on the family's default DiT targets (family("qwen_image").slot("dit").lora_targets, DiffSynth's)
+LORA = {"lora_base_model": "dit", "lora_rank": 32}
 SEED = 0
 
 
@@ -124,29 +125,29 @@ def _quiet(_text: str) -> None:
 
 def child_prepare(workdir: Path, size: str) -> dict[str, Any]:
     """Models, dataset and the cache the stage-2 configurations train from."""
-    from unitgraph.backends.diffusion import tiny
     from unitgraph.backends.diffusion.data import write_synthetic_dataset
+    from unitgraph.backends.diffusion.families.qwen_image import tiny
     from unitgraph.backends.diffusion.stages import run
 
     s = load_settings(workdir)["sizes"][size]
     p = paths(workdir, size)
-    if s["tiny"] == "balanced" and "balanced" not in tiny.TINY_SIZES:
-        config = copy.deepcopy(tiny.TINY_SIZES["demo"])
+    if s["tiny"] == "balanced" and "balanced" not in tiny.SIZES:
+        config = copy.deepcopy(tiny.SIZES["demo"])
         config["description"] = BALANCED_EXTRA["description"]
         for part in ("transformer", "text"):
             config[part].update(BALANCED_EXTRA[part])
-        tiny.TINY_SIZES["balanced"] = config
+        tiny.SIZES["balanced"] = config
     tiny.write_tiny_models(p["models"], size=s["tiny"], seed=SEED)
     write_synthetic_dataset(p["data"], count=s["samples"], size=s["px"], seed=1)
     run(train_args(workdir, size, "sft:data_process", p["cache"]), echo=_quiet)
-    return {"description": tiny.TINY_SIZES[s["tiny"]]["description"]}
+    return {"description": tiny.SIZES[s["tiny"]]["description"]}
 
 
 def child_stage1(workdir: Path, size: str, out: Path, rep: int) -> dict[str, Any]:
     from unitgraph.backends.diffusion import cache, stages
 
-    # Time each sample by the gaps between successive entry writes (stages.write_entry, or
-    # Cache.store_entry where the stage stores through the cache object).
+    # Time each sample by the gaps between successive entry writes (Cache.store_entry, wrapped here:
+    # production code has no timing hook).
     stamps: list[float] = []
     depth = [0]
 
@@ -162,10 +163,7 @@ def child_stage1(workdir: Path, size: str, out: Path, rep: int) -> dict[str, Any
 
         return timed
 
-    if hasattr(stages, "write_entry"):
-        stages.write_entry = stamped(stages.write_entry)
-    if hasattr(cache.Cache, "store_entry"):
-        cache.Cache.store_entry = stamped(cache.Cache.store_entry)
+    cache.Cache.store_entry = stamped(cache.Cache.store_entry)
     result = stages.run(train_args(workdir, size, "sft:data_process", out), echo=_quiet)
     total = result.stage_times["data_process"]
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
@@ -214,57 +212,53 @@ class Stage2:
         import torch
 
         import unitgraph
-        from unitgraph.backends.diffusion.losses import SINKS
+        from unitgraph.backends.diffusion.config import RunConfig
         from unitgraph.backends.diffusion.lora import add_lora
-        from unitgraph.backends.diffusion.models import load_components
-        from unitgraph.backends.diffusion.qwen_image import ImageSize, UnitContext
-        from unitgraph.backends.diffusion.stages import make_accelerator
+        from unitgraph.backends.diffusion.registry import family
+        from unitgraph.backends.diffusion.session import load_models, make_accelerator, make_context
+        from unitgraph.backends.diffusion.training import draws_dropout
 
         self.settings = load_settings(workdir)["sizes"][size]
         self.cache = paths(workdir, size)["cache"]
         self.args = args = train_args(workdir, size, "sft:train", out, dataset_base_path=str(self.cache),
                                       dataset_metadata_path=None, dataset_repeat=self.settings["train_repeat"])
-        self.pipeline = unitgraph.load_pipeline("diffusion:qwen_image")
-        self.plan = unitgraph.split(self.pipeline, lora_base_model="dit")
-        self.accelerator = make_accelerator(args)
+        self.cfg = cfg = RunConfig.from_args(args)
+        self.family = family("qwen_image")
+        self.pipeline = self.family.pipeline("qwen_image")
+        self.plan = unitgraph.split(self.pipeline.spec_pipeline, lora_base_model="dit")
+        self.accelerator = make_accelerator(cfg)
         device = self.accelerator.device
-        models = load_components(list(self.plan.train_models) + ["scheduler"], model_paths=args.model_paths,
-                                 torch_dtype=torch.float32)
-        for value in models.values():
-            if isinstance(value, torch.nn.Module):
-                value.requires_grad_(False)
-                value.eval()
-                value.to(device)
+        # the DiT and the scheduler, frozen, in eval mode, on the device
+        models = load_models(cfg, self.plan.train_models, training=True, device=device)
         dit = models["dit"]
-        add_lora(dit, "dit", args.lora_targets(), args.lora_rank, args.lora_alpha, args.seed)
+        add_lora(dit, "dit", list(cfg.lora.targets), cfg.lora.rank, cfg.lora.alpha, cfg.seed)
         dit.train()
         params = [p for p in dit.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
         models["dit"] = self.accelerator.prepare(dit)
         self.optimizer = self.accelerator.prepare(optimizer)
-        self.ctx = UnitContext(models=models, size=ImageSize(args.height, args.width, args.max_pixels), device=device,
-                               seed=args.seed, timestep_bounds=(args.min_timestep_boundary, args.max_timestep_boundary))
-        self.sink = SINKS[self.plan.pipeline]
-        from unitgraph.backends.diffusion.stages import draws_dropout
+        self.ctx = make_context(cfg, models, device)
+        self.sink = self.pipeline.loss
 
-        self.seeded = draws_dropout(models)  # as stages.run_training: the dropout stream only when a model has dropout
+        self.seeded = draws_dropout(models)  # as training.run_training: the dropout stream only when a model has dropout
 
     def data(self, batch_size: int = 1, keep_in_memory: bool = False, repeat: Optional[int] = None):
-        from unitgraph.backends.diffusion.loader import Stage2Data
+        from unitgraph.backends.diffusion.executor import Stage2Data
 
-        return Stage2Data.from_cache(self.pipeline, self.plan, self.cache, seed=self.args.seed, batch_size=batch_size,
-                                     dataset_repeat=repeat or self.settings["train_repeat"], keep_in_memory=keep_in_memory)
+        return Stage2Data.from_cache(self.pipeline, self.plan, self.cache, seed=self.cfg.seed, batch_size=batch_size,
+                                     dataset_repeat=repeat or self.settings["train_repeat"], pad=self.family.pad,
+                                     keep_in_memory=keep_in_memory)
 
     def step(self, inputs: dict[str, Any], epoch: Optional[int] = None, sample_key: Optional[str] = None) -> float:
-        """One optimizer step on one (micro-)batch; seeded dropout stream as stages.run_training does (when a model has dropout)."""
+        """One optimizer step on one (micro-)batch; seeded dropout stream as training.run_training does (when a model has dropout)."""
         import contextlib
 
         from unitgraph.backends.diffusion.randomness import seeded_global_stream
 
         seeded = (contextlib.nullcontext() if epoch is None or not self.seeded
-                  else seeded_global_stream(self.args.seed, "dropout", epoch, sample_key))
+                  else seeded_global_stream(self.cfg.seed, "dropout", epoch, sample_key))
         with seeded:
-            loss = self.sink(self.ctx, **inputs)
+            loss = self.sink(self.ctx, inputs)
             self.accelerator.backward(loss)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -299,9 +293,9 @@ class Stage2:
 
 
 def child_loader(workdir: Path, size: str, out: Path, rep: int) -> dict[str, Any]:
-    """Stage 2 through loader.py, each batch prepared when asked for (`sync`, the CPU default) and up to
-    two batches ahead in a thread (`thread`), alternating every CHUNK steps with the same steps from
-    memory; then samples/s at B = 1, 4, 8."""
+    """Stage 2 through executor.py (Stage2Data), each batch prepared when asked for (`sync`, the CPU
+    default) and up to two batches ahead in a thread (`thread`), alternating every CHUNK steps with the
+    same steps from memory; then samples/s at B = 1, 4, 8."""
     stage = Stage2(workdir, size, out)
     data = stage.data(batch_size=1)
     batches = data.batches(0)
@@ -368,7 +362,7 @@ def child_limit(workdir: Path, size: str, out: Path, rep: int) -> dict[str, Any]
                         for k, v in stored.items()}
             state = data.prepare(element, 0, early, cached=restored)
             with torch.no_grad():
-                losses[sample_id] = float(stage.sink(stage.ctx, **data.sink_inputs(state)))
+                losses[sample_id] = float(stage.sink(stage.ctx, data.sink_inputs(state)))
         if name == "float32":
             reference = losses
         rel = [abs(losses[k] - reference[k]) / abs(reference[k]) for k in losses]
@@ -450,7 +444,7 @@ def planner_startup(repeats: int) -> list[float]:
 def cache_bytes(cache_dir: Path) -> dict[str, Any]:
     """Bytes per sample of the cache: whole entry files, and per cache entry (tensor data by key)."""
     sys.path.insert(0, str(ROOT))
-    from unitgraph.backends.diffusion.loader import read_safetensors_header
+    from unitgraph.backends.diffusion.batching import read_safetensors_header
 
     files = sorted((Path(cache_dir) / "entries").glob("*.safetensors"))
     per_key: dict[str, list[int]] = {}
@@ -618,7 +612,7 @@ def markdown(summary: dict[str, Any], plot_name: Optional[str] = None) -> str:
     threads = summary.get("threads")
     out.append("Step times in ms: median over the steps of a process (its first step left out), then over repeats. "
                "`train` is `sft:train` through `stages.run` (whose stage 2 takes its batches from "
-               "`backends/diffusion/loader.py`), every cache entry read from disk and parsed at its step (its checksum "
+               "`backends/diffusion/executor.py`), every cache entry read from disk and parsed at its step (its checksum "
                "checked on its first read); "
                "`loader` is the same data path in a bare loop of the benchmark's own, each batch read and its "
                "model-free train units run when it is asked for (the CPU default); `thread` prepares up to two batches "

@@ -1,4 +1,4 @@
-"""`unitgraph train`, `unitgraph tiny-models` and `unitgraph demo`: the diffusion backend's commands.
+"""`unitgraph train`, `tiny-models`, `demo` and `pipelines`: the diffusion backend's commands.
 
 torch, diffusers and the backend's training code are imported inside the command functions, so
 `unitgraph plan` and `unitgraph inspect` start without them.
@@ -10,7 +10,7 @@ import inspect
 import os
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -82,21 +82,70 @@ def result_lines(result: Any) -> list[str]:
     return lines
 
 
+def _family(pipeline: Optional[str]) -> Any:
+    """The family of `--pipeline NAME` (a family or pipeline name), else the first registered one."""
+    from unitgraph.backends.diffusion import registry
+
+    return registry.find_pipeline(pipeline)[0] if pipeline else registry.default_family()
+
+
+PipelineOption = Annotated[Optional[str], typer.Option("--pipeline", help="A pipeline or family (see 'unitgraph pipelines'; default: the first registered family).")]
+
+
 def tiny_models_command(
     outdir: Annotated[str, typer.Argument(metavar="OUTDIR", help="Folder to write the pipeline into.", show_default=False)],
+    pipeline: PipelineOption = None,
     size: Annotated[str, typer.Option("--size", help="test (a train step ~10 ms) or demo (~0.15 s at 256 px).")] = "test",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
 ) -> None:
-    """Write a random-weight Qwen-Image diffusers pipeline folder (loads with QwenImagePipeline.from_pretrained)."""
+    """Write a random-weight diffusers pipeline folder of a family (it loads with the family's diffusers pipeline class)."""
     from unitgraph.backends.diffusion.args import BackendError
 
-    if size not in ("test", "demo"):
-        raise BackendError(f"--size must be test or demo, got {size!r}")
-    from unitgraph.backends.diffusion.tiny import write_tiny_models
-
+    family = _family(pipeline)
+    tiny = family.tiny_module()
+    if size not in tiny.SIZES:
+        raise BackendError(f"--size must be one of {', '.join(tiny.SIZES)}, got {size!r}")
     start = time.perf_counter()
-    path = write_tiny_models(outdir, size=size, seed=seed)
-    typer.echo(f"wrote {size}-size Qwen-Image pipeline to {path} in {time.perf_counter() - start:.1f} s")
+    path = tiny.write_tiny_models(outdir, size=size, seed=seed)
+    typer.echo(f"wrote {size}-size {family.title} pipeline ({family.diffusers_pipelines[0]}) to {path} "
+               f"in {time.perf_counter() - start:.1f} s")
+
+
+def pipelines_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """List the registered families: their pipelines and tasks, model slots and default LoRA targets."""
+    import json
+
+    from unitgraph.backends.diffusion.registry import families
+
+    rows = [{"family": f.name, "title": f.title, "diffusers_pipeline": f.diffusers_pipelines[0],
+             "pipelines": [{"name": p.name, "task": p.task, "description": p.description} for p in f.pipelines],
+             "slots": [{"name": s.name, "kind": s.kind, "class": f"{s.library}.{s.class_name}", "subfolder": s.subfolder,
+                        "lora_targets": list(s.lora_targets)} for s in f.slots]} for f in families()]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console = Console(width=max(console.width, 150))  # class names are long; a log file should not truncate them
+    for row in rows:
+        console.rule(f"[bold]{row['title']}[/bold]  family {row['family']}, folders load with {row['diffusers_pipeline']}")
+        pipelines = Table(show_header=True, header_style="bold", box=None)
+        for column in ("pipeline", "task", "what it trains"):
+            pipelines.add_column(column)
+        for p in row["pipelines"]:
+            pipelines.add_row(p["name"], p["task"], p["description"])
+        console.print(pipelines)
+        slots = Table(show_header=True, header_style="bold", box=None)
+        for column in ("model slot", "kind", "class", "subfolder"):
+            slots.add_column(column, no_wrap=True)
+        slots.add_column("default LoRA targets", overflow="fold")
+        for slot in row["slots"]:
+            slots.add_row(slot["name"], slot["kind"], slot["class"], slot["subfolder"] + "/", ", ".join(slot["lora_targets"]))
+        console.print(slots)
 
 
 def demo_command(
@@ -107,8 +156,9 @@ def demo_command(
     compare_steps: Annotated[int, typer.Option("--compare_steps", "--compare-steps", help="Unsplit steps timed for comparison (0: skip).")] = 8,
     size: Annotated[str, typer.Option("--size", help="Tiny model size: demo or test.")] = "demo",
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    pipeline: PipelineOption = None,
 ) -> None:
-    """Split training end to end on tiny random-weight Qwen-Image models: plan, stage 1, stage 2, results."""
+    """Split training end to end on tiny random-weight models of a family: plan, stage 1, stage 2, results."""
     from rich.console import Console
     from rich.table import Table
 
@@ -118,16 +168,15 @@ def demo_command(
     if resolution < 16 or resolution % 16:
         raise BackendError(f"--resolution must be a positive multiple of 16, got {resolution}")
     console = Console()
+    family = _family(pipeline)
     out = Path(output_path)
     wall = time.perf_counter()
     models_dir = out / "models"
     data_dir = out / "data"
-    console.rule("[bold]unitgraph demo: split training of a tiny Qwen-Image")
+    console.rule(f"[bold]unitgraph demo: split training of a tiny {family.title}")
     if not (models_dir / "model_index.json").is_file():
-        from unitgraph.backends.diffusion.tiny import write_tiny_models
-
         t = time.perf_counter()
-        write_tiny_models(models_dir, size=size, seed=seed)
+        family.tiny_module().write_tiny_models(models_dir, size=size, seed=seed)
         console.print(f"tiny {size}-size models (random weights) -> {models_dir}  [dim]{time.perf_counter() - t:.1f} s[/dim]")
     else:
         console.print(f"tiny models: reusing {models_dir}")
@@ -135,15 +184,17 @@ def demo_command(
     console.print(f"dataset: {images} captioned {resolution}x{resolution} images -> {metadata}")
 
     common = dict(dataset_base_path=str(data_dir), dataset_metadata_path=str(metadata), model_paths=str(models_dir),
-                  lora_base_model="dit", lora_target_modules="to_q,to_k,to_v,to_out.0", lora_rank=8,
-                  learning_rate=1e-3, max_pixels=resolution * resolution, seed=seed)
+                  pipeline=pipeline or family.pipelines[0].name, lora_base_model="dit", max_pixels=resolution * resolution,
+                  seed=seed, **dict(family.demo))
     args = make_args(task="sft:split", output_path=str(out / "train"), num_epochs=num_epochs, **common)
 
-    from unitgraph.backends.diffusion.stages import pipeline_for, plan_for, run
+    from unitgraph.backends.diffusion.config import RunConfig
+    from unitgraph.backends.diffusion.session import plan_for
+    from unitgraph.backends.diffusion.stages import run
 
-    pipeline = pipeline_for(args)
-    plan = plan_for(args, pipeline)
-    _show_plan(console, pipeline, plan, out)
+    cfg = RunConfig.from_args(args)
+    plan = plan_for(cfg)
+    _show_plan(console, cfg.pipeline.spec_pipeline, plan, out)
 
     console.rule("sft:split  (stage 1 fills the cache, stage 2 trains from it)")
     result = run(args, echo=console.print)
@@ -225,6 +276,7 @@ def register(app: typer.Typer) -> None:
     app.command("train", context_settings={"help_option_names": ["-h", "--help"]})(train_command)
     app.command("tiny-models")(tiny_models_command)
     app.command("demo")(demo_command)
+    app.command("pipelines")(pipelines_command)
 
 
 __all__ = ["register", "result_lines"]

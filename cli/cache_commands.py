@@ -45,7 +45,7 @@ def repair_command(
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = False,
 ) -> None:
     """Recompute the missing, damaged or out-of-date entries of the cache in DIR (stage 1 with the arguments recorded in it)."""
-    from unitgraph.backends.diffusion.stages import repair_cache
+    from unitgraph.backends.diffusion.stage1 import repair_cache
 
     overrides = {"dataset_base_path": dataset_base_path, "dataset_metadata_path": dataset_metadata_path,
                  "model_paths": model_paths, "model_id_with_origin_paths": model_id_with_origin_paths,

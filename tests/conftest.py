@@ -11,6 +11,6 @@ import pytest
 def tiny(tmp_path_factory) -> Path:
     """A test-size Qwen-Image pipeline folder, written once per session. Tests that change model
     files work on a copy of it."""
-    from unitgraph.backends.diffusion.tiny import write_tiny_models
+    from unitgraph.backends.diffusion.families.qwen_image.tiny import write_tiny_models
 
     return write_tiny_models(tmp_path_factory.mktemp("tiny") / "qwen", size="test", seed=0)

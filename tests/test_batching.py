@@ -20,11 +20,14 @@ pytest.importorskip("peft")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from unitgraph.backends.diffusion import stages  # noqa: E402
+from unitgraph.backends.diffusion import stages, training  # noqa: E402
 from unitgraph.backends.diffusion.args import BackendError, make_args  # noqa: E402
 from unitgraph.backends.diffusion.cache import cache_info, read_entry  # noqa: E402
 from unitgraph.backends.diffusion.data import write_synthetic_dataset  # noqa: E402
-from unitgraph.backends.diffusion.stages import read_loss_csv, run  # noqa: E402
+from unitgraph.backends.diffusion.family import SinkCode  # noqa: E402
+from unitgraph.backends.diffusion.registry import families  # noqa: E402
+from unitgraph.backends.diffusion.stages import run  # noqa: E402
+from unitgraph.backends.diffusion.training import draws_dropout, read_loss_csv  # noqa: E402
 
 SIZE = 64
 PROMPTS = ["a dog", "a red circle on a blue background", "a cat", "a small white dog running on green grass",
@@ -103,8 +106,8 @@ def test_batch_size_and_cache_dtype_arguments():
     assert make_args(task="sft:split", cache_dtype="fp16", **base).cache_dtype == "fp16"
     with pytest.raises(BackendError, match="--cache_dtype must be one of bf16, fp16, fp32"):
         make_args(task="sft:split", cache_dtype="int8", **base)
-    for unit, names in stages.UNIT_SETTINGS.items():
-        assert "cache_dtype" in names, unit  # every unit writes floating tensors
+    for unit in (u for family in families() for pipeline in family.pipelines for u in pipeline.units):
+        assert "cache_dtype" in unit.settings, unit.name  # every unit writes floating tensors
 
 
 def test_train_command_exposes_both_spellings():
@@ -196,15 +199,15 @@ def test_dataloader_workers_give_the_same_training(tiny, squares, square_cache, 
 
 @pytest.mark.slow
 def test_non_finite_loss_in_a_batch_names_its_samples(tiny, squares, square_cache, tmp_path, monkeypatch):
-    real_sink = stages.SINKS["qwen_image"]
+    real_sink = SinkCode.__call__
     calls = []
 
-    def sink(ctx, **inputs):
+    def sink(self, ctx, inputs):
         calls.append(int(inputs["input_latents"].shape[0]))
-        loss = real_sink(ctx, **inputs)
+        loss = real_sink(self, ctx, inputs)
         return loss * float("inf") if len(calls) == 2 else loss
 
-    monkeypatch.setitem(stages.SINKS, "qwen_image", sink)
+    monkeypatch.setattr(SinkCode, "__call__", sink)
     with pytest.raises(BackendError) as exc:
         stage2(tiny, squares, square_cache, tmp_path / "out", batch_size=2)
     message = exc.value.one_line()
@@ -240,7 +243,7 @@ def test_cache_dtype_fp16_halves_the_cache_and_is_another_cache(tiny, squares, s
     full = stage2(tiny, squares, square_cache, tmp_path / "t32")
     assert half.steps == full.steps == 4
     assert half.losses == pytest.approx(full.losses, rel=1e-2)
-    provider = stages.CacheProvider(stages.pipeline_for(make_args(task="sft:train", lora_base_model="dit")), half.plan, cache)
+    provider = stages.CacheProvider(families()[0].pipeline("qwen_image"), half.plan, cache)
     assert provider.dtype == torch.float32
     # the same dtype again: everything reused
     assert stage1(tiny, squares, cache, cache_dtype="fp16").computed_indices == []
@@ -256,12 +259,12 @@ def shutil_copy(src: Path, dst: Path) -> None:
 def test_skipping_the_dropout_stream_changes_no_number(tiny, squares, tmp_path, monkeypatch):
     """The models here have no dropout, so the stream is skipped; forcing it on gives the same training,
     and unsplit still equals split through the seeded path."""
-    assert not stages.draws_dropout({"m": torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0))})
-    assert stages.draws_dropout({"m": torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))})
-    assert not stages.draws_dropout({"m": torch.nn.Sequential(torch.nn.Dropout(0.1)).eval()})
+    assert not draws_dropout({"m": torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0))})
+    assert draws_dropout({"m": torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))})
+    assert not draws_dropout({"m": torch.nn.Sequential(torch.nn.Dropout(0.1)).eval()})
     extra = dict(num_epochs=1, dataset_repeat=2, gradient_accumulation_steps=2, save_steps=None)
     run(make_args(task="sft:split", output_path=str(tmp_path / "skipped"), **common(tiny, squares, **extra)), echo=quiet)
-    monkeypatch.setattr(stages, "draws_dropout", lambda _models: True)
+    monkeypatch.setattr(training, "draws_dropout", lambda _models: True)
     run(make_args(task="sft:split", output_path=str(tmp_path / "seeded"), **common(tiny, squares, **extra)), echo=quiet)
     run(make_args(task="sft", output_path=str(tmp_path / "unsplit"), **common(tiny, squares, **extra)), echo=quiet)
     skipped = read_loss_csv(tmp_path / "skipped" / "loss.csv")

@@ -28,7 +28,9 @@ from unitgraph.backends.diffusion import stages  # noqa: E402
 from unitgraph.backends.diffusion.args import BackendError, make_args  # noqa: E402
 from unitgraph.backends.diffusion.cache import Cache, read_entry  # noqa: E402
 from unitgraph.backends.diffusion.data import write_synthetic_dataset  # noqa: E402
-from unitgraph.backends.diffusion.stages import UNIT_SETTINGS, read_loss_csv, run  # noqa: E402
+from unitgraph.backends.diffusion.family import SinkCode, UnitCode, unit  # noqa: E402
+from unitgraph.backends.diffusion.stages import run  # noqa: E402
+from unitgraph.backends.diffusion.training import read_loss_csv  # noqa: E402
 
 SIZE = 64
 REPO = Path(__file__).resolve().parents[1]
@@ -99,22 +101,28 @@ def rewrite_metadata(data: Path, change) -> None:
 
 
 def test_every_unit_declares_the_settings_it_reads():
-    from unitgraph.backends.diffusion.qwen_image import UNITS
+    """A unit's settings are declared with it, and only known ones: a typo cannot drop a setting from the key."""
+    from unitgraph.backends.diffusion.family import SETTINGS
+    from unitgraph.backends.diffusion.registry import families
 
-    assert set(UNITS) == set(UNIT_SETTINGS)
+    units = [u for family in families() for pipeline in family.pipelines for u in pipeline.units]
+    assert units and all(isinstance(u, UnitCode) and set(u.settings) <= set(SETTINGS) for u in units)
+    assert {u.name: u.settings for u in units}["ShapeChecker"] == ("image_size", "dtype", "cache_dtype")
+    with pytest.raises(ValueError, match="unknown settings"):
+        unit("Typo", inputs=("x",), outputs=("y",), settings=("imagesize",))(lambda ctx, x: {"y": x})
 
 
 def test_invalidation_recomputes_exactly_what_changed(tiny, tmp_path, monkeypatch):
     data = make_data(tmp_path / "data")
     cache = tmp_path / "cache"
     calls: list[str] = []
-    real_run_unit = stages.run_unit
+    real_call = UnitCode.__call__
 
-    def counting_run_unit(unit, ctx, inputs):
-        calls.append(unit.name)
-        return real_run_unit(unit, ctx, inputs)
+    def counting_call(self, ctx, inputs):
+        calls.append(self.name)
+        return real_call(self, ctx, inputs)
 
-    monkeypatch.setattr(stages, "run_unit", counting_run_unit)
+    monkeypatch.setattr(UnitCode, "__call__", counting_call)
     hashed: list[Path] = []
     real_sha = cache_module.sha256_file
 
@@ -367,8 +375,9 @@ def test_bad_samples_are_skipped_with_a_warning_and_a_count(tiny, tmp_path, caps
     cache = tmp_path / "cache"
     code, out, err = cli(capsys, *cli_args(tiny, data, "sft:data_process", cache))
     assert code == 0, err
-    warnings = [line for line in out.splitlines() if line.startswith("warning: skipping sample")]
-    assert len(warnings) == 4, out
+    warnings = [line for line in err.splitlines() if line.startswith("warning: skipping sample")]
+    assert len(warnings) == 4, err  # warnings go to stderr, the results to stdout
+    assert not any(line.startswith("warning:") for line in out.splitlines())
     for index, fragment in ((4, "missing file 'images/missing.png'"), (5, "12x40 px, smaller than 16 px"),
                             (6, "'garbage.png' (column 'image') is not a readable image"),
                             (7, "'cut.png' (column 'image') is not a readable image")):
@@ -422,15 +431,15 @@ def test_a_stop_while_computing_keeps_finished_entries(tiny, tmp_path, capsys):
 
 def test_non_finite_loss_stops_naming_step_and_sample(tiny, tmp_path, monkeypatch):
     data = make_data(tmp_path / "data", count=4, seed=9)
-    real_sink = stages.SINKS["qwen_image"]
+    real_sink = SinkCode.__call__
     seen = []
 
-    def sink(ctx, **inputs):
+    def sink(self, ctx, inputs):
         seen.append(ctx.sample_key)
-        loss = real_sink(ctx, **inputs)
+        loss = real_sink(self, ctx, inputs)
         return loss * float("nan") if len(seen) == 3 else loss
 
-    monkeypatch.setitem(stages.SINKS, "qwen_image", sink)
+    monkeypatch.setattr(SinkCode, "__call__", sink)
     out = tmp_path / "out"
     with pytest.raises(BackendError) as exc:
         run(make_args(task="sft:split", output_path=str(out), save_steps=1, **common(tiny, data)), echo=quiet)

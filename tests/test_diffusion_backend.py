@@ -24,7 +24,8 @@ from unitgraph.backends.diffusion.cache import Cache, read_entry, write_entry  #
 from unitgraph.backends.diffusion.data import DiffusionDataset, read_metadata, write_synthetic_dataset  # noqa: E402
 from unitgraph.backends.diffusion.randomness import derive_seed, permutation  # noqa: E402
 from unitgraph.backends.diffusion.registry import PIPELINES  # noqa: E402
-from unitgraph.backends.diffusion.stages import read_loss_csv, run  # noqa: E402
+from unitgraph.backends.diffusion.stages import run  # noqa: E402
+from unitgraph.backends.diffusion.training import read_loss_csv  # noqa: E402
 
 SIZE = 64
 VENV_BIN = Path(sys.executable).parent
@@ -162,11 +163,12 @@ def test_args_errors():
 def test_prompt_encoding_matches_diffusers(tiny):
     from diffusers import QwenImagePipeline
 
-    from unitgraph.backends.diffusion.models import load_components
-    from unitgraph.backends.diffusion.qwen_image import UnitContext, prompt_encoder
+    from qwen_family import load_components
+    from unitgraph.backends.diffusion.context import UnitContext
+    from unitgraph.backends.diffusion.families.qwen_image.units import prompt_encoder
 
     models = load_components(["text_encoder", "tokenizer"], model_paths=str(tiny))
-    ours = prompt_encoder(UnitContext(models=models), "a red circle on a blue background")
+    ours = prompt_encoder(UnitContext(models=models), {"prompt": "a red circle on a blue background"})
     pipe = QwenImagePipeline.from_pretrained(str(tiny))
     emb, mask = pipe.encode_prompt("a red circle on a blue background", device="cpu")
     assert torch.equal(ours["prompt_emb"], emb)
@@ -241,8 +243,8 @@ def test_stage1_never_reads_transformer_weights(tiny, dataset, tmp_path):
 def test_split_reuses_cache_and_lora_loads_in_diffusers(tiny, dataset, tmp_path):
     from diffusers import QwenImagePipeline
 
+    from qwen_family import load_components
     from unitgraph.backends.diffusion.lora import add_lora, load_lora_checkpoint
-    from unitgraph.backends.diffusion.models import load_components
 
     args = common(tiny, dataset, lora_alpha=8.0, remove_prefix_in_ckpt="pipe.dit.")
     first = run(make_args(task="sft:split", output_path=str(tmp_path / "out"), **args), echo=quiet)
@@ -254,7 +256,7 @@ def test_split_reuses_cache_and_lora_loads_in_diffusers(tiny, dataset, tmp_path)
     # ours, in memory: the trained adapter loaded back through peft
     dit = load_components(["dit"], model_paths=str(tiny))["dit"]
     add_lora(dit, "dit", ["to_q", "to_k", "to_v", "to_out.0"], 4, 8.0, seed=0)
-    load_lora_checkpoint(dit, "dit", ckpt)
+    load_lora_checkpoint(dit, "dit", ckpt, "transformer")
     # diffusers' own loader on the same file
     pipe = QwenImagePipeline.from_pretrained(str(tiny))
     base = pipe.transformer

@@ -1,4 +1,4 @@
-"""Tiny Qwen-Image models and slot-by-slot model loading (backends/diffusion/{tiny,models}.py)."""
+"""Tiny Qwen-Image models and slot-by-slot model loading (families/qwen_image/tiny.py, backends/diffusion/models.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ pytest.importorskip("transformers")
 
 from safetensors.torch import load_file  # noqa: E402
 
+from qwen_family import ALL_SLOTS, load_components, model_weight_files, resolve_components  # noqa: E402
 from unitgraph.backends.diffusion import models as M  # noqa: E402
-from unitgraph.backends.diffusion import tiny as T  # noqa: E402
-from unitgraph.backends.diffusion.models import ModelLoadError, load_components, resolve_components  # noqa: E402
+from unitgraph.backends.diffusion.families import qwen_image as Q  # noqa: E402
+from unitgraph.backends.diffusion.families.qwen_image import tiny as T  # noqa: E402
+from unitgraph.backends.diffusion.models import ModelLoadError  # noqa: E402
 
 SUBS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 
@@ -72,12 +74,12 @@ def test_tiny_folder_layout(tiny_root):
     info = json.loads((tiny_root / "unitgraph_tiny.json").read_text())
     assert info["size"] == "test" and info["seed"] == 0
     scheduler = json.loads((tiny_root / "scheduler" / "scheduler_config.json").read_text())
-    for key, value in M.QWEN_IMAGE_SCHEDULER_CONFIG.items():
+    for key, value in Q.SCHEDULER_CONFIG.items():
         assert scheduler[key] == value, key
 
 
 def test_tiny_sizes_are_consistent():
-    for name, spec in T.TINY_SIZES.items():
+    for name, spec in T.SIZES.items():
         tf, vae, text = spec["transformer"], spec["vae"], spec["text"]
         assert sum(tf["axes_dims_rope"]) == tf["attention_head_dim"], name
         assert tf["in_channels"] == 4 * vae["z_dim"] and tf["out_channels"] == vae["z_dim"], name
@@ -85,14 +87,14 @@ def test_tiny_sizes_are_consistent():
         head_dim = text["hidden_size"] // text["num_attention_heads"]
         assert sum(text["mrope_section"]) * 2 == head_dim, name
         json.dumps(spec)  # plain JSON
-    assert M.vae_geometry(T.TINY_SIZES["test"]["vae"]) == M.VaeGeometry(4, 4)
-    assert M.vae_geometry(T.TINY_SIZES["demo"]["vae"]) == M.VaeGeometry(8, 16)
+    assert T.vae_geometry(T.SIZES["test"]["vae"]) == T.VaeGeometry(4, 4)
+    assert T.vae_geometry(T.SIZES["demo"]["vae"]) == T.VaeGeometry(8, 16)
 
 
 def test_tiny_reloads_bitwise(tiny_root):
     fresh = T.build_tiny_components("test", seed=0)
-    loaded = load_components(M.ALL_SLOTS, model_paths=str(tiny_root))
-    assert set(loaded) == set(M.ALL_SLOTS)
+    loaded = load_components(ALL_SLOTS, model_paths=str(tiny_root))
+    assert set(loaded) == set(ALL_SLOTS)
     _same_state(loaded["dit"], fresh["transformer"])
     _same_state(loaded["vae"], fresh["vae"])
     _same_state(loaded["text_encoder"], fresh["text_encoder"])
@@ -121,23 +123,23 @@ def test_tiny_deterministic_by_seed(tiny_root, tmp_path):
 def test_tokenizer_template_matches_pipeline(tiny_root):
     from diffusers import QwenImagePipeline
 
-    parts = load_components(M.ALL_SLOTS, model_paths=tiny_root)
+    parts = load_components(ALL_SLOTS, model_paths=tiny_root)
     pipe = QwenImagePipeline(transformer=parts["dit"], vae=parts["vae"], text_encoder=parts["text_encoder"],
                              tokenizer=parts["tokenizer"], scheduler=parts["scheduler"])
-    assert pipe.prompt_template_encode == T.QWEN_IMAGE_PROMPT_TEMPLATE
-    assert pipe.prompt_template_encode_start_idx == T.QWEN_IMAGE_TEMPLATE_START_IDX == 34
+    assert pipe.prompt_template_encode == T.PROMPT_TEMPLATE
+    assert pipe.prompt_template_encode_start_idx == T.PROMPT_TEMPLATE_DROP == 34
     tok = parts["tokenizer"]
-    prefix = T.QWEN_IMAGE_PROMPT_TEMPLATE.split("{}")[0]
+    prefix = T.PROMPT_TEMPLATE.split("{}")[0]
     ids = tok(prefix).input_ids
     assert len(ids) == 34
     assert tok.convert_ids_to_tokens(ids)[-3:] == ["<|im_start|>", "user", "Ċ"]
     # The pipeline drops exactly the system prefix: what remains is prompt + suffix.
     prompt = "a small red cat"
-    full = tok(T.QWEN_IMAGE_PROMPT_TEMPLATE.format(prompt)).input_ids
+    full = tok(T.PROMPT_TEMPLATE.format(prompt)).input_ids
     assert full[:34] == ids
     with torch.no_grad():
         embeds, _ = pipe.encode_prompt(prompt, device=torch.device("cpu"))
-    assert embeds.shape == (1, len(full) - 34, T.TINY_SIZES["test"]["text"]["hidden_size"])
+    assert embeds.shape == (1, len(full) - 34, T.SIZES["test"]["text"]["hidden_size"])
 
 
 def test_diffusers_pipeline_generates(tiny_root):
@@ -159,13 +161,12 @@ def test_diffusers_pipeline_generates(tiny_root):
 
 def test_vae_geometry(tiny_root):
     vae = load_components(["vae"], model_paths=tiny_root)["vae"]
-    expected = M.VaeGeometry(scale_factor=4, latent_channels=4)
-    assert M.vae_geometry(vae) == expected
-    assert M.vae_geometry(vae.config) == expected
-    assert M.vae_geometry(tiny_root / "vae") == expected
-    assert T.vae_geometry is M.vae_geometry
+    expected = T.VaeGeometry(scale_factor=4, latent_channels=4)
+    assert T.vae_geometry(vae) == expected
+    assert T.vae_geometry(vae.config) == expected
+    assert T.vae_geometry(tiny_root / "vae") == expected
     with pytest.raises(TypeError):
-        M.vae_geometry(object())
+        T.vae_geometry(object())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,7 +226,7 @@ def test_model_paths_forms(tiny_root):
         tiny_root,  # a Path
     ]
     for form in forms:
-        found = resolve_components(M.ALL_SLOTS, model_paths=form)
+        found = resolve_components(ALL_SLOTS, model_paths=form)
         assert {slot: src.path for slot, src in found.items()} == expect, form
         assert found["dit"].class_name == "QwenImageTransformer2DModel"
         assert found["vae"].class_name == "AutoencoderKLQwenImage"
@@ -237,31 +238,31 @@ def test_component_overrides_pipeline_and_tokenizer_path(tiny_root, tmp_path):
     shutil.copytree(tiny_root / "transformer", custom)
     tok = tmp_path / "tok"
     shutil.copytree(tiny_root / "tokenizer", tok)
-    found = resolve_components(M.ALL_SLOTS, model_paths=[str(tiny_root), str(custom)], tokenizer_path=str(tok))
+    found = resolve_components(ALL_SLOTS, model_paths=[str(tiny_root), str(custom)], tokenizer_path=str(tok))
     assert found["dit"].path == custom
     assert found["vae"].path == tiny_root / "vae"
     assert found["tokenizer"].path == tok
     tokenizer = load_components(["tokenizer"], model_paths=[str(custom)], tokenizer_path=tok)["tokenizer"]
-    assert len(tokenizer(T.QWEN_IMAGE_PROMPT_TEMPLATE.split("{}")[0]).input_ids) == 34
+    assert len(tokenizer(T.PROMPT_TEMPLATE.split("{}")[0]).input_ids) == 34
 
 
 def test_model_weight_files(tiny_root, tmp_path):
-    files = M.model_weight_files("dit", model_paths=tiny_root)
+    files = model_weight_files("dit", model_paths=tiny_root)
     assert files == [tiny_root / "transformer" / "config.json",
                      tiny_root / "transformer" / "diffusion_pytorch_model.safetensors"]
-    assert M.model_weight_files("vae", model_paths=tiny_root, include_config=False) == [
+    assert model_weight_files("vae", model_paths=tiny_root, include_config=False) == [
         tiny_root / "vae" / "diffusion_pytorch_model.safetensors"]
-    te = M.model_weight_files("text_encoder", model_paths=tiny_root)
+    te = model_weight_files("text_encoder", model_paths=tiny_root)
     assert tiny_root / "text_encoder" / "model.safetensors" in te
     assert tiny_root / "text_encoder" / "config.json" in te
-    assert tiny_root / "tokenizer" / "tokenizer.json" in M.model_weight_files("tokenizer", model_paths=tiny_root)
-    assert M.model_weight_files("scheduler", model_paths=tiny_root) == [tiny_root / "scheduler" / "scheduler_config.json"]
-    assert M.model_weight_files("scheduler", model_paths=tiny_root / "vae") == []
+    assert tiny_root / "tokenizer" / "tokenizer.json" in model_weight_files("tokenizer", model_paths=tiny_root)
+    assert model_weight_files("scheduler", model_paths=tiny_root) == [tiny_root / "scheduler" / "scheduler_config.json"]
+    assert model_weight_files("scheduler", model_paths=tiny_root / "vae") == []
     # A sharded transformer: every shard is listed, and it loads.
     dit = load_components(["dit"], model_paths=tiny_root)["dit"]
     sharded = tmp_path / "sharded"
     dit.save_pretrained(str(sharded), safe_serialization=True, max_shard_size="300KB")
-    shards = M.model_weight_files("dit", model_paths=sharded, include_config=False)
+    shards = model_weight_files("dit", model_paths=sharded, include_config=False)
     assert len(shards) >= 2 and all(p.suffix == ".safetensors" for p in shards)
     _same_state(load_components(["dit"], model_paths=sharded)["dit"], dit)
     # DiffSynth lists shard files one by one: they name their folder once.
@@ -389,7 +390,7 @@ def test_modelscope_offline_loading(ms_cache, tiny_root):
             "Qwen/Qwen-Image:vae/diffusion_pytorch_model.safetensors,"
             "Qwen/Qwen-Image:text_encoder/model*.safetensors")
     snap = ms_cache / "models" / "Qwen--Qwen-Image" / "snapshots" / "master"
-    found = resolve_components(M.ALL_SLOTS, model_id_with_origin_paths=spec, cache_dir=ms_cache)
+    found = resolve_components(ALL_SLOTS, model_id_with_origin_paths=spec, cache_dir=ms_cache)
     assert found["dit"].path == snap / "transformer"
     assert found["vae"].path == snap / "vae"
     assert found["text_encoder"].path == snap / "text_encoder"

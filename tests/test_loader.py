@@ -1,5 +1,5 @@
-"""Stage 2's batching data path (backends/diffusion/loader.py): buckets, seeded order, collation, prefetch,
-and a batch of B giving the gradient of B accumulated steps."""
+"""Stage 2's batching data path (backends/diffusion/batching.py, executor.py): buckets, seeded order, collation,
+prefetch, and a batch of B giving the gradient of B accumulated steps."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 pytest.importorskip("safetensors")
 
-from unitgraph.backends.diffusion import loader as L  # noqa: E402
+from qwen_family import QWEN, load_components  # noqa: E402
+from unitgraph.backends.diffusion import batching as B  # noqa: E402
+from unitgraph.backends.diffusion import executor as E  # noqa: E402
 from unitgraph.backends.diffusion.cache import write_entry  # noqa: E402
 from unitgraph.backends.diffusion.randomness import permutation  # noqa: E402
 
@@ -33,7 +35,7 @@ def _keys(n: int) -> list[str]:
 def test_each_element_once_per_epoch_and_batches_stay_in_their_bucket(n, batch_size):
     keys = _keys(n)
     for epoch in range(3):
-        batches = L.bucket_batches(keys, batch_size, SEED, epoch)
+        batches = B.bucket_batches(keys, batch_size, SEED, epoch)
         flat = [j for b in batches for j in b]
         assert sorted(flat) == list(range(n))  # exactly once
         assert all(len({keys[j] for j in b}) == 1 for b in batches)  # one bucket per batch
@@ -47,10 +49,10 @@ def test_each_element_once_per_epoch_and_batches_stay_in_their_bucket(n, batch_s
 
 def test_order_is_seeded_and_shuffled_within_and_across_buckets():
     keys = _keys(64)
-    first = L.bucket_batches(keys, 4, SEED, 0)
-    assert first == L.bucket_batches(keys, 4, SEED, 0)  # deterministic
-    assert first != L.bucket_batches(keys, 4, SEED, 1)  # a new order each epoch
-    assert first != L.bucket_batches(keys, 4, SEED + 1, 0)  # and per seed
+    first = B.bucket_batches(keys, 4, SEED, 0)
+    assert first == B.bucket_batches(keys, 4, SEED, 0)  # deterministic
+    assert first != B.bucket_batches(keys, 4, SEED, 1)  # a new order each epoch
+    assert first != B.bucket_batches(keys, 4, SEED + 1, 0)  # and per seed
     # within a bucket the samples are not in their natural order
     a_members = [j for b in first for j in b if keys[j] == "a"]
     assert a_members != sorted(a_members)
@@ -59,44 +61,44 @@ def test_order_is_seeded_and_shuffled_within_and_across_buckets():
     runs = 1 + sum(1 for x, y in zip(labels, labels[1:]) if x != y)
     assert runs > len(set(labels))
     # different epochs interleave the buckets differently
-    assert [keys[b[0]] for b in L.bucket_batches(keys, 4, SEED, 1)] != labels or runs == 1
+    assert [keys[b[0]] for b in B.bucket_batches(keys, 4, SEED, 1)] != labels or runs == 1
 
 
 def test_batch_size_one_is_the_permutation_of_the_unbatched_loop():
     keys = _keys(30)
     for epoch in range(3):
-        assert L.bucket_batches(keys, 1, SEED, epoch) == [[j] for j in permutation(30, SEED, "shuffle", epoch)]
+        assert B.bucket_batches(keys, 1, SEED, epoch) == [[j] for j in permutation(30, SEED, "shuffle", epoch)]
 
 
 def test_drop_last_drops_only_partial_batches():
     keys = ["x"] * 10 + ["y"] * 3
-    kept = L.bucket_batches(keys, 4, SEED, 0)
-    dropped = L.bucket_batches(keys, 4, SEED, 0, drop_last=True)
+    kept = B.bucket_batches(keys, 4, SEED, 0)
+    dropped = B.bucket_batches(keys, 4, SEED, 0, drop_last=True)
     assert [b for b in kept if len(b) == 4] == dropped
     assert sum(len(b) for b in dropped) == 8
 
 
 def test_sharding_gives_every_rank_the_same_number_of_batches():
     batches = [[i] for i in range(7)]
-    shards = [L.shard_batches(batches, r, 3) for r in range(3)]
+    shards = [B.shard_batches(batches, r, 3) for r in range(3)]
     assert {len(s) for s in shards} == {3}
     got = sorted(b[0] for s in shards for b in s)
     assert set(got) == set(range(7)) and len(got) == 9 and got[:2] == [0, 0] and got[2:4] == [1, 1]  # 0 and 1 wrap around
-    assert L.shard_batches(batches, 0, 1) == batches
+    assert B.shard_batches(batches, 0, 1) == batches
 
 
 def test_step_groups_and_micro_weights():
     batches = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
-    groups = L.step_groups(batches, 2)
+    groups = B.step_groups(batches, 2)
     assert groups == [batches[:2], batches[2:]]
-    assert L.micro_weights([4, 4]) == [0.5, 0.5]
-    assert L.micro_weights([4, 2]) == pytest.approx([2 / 3, 1 / 3])
-    assert L.micro_weights([1, 1, 1]) == pytest.approx([1 / 3] * 3)  # B = 1: loss / len(group), as today
+    assert B.micro_weights([4, 4]) == [0.5, 0.5]
+    assert B.micro_weights([4, 2]) == pytest.approx([2 / 3, 1 / 3])
+    assert B.micro_weights([1, 1, 1]) == pytest.approx([1 / 3] * 3)  # B = 1: loss / len(group), as today
 
 
 def test_sample_keys_match_the_unbatched_loop():
-    items = [L.CachedItem(0, "aa"), L.CachedItem(1, "bb")]
-    elements = L.expand(items, 2)
+    items = [B.CachedItem(0, "aa"), B.CachedItem(1, "bb")]
+    elements = B.expand(items, 2)
     assert [e.sample_key for e in elements] == ["0:aa:0", "0:aa:1", "1:bb:0", "1:bb:1"]
 
 
@@ -117,7 +119,7 @@ def _sample(length: int, tokens: int = 8, fill: float = 1.0, mask: bool = True):
 
 
 def test_collate_stacks_pads_prompts_and_keeps_lists_per_sample():
-    out = L.collate([_sample(3, fill=1.0), _sample(5, fill=2.0), _sample(4, fill=3.0, mask=False)])
+    out = B.collate([_sample(3, fill=1.0), _sample(5, fill=2.0), _sample(4, fill=3.0, mask=False)], QWEN.pad)
     assert out["input_latents"].shape == (3, 8, 16) and out["timestep"].tolist() == [100.0, 200.0, 300.0]
     assert out["prompt_emb"].shape == (3, 5, 4)
     assert out["prompt_emb_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
@@ -125,21 +127,21 @@ def test_collate_stacks_pads_prompts_and_keeps_lists_per_sample():
     assert torch.all(out["prompt_emb"][0, 3:] == 0) and torch.all(out["prompt_emb"][0, :3] == 1)
     assert out["edit_latents"] is None and out["img_shapes"] == [[(1, 4, 2)]] * 3 and out["steps"] == 2
     single = _sample(3)
-    assert L.collate([single])["prompt_emb"] is single["prompt_emb"]  # one sample: untouched
+    assert B.collate([single], QWEN.pad)["prompt_emb"] is single["prompt_emb"]  # one sample: untouched
 
 
 def test_collate_refuses_what_cannot_be_batched():
     a, b = _sample(3), _sample(3, tokens=4)
     with pytest.raises(ValueError, match="input_latents: shapes differ"):
-        L.collate([a, b])
+        B.collate([a, b], QWEN.pad)
     c = _sample(3)
     c["steps"] = 4
     with pytest.raises(ValueError, match="steps: values differ"):
-        L.collate([a, c])
+        B.collate([a, c], QWEN.pad)
     d = _sample(3)
     d["edit_latents"] = torch.zeros(1, 8, 16)
     with pytest.raises(ValueError, match="None in some samples only"):
-        L.collate([a, d])
+        B.collate([a, d], QWEN.pad)
 
 
 def test_entry_signature_reads_shapes_from_the_header(tmp_path):
@@ -151,16 +153,16 @@ def test_entry_signature_reads_shapes_from_the_header(tmp_path):
         return tmp_path / name
 
     sink = ["steps"]
-    sig = lambda p: L.entry_signature(p, sink_keys=sink)  # noqa: E731
+    sig = lambda p: B.entry_signature(p, sink_keys=sink, pad=QWEN.pad)  # noqa: E731
     base = sig(entry("a", 16, 16, 5))
     assert sig(entry("b", 16, 16, 9, seed=3)) == base  # prompt length, seeds and strings do not split buckets
     assert sig(entry("c", 8, 16, 5)) != base  # another image shape does
     assert sig(entry("d", 16, 16, 5, steps=4)) != base  # a plain value the sink reads does
-    assert L.read_safetensors_header(tmp_path / "a")["latent_mean"]["shape"] == [1, 4, 1, 16, 16]
+    assert B.read_safetensors_header(tmp_path / "a")["latent_mean"]["shape"] == [1, 4, 1, 16, 16]
     # the same grouping from loaded values (a stage without entry files at hand)
     from unitgraph.backends.diffusion.cache import read_entry
 
-    vsig = lambda p: L.value_signature(read_entry(p)[0], sink_keys=sink)  # noqa: E731
+    vsig = lambda p: B.value_signature(read_entry(p)[0], sink_keys=sink, pad=QWEN.pad)  # noqa: E731
     assert vsig(tmp_path / "a") == vsig(tmp_path / "b") != vsig(tmp_path / "c")
     assert vsig(tmp_path / "a") != vsig(tmp_path / "d")
 
@@ -170,8 +172,8 @@ def test_prefetch_thread_passes_errors_and_stops_early():
         raise RuntimeError("bad entry")
 
     with pytest.raises(RuntimeError, match="bad entry"):
-        list(L._Prefetched([lambda: 1, boom], depth=1))
-    source = L._Prefetched(((lambda i=i: i) for i in range(1000)), depth=2)
+        list(E._Prefetched([lambda: 1, boom], depth=1))
+    source = E._Prefetched(((lambda i=i: i) for i in range(1000)), depth=2)
     got = []
     for value in source:
         got.append(value)
@@ -231,20 +233,18 @@ def cache(tiny, mixed_dataset, tmp_path_factory) -> Path:
 def setup(tiny, cache):
     """(pipeline, plan, ctx, sink) for stage 2 of the LoRA-on-dit plan."""
     import unitgraph
-    from unitgraph.backends.diffusion.losses import SINKS
-    from unitgraph.backends.diffusion.models import load_components
-    from unitgraph.backends.diffusion.qwen_image import ImageSize, UnitContext
+    from unitgraph.backends.diffusion.context import ImageSize, UnitContext, UnitSettings
 
-    pipeline = unitgraph.load_pipeline("diffusion:qwen_image")
-    plan = unitgraph.split(pipeline, lora_base_model="dit")
+    pipeline = QWEN.pipeline("qwen_image")
+    plan = unitgraph.split(pipeline.spec_pipeline, lora_base_model="dit")
     models = load_components(["dit", "scheduler"], model_paths=str(tiny), torch_dtype=torch.float32)
-    ctx = UnitContext(models=models, size=ImageSize(None, None, 64 * 64), seed=SEED)
-    return pipeline, plan, ctx, SINKS[plan.pipeline]
+    ctx = UnitContext(models=models, settings=UnitSettings(image_size=ImageSize(None, None, 64 * 64), seed=SEED))
+    return pipeline, plan, ctx, lambda ctx, **inputs: pipeline.loss(ctx, inputs)
 
 
 def _data(setup, cache, **kwargs):
     pipeline, plan, _ctx, _sink = setup
-    return L.Stage2Data.from_cache(pipeline, plan, cache, seed=SEED, **kwargs)
+    return E.Stage2Data.from_cache(pipeline, plan, cache, seed=SEED, pad=QWEN.pad, **kwargs)
 
 
 @pytest.mark.slow
@@ -277,22 +277,25 @@ def test_buckets_from_loaded_values_match_buckets_from_headers(setup, cache):
 
 
 @pytest.mark.slow
-def test_batch_size_one_gives_the_cache_providers_inputs(setup, cache):
-    from unitgraph.backends.diffusion import stages
+def test_batch_size_one_gives_the_unsplit_runs_inputs(setup, cache, tiny, mixed_dataset):
+    """Stage 2 at batch size 1 (cached values, the plan's bindings, the early units ahead of the step) hands
+    the sink exactly what the unsplit run computes by running every unit on the raw sample."""
+    from unitgraph.backends.diffusion.config import RunConfig
+    from unitgraph.backends.diffusion.stages import Item, LiveProvider
 
     pipeline, plan, ctx, _sink = setup
-    provider_class = getattr(stages, "CacheProvider", None)
-    if provider_class is None:  # pragma: no cover - stages.py is being reworked
-        pytest.skip("stages.CacheProvider is gone")
-    provider = provider_class(pipeline, plan, cache)
+    cfg = RunConfig.from_args(_args(tiny, mixed_dataset, task="sft", output_path="unused"))
+    live = LiveProvider(cfg, plan)
+    vae = load_components(["vae", "text_encoder", "tokenizer"], model_paths=str(tiny), torch_dtype=torch.float32)
     data = _data(setup, cache, batch_size=1, dataset_repeat=2)
     expected_order = [data.elements[j] for j in permutation(len(data.elements), SEED, "shuffle", 1)]
     got = list(data.iterate(1, ctx, prefetch=2))
     assert [b.elements[0] for b in got] == expected_order
-    for batch in got:
+    live_ctx = type(ctx)(models={**ctx.models, **vae}, settings=ctx.settings)
+    for batch in got[:6]:
         element = batch.elements[0]
-        ctx.epoch, ctx.sample_key = 1, element.sample_key
-        want = provider.sink_inputs(element.item, ctx)
+        live_ctx.epoch, live_ctx.sample_key = 1, element.sample_key
+        want = live.sink_inputs(Item(element.item.index, element.item.sample_id), live_ctx)
         assert set(want) == set(batch.inputs)
         for name, value in want.items():
             if isinstance(value, torch.Tensor):
@@ -304,7 +307,7 @@ def test_batch_size_one_gives_the_cache_providers_inputs(setup, cache):
 def test_cast_of_cached_values():
     values = {"a": torch.ones(2, dtype=torch.bfloat16), "mask": torch.ones(2, dtype=torch.long),
               "nested": [torch.zeros(1, dtype=torch.float16), ("x", 3)], "n": 4}
-    out = {k: L._cast(v, torch.float32) for k, v in values.items()}
+    out = {k: B._cast(v, torch.float32) for k, v in values.items()}
     assert out["a"].dtype == torch.float32 and out["mask"].dtype == torch.long
     assert out["nested"][0].dtype == torch.float32 and out["nested"][1] == ("x", 3) and out["n"] == 4
 
@@ -348,7 +351,7 @@ def test_a_batch_of_b_gives_the_gradient_of_b_accumulated_steps(setup, cache):
         singles = [data.sink_inputs(s) for s in states]
         lengths = {int(s["prompt_emb"].shape[1]) for s in singles}
         assert len(lengths) > 1  # padding is exercised
-        batched = L.collate(singles)
+        batched = B.collate(singles, QWEN.pad)
         # per-sample randomness: row k of the batch is sample k's own noise and timestep
         for k, single in enumerate(singles):
             assert torch.equal(batched["noise"][k], single["noise"][0])
@@ -383,35 +386,21 @@ def test_units_that_call_models_run_per_sample_at_step_time(tiny, mixed_dataset,
     the batch's gradient (DiT LoRA-free full weights and text encoder) equals B accumulated steps."""
     import unitgraph
     from unitgraph.backends.diffusion import stages
-    from unitgraph.backends.diffusion.losses import SINKS
-    from unitgraph.backends.diffusion.models import load_components
-    from unitgraph.backends.diffusion.qwen_image import ImageSize, UnitContext
+    from unitgraph.backends.diffusion.context import ImageSize, UnitContext, UnitSettings
 
     stages.run(_args(tiny, mixed_dataset, task="sft:data_process", output_path=str(tmp_path / "cache"),
                      trainable_models="text_encoder"), echo=lambda _t: None)
-    pipeline = unitgraph.load_pipeline("diffusion:qwen_image")
-    plan = unitgraph.split(pipeline, trainable_models=["text_encoder"], lora_base_model="dit")
-    data = L.Stage2Data.from_cache(pipeline, plan, tmp_path / "cache", seed=SEED, batch_size=4)
+    pipeline = QWEN.pipeline("qwen_image")
+    plan = unitgraph.split(pipeline.spec_pipeline, trainable_models=["text_encoder"], lora_base_model="dit")
+    data = E.Stage2Data.from_cache(pipeline, plan, tmp_path / "cache", seed=SEED, batch_size=4, pad=QWEN.pad)
     assert [u.name for u in data.step_units] == ["PromptEncoder"]
     assert "LatentSampler" in [u.name for u in data.early_units]
     models = load_components(["dit", "text_encoder", "tokenizer", "scheduler"], model_paths=str(tiny), torch_dtype=torch.float32)
     for slot in ("dit", "text_encoder"):
         models[slot].requires_grad_(True)
         models[slot].train()
-    ctx = UnitContext(models=models, size=ImageSize(None, None, 64 * 64), seed=SEED)
-    sink = SINKS[plan.pipeline]
-
-    # batch size 1 through the loader = the cache provider's inputs (prompt embeddings computed live)
-    provider = stages.CacheProvider(pipeline, plan, tmp_path / "cache") if hasattr(stages, "CacheProvider") else None
-    one = L.Stage2Data.from_cache(pipeline, plan, tmp_path / "cache", seed=SEED)
-    for batch in list(one.iterate(0, ctx, prefetch=0))[:3]:
-        if provider is None:
-            break
-        ctx.epoch, ctx.sample_key = 0, batch.sample_keys[0]
-        want = provider.sink_inputs(batch.elements[0].item, ctx)
-        for name, value in want.items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(value.detach(), batch.inputs[name].detach()), name
+    ctx = UnitContext(models=models, settings=UnitSettings(image_size=ImageSize(None, None, 64 * 64), seed=SEED))
+    sink = lambda ctx, **inputs: pipeline.loss(ctx, inputs)  # noqa: E731
 
     batch = next(b for b in data.batches(0) if len(b) == 4)
     early = data.early_context(ctx, ctx.device)
@@ -423,12 +412,12 @@ def test_units_that_call_models_run_per_sample_at_step_time(tiny, mixed_dataset,
             p.grad = None
         return out
 
-    batched = data.finish(L.Batch(0, batch, prepared=[data.prepare(e, 0, early) for e in batch]), ctx)
+    batched = data.finish(E.Batch(0, batch, prepared=[data.prepare(e, 0, early) for e in batch]), ctx)
     assert len({int(m.sum()) for m in batched["prompt_emb_mask"]}) > 1  # prompts of different lengths, padded
     sink(ctx, **batched).backward()
     grad_batch = grads()
     for element in batch:
-        single = data.finish(L.Batch(0, [element], prepared=[data.prepare(element, 0, early)]), ctx)
+        single = data.finish(E.Batch(0, [element], prepared=[data.prepare(element, 0, early)]), ctx)
         (sink(ctx, **single) / len(batch)).backward()
     grad_steps = grads()
     worst = max(float((a - b).abs().max()) for a, b in zip(grad_batch, grad_steps))

@@ -1,8 +1,8 @@
-"""The training command's arguments: every DiffSynth-Studio flag of DESIGN §6, plus unitgraph's own.
+"""The training command's arguments: every DiffSynth-Studio flag (docs/user-guide.md), plus unitgraph's own.
 
-One dataclass is the single source of truth: `unitgraph train` builds its options from the fields
-(each in both spellings, `--dataset_base_path` and `--dataset-base-path`), the stages read them, and
-`training_args.json` is `asdict()` of it. No torch here.
+One dataclass is the command line: `unitgraph train` builds its options from the fields (each in both
+spellings, `--dataset_base_path` and `--dataset-base-path`), `training_args.json` is `asdict()` of it,
+and `config.RunConfig.from_args` turns it, once, into the typed configs the stages read. No torch here.
 """
 
 from __future__ import annotations
@@ -22,11 +22,7 @@ TASKS = (
     "sft", "sft:data_process", "sft:train", "sft:split",
     "direct_distill", "direct_distill:data_process", "direct_distill:train", "direct_distill:split",
 )
-# --cache_dtype values -> torch dtype names
-CACHE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-DEFAULT_LORA_TARGETS = (
-    "to_q,to_k,to_v,add_q_proj,add_k_proj,add_v_proj,to_out.0,to_add_out,img_mlp.net.2,img_mod.1,txt_mlp.net.2,txt_mod.1"
-)
+CACHE_DTYPE_FLAGS = ("bf16", "fp16", "fp32")
 
 
 def _f(default: Any, help: str, group: str) -> Any:
@@ -43,6 +39,7 @@ class TrainArgs:
     data_file_keys: str = _f("image", "Comma-separated metadata columns that name files to load.", "dataset")
     extra_inputs: Optional[str] = _f(None, "Comma-separated metadata columns handed to the pipeline (e.g. edit_image).", "dataset")
     # models
+    pipeline: Optional[str] = _f(None, "Pipeline to train (see 'unitgraph pipelines'; default: the family whose diffusers pipeline class the --model_paths folder's model_index.json names, else the first registered family).", "models")
     model_paths: Optional[str] = _f(None, "A JSON list of model folders, or one path (a diffusers pipeline folder works).", "models")
     model_id_with_origin_paths: Optional[str] = _f(None, "'org/name:sub/pattern,...' resolved through modelscope.", "models")
     tokenizer_path: Optional[str] = _f(None, "Tokenizer folder (default: beside the text encoder or in the pipeline folder).", "models")
@@ -53,7 +50,7 @@ class TrainArgs:
     learning_rate: float = _f(1e-4, "AdamW learning rate.", "training")
     weight_decay: float = _f(0.01, "AdamW weight decay.", "training")
     num_epochs: int = _f(1, "Number of epochs.", "training")
-    trainable_models: Optional[str] = _f(None, "Comma-separated models trained in full (dit, text_encoder, vae).", "training")
+    trainable_models: Optional[str] = _f(None, "Comma-separated models trained in full (e.g. dit, text_encoder).", "training")
     gradient_accumulation_steps: int = _f(1, "Micro-steps per optimizer step.", "training")
     find_unused_parameters: bool = _f(False, "DDP find_unused_parameters.", "training")
     use_gradient_checkpointing: bool = _f(False, "Gradient checkpointing in the trained models.", "training")
@@ -66,8 +63,8 @@ class TrainArgs:
     remove_prefix_in_ckpt: Optional[str] = _f(None, "Strip this prefix from checkpoint keys (keys are 'transformer.…'; DiffSynth's 'pipe.dit.' is a no-op).", "output")
     save_steps: Optional[int] = _f(None, "Also save step-N.safetensors every N optimizer steps.", "output")
     # LoRA
-    lora_base_model: Optional[str] = _f(None, "Model that gets LoRA adapters (dit or text_encoder).", "lora")
-    lora_target_modules: str = _f(DEFAULT_LORA_TARGETS, "Comma-separated module names for LoRA.", "lora")
+    lora_base_model: Optional[str] = _f(None, "Model that gets LoRA adapters (a model of the pipeline: dit, text_encoder, ...).", "lora")
+    lora_target_modules: Optional[str] = _f(None, "Comma-separated module names for LoRA (default: the family's targets for the LoRA base model, as DiffSynth's examples use).", "lora")
     lora_rank: int = _f(32, "LoRA rank.", "lora")
     lora_alpha: Optional[float] = _f(None, "LoRA alpha (default: the rank, as DiffSynth).", "lora")
     lora_checkpoint: Optional[str] = _f(None, "Resume LoRA weights from this safetensors file.", "lora")
@@ -80,7 +77,7 @@ class TrainArgs:
     # unitgraph
     seed: int = _f(0, "Seed of every random draw (shuffle, latents, noise, timesteps, LoRA init).", "unitgraph")
     cache_path: Optional[str] = _f(None, "Cache folder for :split (default OUTPUT/cache) and :data_process (default OUTPUT).", "unitgraph")
-    cache_mode: str = _f("latest", "latest or versioned (DESIGN §3).", "unitgraph")
+    cache_mode: str = _f("latest", "latest or versioned (see docs/semantics.md, section 'Cache mode versioned').", "unitgraph")
     batch_size: int = _f(1, "Samples per micro-step in stage 2 (:train, :split): cached samples of equal shapes batched together; unsplit sft takes 1.", "unitgraph")
     cache_dtype: Optional[str] = _f(None, "bf16, fp16 or fp32: dtype of the floating tensors stage 1 stores (default: the dtype the model computes in); stage 2 casts them back.", "unitgraph")
     plot: bool = _f(True, "Write loss.png at the end.", "unitgraph")
@@ -123,8 +120,8 @@ class TrainArgs:
         if self.batch_size > 1 and self.stage == "":
             raise BackendError(f"--batch_size {self.batch_size} needs stage 2 (--task {self.family}:split or {self.family}:train); "
                                "unsplit training takes one sample per micro-step (use --gradient_accumulation_steps)")
-        if self.cache_dtype is not None and self.cache_dtype not in CACHE_DTYPES:
-            raise BackendError(f"--cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}")
+        if self.cache_dtype is not None and self.cache_dtype not in CACHE_DTYPE_FLAGS:
+            raise BackendError(f"--cache_dtype must be one of {', '.join(CACHE_DTYPE_FLAGS)}, got {self.cache_dtype!r}")
         if self.dataset_num_workers < 0:
             raise BackendError(f"--dataset_num_workers must be 0 or more, got {self.dataset_num_workers}")
         if (self.height is None) != (self.width is None):

@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 from unitgraph.atomic import write_bytes_atomic, write_text_atomic
 
 from .args import BackendError
+from .manifest import FORMAT, Manifest, describe_plan_change
 
 if TYPE_CHECKING:  # torch is imported where tensors are handled: `cache verify` and `cache info` start without it
     import torch
 
-FORMAT = "unitgraph.cache/v2"
 HASHES_FORMAT = "unitgraph.hashes/v1"
 MANIFEST = "manifest.json"
 ENTRIES = "entries"
@@ -347,8 +347,9 @@ class Cache:
         Reading through this path skips the checksum; `load_entry` checks it.
         """
         if getattr(self, "_by_sample_id", None) is None:
-            manifest = self.read_manifest() or {}
-            self._by_sample_id = {str(s["sample_id"]): str(s["key"]) for s in manifest.get("samples") or []}
+            manifest = self.read_manifest()
+            samples = manifest.samples if manifest is not None else []
+            self._by_sample_id = {str(s["sample_id"]): str(s["key"]) for s in samples}
         key = self._by_sample_id.get(str(sample_id))
         if key is None:
             raise BackendError(f"no cache entry for sample id {str(sample_id)[:12]} in the manifest", source=str(self.folder))
@@ -358,48 +359,43 @@ class Cache:
         return self.journal_dir / f"rank-{rank}.jsonl"
 
     # --- manifest --------------------------------------------------------------------------------
-    def read_manifest(self) -> Optional[dict[str, Any]]:
+    def read_manifest(self) -> Optional[Manifest]:
+        """The folder's manifest (None when it has none), checked against its schema."""
         if self.folder.exists() and not self.folder.is_dir():
             raise BackendError("is a file, not a cache folder", source=str(self.folder))
         if not self.manifest_path.is_file():
             return None
         try:
             data = json.loads(self.manifest_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BackendError(f"unreadable cache manifest ({exc}); delete the cache folder and run the data_process "
-                               "stage again", source=str(self.manifest_path)) from None
-        if not isinstance(data, dict):
-            raise BackendError("not a unitgraph cache manifest", source=str(self.manifest_path))
-        fmt = data.get("format")
-        if fmt != FORMAT:
-            if isinstance(fmt, str) and fmt.startswith("unitgraph.cache/"):
-                raise BackendError(f"cache format {fmt} is not {FORMAT} (made by another unitgraph version); "
-                                   "delete the folder or choose another cache folder", source=str(self.folder))
-            raise BackendError(f"not a unitgraph cache manifest (expected format {FORMAT})", source=str(self.manifest_path))
-        return data
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise BackendError(f"unreadable cache manifest ({type(exc).__name__}: {str(exc)[:200]}); delete the cache "
+                               "folder and run the data_process stage again", source=str(self.manifest_path)) from None
+        if isinstance(data, dict) and isinstance(data.get("format"), str) and data["format"] != FORMAT \
+                and data["format"].startswith("unitgraph.cache/"):
+            return Manifest.from_dict(data, str(self.folder))  # raises: another version's cache
+        return Manifest.from_dict(data, str(self.manifest_path))
 
-    def write_manifest(self, manifest: dict[str, Any]) -> None:
-        write_text_atomic(self.manifest_path, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    def write_manifest(self, manifest: Manifest) -> None:
+        write_text_atomic(self.manifest_path, json.dumps(manifest.to_dict(), indent=1, sort_keys=True) + "\n")
 
-    def open_for_training(self, plan: Any) -> dict[str, Any]:
-        """The manifest of a complete cache made under `plan`; a one-line BackendError otherwise."""
+    def open_for_training(self, plan: Any, task: str = "sft") -> Manifest:
+        """The manifest of a complete cache made under `plan`; a one-line BackendError otherwise.
+
+        `task` (the --task family) only shapes the advice in the message.
+        """
         if not self.folder.is_dir():
             raise BackendError("cache folder does not exist (run the data_process stage first)", source=str(self.folder))
         manifest = self.read_manifest()
         if manifest is None:
             raise BackendError("no manifest.json: not a cache folder (run the data_process stage first)", source=str(self.folder))
-        if manifest.get("plan_fingerprint") != plan.fingerprint:
-            from .registry import TASK_PIPELINES
-
-            family = next((f for f, p in TASK_PIPELINES.items() if p == plan.pipeline), "sft")
+        if manifest.plan_fingerprint != plan.fingerprint:
             raise BackendError(
                 f"cache was made under another plan ({describe_plan_change(manifest, plan)}); train with the "
                 "--trainable_models/--lora_base_model/--cache_mode it was made with, or build this plan's cache in another "
-                f"folder (--task {family}:data_process, or --task {family}:split)",
+                f"folder (--task {task}:data_process, or --task {task}:split)",
                 source=str(self.folder))
-        if manifest.get("status") != "complete":
-            done = len(manifest.get("entries") or {})
-            raise BackendError(f"cache is incomplete ({done} entries; its data_process stage did not finish): "
+        if not manifest.complete:
+            raise BackendError(f"cache is incomplete ({len(manifest.entries)} entries; its data_process stage did not finish): "
                                "re-run the data_process stage to complete it", source=str(self.folder))
         return manifest
 
@@ -508,12 +504,6 @@ class Cache:
         return values
 
 
-def describe_plan_change(manifest: dict[str, Any], plan: Any) -> str:
-    theirs = manifest.get("plan") or {}
-    return (f"cache: {manifest.get('pipeline')}, backward {theirs.get('models_require_backward')}, {manifest.get('cache_mode')}; "
-            f"now: {plan.pipeline}, backward {plan.models_require_backward}, {plan.cache_mode}")
-
-
 def model_files_digest(files_by_slot: dict[str, list[Path]], digest: Callable[[Path], str] = sha256_file) -> dict[str, dict[str, str]]:
     """{slot: {parent/name: sha256}}: what the stage-1 models are, independent of where they live."""
     return {slot: {f"{p.parent.name}/{p.name}": digest(p) for p in files} for slot, files in sorted(files_by_slot.items())}
@@ -523,7 +513,7 @@ def model_files_digest(files_by_slot: dict[str, list[Path]], digest: Callable[[P
 # `unitgraph cache verify` and `unitgraph cache info` (no torch needed)
 
 
-def open_cache(folder: str | Path) -> tuple[Cache, dict[str, Any]]:
+def open_cache(folder: str | Path) -> tuple[Cache, Manifest]:
     cache = Cache(folder)
     if not cache.folder.is_dir():
         raise BackendError("no such cache folder", source=str(cache.folder))
@@ -537,12 +527,11 @@ def verify_cache(folder: str | Path) -> tuple[list[str], dict[str, Any]]:
     """Check every entry a cache's manifest lists (size and sha256). Returns (problems, statistics)."""
     start = time.perf_counter()
     cache, manifest = open_cache(folder)
-    records = manifest.get("entries") or {}
-    samples = manifest.get("samples") or []
+    records, samples = manifest.entries, manifest.samples
     problems: list[str] = []
     results: dict[str, Optional[str]] = {}
     unrecorded = [s for s in samples if s.get("key") not in records]
-    if manifest.get("status") != "complete":
+    if not manifest.complete:
         problems.append(f"{cache.folder}: cache is incomplete ({len(unrecorded)} of {len(samples)} samples have no entry "
                         "yet: its data_process stage did not finish); run it again to complete the cache")
     else:
@@ -561,16 +550,14 @@ def verify_cache(folder: str | Path) -> tuple[list[str], dict[str, Any]]:
         if results[key] is not None:
             problems.append(f"{cache.folder / record['file']}: {sample_label(s)}: {results[key]}")
     stats = {"samples": len(samples), "entries": len(results), "bytes": total,
-             "seconds": time.perf_counter() - start, "skipped": len(manifest.get("skipped") or [])}
+             "seconds": time.perf_counter() - start, "skipped": len(manifest.skipped)}
     return problems, stats
 
 
 def cache_info(folder: str | Path) -> dict[str, Any]:
     """What `unitgraph cache info` prints: samples, bytes (per entry key too), plan, models, settings."""
     cache, manifest = open_cache(folder)
-    records = manifest.get("entries") or {}
-    samples = manifest.get("samples") or []
-    plan = manifest.get("plan") or {}
+    records, samples, plan = manifest.entries, manifest.samples, manifest.plan
     key_sizes: dict[str, dict[str, int]] = {}
     for key, record in records.items():
         path = cache.folder / record["file"]
@@ -586,23 +573,23 @@ def cache_info(folder: str | Path) -> dict[str, Any]:
     total = sum(int(r["size"]) for r in records.values())
     return {
         "folder": str(cache.folder),
-        "format": manifest.get("format"),
-        "status": manifest.get("status"),
-        "pipeline": manifest.get("pipeline"),
-        "plan_fingerprint": manifest.get("plan_fingerprint"),
-        "cache_mode": manifest.get("cache_mode"),
+        "format": manifest.format,
+        "status": manifest.status,
+        "pipeline": manifest.pipeline,
+        "plan_fingerprint": manifest.plan_fingerprint,
+        "cache_mode": manifest.cache_mode,
         "models_require_backward": plan.get("models_require_backward"),
         "data_process": plan.get("data_process"),
         "train": plan.get("train"),
         "samples": len(samples),
-        "skipped": manifest.get("skipped") or [],
+        "skipped": manifest.skipped,
         "entries": len(records),
         "bytes": total,
         "bytes_per_sample": total / n if samples else 0,
-        "bytes_per_sample_by_key": {k: per_key.get(k, 0) / n for k in (manifest.get("keys") or sorted(per_key))},
-        "models": (manifest.get("key_inputs") or {}).get("models") or {},
-        "settings": manifest.get("settings") or {},
-        "made_with": manifest.get("made_with") or {},
+        "bytes_per_sample_by_key": {k: per_key.get(k, 0) / n for k in (manifest.keys or sorted(per_key))},
+        "models": manifest.model_digests,
+        "settings": manifest.settings,
+        "made_with": manifest.made_with,
         "unsafe_files": [str(p) for p in cache.unsafe_files()],
     }
 

@@ -1,11 +1,9 @@
-"""LoRA through peft, and checkpoints that diffusers loads.
+"""LoRA adapters through peft, on any torch module (a diffusers DiT, a transformers text encoder).
 
-Checkpoint keys follow diffusers' pipeline layout: `transformer.<module>.lora_A.weight` for a LoRA on
-the DiT, `text_encoder.<...>` for the text encoder; the LoRA config (rank, alpha, targets) is kept
-in the safetensors header under `lora_adapter_metadata`, exactly as
-`QwenImagePipeline.save_lora_weights(..., transformer_lora_adapter_metadata=...)` writes it, so
-`QwenImagePipeline.load_lora_weights` reproduces the trained output (alpha included). Full training
-of a model stores its trainable weights under the same prefixes.
+Adapters are injected with peft's own `inject_adapter_in_model`, not through the model library's
+`add_adapter` wrapper: transformers 5's wrapper refuses the peft version on the registry, while the
+injection itself works for every torch module. Checkpoint keys carry the slot's diffusers pipeline
+prefix (`transformer.` for the DiT, see `family.ModelSlot.lora_prefix`); `checkpoints.py` writes them.
 """
 
 from __future__ import annotations
@@ -16,13 +14,9 @@ from typing import Any, Iterable
 
 import torch
 
-from unitgraph.atomic import write_bytes_atomic
-
 from .args import BackendError
 from .randomness import seeded_global_stream
 
-# The diffusers pipeline attribute each slot is stored under (checkpoint key prefixes).
-PREFIX = {"dit": "transformer", "text_encoder": "text_encoder", "vae": "vae"}
 METADATA_KEY = "lora_adapter_metadata"
 ADAPTER = "default"
 
@@ -40,17 +34,25 @@ def _jsonable(value: Any) -> Any:
 
 
 def add_lora(model: torch.nn.Module, slot: str, targets: list[str], rank: int, alpha: float | None, seed: int):
-    """Attach a trainable LoRA adapter; its initialisation draws from a generator derived from --seed."""
-    from peft import LoraConfig
+    """Attach a trainable LoRA adapter (only its weights trainable); the init draws from a stream derived from --seed.
+
+    Target names that match no module of `model` are reported as such; any other refusal by peft is
+    reported with peft's own words (it is not a matter of module names then).
+    """
+    from peft import LoraConfig, inject_adapter_in_model
 
     config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank, target_modules=list(targets),
                         lora_dropout=0.0, init_lora_weights=True)
     with seeded_global_stream(seed, "lora_init", slot):
         try:
-            model.add_adapter(config)
+            inject_adapter_in_model(config, model, adapter_name=ADAPTER)
         except ValueError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise BackendError(f"--lora_target_modules {','.join(targets)}: no such modules in {slot} ({first})") from None
+            if "not found in the base model" in first or type(exc).__name__ == "NoMatchingPeftModuleError":
+                raise BackendError(f"--lora_target_modules {','.join(targets)}: no such modules in {slot}") from None
+            raise BackendError(f"peft cannot add a LoRA adapter to {slot}: {first}") from None
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name)
     return config
 
 
@@ -60,7 +62,8 @@ def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_peft_model_state_dict(model, adapter_name=ADAPTER)
 
 
-def load_lora_checkpoint(model: torch.nn.Module, slot: str, path: str | Path) -> None:
+def load_lora_checkpoint(model: torch.nn.Module, slot: str, path: str | Path, prefix: str,
+                         other_prefixes: Iterable[str] = ()) -> None:
     """Load LoRA weights saved by `save_checkpoint` (or diffusers) into the adapter of `model`.
 
     The checkpoint must fit the adapter exactly: every LoRA weight of the checkpoint names a LoRA
@@ -71,14 +74,14 @@ def load_lora_checkpoint(model: torch.nn.Module, slot: str, path: str | Path) ->
     from peft.utils import set_peft_model_state_dict
 
     state = read_safetensors(path)
-    prefix = PREFIX[slot] + "."
+    prefix = prefix + "."
     picked = {}
     for key, value in state.items():
         if "lora_A" not in key and "lora_B" not in key:
             continue
         if key.startswith(prefix):
             picked[key[len(prefix):]] = value
-        elif not any(key.startswith(p + ".") for p in PREFIX.values()):
+        elif not any(key.startswith(p + ".") for p in other_prefixes):
             picked[key] = value  # saved with --remove_prefix_in_ckpt
     if not picked:
         raise BackendError(f"no LoRA weights for {slot} in the checkpoint", source=str(path))
@@ -127,7 +130,7 @@ def _lora_metadata(path: Path) -> dict[str, Any]:
     return json.loads(raw) if raw else {}
 
 
-def merge_preset_lora(model: torch.nn.Module, slot: str, path: str | Path) -> int:
+def merge_preset_lora(model: torch.nn.Module, slot: str, path: str | Path, prefix: str) -> int:
     """Add a LoRA's delta (scale * B @ A) into the base weights of `model`; returns the modules changed.
 
     Reads keys with or without the slot prefix; alpha from the adapter metadata or `.alpha` keys
@@ -136,7 +139,7 @@ def merge_preset_lora(model: torch.nn.Module, slot: str, path: str | Path) -> in
     path = Path(path)
     state = read_safetensors(path)
     meta = _lora_metadata(path)
-    prefix = PREFIX[slot] + "."
+    key_prefix = prefix + "."
     modules = dict(model.named_modules())
     changed = 0
     for key, a in state.items():
@@ -146,7 +149,7 @@ def merge_preset_lora(model: torch.nn.Module, slot: str, path: str | Path) -> in
         b = state.get(name + ".lora_B.weight")
         if b is None:
             continue
-        module_name = name[len(prefix):] if name.startswith(prefix) else name
+        module_name = name[len(key_prefix):] if name.startswith(key_prefix) else name
         module = modules.get(module_name)
         if module is None or not hasattr(module, "weight"):
             continue
@@ -155,8 +158,8 @@ def merge_preset_lora(model: torch.nn.Module, slot: str, path: str | Path) -> in
         if alpha is not None:
             alpha = float(alpha)
         else:
-            alpha = float(meta.get(f"{PREFIX[slot]}.lora_alpha", meta.get("lora_alpha", rank)))
-            rank_meta = meta.get(f"{PREFIX[slot]}.r", meta.get("r", rank))
+            alpha = float(meta.get(f"{prefix}.lora_alpha", meta.get("lora_alpha", rank)))
+            rank_meta = meta.get(f"{prefix}.r", meta.get("r", rank))
             rank = int(rank_meta) if isinstance(rank_meta, (int, float)) else rank
         with torch.no_grad():
             delta = (b.float() @ a.float()) * (alpha / rank)
@@ -165,36 +168,3 @@ def merge_preset_lora(model: torch.nn.Module, slot: str, path: str | Path) -> in
     if changed == 0:
         raise BackendError(f"preset LoRA changes no module of {slot}", source=str(path))
     return changed
-
-
-def checkpoint_state(models: dict[str, torch.nn.Module], lora_slot: str | None, trainable: Iterable[str]) -> dict[str, torch.Tensor]:
-    """Everything trained, under diffusers prefixes: LoRA weights of `lora_slot`, all weights of trainable models."""
-    state: dict[str, torch.Tensor] = {}
-    for slot in trainable:
-        model = models[slot]
-        for name, param in model.named_parameters():
-            if param.requires_grad and "lora_" not in name:
-                state[f"{PREFIX[slot]}.{name}"] = param.detach()
-    if lora_slot is not None:
-        for name, value in lora_state_dict(models[lora_slot]).items():
-            state[f"{PREFIX[lora_slot]}.{name}"] = value.detach()
-    return state
-
-
-def save_checkpoint(path: str | Path, state: dict[str, torch.Tensor], lora_slot: str | None = None,
-                    lora_config: Any = None, remove_prefix: str | None = None) -> Path:
-    """Write a checkpoint atomically as safetensors (with diffusers' LoRA metadata when there is a LoRA)."""
-    from safetensors.torch import save
-
-    tensors = {}
-    for key, value in state.items():
-        if remove_prefix and key.startswith(remove_prefix):
-            key = key[len(remove_prefix):]
-        tensors[key] = value.detach().to("cpu").contiguous().clone()
-    metadata = {"format": "pt"}
-    if lora_slot is not None and lora_config is not None:
-        config = _jsonable(lora_config.to_dict())
-        metadata[METADATA_KEY] = json.dumps({f"{PREFIX[lora_slot]}.{k}": v for k, v in config.items()}, indent=2, sort_keys=True)
-    path = Path(path)
-    write_bytes_atomic(path, save(tensors, metadata=metadata))
-    return path

@@ -1,23 +1,15 @@
-"""Finding and loading the Qwen-Image model components, slot by slot.
+"""Finding and loading a family's model components, slot by slot.
 
-The diffusion pipeline has three model slots and two auxiliary ones:
-
-  ============  =====================================  ==========================
-  slot          class                                   pipeline subfolder
-  ============  =====================================  ==========================
-  dit           QwenImageTransformer2DModel (diffusers)  transformer/
-  vae           AutoencoderKLQwenImage (diffusers)       vae/
-  text_encoder  Qwen2_5_VLForConditionalGeneration       text_encoder/
-  tokenizer     Qwen2Tokenizer (transformers)            tokenizer/
-  scheduler     FlowMatchEulerDiscreteScheduler          scheduler/
-  ============  =====================================  ==========================
+A family declares its slots (`family.ModelSlot`: DiffSynth's model name, the diffusers or
+transformers class, the pipeline subfolder, ...); this module turns the user's model arguments into
+one folder per slot and loads it with that class. Nothing here names a family.
 
 Models come from ``model_paths`` (DiffSynth's ``--model_paths``: a JSON list, a single path,
 or a Python list; each entry a whole diffusers pipeline folder or one component folder) and
 from ``model_id_with_origin_paths`` (DiffSynth's ``"org/name:sub/pattern,..."``, resolved
-through the modelscope cache). Only the requested slots are loaded: a pipeline folder's other
-subfolders are never opened, and component folders are only classified by their small
-config files.
+through the modelscope cache; with ``offline=True`` the local cache only). Only the requested
+slots are loaded: a pipeline folder's other subfolders are never opened, and component folders
+are only classified by their small config files.
 
 Every problem is raised as :class:`ModelLoadError`, whose message is one line naming the path
 and the problem. Weights are read from safetensors only (never pickle).
@@ -29,66 +21,20 @@ is cheap.
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Sequence
 
-MODEL_SLOTS = ("dit", "vae", "text_encoder")
-AUX_SLOTS = ("tokenizer", "scheduler")
-ALL_SLOTS = MODEL_SLOTS + AUX_SLOTS
+from .family import ModelSlot
 
-# Subfolder of each slot inside a diffusers pipeline folder (keys of model_index.json).
-PIPELINE_SUBFOLDERS = {
-    "dit": "transformer",
-    "vae": "vae",
-    "text_encoder": "text_encoder",
-    "tokenizer": "tokenizer",
-    "scheduler": "scheduler",
-}
-_SUBFOLDER_SLOTS = {sub: slot for slot, sub in PIPELINE_SUBFOLDERS.items()}
-
-# The class each slot expects (for messages) and the classes accepted for it.
-SLOT_CLASSES = {
-    "dit": "QwenImageTransformer2DModel",
-    "vae": "AutoencoderKLQwenImage",
-    "text_encoder": "Qwen2_5_VLForConditionalGeneration",
-    "tokenizer": "Qwen2Tokenizer",
-    "scheduler": "FlowMatchEulerDiscreteScheduler",
-}
-_DIFFUSERS_CLASS_SLOTS = {
-    "QwenImageTransformer2DModel": "dit",
-    "AutoencoderKLQwenImage": "vae",
-    "FlowMatchEulerDiscreteScheduler": "scheduler",
-}
-_TEXT_ENCODER_MODEL_TYPES = {"qwen2_5_vl"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "spiece.model")
 _WEIGHT_INDEX_FILES = ("diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json")
 _WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
-
-# Qwen-Image's published scheduler configuration (scheduler/scheduler_config.json); used when
-# no scheduler folder is given (DiffSynth-style component lists have none).
-QWEN_IMAGE_SCHEDULER_CONFIG: dict[str, Any] = {
-    "num_train_timesteps": 1000,
-    "shift": 1.0,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.5,
-    "max_shift": 0.9,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 8192,
-    "invert_sigmas": False,
-    "shift_terminal": 0.02,
-    "use_karras_sigmas": False,
-    "use_exponential_sigmas": False,
-    "use_beta_sigmas": False,
-    "time_shift_type": "exponential",
-    "stochastic_sampling": False,
-}
-
-# DiffSynth's default tokenizer location when only model ids are given.
-DEFAULT_TOKENIZER_ORIGIN = ("Qwen/Qwen-Image", "tokenizer/")
+# Read once where the flags are parsed (config.ModelConfig); named in messages.
 OFFLINE_ENV = "UNITGRAPH_OFFLINE"
 
 
@@ -134,38 +80,6 @@ class _Entry:
     class_name: str = ""
     model_id: str | None = None  # modelscope model id, when resolved through modelscope
     subfolders: dict[str, str] = field(default_factory=dict)  # pipeline: slot -> subfolder
-
-
-# --------------------------------------------------------------------------------------------
-# VAE geometry
-
-
-@dataclass(frozen=True)
-class VaeGeometry:
-    """Latent geometry of a Qwen-Image VAE: pixels per latent cell and latent channels."""
-
-    scale_factor: int
-    latent_channels: int
-
-
-def vae_geometry(vae: Any) -> VaeGeometry:
-    """Spatial downsampling factor (2**len(temperal_downsample)) and z_dim of a VAE.
-
-    Accepts a loaded AutoencoderKLQwenImage, its config (dict-like), or a vae folder path.
-    """
-    if isinstance(vae, (str, os.PathLike)):
-        config = _read_json(Path(vae) / "config.json")
-    elif isinstance(vae, Mapping):
-        config = vae
-    else:
-        config = getattr(vae, "config", None)
-        if config is None:
-            raise TypeError(f"not a VAE or VAE config: {type(vae).__name__}")
-    try:
-        return VaeGeometry(scale_factor=2 ** len(config["temperal_downsample"]),
-                           latent_channels=int(config["z_dim"]))
-    except (KeyError, TypeError) as exc:
-        raise TypeError(f"VAE config lacks temperal_downsample/z_dim: {exc}") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,10 +164,58 @@ def _read_json(path: Path) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
+# A family's slots, as lookup tables
+
+
+class SlotTable:
+    """The slots of one family, indexed the ways folders are recognised: pipeline subfolder,
+    diffusers `_class_name`, transformers `model_type` / `architectures`, tokenizer class."""
+
+    def __init__(self, slots: Sequence[ModelSlot]):
+        self.slots: dict[str, ModelSlot] = {s.name: s for s in slots}
+        self.by_subfolder = {s.subfolder: s.name for s in slots}
+        self.by_class = {c: s.name for s in slots if s.kind != "tokenizer" for c in s.class_names}
+        self.by_model_type = {t: s.name for s in slots for t in s.model_types}
+        self.tokenizers = [s.name for s in slots if s.kind == "tokenizer"]
+        self.denoiser = next(s.name for s in slots if s.kind == "model")  # a family declares its denoiser first
+
+    def __getitem__(self, name: str) -> ModelSlot:
+        return self.slots[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.slots
+
+    def expected(self, slot: str) -> str:
+        return self.slots[slot].class_name
+
+    def encoder_of(self, tokenizer: str) -> str | None:
+        """The text encoder slot a tokenizer slot is paired with."""
+        return next((s.name for s in self.slots.values() if s.tokenizer == tokenizer), None)
+
+    def tokenizer_slot(self, class_name: str) -> str:
+        """The tokenizer slot for a tokenizer class (the only one, when the family has one)."""
+        for name in self.tokenizers:
+            if class_name in self.slots[name].class_names:
+                return name
+        return self.tokenizers[0] if self.tokenizers else "tokenizer"
+
+    def check(self, slots: Iterable[str] | str) -> list[str]:
+        if isinstance(slots, str):
+            slots = [s for s in slots.replace(",", " ").split() if s]
+        out = []
+        for slot in slots:
+            if slot not in self.slots:
+                raise ModelLoadError(slot, f"unknown model slot (expected one of {', '.join(self.slots)})")
+            if slot not in out:
+                out.append(slot)
+        return out
+
+
+# --------------------------------------------------------------------------------------------
 # Classifying folders
 
 
-def classify_folder(path: Path | str, origin: str | None = None) -> _Entry:
+def classify_folder(path: Path | str, table: SlotTable, origin: str | None = None) -> _Entry:
     """Detect what a folder (or a weight file inside one) holds, from its config files only."""
     p = Path(path).expanduser()
     origin = origin or str(path)
@@ -261,7 +223,7 @@ def classify_folder(path: Path | str, origin: str | None = None) -> _Entry:
         raise ModelLoadError(p, "path does not exist")
     if p.is_file():
         if p.suffix in (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt"):
-            entry = classify_folder(p.parent, origin)
+            entry = classify_folder(p.parent, table, origin)
             if entry.kind == "pipeline":
                 raise ModelLoadError(p, "is a file at the top of a pipeline folder; give the folder itself")
             return entry
@@ -273,7 +235,7 @@ def classify_folder(path: Path | str, origin: str | None = None) -> _Entry:
         for key, value in index.items():
             if key.startswith("_") or not isinstance(value, list):
                 continue
-            slot = _SUBFOLDER_SLOTS.get(key)
+            slot = table.by_subfolder.get(key)
             if slot is not None:
                 subfolders[slot] = key
         return _Entry(origin=origin, path=p, kind="pipeline",
@@ -282,36 +244,39 @@ def classify_folder(path: Path | str, origin: str | None = None) -> _Entry:
     if (p / "config.json").is_file():
         config = _read_json(p / "config.json")
         class_name = config.get("_class_name")
+        models = [s for s in table.slots.values() if s.kind == "model"]
         if class_name:
-            slot = _DIFFUSERS_CLASS_SLOTS.get(class_name)
+            slot = table.by_class.get(class_name)
             if slot is None:
-                raise ModelLoadError(p, f"unsupported diffusers model class {class_name} "
-                                        f"(expected {SLOT_CLASSES['dit']} or {SLOT_CLASSES['vae']})")
+                expected = " or ".join(s.class_name for s in models if s.library == "diffusers")
+                raise ModelLoadError(p, f"unsupported diffusers model class {class_name} (expected {expected})")
             return _Entry(origin=origin, path=p, kind=slot, class_name=class_name)
-        architectures = config.get("architectures") or []
+        architectures = [str(a) for a in config.get("architectures") or []]
         model_type = config.get("model_type")
         if architectures or model_type:
-            names = [str(a) for a in architectures]
-            if model_type in _TEXT_ENCODER_MODEL_TYPES or any(a.startswith("Qwen2_5_VL") for a in names):
-                return _Entry(origin=origin, path=p, kind="text_encoder",
-                              class_name=names[0] if names else SLOT_CLASSES["text_encoder"])
-            raise ModelLoadError(p, f"unsupported transformers model {names[0] if names else model_type} "
-                                    f"(expected {SLOT_CLASSES['text_encoder']})")
+            slot = table.by_model_type.get(model_type) or next(
+                (table.by_class[a] for a in architectures if a in table.by_class), None)
+            if slot is not None:
+                return _Entry(origin=origin, path=p, kind=slot,
+                              class_name=architectures[0] if architectures else table.expected(slot))
+            expected = " or ".join(s.class_name for s in models if s.library == "transformers")
+            raise ModelLoadError(p, f"unsupported transformers model {architectures[0] if architectures else model_type} "
+                                    f"(expected {expected})")
         raise ModelLoadError(p, "config.json names neither a diffusers _class_name nor transformers architectures/model_type")
 
     if (p / "scheduler_config.json").is_file():
         config = _read_json(p / "scheduler_config.json")
         class_name = str(config.get("_class_name", ""))
-        if class_name != SLOT_CLASSES["scheduler"]:
-            raise ModelLoadError(p, f"unsupported scheduler {class_name or '(no _class_name)'} "
-                                    f"(expected {SLOT_CLASSES['scheduler']})")
-        return _Entry(origin=origin, path=p, kind="scheduler", class_name=class_name)
+        slot = table.by_class.get(class_name)
+        if slot is None or table[slot].kind != "scheduler":
+            expected = " or ".join(s.class_name for s in table.slots.values() if s.kind == "scheduler")
+            raise ModelLoadError(p, f"unsupported scheduler {class_name or '(no _class_name)'} (expected {expected})")
+        return _Entry(origin=origin, path=p, kind=slot, class_name=class_name)
 
-    if (p / "tokenizer_config.json").is_file() or (p / "tokenizer.json").is_file():
-        class_name = ""
-        if (p / "tokenizer_config.json").is_file():
-            class_name = str(_read_json(p / "tokenizer_config.json").get("tokenizer_class", ""))
-        return _Entry(origin=origin, path=p, kind="tokenizer", class_name=class_name or SLOT_CLASSES["tokenizer"])
+    if _is_tokenizer_folder(p):
+        class_name = _tokenizer_class(p)
+        slot = table.tokenizer_slot(class_name)
+        return _Entry(origin=origin, path=p, kind=slot, class_name=class_name or table.expected(slot))
 
     raise ModelLoadError(p, "not a diffusers/transformers model folder (no model_index.json, config.json, "
                             "scheduler_config.json or tokenizer files)")
@@ -321,12 +286,13 @@ def _is_tokenizer_folder(p: Path) -> bool:
     return p.is_dir() and ((p / "tokenizer_config.json").is_file() or (p / "tokenizer.json").is_file())
 
 
+def _tokenizer_class(folder: Path) -> str:
+    cfg = folder / "tokenizer_config.json"
+    return str(_read_json(cfg).get("tokenizer_class", "")) if cfg.is_file() else ""
+
+
 # --------------------------------------------------------------------------------------------
 # modelscope
-
-
-def _offline() -> bool:
-    return os.environ.get(OFFLINE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _origin_subfolder(pattern: str) -> str:
@@ -335,8 +301,8 @@ def _origin_subfolder(pattern: str) -> str:
     return head if sep else ""
 
 
-def _modelscope_snapshot(model_id: str, pattern: str, cache_dir: str | os.PathLike | None) -> Path:
-    """Resolve model_id through modelscope (the local cache only when UNITGRAPH_OFFLINE=1)."""
+def _modelscope_snapshot(model_id: str, pattern: str, cache_dir: str | os.PathLike | None, offline: bool) -> Path:
+    """Resolve model_id through modelscope (its local cache only when `offline`)."""
     sub = _origin_subfolder(pattern)
     file_pattern = pattern + "*" if pattern.endswith("/") else pattern
     allow = [file_pattern, f"{sub}/*.json" if sub else "*.json"]
@@ -345,7 +311,6 @@ def _modelscope_snapshot(model_id: str, pattern: str, cache_dir: str | os.PathLi
         from modelscope import snapshot_download
     except ImportError as exc:  # pragma: no cover - modelscope is a backend dependency
         raise ModelLoadError(label, f"modelscope is not installed ({exc})") from None
-    offline = _offline()
     try:
         root = snapshot_download(
             model_id,
@@ -372,26 +337,30 @@ def _modelscope_snapshot(model_id: str, pattern: str, cache_dir: str | os.PathLi
 
 
 class ModelSources:
-    """The user's model arguments, resolved lazily slot by slot.
+    """The user's model arguments, resolved lazily slot by slot for one family's slots.
 
     Component folders from model_paths are classified eagerly (config files only); modelscope
     entries whose origin subfolder names a slot (transformer/, vae/, ...) are resolved only
     when that slot is asked for. A pipeline folder's subfolders are only looked at on demand.
+    `tokenizer_path` (DiffSynth's --tokenizer_path) is the tokenizer of the first text encoder.
     """
 
-    def __init__(self, model_paths: Any = None, model_id_with_origin_paths: Any = None,
-                 tokenizer_path: Any = None, cache_dir: Any = None):
+    def __init__(self, slots: Sequence[ModelSlot] | SlotTable, model_paths: Any = None,
+                 model_id_with_origin_paths: Any = None, tokenizer_path: Any = None, cache_dir: Any = None,
+                 offline: bool = False):
+        self.table = slots if isinstance(slots, SlotTable) else SlotTable(slots)
         self.cache_dir = cache_dir
+        self.offline = bool(offline)
         self.tokenizer_path = None if tokenizer_path in (None, "") else str(tokenizer_path)
         self._remote = parse_model_id_with_origin_paths(model_id_with_origin_paths)
         self.entries: list[_Entry] = []
         self._seen: set[Path] = set()
         for given in parse_model_paths(model_paths):
-            self._add(classify_folder(given))
+            self._add(classify_folder(given, self.table))
         self._remote_done: set[int] = set()
         # Entries with no slot hint must be fetched to know what they are.
         for i, (model_id, pattern) in enumerate(self._remote):
-            if _SUBFOLDER_SLOTS.get(_origin_subfolder(pattern)) is None:
+            if self.table.by_subfolder.get(_origin_subfolder(pattern)) is None:
                 self._fetch_remote(i)
 
     def _add(self, entry: _Entry) -> None:
@@ -404,19 +373,22 @@ class ModelSources:
     def has_sources(self) -> bool:
         return bool(self.entries or self._remote)
 
+    def _snapshot(self, model_id: str, pattern: str) -> Path:
+        return _modelscope_snapshot(model_id, pattern, self.cache_dir, self.offline)
+
     def _fetch_remote(self, i: int) -> None:
         if i in self._remote_done:
             return
         self._remote_done.add(i)
         model_id, pattern = self._remote[i]
-        folder = _modelscope_snapshot(model_id, pattern, self.cache_dir)
-        entry = classify_folder(folder, origin=f"{model_id}:{pattern}")
+        folder = self._snapshot(model_id, pattern)
+        entry = classify_folder(folder, self.table, origin=f"{model_id}:{pattern}")
         entry.model_id = model_id
         self._add(entry)
 
     def _fetch_remote_for(self, slot: str) -> None:
         for i, (_, pattern) in enumerate(self._remote):
-            if _SUBFOLDER_SLOTS.get(_origin_subfolder(pattern)) == slot:
+            if self.table.by_subfolder.get(_origin_subfolder(pattern)) == slot:
                 self._fetch_remote(i)
 
     def _unique(self, entries: list[_Entry], slot: str) -> _Entry | None:
@@ -436,17 +408,17 @@ class ModelSources:
         folder = entry.path / entry.subfolders[slot]
         if not folder.is_dir():
             raise ModelLoadError(folder, f"pipeline folder lacks its {entry.subfolders[slot]}/ subfolder (needed for {slot})")
-        sub = classify_folder(folder, origin=entry.origin)
+        sub = classify_folder(folder, self.table, origin=entry.origin)
         if sub.kind != slot:
-            raise ModelLoadError(folder, f"holds a {sub.kind} ({sub.class_name}), but {slot} needs {SLOT_CLASSES[slot]}")
+            raise ModelLoadError(folder, f"holds a {sub.kind} ({sub.class_name}), but {slot} needs {self.table.expected(slot)}")
         return ComponentSource(slot, folder, sub.class_name, entry.origin)
 
     def resolve(self, slot: str) -> ComponentSource:
         """Find the folder of one slot; raise ModelLoadError if no source provides it."""
-        if slot not in ALL_SLOTS:
-            raise ModelLoadError(slot, f"unknown model slot (expected one of {', '.join(ALL_SLOTS)})")
-        if slot == "tokenizer":
-            return self._resolve_tokenizer()
+        self.table.check([slot])
+        kind = self.table[slot].kind
+        if kind == "tokenizer":
+            return self._resolve_tokenizer(slot)
         self._fetch_remote_for(slot)
         entry = self._component(slot)
         if entry is not None:
@@ -454,28 +426,33 @@ class ModelSources:
         source = self._pipeline_source(slot)
         if source is not None:
             return source
-        if slot == "scheduler":
-            dit = self._component("dit")
-            if dit is not None and (dit.path.parent / "scheduler" / "scheduler_config.json").is_file():
-                folder = dit.path.parent / "scheduler"
-                sub = classify_folder(folder, origin=dit.origin)
-                return ComponentSource(slot, folder, sub.class_name, dit.origin)
-            return ComponentSource(slot, None, SLOT_CLASSES["scheduler"], "built-in Qwen-Image scheduler config")
+        if kind == "scheduler":
+            return self._resolve_scheduler(slot)
         raise self._missing(slot)
 
-    def _resolve_tokenizer(self) -> ComponentSource:
-        slot = "tokenizer"
-        if self.tokenizer_path is not None:
+    def _resolve_scheduler(self, slot: str) -> ComponentSource:
+        """A scheduler folder beside the denoiser's component folder, else the family's published config."""
+        subfolder = self.table[slot].subfolder
+        denoiser = self._component(self.table.denoiser)
+        if denoiser is not None and (denoiser.path.parent / subfolder / "scheduler_config.json").is_file():
+            folder = denoiser.path.parent / subfolder
+            sub = classify_folder(folder, self.table, origin=denoiser.origin)
+            return ComponentSource(slot, folder, sub.class_name, denoiser.origin)
+        if self.table[slot].default_config is None:
+            raise self._missing(slot)
+        return ComponentSource(slot, None, self.table.expected(slot), "the family's published scheduler config")
+
+    def _resolve_tokenizer(self, slot: str) -> ComponentSource:
+        encoder_slot = self.table.encoder_of(slot)
+        first_tokenizer = next((s.tokenizer for s in self.table.slots.values() if s.tokenizer), None)
+        if self.tokenizer_path is not None and slot == first_tokenizer:
             local = Path(self.tokenizer_path).expanduser()
             if local.exists() or ":" not in self.tokenizer_path:
                 if not local.exists():
                     raise ModelLoadError(local, "tokenizer path does not exist")
-                if not _is_tokenizer_folder(local):
-                    raise ModelLoadError(local, "not a tokenizer folder (no tokenizer.json or tokenizer_config.json)")
-                return ComponentSource(slot, local, _tokenizer_class(local), self.tokenizer_path)
+                return self._tokenizer_source(slot, local, self.tokenizer_path)
             model_id, pattern = parse_model_id_with_origin_paths(self.tokenizer_path)[0]
-            folder = _modelscope_snapshot(model_id, pattern, self.cache_dir)
-            return self._tokenizer_source(folder, self.tokenizer_path)
+            return self._tokenizer_source(slot, self._snapshot(model_id, pattern), self.tokenizer_path)
         self._fetch_remote_for(slot)
         entry = self._component(slot)
         if entry is not None:
@@ -487,92 +464,82 @@ class ModelSources:
             source, pipeline_error = None, exc
         if source is not None:
             return source
-        # A tokenizer/ folder beside the text encoder folder.
-        self._fetch_remote_for("text_encoder")
-        text_encoder = self._component("text_encoder")
-        if text_encoder is not None:
-            beside = text_encoder.path.parent / "tokenizer"
-            if _is_tokenizer_folder(beside):
-                return ComponentSource(slot, beside, _tokenizer_class(beside), text_encoder.origin)
-        # Like DiffSynth: the tokenizer/ folder of the text encoder's model id, else Qwen/Qwen-Image.
-        if self._remote:
-            ids = []
-            if text_encoder is not None and text_encoder.model_id:
-                ids.append(text_encoder.model_id)
+        # A tokenizer folder beside the text encoder folder.
+        subfolder = self.table[slot].subfolder
+        encoder = None
+        if encoder_slot is not None:
+            self._fetch_remote_for(encoder_slot)
+            encoder = self._component(encoder_slot)
+            if encoder is not None and _is_tokenizer_folder(encoder.path.parent / subfolder):
+                return self._tokenizer_source(slot, encoder.path.parent / subfolder, encoder.origin)
+        # Like DiffSynth: the tokenizer folder of the text encoder's model id, else the family's default origin.
+        origin = self.table[slot].origin
+        if self._remote and origin is not None:
+            ids = [encoder.model_id] if encoder is not None and encoder.model_id else []
             ids += [model_id for model_id, _ in self._remote]
-            ids.append(DEFAULT_TOKENIZER_ORIGIN[0])
+            ids.append(origin[0])
             last_error = None
             for model_id in dict.fromkeys(ids):
                 try:
-                    folder = _modelscope_snapshot(model_id, DEFAULT_TOKENIZER_ORIGIN[1], self.cache_dir)
+                    folder = self._snapshot(model_id, origin[1])
                 except ModelLoadError as exc:
                     last_error = exc
                     continue
-                return self._tokenizer_source(folder, f"{model_id}:{DEFAULT_TOKENIZER_ORIGIN[1]}")
+                return self._tokenizer_source(slot, folder, f"{model_id}:{origin[1]}")
             if last_error is not None and pipeline_error is None:
                 raise last_error
         if pipeline_error is not None:
             raise pipeline_error
         raise self._missing(slot)
 
-    def _tokenizer_source(self, folder: Path, origin: str) -> ComponentSource:
+    def _tokenizer_source(self, slot: str, folder: Path, origin: str) -> ComponentSource:
         if not _is_tokenizer_folder(folder):
             raise ModelLoadError(folder, "not a tokenizer folder (no tokenizer.json or tokenizer_config.json)")
-        return ComponentSource("tokenizer", folder, _tokenizer_class(folder), origin)
+        return ComponentSource(slot, folder, _tokenizer_class(folder) or self.table.expected(slot), origin)
 
     def _missing(self, slot: str) -> ModelLoadError:
         if not self.has_sources:
             return ModelLoadError(None, f"no model given for {slot}: pass --model_paths or --model_id_with_origin_paths")
-        if slot == "tokenizer":
-            return ModelLoadError(None, "no tokenizer found beside the text encoder or in a pipeline folder; pass --tokenizer_path")
+        if self.table[slot].kind == "tokenizer":
+            return ModelLoadError(None, f"no {slot} found beside the text encoder or in a pipeline folder; pass --tokenizer_path")
         for i in range(len(self._remote)):  # describe everything that was given
             self._fetch_remote(i)
-        described = [e for e in self.entries]
-        if len(described) == 1:
-            e = described[0]
+        expected = self.table.expected(slot)
+        if len(self.entries) == 1:
+            e = self.entries[0]
             what = f"a {e.kind} folder" + (f" ({e.class_name})" if e.class_name else "")
             if e.kind == "pipeline":
-                what = f"a pipeline folder without a {PIPELINE_SUBFOLDERS[slot]} component"
-            return ModelLoadError(e.path, f"is {what}, but {slot} needs {SLOT_CLASSES[slot]} and no other path provides it")
-        kinds = "; ".join(f"{e.path} ({e.kind})" for e in described)
-        return ModelLoadError(None, f"no given path provides {slot} ({SLOT_CLASSES[slot]}); given: {kinds}")
+                what = f"a pipeline folder without a {self.table[slot].subfolder} component"
+            return ModelLoadError(e.path, f"is {what}, but {slot} needs {expected} and no other path provides it")
+        kinds = "; ".join(f"{e.path} ({e.kind})" for e in self.entries)
+        return ModelLoadError(None, f"no given path provides {slot} ({expected}); given: {kinds}")
 
-    def resolve_many(self, slots: Iterable[str]) -> dict[str, ComponentSource]:
-        return {slot: self.resolve(slot) for slot in _normalise_slots(slots)}
+    def resolve_many(self, slots: Iterable[str] | str) -> dict[str, ComponentSource]:
+        return {slot: self.resolve(slot) for slot in self.table.check(slots)}
 
+    # -- files and loading -----------------------------------------------------------------------
 
-def _tokenizer_class(folder: Path) -> str:
-    cfg = folder / "tokenizer_config.json"
-    if cfg.is_file():
-        return str(_read_json(cfg).get("tokenizer_class", "")) or SLOT_CLASSES["tokenizer"]
-    return SLOT_CLASSES["tokenizer"]
+    def files(self, slot: str, include_config: bool = True) -> list[Path]:
+        """The files the given slot would read (safetensors weights, plus configs by default), for hashing.
 
+        The family's default scheduler config yields [].
+        """
+        return component_files(self.resolve(slot), self.table[slot].kind, include_config=include_config)
 
-def _normalise_slots(slots: Iterable[str] | str) -> list[str]:
-    if isinstance(slots, str):
-        slots = [s for s in slots.replace(",", " ").split() if s]
-    out = []
-    for slot in slots:
-        if slot not in ALL_SLOTS:
-            raise ModelLoadError(slot, f"unknown model slot (expected one of {', '.join(ALL_SLOTS)})")
-        if slot not in out:
-            out.append(slot)
-    return out
+    def load(self, slots: Iterable[str] | str, torch_dtype: Any = None) -> dict[str, Any]:
+        """Load only the requested slots: {slot: model / tokenizer / scheduler}; models in eval mode on the CPU.
 
-
-def resolve_components(slots: Iterable[str] | str = ALL_SLOTS, model_paths: Any = None,
-                       model_id_with_origin_paths: Any = None, tokenizer_path: Any = None,
-                       cache_dir: Any = None) -> dict[str, ComponentSource]:
-    """Find (without loading) where each requested slot comes from."""
-    sources = ModelSources(model_paths, model_id_with_origin_paths, tokenizer_path, cache_dir)
-    return sources.resolve_many(slots)
+        Every slot is resolved before the (slow) loading starts.
+        """
+        resolved = self.resolve_many(slots)
+        return {slot: load_component(source, self.table[slot], torch_dtype) for slot, source in resolved.items()}
 
 
 # --------------------------------------------------------------------------------------------
 # Files of a slot (for hashing)
 
 
-def component_files(source: ComponentSource, include_config: bool = True) -> list[Path]:
+def component_files(source: ComponentSource, kind: str, include_config: bool = True) -> list[Path]:
     """The files the loader of one component reads: weights (and configs), sorted.
 
     Raises ModelLoadError when a model folder has no safetensors weights.
@@ -581,7 +548,7 @@ def component_files(source: ComponentSource, include_config: bool = True) -> lis
         return []
     folder = source.path
     files: list[Path] = []
-    if source.slot in MODEL_SLOTS:
+    if kind == "model":
         if include_config:
             files.append(folder / "config.json")
             if (folder / "generation_config.json").is_file():
@@ -606,22 +573,12 @@ def component_files(source: ComponentSource, include_config: bool = True) -> lis
         if missing:
             raise ModelLoadError(missing[0], "weight shard listed in the index is missing")
         files += weights
-    elif source.slot == "tokenizer":
+    elif kind == "tokenizer":
         files = [folder / name for name in _TOKENIZER_FILES if (folder / name).is_file()]
-    elif source.slot == "scheduler":
-        files = [folder / "scheduler_config.json"] if include_config else []
+    elif include_config:
+        files = [folder / name for name in ("scheduler_config.json", "preprocessor_config.json",
+                                             "processor_config.json") if (folder / name).is_file()]
     return sorted(files)
-
-
-def model_weight_files(slot: str, model_paths: Any = None, model_id_with_origin_paths: Any = None,
-                       tokenizer_path: Any = None, cache_dir: Any = None,
-                       include_config: bool = True) -> list[Path]:
-    """The files the given slot would read (safetensors weights, plus configs by default).
-
-    For hashing weights into cache fingerprints. The default scheduler yields [].
-    """
-    source = resolve_components([slot], model_paths, model_id_with_origin_paths, tokenizer_path, cache_dir)[slot]
-    return component_files(source, include_config=include_config)
 
 
 # --------------------------------------------------------------------------------------------
@@ -641,65 +598,34 @@ def _dtype(torch_dtype: Any):
     return torch_dtype
 
 
-def default_scheduler():
-    """A FlowMatchEulerDiscreteScheduler with Qwen-Image's published configuration."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    return FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG)
+def _class(slot: ModelSlot) -> Any:
+    module = importlib.import_module(slot.library)
+    return getattr(module, slot.class_name)
 
 
-def load_component(source: ComponentSource, torch_dtype: Any = None):
-    """Load one resolved component. Model weights are read from safetensors only."""
+def load_component(source: ComponentSource, slot: ModelSlot, torch_dtype: Any = None):
+    """Load one resolved component with its slot's class. Model weights are read from safetensors only."""
     dtype = _dtype(torch_dtype)
-    slot, folder = source.slot, source.path
-    if folder is None:
-        return default_scheduler()
-    if slot in MODEL_SLOTS:
-        component_files(source, include_config=False)  # clean error when weights are missing
+    folder = source.path
+    cls = _class(slot)
+    if folder is None:  # the family's published scheduler config
+        return cls(**dict(slot.default_config or {}))
     try:
-        if slot == "dit":
-            from diffusers import QwenImageTransformer2DModel
-
-            model = QwenImageTransformer2DModel.from_pretrained(
-                str(folder), torch_dtype=dtype, use_safetensors=True, local_files_only=True)
-        elif slot == "vae":
-            from diffusers import AutoencoderKLQwenImage
-
-            model = AutoencoderKLQwenImage.from_pretrained(
-                str(folder), torch_dtype=dtype, use_safetensors=True, local_files_only=True)
-        elif slot == "text_encoder":
-            from transformers import Qwen2_5_VLForConditionalGeneration
-
-            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-                str(folder), dtype=dtype, use_safetensors=True, local_files_only=True)
-        elif slot == "tokenizer":
+        if slot.kind == "model":
+            component_files(source, slot.kind, include_config=False)  # clean error when weights are missing
+            # diffusers names the argument torch_dtype, transformers 5 dtype
+            dtype_arg = {"torch_dtype": dtype} if slot.library == "diffusers" else {"dtype": dtype}
+            model = cls.from_pretrained(str(folder), use_safetensors=True, local_files_only=True, **dtype_arg)
+            model.eval()
+            return model
+        if slot.kind == "tokenizer" and slot.library == "transformers":
             from transformers import AutoTokenizer
 
             return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        elif slot == "scheduler":
-            from diffusers import FlowMatchEulerDiscreteScheduler
-
-            return FlowMatchEulerDiscreteScheduler.from_pretrained(str(folder), local_files_only=True)
-        else:  # pragma: no cover - slots are validated earlier
-            raise ModelLoadError(slot, "unknown model slot")
+        return cls.from_pretrained(str(folder), local_files_only=True)
     except ModelLoadError:
         raise
     except Exception as exc:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise ModelLoadError(folder, f"cannot load {slot} ({SLOT_CLASSES[slot]}): {type(exc).__name__}"
+        raise ModelLoadError(folder, f"cannot load {slot.name} ({slot.class_name}): {type(exc).__name__}"
                                      + (f": {detail}" if detail else "")) from None
-    model.eval()
-    return model
-
-
-def load_components(slots: Iterable[str] | str, model_paths: Any = None, model_id_with_origin_paths: Any = None,
-                    tokenizer_path: Any = None, cache_dir: Any = None, torch_dtype: Any = None) -> dict[str, Any]:
-    """Load only the requested slots; return {slot: model / tokenizer / scheduler}.
-
-    slots: names from ALL_SLOTS ("dit", "vae", "text_encoder", "tokenizer", "scheduler"), as an
-    iterable or a comma/space separated string. torch_dtype: a torch.dtype or its name
-    (default float32). Models are returned in eval mode on the CPU.
-    """
-    sources = ModelSources(model_paths, model_id_with_origin_paths, tokenizer_path, cache_dir)
-    resolved = sources.resolve_many(slots)  # resolve everything before the (slow) loading
-    return {slot: load_component(source, torch_dtype) for slot, source in resolved.items()}

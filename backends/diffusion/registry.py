@@ -1,98 +1,104 @@
-"""The diffusion backend's pipelines, as plain declarations (no torch here).
+"""The diffusion backend's families and pipelines (no torch here).
+
+`FAMILY_MODULES` is the one place that names the families: each entry is a folder under
+`families/` whose package defines `FAMILY` (a `family.Family`). Adding a family is adding its folder
+and one entry here; the conformance suite (tests/test_conformance.py) then runs on it.
 
 `PIPELINES` is what the `unitgraph.backends` entry point `diffusion` exposes, so
-`unitgraph plan diffusion:qwen_image` resolves without importing torch, diffusers or transformers.
-The code that runs each unit lives in `qwen_image.py`, keyed by the unit names declared here.
-
-Params of `qwen_image` (one sample; tensors carry a batch dimension of 1):
-
-  dataset    image (PIL), prompt (str), edit_image (PIL or None: only with --extra_inputs edit_image)
-  shape      image/edit_image become float tensors (1, 3, 1, H, W) in [-1, 1]; height, width (ints)
-  vae        latent_mean, latent_logvar: the VAE posterior of the image (cached, not a sample)
-             edit_latents: normalised mean latents of the edit image (None without one)
-  text       prompt_emb (1, L, D), prompt_emb_mask (1, L): template tokens dropped
-  fresh      input_latents: a sample of the posterior, normalised; noise; timestep (non-deterministic)
-  packed     input_latents/noise/edit_latents packed into 2x2 patches, img_shapes for RoPE
+`unitgraph plan diffusion:<pipeline>` resolves from the declarations alone, without torch,
+diffusers or transformers.
 """
 
 from __future__ import annotations
 
-from unitgraph.spec import Pipeline, Sink, Unit
+import importlib
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Iterable, Optional
 
-# Units shared by every Qwen-Image pipeline, up to the prompt encoding (all deterministic).
-_SHAPE = Unit(
-    "ShapeChecker",
-    inputs=("image", "edit_image"),
-    outputs=("image", "edit_image", "height", "width"),
-)
-_IMAGE_ENCODER = Unit("ImageEncoder", inputs=("image",), outputs=("latent_mean", "latent_logvar"), models=("vae",))
-_EDIT_ENCODER = Unit("EditImageEncoder", inputs=("edit_image",), outputs=("edit_latents",), models=("vae",))
-_PROMPT_ENCODER = Unit(
-    "PromptEncoder", inputs=("prompt",), outputs=("prompt_emb", "prompt_emb_mask"), models=("text_encoder",)
-)
-_PACKER = Unit(
-    "LatentPacker",
-    inputs=("input_latents", "noise", "edit_latents"),
-    outputs=("input_latents", "noise", "edit_latents", "img_shapes"),
-)
+from unitgraph.spec import Pipeline
+
+from .args import BackendError
+from .family import Family, PipelineDef
+
+# The registered families, the first being the default when nothing else decides.
+FAMILY_MODULES = ("qwen_image",)
 
 
-def qwen_image() -> Pipeline:
-    """Qwen-Image text-to-image (and edit) fine-tuning with the flow-matching loss."""
-    return Pipeline(
-        name="qwen_image",
-        units=(
-            _SHAPE,
-            _IMAGE_ENCODER,
-            _EDIT_ENCODER,
-            _PROMPT_ENCODER,
-            # honest VAE sampling: the cache keeps the posterior, training draws a fresh latent each epoch
-            Unit("LatentSampler", inputs=("latent_mean", "latent_logvar"), outputs=("input_latents",), deterministic=False),
-            Unit("NoiseInitializer", inputs=("input_latents",), outputs=("noise",), deterministic=False),
-            _PACKER,
-            Unit("TimestepSampler", inputs=("img_shapes",), outputs=("timestep",), deterministic=False),
-        ),
-        sink=Sink(
-            inputs=("input_latents", "noise", "timestep", "prompt_emb", "prompt_emb_mask", "edit_latents", "img_shapes"),
-            models=("dit",),
-        ),
-    )
+@lru_cache(maxsize=None)
+def families() -> tuple[Family, ...]:
+    """Every registered family, in registration order."""
+    out = []
+    for name in FAMILY_MODULES:
+        module = importlib.import_module(f"{__package__}.families.{name}")
+        out.append(module.FAMILY)
+    return tuple(out)
 
 
-def qwen_image_distill() -> Pipeline:
-    """Qwen-Image direct distillation: a few-step sampler from seeded noise, compared with the image's latents.
-
-    The noise comes from the sample's `seed` (metadata), so it is deterministic and cacheable; the
-    target is the posterior mean. `num_inference_steps` and `cfg_scale` are dataset values read by the loss.
-    """
-    return Pipeline(
-        name="qwen_image_distill",
-        units=(
-            _SHAPE,
-            _IMAGE_ENCODER,
-            _EDIT_ENCODER,
-            _PROMPT_ENCODER,
-            Unit(
-                "NegativePromptEncoder",
-                inputs=("negative_prompt", "cfg_scale"),
-                outputs=("negative_prompt_emb", "negative_prompt_emb_mask"),
-                models=("text_encoder",),
-            ),
-            Unit("TargetLatents", inputs=("latent_mean",), outputs=("input_latents",)),
-            Unit("SeededNoise", inputs=("input_latents", "seed"), outputs=("noise",)),
-            _PACKER,
-        ),
-        sink=Sink(
-            inputs=(
-                "input_latents", "noise", "prompt_emb", "prompt_emb_mask", "negative_prompt_emb",
-                "negative_prompt_emb_mask", "edit_latents", "img_shapes", "num_inference_steps", "cfg_scale",
-            ),
-            models=("dit",),
-        ),
-    )
+def family(name: str) -> Family:
+    """The family named `name` (a BackendError listing the known ones otherwise)."""
+    for fam in families():
+        if fam.name == name:
+            return fam
+    raise BackendError(f"unknown family {name!r} (families: {', '.join(f.name for f in families())})")
 
 
-PIPELINES = {"qwen_image": qwen_image, "qwen_image_distill": qwen_image_distill}
+def pipeline_defs() -> dict[str, tuple[Family, PipelineDef]]:
+    """Every pipeline of every family, by pipeline name."""
+    return {p.name: (fam, p) for fam in families() for p in fam.pipelines}
 
-# The pipeline each --task family runs.
-TASK_PIPELINES = {"sft": "qwen_image", "direct_distill": "qwen_image_distill"}
+
+def find_pipeline(name: str) -> tuple[Family, PipelineDef]:
+    """(family, pipeline) for a pipeline name; a family name gives its first pipeline."""
+    defs = pipeline_defs()
+    if name in defs:
+        return defs[name]
+    for fam in families():
+        if fam.name == name:
+            return fam, fam.pipelines[0]
+    raise BackendError(f"unknown pipeline {name!r} (pipelines: {', '.join(defs)})")
+
+
+def pipeline_for_task(name: str, task: str) -> tuple[Family, PipelineDef]:
+    """The pipeline `--pipeline NAME --task TASK` runs: NAME itself when it serves TASK, else its family's
+    pipeline for TASK."""
+    fam, pipeline = find_pipeline(name)
+    if pipeline.task == task:
+        return fam, pipeline
+    for candidate in fam.pipelines:
+        if candidate.task == task:
+            return fam, candidate
+    raise BackendError(f"pipeline {pipeline.name} does not train --task {task} (its family {fam.name} has: "
+                       f"{', '.join(f'{p.name} ({p.task})' for p in fam.pipelines)})")
+
+
+def family_from_model_paths(paths: Iterable[str]) -> Optional[Family]:
+    """The family whose diffusers pipeline class a given folder's model_index.json names (None when none does)."""
+    for given in paths:
+        index = Path(given).expanduser() / "model_index.json"
+        try:
+            class_name = json.loads(index.read_text(encoding="utf-8")).get("_class_name")
+        except (OSError, ValueError, AttributeError):
+            continue
+        for fam in families():
+            if class_name in fam.diffusers_pipelines:
+                return fam
+    return None
+
+
+def default_family() -> Family:
+    return families()[0]
+
+
+def _factory(pipeline: PipelineDef) -> Callable[[], Pipeline]:
+    def make() -> Pipeline:
+        return pipeline.spec()
+
+    make.__name__ = pipeline.name
+    make.__doc__ = pipeline.description
+    return make
+
+
+# name -> factory of the planner's `unitgraph.spec.Pipeline` (importing the families is cheap: no torch)
+PIPELINES: dict[str, Callable[[], Pipeline]] = {name: _factory(p) for name, (_, p) in pipeline_defs().items()}

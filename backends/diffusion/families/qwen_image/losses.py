@@ -1,20 +1,22 @@
-"""The sinks: the flow-matching loss (sft) and the direct-distillation loss.
+"""Qwen-Image's sinks: the flow-matching loss (sft) and the direct-distillation loss.
 
-Both take the sink params of their pipeline (see `registry.py`) and call the transformer through
-`ctx.model("dit")` (the DDP-wrapped module in a multi-process run).
+Both read the sink params declared on them and call the transformer through `ctx.model("dit")`
+(the DDP-wrapped module in a multi-process run). They run on a batch: tensors have the batch
+dimension first, `img_shapes` holds one entry per sample.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.nn.functional as F
+from ...family import lazy_module, sink
+from .units import schedule_sigmas
 
-from .qwen_image import UnitContext, schedule_sigmas
+torch = lazy_module("torch")
+F = lazy_module("torch.nn.functional")
 
 
-def predict(ctx: UnitContext, latents: torch.Tensor, sigma: torch.Tensor, prompt_emb: torch.Tensor,
+def predict(ctx, latents: torch.Tensor, sigma: torch.Tensor, prompt_emb: torch.Tensor,
             prompt_emb_mask: Any, edit_latents: Any, img_shapes: Any) -> torch.Tensor:
     """The transformer's velocity for packed latents at noise level sigma (edit tokens appended, then cut off)."""
     dit = ctx.model("dit")
@@ -33,7 +35,9 @@ def predict(ctx: UnitContext, latents: torch.Tensor, sigma: torch.Tensor, prompt
     return out[:, :tokens]
 
 
-def flow_matching_loss(ctx: UnitContext, input_latents, noise, timestep, prompt_emb, prompt_emb_mask,
+@sink(inputs=("input_latents", "noise", "timestep", "prompt_emb", "prompt_emb_mask", "edit_latents", "img_shapes"),
+      models=("dit",))
+def flow_matching_loss(ctx, input_latents, noise, timestep, prompt_emb, prompt_emb_mask,
                        edit_latents, img_shapes) -> torch.Tensor:
     """MSE between the predicted velocity and noise - x0 at a noisy point x_t = (1 - s) x0 + s noise."""
     x0, noise = ctx.tensor(input_latents), ctx.tensor(noise)
@@ -43,7 +47,10 @@ def flow_matching_loss(ctx: UnitContext, input_latents, noise, timestep, prompt_
     return F.mse_loss(pred.float(), (noise - x0).float())
 
 
-def direct_distill_loss(ctx: UnitContext, input_latents, noise, prompt_emb, prompt_emb_mask, negative_prompt_emb,
+@sink(inputs=("input_latents", "noise", "prompt_emb", "prompt_emb_mask", "negative_prompt_emb",
+              "negative_prompt_emb_mask", "edit_latents", "img_shapes", "num_inference_steps", "cfg_scale"),
+      models=("dit",))
+def direct_distill_loss(ctx, input_latents, noise, prompt_emb, prompt_emb_mask, negative_prompt_emb,
                         negative_prompt_emb_mask, edit_latents, img_shapes, num_inference_steps, cfg_scale) -> torch.Tensor:
     """Run the few-step Euler sampler with gradients from the seeded noise; MSE to the image's latents."""
     steps = int(num_inference_steps or 0)
@@ -63,6 +70,3 @@ def direct_distill_loss(ctx: UnitContext, input_latents, noise, prompt_emb, prom
             velocity = combined * (velocity.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
         latents = latents + (sigma_next - sigma) * velocity
     return F.mse_loss(latents.float(), x0.float())
-
-
-SINKS = {"qwen_image": flow_matching_loss, "qwen_image_distill": direct_distill_loss}

@@ -1,4 +1,4 @@
-"""Tiny random-weight Qwen-Image pipelines for tests and demos.
+"""Tiny random-weight Qwen-Image pipelines for tests and demos (`unitgraph tiny-models DIR --pipeline qwen_image`).
 
 `write_tiny_models(outdir, size, seed)` writes a complete diffusers pipeline folder
 (model_index.json, transformer/, vae/, text_encoder/, tokenizer/, scheduler/) that
@@ -17,22 +17,17 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
-# Re-exported for callers that build pipelines around a loaded VAE.
-from .models import QWEN_IMAGE_SCHEDULER_CONFIG, VaeGeometry, vae_geometry  # noqa: F401
+from . import SCHEDULER_CONFIG
+from .units import PROMPT_TEMPLATE, PROMPT_TEMPLATE_DROP  # noqa: F401 - the tests check the template length
 
-# The system template of diffusers' QwenImagePipeline (prompt_template_encode) and the
-# number of leading tokens it drops (prompt_template_encode_start_idx). The tokenizer below
-# is trained so that every word of this template is one token: the prefix up to "user\n"
-# is then exactly 34 tokens long.
-QWEN_IMAGE_PROMPT_TEMPLATE = (
-    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
-    "quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
-    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-)
-QWEN_IMAGE_TEMPLATE_START_IDX = 34
+# The tokenizer below is trained so that every word of the pipeline's system template
+# (diffusers' prompt_template_encode) is one token: the prefix up to "user\n" is then exactly
+# PROMPT_TEMPLATE_DROP (prompt_template_encode_start_idx, 34) tokens long.
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKENIZER_VOCAB_SIZE = 1024  # upper bound for the trained BPE; also the text model's vocab_size
@@ -68,7 +63,7 @@ _TOKENIZER_SENTENCES = (
 )
 
 # Sizes. Each entry holds the constructor arguments of the three models; they are plain JSON.
-TINY_SIZES: dict[str, dict[str, Any]] = {
+SIZES: dict[str, dict[str, Any]] = {
     "test": {
         "description": "DiT 2 layers x 3 heads x 16, VAE /4 with z_dim 4, text hidden 16 x 2 layers",
         "transformer": {
@@ -137,6 +132,33 @@ TINY_SIZES: dict[str, dict[str, Any]] = {
     },
 }
 
+@dataclass(frozen=True)
+class VaeGeometry:
+    """Latent geometry of a Qwen-Image VAE: pixels per latent cell and latent channels."""
+
+    scale_factor: int
+    latent_channels: int
+
+
+def vae_geometry(vae: Any) -> VaeGeometry:
+    """Spatial downsampling factor (2**len(temperal_downsample)) and z_dim of a VAE.
+
+    Accepts a loaded AutoencoderKLQwenImage, its config (dict-like), or a vae folder path.
+    """
+    if isinstance(vae, (str, os.PathLike)):
+        config = json.loads((Path(vae) / "config.json").read_text(encoding="utf-8"))
+    elif isinstance(vae, Mapping):
+        config = vae
+    else:
+        config = getattr(vae, "config", None)
+        if config is None:
+            raise TypeError(f"not a VAE or VAE config: {type(vae).__name__}")
+    try:
+        return VaeGeometry(scale_factor=2 ** len(config["temperal_downsample"]), latent_channels=int(config["z_dim"]))
+    except (KeyError, TypeError) as exc:
+        raise TypeError(f"VAE config lacks temperal_downsample/z_dim: {exc}") from None
+
+
 # Per-component offsets added to the seed, so each component's weights do not depend on
 # the order in which the others are built.
 _SEED_OFFSETS = {"transformer": 0, "vae": 1, "text_encoder": 2}
@@ -154,7 +176,7 @@ def build_tiny_tokenizer():
     """Train a tiny byte-level BPE offline and wrap it as a transformers Qwen2Tokenizer.
 
     Every word of the pipeline's system template becomes a single token, so the template's
-    prefix tokenizes to exactly QWEN_IMAGE_TEMPLATE_START_IDX tokens.
+    prefix tokenizes to exactly PROMPT_TEMPLATE_DROP tokens.
     """
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
@@ -174,7 +196,7 @@ def build_tiny_tokenizer():
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    template = QWEN_IMAGE_PROMPT_TEMPLATE.replace("{}", "")
+    template = PROMPT_TEMPLATE.replace("{}", "")
     corpus = _split_template_text(template) + ["assistant", "user", "system"] + list(_TOKENIZER_SENTENCES)
     bpe.train_from_iterator(corpus, trainer=trainer)
 
@@ -238,9 +260,9 @@ def build_tiny_components(size: str = "test", seed: int = 0) -> dict[str, Any]:
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    if size not in TINY_SIZES:
-        raise ValueError(f"unknown tiny size {size!r}; choose one of {sorted(TINY_SIZES)}")
-    spec = copy.deepcopy(TINY_SIZES[size])
+    if size not in SIZES:
+        raise ValueError(f"unknown tiny size {size!r}; choose one of {sorted(SIZES)}")
+    spec = copy.deepcopy(SIZES[size])
     tokenizer = build_tiny_tokenizer()
 
     def seeded(component: str, build):
@@ -254,7 +276,7 @@ def build_tiny_components(size: str = "test", seed: int = 0) -> dict[str, Any]:
     vae = seeded("vae", lambda: AutoencoderKLQwenImage(**spec["vae"]))
     te_config = _text_encoder_config(spec, tokenizer)
     text_encoder = seeded("text_encoder", lambda: Qwen2_5_VLForConditionalGeneration(te_config))
-    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG)
+    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
     for module in (transformer, vae, text_encoder):
         module.eval()
     return {
@@ -279,6 +301,6 @@ def write_tiny_models(outdir, size: str = "test", seed: int = 0) -> Path:
     components = build_tiny_components(size=size, seed=seed)
     pipe = QwenImagePipeline(**components)
     pipe.save_pretrained(str(out), safe_serialization=True)
-    info = {"size": size, "seed": int(seed), "config": TINY_SIZES[size]}
+    info = {"size": size, "seed": int(seed), "config": SIZES[size]}
     (out / "unitgraph_tiny.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     return out

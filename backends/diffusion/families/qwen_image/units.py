@@ -1,21 +1,28 @@
-"""What the Qwen-Image units do (their declarations are in `registry.py`).
+"""Qwen-Image's units: each declaration right above the code that runs it.
 
-Each implementation is `fn(ctx, **inputs) -> {output: value}` over one sample (batch dimension 1).
-`ctx.models` holds the loaded components by slot ("vae", "text_encoder", "tokenizer", "dit",
-"scheduler"); a unit only touches the models it declares, so a stage that did not load a model can
-never run a unit that needs it. Non-deterministic units draw only from `ctx.rng(purpose)`.
+Params of the Qwen-Image pipelines (one sample; tensors carry a batch dimension of 1):
+
+  dataset    image (PIL), prompt (str), edit_image (PIL or None: only with --extra_inputs edit_image)
+  shape      image/edit_image become float tensors (1, 3, 1, H, W) in [-1, 1]; height, width (ints)
+  vae        latent_mean, latent_logvar: the VAE posterior of the image (cached, not a sample)
+             edit_latents: normalised mean latents of the edit image (None without one)
+  text       prompt_emb (1, L, D), prompt_emb_mask (1, L): template tokens dropped
+  fresh      input_latents: a sample of the posterior, normalised; noise; timestep (non-deterministic)
+  packed     input_latents/noise/edit_latents packed into 2x2 patches, img_shapes for RoPE
+
+Each function is `fn(ctx, **inputs) -> {output: value}` over one sample; it touches only the models
+it declares, and a non-deterministic unit draws only from `ctx.rng(purpose)`. torch is imported on
+first use, so `unitgraph plan diffusion:qwen_image` reads these declarations without it.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
-import torch
+from ...args import BackendError
+from ...family import lazy_module, unit
 
-from .args import BackendError
-from .randomness import generator
+torch = lazy_module("torch")
 
 # diffusers' QwenImagePipeline prompt template and the number of leading template tokens it drops.
 PROMPT_TEMPLATE = (
@@ -28,62 +35,11 @@ TOKENIZER_MAX_LENGTH = 1024
 MAX_SEQUENCE_LENGTH = 512
 MULTIPLE = 16  # image sides are multiples of this (VAE factor x 2x2 patches)
 
-
-@dataclass
-class ImageSize:
-    height: Optional[int] = None
-    width: Optional[int] = None
-    max_pixels: int = 1024 * 1024
-
-
-@dataclass
-class UnitContext:
-    """What a unit may use: loaded models, settings, and randomness for (seed, epoch, sample)."""
-
-    models: dict[str, Any]
-    size: ImageSize = field(default_factory=ImageSize)
-    device: Any = "cpu"
-    dtype: Any = torch.float32
-    seed: int = 0
-    epoch: Optional[int] = None
-    sample_key: Optional[str] = None
-    timestep_bounds: tuple[float, float] = (0.0, 1.0)
-    _sigma_cache: dict = field(default_factory=dict)
-
-    def model(self, slot: str) -> Any:
-        if slot not in self.models:
-            raise RuntimeError(f"model {slot!r} is not loaded in this stage")
-        return self.models[slot]
-
-    def raw(self, slot: str) -> Any:
-        """The model itself, unwrapped from DDP (for its config and attributes)."""
-        model = self.model(slot)
-        return getattr(model, "module", model)
-
-    def rng(self, purpose: str) -> torch.Generator:
-        if self.epoch is None or self.sample_key is None:
-            raise RuntimeError(f"a deterministic stage drew randomness ({purpose}); the unit must be declared non-deterministic")
-        return generator(self.seed, "sample", self.epoch, self.sample_key, purpose)
-
-    def tensor(self, value: Any) -> Any:
-        return value.to(self.device) if isinstance(value, torch.Tensor) else value
-
-
 # ------------------------------------------------------------------------------------------------
 # shapes
 
 
-def target_size(width: int, height: int, size: ImageSize) -> tuple[int, int]:
-    """(width, height) an image of this size is resized to: fixed, or scaled under max_pixels, multiples of 16."""
-    if size.height is not None and size.width is not None:
-        return size.width, size.height
-    scale = min(1.0, math.sqrt(size.max_pixels / float(width * height)))
-    w = max(MULTIPLE, int(width * scale) // MULTIPLE * MULTIPLE)
-    h = max(MULTIPLE, int(height * scale) // MULTIPLE * MULTIPLE)
-    return w, h
-
-
-def image_to_tensor(image: Any, size: ImageSize, dtype: Any) -> torch.Tensor:
+def image_to_tensor(image: Any, size: Any, dtype: Any) -> torch.Tensor:
     """Resize (cover, then centre crop) and convert a PIL image to (1, 3, 1, H, W) in [-1, 1]."""
     import numpy as np
     from PIL import Image
@@ -95,7 +51,7 @@ def image_to_tensor(image: Any, size: ImageSize, dtype: Any) -> torch.Tensor:
     if not isinstance(image, Image.Image):
         raise BackendError(f"expected an image, got {type(image).__name__}")
     w0, h0 = image.size
-    w, h = target_size(w0, h0, size)
+    w, h = size.target(w0, h0, MULTIPLE)
     scale = max(w / w0, h / h0)
     rw, rh = max(w, round(w0 * scale)), max(h, round(h0 * scale))
     image = image.convert("RGB").resize((rw, rh), Image.Resampling.BICUBIC)
@@ -106,7 +62,9 @@ def image_to_tensor(image: Any, size: ImageSize, dtype: Any) -> torch.Tensor:
     return pixels[None, :, None].to(dtype)
 
 
-def shape_checker(ctx: UnitContext, image: Any, edit_image: Any) -> dict[str, Any]:
+@unit("ShapeChecker", inputs=("image", "edit_image"), outputs=("image", "edit_image", "height", "width"),
+      settings=("image_size", "dtype", "cache_dtype"))
+def shape_checker(ctx, image: Any, edit_image: Any) -> dict[str, Any]:
     if image is None:
         raise BackendError("sample has no image")
     pixels = image_to_tensor(image, ctx.size, ctx.dtype)
@@ -125,7 +83,7 @@ def _vae_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return mean, std
 
 
-def encode_distribution(ctx: UnitContext, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_distribution(ctx, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The VAE posterior of an image, in normalised latent space: (mean, logvar), each (1, z, 1, h, w)."""
     vae = ctx.model("vae")
     raw = ctx.raw("vae")
@@ -136,25 +94,33 @@ def encode_distribution(ctx: UnitContext, pixels: torch.Tensor) -> tuple[torch.T
     return mean, logvar
 
 
-def image_encoder(ctx: UnitContext, image: torch.Tensor) -> dict[str, Any]:
+@unit("ImageEncoder", inputs=("image",), outputs=("latent_mean", "latent_logvar"), models=("vae",),
+      settings=("dtype", "cache_dtype"))
+def image_encoder(ctx, image: torch.Tensor) -> dict[str, Any]:
     mean, logvar = encode_distribution(ctx, image)
     return {"latent_mean": mean, "latent_logvar": logvar}
 
 
-def edit_image_encoder(ctx: UnitContext, edit_image: Any) -> dict[str, Any]:
+@unit("EditImageEncoder", inputs=("edit_image",), outputs=("edit_latents",), models=("vae",),
+      settings=("dtype", "cache_dtype"))
+def edit_image_encoder(ctx, edit_image: Any) -> dict[str, Any]:
     if edit_image is None:
         return {"edit_latents": None}
     mean, _ = encode_distribution(ctx, edit_image)
     return {"edit_latents": mean}
 
 
-def latent_sampler(ctx: UnitContext, latent_mean: torch.Tensor, latent_logvar: torch.Tensor) -> dict[str, Any]:
+# honest VAE sampling: the cache keeps the posterior, training draws a fresh latent each epoch
+@unit("LatentSampler", inputs=("latent_mean", "latent_logvar"), outputs=("input_latents",), deterministic=False,
+      settings=("seed", "cache_dtype"))
+def latent_sampler(ctx, latent_mean: torch.Tensor, latent_logvar: torch.Tensor) -> dict[str, Any]:
     eps = torch.randn(latent_mean.shape, generator=ctx.rng("latent"), dtype=latent_mean.dtype)
     mean, logvar = ctx.tensor(latent_mean), ctx.tensor(latent_logvar)
     return {"input_latents": mean + torch.exp(0.5 * logvar) * eps.to(mean.device)}
 
 
-def target_latents(ctx: UnitContext, latent_mean: torch.Tensor) -> dict[str, Any]:
+@unit("TargetLatents", inputs=("latent_mean",), outputs=("input_latents",), settings=("cache_dtype",))
+def target_latents(ctx, latent_mean: torch.Tensor) -> dict[str, Any]:
     return {"input_latents": latent_mean}
 
 
@@ -162,7 +128,7 @@ def target_latents(ctx: UnitContext, latent_mean: torch.Tensor) -> dict[str, Any
 # text
 
 
-def encode_prompts(ctx: UnitContext, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_prompts(ctx, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen-Image prompt embeddings: the template's system prefix is encoded, then dropped."""
     tokenizer = ctx.model("tokenizer")
     text_encoder = ctx.model("text_encoder")
@@ -183,14 +149,18 @@ def encode_prompts(ctx: UnitContext, prompts: list[str]) -> tuple[torch.Tensor, 
     return emb.to(ctx.dtype), emb_mask
 
 
-def prompt_encoder(ctx: UnitContext, prompt: Any) -> dict[str, Any]:
+@unit("PromptEncoder", inputs=("prompt",), outputs=("prompt_emb", "prompt_emb_mask"), models=("text_encoder",),
+      settings=("dtype", "cache_dtype"))
+def prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
     if not isinstance(prompt, str):
         raise BackendError(f"prompt must be a string, got {type(prompt).__name__}")
     emb, mask = encode_prompts(ctx, [prompt])
     return {"prompt_emb": emb, "prompt_emb_mask": mask}
 
 
-def negative_prompt_encoder(ctx: UnitContext, negative_prompt: Any, cfg_scale: Any) -> dict[str, Any]:
+@unit("NegativePromptEncoder", inputs=("negative_prompt", "cfg_scale"),
+      outputs=("negative_prompt_emb", "negative_prompt_emb_mask"), models=("text_encoder",), settings=("dtype", "cache_dtype"))
+def negative_prompt_encoder(ctx, negative_prompt: Any, cfg_scale: Any) -> dict[str, Any]:
     if cfg_scale is None or float(cfg_scale) <= 1.0:
         return {"negative_prompt_emb": None, "negative_prompt_emb_mask": None}
     emb, mask = encode_prompts(ctx, [negative_prompt if isinstance(negative_prompt, str) and negative_prompt else " "])
@@ -201,12 +171,15 @@ def negative_prompt_encoder(ctx: UnitContext, negative_prompt: Any, cfg_scale: A
 # noise, packing, timesteps
 
 
-def noise_initializer(ctx: UnitContext, input_latents: torch.Tensor) -> dict[str, Any]:
+@unit("NoiseInitializer", inputs=("input_latents",), outputs=("noise",), deterministic=False,
+      settings=("seed", "cache_dtype"))
+def noise_initializer(ctx, input_latents: torch.Tensor) -> dict[str, Any]:
     noise = torch.randn(input_latents.shape, generator=ctx.rng("noise"), dtype=input_latents.dtype)
     return {"noise": noise.to(input_latents.device)}
 
 
-def seeded_noise(ctx: UnitContext, input_latents: torch.Tensor, seed: Any) -> dict[str, Any]:
+@unit("SeededNoise", inputs=("input_latents", "seed"), outputs=("noise",), settings=("cache_dtype",))
+def seeded_noise(ctx, input_latents: torch.Tensor, seed: Any) -> dict[str, Any]:
     if seed is None:
         raise BackendError("direct_distill needs a 'seed' column in the metadata (and --extra_inputs seed,...)")
     gen = torch.Generator(device="cpu")
@@ -224,7 +197,9 @@ def pack(latents: torch.Tensor) -> torch.Tensor:
     return x.reshape(b, (h // 2) * (w // 2), c * 4)
 
 
-def latent_packer(ctx: UnitContext, input_latents: torch.Tensor, noise: torch.Tensor, edit_latents: Any) -> dict[str, Any]:
+@unit("LatentPacker", inputs=("input_latents", "noise", "edit_latents"),
+      outputs=("input_latents", "noise", "edit_latents", "img_shapes"), settings=("cache_dtype",))
+def latent_packer(ctx, input_latents: torch.Tensor, noise: torch.Tensor, edit_latents: Any) -> dict[str, Any]:
     shapes = [(1, int(input_latents.shape[-2]) // 2, int(input_latents.shape[-1]) // 2)]
     packed_edit = None
     if edit_latents is not None:
@@ -243,14 +218,14 @@ def calculate_shift(seq_len: int, config: Any) -> float:
     return seq_len * slope + base_shift - slope * base_len
 
 
-def schedule_sigmas(ctx: UnitContext, seq_len: int, num_steps: int, inference: bool = False) -> torch.Tensor:
+def schedule_sigmas(ctx, seq_len: int, num_steps: int, inference: bool = False) -> torch.Tensor:
     """The scheduler's sigmas for an image of `seq_len` tokens (num_steps + 1 values, ending at 0)."""
     import copy
 
     import numpy as np
 
     key = (seq_len, num_steps, inference)
-    if key not in ctx._sigma_cache:
+    if key not in ctx.memo:
         scheduler = copy.deepcopy(ctx.model("scheduler"))
         mu = calculate_shift(seq_len, scheduler.config)
         kwargs = {"mu": mu} if scheduler.config.get("use_dynamic_shifting", False) else {}
@@ -258,11 +233,13 @@ def schedule_sigmas(ctx: UnitContext, seq_len: int, num_steps: int, inference: b
             scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps).tolist(), device="cpu", **kwargs)
         else:
             scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
-        ctx._sigma_cache[key] = scheduler.sigmas.detach().to(torch.float32).clone()
-    return ctx._sigma_cache[key]
+        ctx.memo[key] = scheduler.sigmas.detach().to(torch.float32).clone()
+    return ctx.memo[key]
 
 
-def timestep_sampler(ctx: UnitContext, img_shapes: Any) -> dict[str, Any]:
+@unit("TimestepSampler", inputs=("img_shapes",), outputs=("timestep",), deterministic=False,
+      settings=("seed", "timestep_bounds", "cache_dtype"))
+def timestep_sampler(ctx, img_shapes: Any) -> dict[str, Any]:
     _, h, w = img_shapes[0][0]
     steps = int(ctx.model("scheduler").config.get("num_train_timesteps", 1000))
     sigmas = schedule_sigmas(ctx, int(h * w), steps)[:steps]
@@ -274,25 +251,3 @@ def timestep_sampler(ctx: UnitContext, img_shapes: Any) -> dict[str, Any]:
     return {"timestep": (sigmas[index] * 1000.0).reshape(1).to(ctx.device)}
 
 
-UNITS: dict[str, Callable[..., dict[str, Any]]] = {
-    "ShapeChecker": shape_checker,
-    "ImageEncoder": image_encoder,
-    "EditImageEncoder": edit_image_encoder,
-    "PromptEncoder": prompt_encoder,
-    "NegativePromptEncoder": negative_prompt_encoder,
-    "LatentSampler": latent_sampler,
-    "TargetLatents": target_latents,
-    "NoiseInitializer": noise_initializer,
-    "SeededNoise": seeded_noise,
-    "LatentPacker": latent_packer,
-    "TimestepSampler": timestep_sampler,
-}
-
-
-def run_unit(unit: Any, ctx: UnitContext, inputs: dict[str, Any]) -> dict[str, Any]:
-    """Call a declared unit's implementation and check it wrote exactly its declared outputs."""
-    fn = UNITS[unit.name]
-    out = fn(ctx, **{p: inputs[p] for p in unit.inputs})
-    if set(out) != set(unit.outputs):
-        raise RuntimeError(f"unit {unit.name} wrote {sorted(out)}, declared {sorted(unit.outputs)}")
-    return out

@@ -1,0 +1,174 @@
+"""The flags, turned once into small typed configs that each part of the backend reads.
+
+`TrainArgs` (args.py) is the command line as DiffSynth-Studio spells it; `RunConfig.from_args`
+checks it against the chosen family and splits it into what each part needs: the dataset
+(`DataConfig`), where models come from (`ModelConfig`, offline mode included), the unit settings
+that cache keys record (`context.UnitSettings`), the optimisation (`OptimConfig`), the LoRA
+(`LoraSpec`) and the outputs (`OutputConfig`). No torch here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .args import BackendError, TrainArgs, split_list
+from .context import CACHE_DTYPES, DTYPE, ImageSize, UnitSettings
+from .family import Family, PipelineDef
+from .models import OFFLINE_ENV, ModelSources
+from .registry import default_family, family_from_model_paths, pipeline_for_task
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def offline_from_env(environ: Any = None) -> bool:
+    """Whether model ids resolve from the local modelscope cache only (read once, where flags are parsed)."""
+    environ = os.environ if environ is None else environ
+    return str(environ.get(OFFLINE_ENV, "")).strip().lower() in _TRUE
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    base_path: str
+    metadata_path: Optional[str]
+    file_keys: tuple[str, ...]
+    extra_inputs: tuple[str, ...]
+    repeat: int = 1
+    num_workers: int = 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Where the models come from (DiffSynth's flags) and whether the network may be used."""
+
+    model_paths: Optional[str] = None
+    model_id_with_origin_paths: Optional[str] = None
+    tokenizer_path: Optional[str] = None
+    cache_dir: Optional[str] = None
+    offline: bool = False
+
+    def sources(self, family: Family, offline: Optional[bool] = None) -> ModelSources:
+        """The family's slots resolved from these arguments (`offline` overrides the setting)."""
+        return ModelSources(family.slots, self.model_paths, self.model_id_with_origin_paths, self.tokenizer_path,
+                            self.cache_dir, offline=self.offline if offline is None else offline)
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    base_model: Optional[str] = None
+    targets: tuple[str, ...] = ()
+    rank: int = 32
+    alpha: Optional[float] = None
+    checkpoint: Optional[str] = None
+    preset_path: Optional[str] = None
+    preset_model: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.01
+    num_epochs: int = 1
+    accumulation: int = 1
+    batch_size: int = 1
+    trainable: tuple[str, ...] = ()
+    gradient_checkpointing: bool = False
+    find_unused_parameters: bool = False
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    path: str
+    remove_prefix: Optional[str] = None
+    save_steps: Optional[int] = None
+    plot: bool = True
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run, fully decided: the family and pipeline, the task's stage, and every part's settings."""
+
+    args: TrainArgs
+    family: Family
+    pipeline: PipelineDef
+    task: str  # the task family: sft, direct_distill
+    stage: str  # "" (unsplit), data_process, train, split
+    cache_mode: str
+    cache_path: Optional[str]
+    seed: int
+    units: UnitSettings
+    data: DataConfig
+    models: ModelConfig
+    optim: OptimConfig
+    lora: LoraSpec
+    output: OutputConfig
+    notes: tuple[str, ...] = field(default=())
+
+    @classmethod
+    def from_args(cls, args: TrainArgs, environ: Any = None) -> "RunConfig":
+        args.validate()
+        family, pipeline = choose_pipeline(args)
+        models = pipeline.spec().models
+        if args.lora_base_model and args.lora_base_model not in models:
+            raise BackendError(f"--lora_base_model {args.lora_base_model!r} is not a model of pipeline {pipeline.name} "
+                               f"(models: {', '.join(models)})")
+        for name in args.trainable():
+            if name not in models:
+                raise BackendError(f"--trainable_models: {name!r} is not a model of pipeline {pipeline.name} "
+                                   f"(models: {', '.join(models)})")
+        preset_model = args.preset_lora_model or args.lora_base_model
+        if args.preset_lora_path and preset_model not in models:
+            raise BackendError("--preset_lora_path needs --preset_lora_model (or --lora_base_model) naming a model of the pipeline")
+        targets = tuple(args.lora_targets())
+        if args.lora_base_model and not targets:
+            targets = family.slot(args.lora_base_model).lora_targets
+            if not targets:
+                raise BackendError(f"--lora_base_model {args.lora_base_model}: this family has no default LoRA targets "
+                                   "for it; pass --lora_target_modules")
+        cache_dtype = CACHE_DTYPES[args.cache_dtype] if args.cache_dtype else DTYPE
+        notes = ("note: --fp8_models is ignored (no fp8 training on this backend)",) if args.fp8_models else ()
+        return cls(
+            args=args, family=family, pipeline=pipeline, task=args.family, stage=args.stage, cache_mode=args.cache_mode,
+            cache_path=args.cache_path, seed=args.seed,
+            units=UnitSettings(image_size=ImageSize(args.height, args.width, args.max_pixels), seed=args.seed,
+                               timestep_bounds=(args.min_timestep_boundary, args.max_timestep_boundary),
+                               dtype=DTYPE, cache_dtype=cache_dtype),
+            data=DataConfig(args.dataset_base_path, args.dataset_metadata_path, tuple(args.file_keys()),
+                            tuple(args.extra_input_names()), args.dataset_repeat, args.dataset_num_workers),
+            models=ModelConfig(args.model_paths, args.model_id_with_origin_paths, args.tokenizer_path,
+                               args.modelscope_cache_dir, offline=offline_from_env(environ)),
+            optim=OptimConfig(args.learning_rate, args.weight_decay, args.num_epochs, args.gradient_accumulation_steps,
+                              args.batch_size, tuple(args.trainable()),
+                              args.use_gradient_checkpointing or args.use_gradient_checkpointing_offload,
+                              args.find_unused_parameters),
+            lora=LoraSpec(args.lora_base_model, targets, args.lora_rank, args.lora_alpha, args.lora_checkpoint,
+                          args.preset_lora_path, preset_model if args.preset_lora_path else None),
+            output=OutputConfig(args.output_path, args.remove_prefix_in_ckpt, args.save_steps, args.plot, args.progress),
+            notes=notes,
+        )
+
+    @property
+    def prefixes(self) -> dict[str, str]:
+        """Checkpoint key prefix of each model slot (its diffusers pipeline attribute)."""
+        return {s.name: s.lora_prefix or s.name for s in self.family.slots if s.kind == "model"}
+
+
+def choose_pipeline(args: TrainArgs) -> tuple[Family, PipelineDef]:
+    """--pipeline NAME, else the family whose diffusers pipeline class a --model_paths folder's
+    model_index.json names, else the first registered family; then that family's pipeline for --task."""
+    if args.pipeline:
+        return pipeline_for_task(args.pipeline, args.family)
+    from .models import ModelLoadError, parse_model_paths
+
+    try:
+        paths = parse_model_paths(args.model_paths)
+    except ModelLoadError:
+        paths = []  # reported when the models are resolved
+    family = family_from_model_paths(paths) or default_family()
+    return pipeline_for_task(family.name, args.family)
+
+
+__all__ = ["DataConfig", "LoraSpec", "ModelConfig", "OptimConfig", "OutputConfig", "RunConfig", "choose_pipeline",
+           "offline_from_env", "split_list"]

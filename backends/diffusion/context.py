@@ -1,0 +1,134 @@
+"""What a unit may use while it runs: loaded models, the settings it declared, randomness per sample.
+
+`UnitSettings` holds every value a unit can read (the names of `family.SETTINGS`), built once from
+the flags. `key_values(names)` is what a stage-1 cache key records of them: the settings a unit
+declares are exactly what its cached outputs may depend on besides its inputs and model weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .randomness import generator
+
+DTYPE = "float32"  # the dtype models compute in on this backend
+CACHE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --cache_dtype values -> torch names
+
+
+@dataclass(frozen=True)
+class ImageSize:
+    """--height/--width (fixed) or --max_pixels (scaled down, aspect kept); sides multiples of `multiple`."""
+
+    height: Optional[int] = None
+    width: Optional[int] = None
+    max_pixels: int = 1024 * 1024
+
+    def target(self, width: int, height: int, multiple: int) -> tuple[int, int]:
+        """(width, height) an image of this size is resized to."""
+        if self.height is not None and self.width is not None:
+            return self.width, self.height
+        scale = min(1.0, math.sqrt(self.max_pixels / float(width * height)))
+        w = max(multiple, int(width * scale) // multiple * multiple)
+        h = max(multiple, int(height * scale) // multiple * multiple)
+        return w, h
+
+    def key(self) -> dict[str, Any]:
+        if self.height is not None and self.width is not None:
+            return {"height": self.height, "width": self.width}  # --max_pixels is then unused
+        return {"max_pixels": self.max_pixels}
+
+
+@dataclass(frozen=True)
+class UnitSettings:
+    """Every setting a unit can read, by the names units declare (family.SETTINGS)."""
+
+    image_size: ImageSize = field(default_factory=ImageSize)
+    seed: int = 0
+    timestep_bounds: tuple[float, float] = (0.0, 1.0)
+    dtype: str = DTYPE
+    cache_dtype: str = DTYPE  # the dtype stage 1 stores floating tensors in
+
+    def key_values(self, names: Any = None) -> dict[str, Any]:
+        """JSON values of the named settings (all when None), as a cache key records them.
+
+        `cache_dtype` is left out when it is the compute dtype, so caches made before --cache_dtype
+        existed keep their keys.
+        """
+        everything: dict[str, Any] = {"image_size": self.image_size.key(), "dtype": self.dtype, "seed": self.seed,
+                                      "timestep_bounds": list(self.timestep_bounds)}
+        if self.cache_dtype != self.dtype:
+            everything["cache_dtype"] = self.cache_dtype
+        wanted = everything if names is None else set(names)
+        return {name: everything[name] for name in sorted(wanted) if name in everything}
+
+
+def describe_setting(name: str, value: Any) -> str:
+    """A recorded setting value as the flags that give it, for messages."""
+    if name == "image_size" and isinstance(value, dict):
+        if "max_pixels" in value:
+            return f"--max_pixels {value['max_pixels']}"
+        return f"--height {value.get('height')} --width {value.get('width')}"
+    if name == "timestep_bounds" and isinstance(value, list) and len(value) == 2:
+        return f"--min_timestep_boundary {value[0]} --max_timestep_boundary {value[1]}"
+    if name == "seed":
+        return f"--seed {value}"
+    if name == "cache_dtype":
+        flags = {v: k for k, v in CACHE_DTYPES.items()}
+        return f"--cache_dtype {flags.get(value or DTYPE, value)}"  # absent: the model's dtype
+    return f"{name} {value}"
+
+
+@dataclass
+class UnitContext:
+    """What a unit may use: loaded models by slot, settings, device, and randomness for (seed, epoch, sample).
+
+    `memo` lets a unit keep derived values (a scheduler's sigmas) across samples; a copy of the
+    context made for another thread starts with an empty one.
+    """
+
+    models: dict[str, Any]
+    settings: UnitSettings = field(default_factory=UnitSettings)
+    device: Any = "cpu"
+    epoch: Optional[int] = None
+    sample_key: Optional[str] = None
+    memo: dict = field(default_factory=dict)
+
+    @property
+    def size(self) -> ImageSize:
+        return self.settings.image_size
+
+    @property
+    def seed(self) -> int:
+        return self.settings.seed
+
+    @property
+    def timestep_bounds(self) -> tuple[float, float]:
+        return self.settings.timestep_bounds
+
+    @property
+    def dtype(self) -> Any:
+        import torch
+
+        return getattr(torch, self.settings.dtype)
+
+    def model(self, slot: str) -> Any:
+        if slot not in self.models:
+            raise RuntimeError(f"model {slot!r} is not loaded in this stage")
+        return self.models[slot]
+
+    def raw(self, slot: str) -> Any:
+        """The model itself, unwrapped from DDP (for its config and attributes)."""
+        model = self.model(slot)
+        return getattr(model, "module", model)
+
+    def rng(self, purpose: str) -> Any:
+        """A generator for one draw of this sample in this epoch; only non-deterministic units may ask."""
+        if self.epoch is None or self.sample_key is None:
+            raise RuntimeError(f"a deterministic stage drew randomness ({purpose}); the unit must be declared non-deterministic")
+        return generator(self.seed, "sample", self.epoch, self.sample_key, purpose)
+
+    def tensor(self, value: Any) -> Any:
+        to = getattr(value, "to", None)
+        return value.to(self.device) if to is not None and hasattr(value, "is_floating_point") else value

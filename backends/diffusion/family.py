@@ -1,0 +1,274 @@
+"""What a model family declares, as plain data plus the functions it runs (no torch here).
+
+A *family* (one model line: its denoiser, encoders and pipelines) is one folder under `families/`. Its `__init__.py`
+builds one :class:`Family`: the model slots it loads, the pipelines it trains, the params padded
+in a batch, the diffusers pipeline class its folders load with, and where its tiny-model builder
+lives. Everything else in the backend (stage 1, the cache, the stage-2 executor, the training loop,
+LoRA, checkpoints) reads these declarations and never names a family.
+
+One place per unit: a unit's code is declared right where it is written,
+
+    @unit("ImageEncoder", inputs=("image",), outputs=("latent_mean", "latent_logvar"), models=("vae",),
+          settings=("dtype", "cache_dtype"))
+    def image_encoder(ctx, image): ...
+
+so its inputs, outputs, models, determinism, the settings it reads and its function travel together
+(like a diffusers ModularPipelineBlock). `UnitCode.declaration` is the `unitgraph.spec.Unit` the
+planner reasons about; the planner never calls the function, so planning stays torch-free as long
+as family modules import torch lazily (`lazy_module`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import ModuleType
+from typing import Any, Callable, Mapping, Optional
+
+from unitgraph.spec import Pipeline, Sink, Unit
+
+__all__ = [
+    "Family",
+    "ModelSlot",
+    "PipelineDef",
+    "SETTINGS",
+    "SinkCode",
+    "UnitCode",
+    "lazy_module",
+    "sink",
+    "unit",
+]
+
+# The settings a unit may read from its context (see context.UnitSettings). A unit declares the ones
+# it reads; a stage-1 cache key holds exactly the settings of the plan's data_process units.
+SETTINGS = ("image_size", "dtype", "cache_dtype", "seed", "timestep_bounds")
+
+
+class _LazyModule(ModuleType):
+    """A module imported on first attribute access: family code can say `torch.randn` at module level
+    without making `unitgraph plan` import torch."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.__dict__["_target"] = name
+
+    def __getattr__(self, attr: str) -> Any:
+        module = importlib.import_module(self.__dict__["_target"])
+        return getattr(module, attr)
+
+
+def lazy_module(name: str) -> ModuleType:
+    """`name` as a module object that imports itself when first used."""
+    return _LazyModule(name)
+
+
+# ------------------------------------------------------------------------------------------------
+# units and sinks
+
+
+@dataclass(frozen=True)
+class UnitCode:
+    """A unit's declaration together with the function that runs it and the settings it reads.
+
+    `fn(ctx, **inputs) -> {output: value}` works on one sample (batch dimension 1); `ctx.model(slot)`
+    is the only way to a model, so a stage that did not load a model can never run a unit needing it.
+    """
+
+    declaration: Unit
+    fn: Callable[..., dict[str, Any]] = field(compare=False)
+    settings: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.declaration.name
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return self.declaration.inputs
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return self.declaration.outputs
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return self.declaration.models
+
+    def __call__(self, ctx: Any, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """Run on `inputs` (a mapping holding at least the declared inputs); check the declared outputs."""
+        out = self.fn(ctx, **{p: inputs[p] for p in self.declaration.inputs})
+        if set(out) != set(self.declaration.outputs):
+            raise RuntimeError(f"unit {self.name} wrote {sorted(out)}, declared {sorted(self.declaration.outputs)}")
+        return out
+
+
+def unit(name: str, *, inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = (), models: tuple[str, ...] = (),
+         deterministic: bool = True, settings: tuple[str, ...] = ()) -> Callable[[Callable[..., dict[str, Any]]], UnitCode]:
+    """Declare the decorated function as unit `name` (see the module docstring).
+
+    Raises ValueError at import time for a setting outside SETTINGS, so a typo cannot make a cache
+    key miss what a unit reads.
+    """
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise ValueError(f"unit {name}: unknown settings {unknown} (known: {', '.join(SETTINGS)})")
+
+    def wrap(fn: Callable[..., dict[str, Any]]) -> UnitCode:
+        declaration = Unit(name, inputs=inputs, outputs=outputs, models=models, deterministic=deterministic)
+        return UnitCode(declaration, fn, tuple(settings))
+
+    return wrap
+
+
+@dataclass(frozen=True)
+class SinkCode:
+    """The loss: its declaration and `fn(ctx, **inputs) -> scalar loss` over a batch of sink inputs."""
+
+    declaration: Sink
+    fn: Callable[..., Any] = field(compare=False)
+
+    def __call__(self, ctx: Any, inputs: Mapping[str, Any]) -> Any:
+        return self.fn(ctx, **{p: inputs[p] for p in self.declaration.inputs})
+
+
+def sink(*, inputs: tuple[str, ...], models: tuple[str, ...]) -> Callable[[Callable[..., Any]], SinkCode]:
+    """Declare the decorated function as a pipeline's loss."""
+
+    def wrap(fn: Callable[..., Any]) -> SinkCode:
+        return SinkCode(Sink(inputs=inputs, models=models), fn)
+
+    return wrap
+
+
+# ------------------------------------------------------------------------------------------------
+# pipelines, model slots, families
+
+
+@dataclass(frozen=True)
+class PipelineDef:
+    """One trainable pipeline of a family: its units in order, its loss and the task it serves.
+
+    `task` is the --task family it runs (`sft`, `direct_distill`); `required` are the metadata
+    columns every sample must have, `optional` those used when present; `param_types` converts
+    metadata strings (csv carries only strings) for the dataset params that are numbers.
+    """
+
+    name: str
+    task: str
+    units: tuple[UnitCode, ...]
+    loss: SinkCode
+    description: str = ""
+    required: tuple[str, ...] = ("image", "prompt")
+    optional: tuple[str, ...] = ()
+
+    @cached_property
+    def spec_pipeline(self) -> Pipeline:
+        """The planner's view, built once (its version graph is cached on it)."""
+        return self.spec()
+
+    def spec(self) -> Pipeline:
+        """The planner's view: a new `unitgraph.spec.Pipeline` (validated there)."""
+        return Pipeline(name=self.name, units=tuple(u.declaration for u in self.units), sink=self.loss.declaration,
+                        source=f"diffusion:{self.name}")
+
+    def unit_code(self) -> dict[str, UnitCode]:
+        return {u.name: u for u in self.units}
+
+
+@dataclass(frozen=True)
+class ModelSlot:
+    """One component a family loads, named as DiffSynth-Studio's pipeline names it (`dit`, `vae`, ...).
+
+    kind: "model" (weights, may be trained), "tokenizer", "scheduler" or "processor".
+    library / class_name: the class `from_pretrained` is called on (e.g. `diffusers.AutoencoderKL`).
+    subfolder: its key in a diffusers pipeline folder's model_index.json.
+    accepts: further class names that identify a folder of this slot (`_class_name` for diffusers,
+    `architectures` for transformers); model_types: transformers `model_type` values that do.
+    lora_prefix: the diffusers pipeline attribute its checkpoint keys live under (`transformer`);
+    lora_targets: the default --lora_target_modules when it is the LoRA base model.
+    tokenizer: the tokenizer slot paired with this text encoder (FLUX has two such pairs).
+    default_config: for a scheduler, the family's published config, used when no folder gives one.
+    origin: (model id, pattern) DiffSynth falls back to when only model ids are given (tokenizers).
+    """
+
+    name: str
+    library: str
+    class_name: str
+    subfolder: str
+    kind: str = "model"
+    accepts: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = ()
+    lora_prefix: Optional[str] = None
+    lora_targets: tuple[str, ...] = ()
+    tokenizer: Optional[str] = None
+    default_config: Optional[Mapping[str, Any]] = None
+    origin: Optional[tuple[str, str]] = None
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        return (self.class_name, *self.accepts)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: everything the generic machinery needs to train it.
+
+    diffusers_pipelines: the `_class_name`s of model_index.json that mean this family (the first is
+    the class its tiny folders and LoRA files are checked with). slots: the denoiser first (a scheduler
+    folder is looked for beside it). tiny: the module (relative to the
+    family's package) with `SIZES` and `write_tiny_models(outdir, size, seed)`. pad: params padded
+    along dim 1 in a batch, each with its 0/1 mask param. demo: flags the demo trains with.
+    """
+
+    name: str
+    title: str
+    package: str
+    slots: tuple[ModelSlot, ...]
+    pipelines: tuple[PipelineDef, ...]
+    diffusers_pipelines: tuple[str, ...]
+    tiny: str = ".tiny"
+    pad: Mapping[str, str] = field(default_factory=dict)
+    demo: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = [s.name for s in self.slots]
+        if len(set(names)) != len(names):
+            raise ValueError(f"family {self.name}: duplicate model slots")
+        for slot in self.slots:
+            if slot.tokenizer is not None and slot.tokenizer not in names:
+                raise ValueError(f"family {self.name}: slot {slot.name} pairs with unknown tokenizer {slot.tokenizer}")
+        for pipeline in self.pipelines:
+            unknown = sorted(set(pipeline.spec().models) - set(names))
+            if unknown:
+                raise ValueError(f"family {self.name}: pipeline {pipeline.name} calls undeclared models {unknown}")
+
+    def slot(self, name: str) -> ModelSlot:
+        for slot in self.slots:
+            if slot.name == name:
+                return slot
+        raise KeyError(name)
+
+    @property
+    def model_slots(self) -> list[str]:
+        """Slots with weights (the names --trainable_models and --lora_base_model take)."""
+        return [s.name for s in self.slots if s.kind == "model"]
+
+    @property
+    def text_encoders(self) -> list[str]:
+        """Model slots paired with a tokenizer."""
+        return [s.name for s in self.slots if s.kind == "model" and s.tokenizer is not None]
+
+    def pipeline(self, name: str) -> PipelineDef:
+        for pipeline in self.pipelines:
+            if pipeline.name == name:
+                return pipeline
+        raise KeyError(name)
+
+    @property
+    def tasks(self) -> list[str]:
+        return list(dict.fromkeys(p.task for p in self.pipelines))
+
+    def tiny_module(self) -> Any:
+        """The family's tiny-model builder (imported on demand: it needs torch)."""
+        return importlib.import_module(self.tiny, self.package)

@@ -1,0 +1,418 @@
+"""Stage 1 (`:data_process`): fill the cache, each missing or damaged entry exactly once.
+
+Stage 1 follows `unitgraph.runtime.stage1_schedule(plan)`: it runs the plan's data_process units
+under no_grad and stores each sample's cache entry under a key derived from exactly what the entry
+depends on (`key_inputs`: the units, the settings they declare, the weights of their models, and
+the sample's dataset values they read; see cache.py and docs/cache.md). A re-run computes only the
+entries whose key is new or whose file fails its checksum. The main process decides the work under
+the cache lock and writes it into the manifest; every process takes its share of the pending
+entries (no padding: exactly once), journals each, and the main process merges the journals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from unitgraph.plan import Plan
+from unitgraph.runtime import stage1_dependencies, stage1_schedule
+
+from .args import BackendError
+from .batching import _cast
+from .cache import Cache, HashMemo, Journal, canonical_hash, entry_key, model_files_digest, sample_label, settings_hash
+from .config import RunConfig
+from .context import describe_setting
+from .data import DiffusionDataset, SampleError
+from .manifest import FORMAT, Manifest, describe_plan_change
+from .session import Reporter, count, load_models, make_context, make_dataset, progress, stage_slots
+
+# Bump when a unit's code changes what it computes: every entry made before is then rebuilt.
+UNITS_VERSION = 1
+
+
+def unit_settings_names(cfg: RunConfig, plan: Plan) -> set[str]:
+    """The settings the plan's data_process units declare (a unit declaring none reads none)."""
+    code = cfg.pipeline.unit_code()
+    return {name for unit in plan.data_process_units for name in code[unit].settings}
+
+
+def key_settings(cfg: RunConfig, plan: Plan) -> dict[str, Any]:
+    """The settings part of every entry key: what the plan's data_process units read."""
+    return cfg.units.key_values(unit_settings_names(cfg, plan))
+
+
+def model_files(cfg: RunConfig, models: list[str], offline: Optional[bool] = None) -> dict[str, list[Path]]:
+    """{slot: files its loader reads} for the given models (and the tokenizer beside a text encoder)."""
+    from .models import ModelLoadError
+
+    try:
+        sources = cfg.models.sources(cfg.family, offline=offline)
+        return {slot: sources.files(slot) for slot in stage_slots(cfg, models, training=False)}
+    except ModelLoadError as exc:
+        raise BackendError(str(exc)) from None
+
+
+def key_inputs(cfg: RunConfig, plan: Plan, memo: HashMemo) -> dict[str, Any]:
+    """The part of every entry key shared by all samples: unit list, settings used, model weights."""
+    deps = stage1_dependencies(cfg.pipeline.spec_pipeline, plan)
+    return {
+        "format": FORMAT,
+        "units_version": UNITS_VERSION,
+        "pipeline": plan.pipeline,
+        "cache_mode": plan.cache_mode,
+        "units": deps.units,
+        "entries": deps.entries,
+        "dataset_params": deps.dataset_params,
+        "settings": key_settings(cfg, plan),
+        "models": model_files_digest(model_files(cfg, deps.models), memo.digest),
+    }
+
+
+def recorded_settings(cfg: RunConfig, plan: Plan) -> dict[str, Any]:
+    """What stage 1 ran with, for people: the key settings plus the dataset columns it was given."""
+    return {**key_settings(cfg, plan), "data_file_keys": list(cfg.data.file_keys), "extra_inputs": list(cfg.data.extra_inputs)}
+
+
+def made_with(cfg: RunConfig) -> dict[str, Any]:
+    """The arguments stage 1 ran with (absolute paths): what `unitgraph cache repair` re-runs it with."""
+    from .models import ModelLoadError, parse_model_paths
+
+    args = cfg.args
+
+    def absolute(path: Optional[str]) -> Optional[str]:
+        return os.path.abspath(path) if path else None
+
+    model_paths = args.model_paths
+    if model_paths:
+        try:
+            model_paths = json.dumps([os.path.abspath(p) for p in parse_model_paths(model_paths)])
+        except ModelLoadError:
+            pass
+    tokenizer = args.tokenizer_path
+    if tokenizer and os.path.exists(tokenizer):
+        tokenizer = os.path.abspath(tokenizer)
+    return {
+        "task": args.family, "pipeline": cfg.pipeline.name, "dataset_base_path": absolute(args.dataset_base_path),
+        "dataset_metadata_path": absolute(args.dataset_metadata_path), "data_file_keys": args.data_file_keys,
+        "extra_inputs": args.extra_inputs, "model_paths": model_paths,
+        "model_id_with_origin_paths": args.model_id_with_origin_paths, "tokenizer_path": tokenizer,
+        "modelscope_cache_dir": absolute(args.modelscope_cache_dir), "trainable_models": args.trainable_models,
+        "lora_base_model": args.lora_base_model, "cache_mode": args.cache_mode,
+        "height": args.height, "width": args.width, "max_pixels": args.max_pixels, "cache_dtype": args.cache_dtype,
+    }
+
+
+def describe_key_change(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two `key_inputs` records, in words a user can act on."""
+    changes = []
+    old_settings, new_settings = old.get("settings") or {}, new.get("settings") or {}
+    for name in sorted(set(old_settings) | set(new_settings)):
+        if old_settings.get(name) != new_settings.get(name):
+            changes.append(f"{describe_setting(name, new_settings.get(name))} now, "
+                           f"{describe_setting(name, old_settings.get(name))} in the cache")
+    old_models, new_models = old.get("models") or {}, new.get("models") or {}
+    for slot in sorted(set(old_models) | set(new_models)):
+        a, b = old_models.get(slot) or {}, new_models.get(slot) or {}
+        if a != b:
+            files = sorted(f for f in set(a) | set(b) if a.get(f) != b.get(f))
+            changes.append(f"{slot} weights differ ({', '.join(files[:3])})")
+    for part in ("format", "units_version", "pipeline", "cache_mode", "units", "entries", "dataset_params"):
+        if old.get(part) != new.get(part):
+            changes.append("the data_process units or their code changed")
+            break
+    return changes
+
+
+@dataclass
+class Stage1Result:
+    seconds: float
+    samples: int  # samples in the cache (skipped ones left out)
+    computed: list[int] = field(default_factory=list)  # indices of the samples whose entry this run computed
+    reused: int = 0  # entries found valid and kept
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    reason: str = ""
+
+    @property
+    def reused_all(self) -> bool:
+        return not self.computed
+
+
+def _skip(skipped: list[dict[str, Any]], index: int, exc: BackendError) -> None:
+    skipped.append({"index": index, "reason": exc.one_line()})
+
+
+def prepare_stage1(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache: Cache,
+                   report: Reporter) -> tuple[Manifest, str]:
+    """Main process, under the cache lock: work out every sample's key, keep the valid entries, write the manifest.
+
+    Returns the manifest (status `filling` with a `pending` list, or `complete`) and one line saying
+    why entries are (re)computed.
+    Raises BackendError before changing anything when the folder holds another plan's cache or the
+    inputs are bad.
+    """
+    existing = cache.read_manifest()
+    if existing is not None and existing.plan_fingerprint != plan.fingerprint:
+        raise BackendError(f"holds the cache of another plan ({describe_plan_change(existing, plan)}); choose another "
+                           "cache folder (--cache_path or --output_path) or delete this one", source=str(cache.folder))
+    cache.warn_unsafe(report)
+    memo = HashMemo(cache.hashes_path)
+    inputs = key_inputs(cfg, plan, memo)
+    static = canonical_hash(inputs)
+    params = inputs["dataset_params"]
+    samples: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    for i in range(len(dataset)):
+        try:
+            sid = dataset.sample_id(i, memo.digest)
+            key = entry_key(static, dataset.key_inputs(i, params, memo.digest))
+        except SampleError as exc:
+            _skip(skipped, i, exc)
+            continue
+        samples.append({"index": i, "sample_id": sid, "key": key})
+
+    # what is already there: the manifest's records and those of an interrupted run's journals
+    records: dict[str, dict[str, Any]] = dict(existing.entries if existing is not None else {})
+    for record in cache.read_journals():
+        if all(k in record for k in ("key", "file", "size", "sha256")):
+            records[record["key"]] = {k: record[k] for k in ("key", "file", "size", "sha256")}
+    first: dict[str, dict[str, Any]] = {}
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for s in samples:
+        first.setdefault(s["key"], s)
+        by_key.setdefault(s["key"], []).append(s)
+    valid: dict[str, dict[str, Any]] = {}
+    damaged = 0
+    for key in first:
+        record = records.get(key)
+        if record is None:
+            continue
+        problem = cache.check_entry(record)
+        if problem is None:
+            valid[key] = record
+        else:
+            damaged += 1
+            report(f"warning: {sample_label(first[key])}: {problem}; recomputing it")
+    # a cheap look at the samples about to be computed (missing, unreadable or tiny images are skipped)
+    bad_keys = set()
+    for key, s in first.items():
+        if key in valid:
+            continue
+        try:
+            dataset.check(s["index"])
+        except SampleError as exc:
+            bad_keys.add(key)
+            for other in by_key[key]:
+                _skip(skipped, other["index"], exc)
+    samples = [s for s in samples if s["key"] not in bad_keys]
+    skipped.sort(key=lambda s: s["index"])
+    if not samples:
+        first_reason = skipped[0]["reason"] if skipped else "the metadata has no rows"
+        raise BackendError(f"no usable samples: all {len(dataset)} were skipped (first: {first_reason})",
+                           source=str(dataset.metadata_path))
+    for item in skipped:  # warned only now: when nothing is usable, the error above is the one line
+        report(f"warning: skipping sample {item['index']}: {item['reason']}")
+    pending = [{"key": key, "index": s["index"], "sample_id": s["sample_id"]}
+               for key, s in first.items() if key not in valid and key not in bad_keys]
+    reason = _work_reason(existing, inputs, pending, valid, len(first) - len(bad_keys), damaged)
+
+    cache.entries_dir.mkdir(parents=True, exist_ok=True)
+    cache.clean_temp_files()
+    settings = recorded_settings(cfg, plan)
+    manifest = Manifest(
+        status="filling" if pending else "complete", pipeline=plan.pipeline, plan_fingerprint=plan.fingerprint,
+        cache_mode=plan.cache_mode, keys=inputs["entries"], plan=plan.to_dict(), key_inputs=inputs,
+        key_inputs_hash="sha256:" + static, settings=settings, settings_hash=settings_hash(settings),
+        made_with=made_with(cfg), num_samples=len(samples), samples=samples,
+        # while filling, records of other entries still on disk are kept (a changed setting may be reverted)
+        entries={**{k: r for k, r in records.items() if k not in first and cache.folder.joinpath(r["file"]).is_file()},
+                 **valid} if pending else valid,
+        skipped=skipped, pending=pending or None)
+    if not pending:
+        _prune_orphans(cache, set(valid))
+    if existing is None or manifest.to_dict() != existing.to_dict():
+        cache.write_manifest(manifest)
+    cache.clear_journals()
+    memo.save(prune=True)  # this run asked about every file the cache depends on
+    return manifest, reason
+
+
+def _work_reason(existing: Optional[Manifest], inputs: dict[str, Any], pending: list, valid: dict, usable: int,
+                 damaged: int) -> str:
+    """Why there is work, in one line."""
+    if existing is None:
+        return f"new cache: computing {count(len(pending), 'entry', 'entries')}"
+    changes = describe_key_change(existing.key_inputs, inputs)
+    if changes and pending:
+        return f"{'; '.join(changes)}: recomputing {len(pending)} of {count(usable, 'entry', 'entries')}"
+    if pending:
+        parts = [count(len(pending) - damaged, "new or changed sample", "new or changed samples")] if len(pending) > damaged else []
+        parts += [f"{damaged} damaged"] if damaged else []
+        return f"computing {count(len(pending), 'entry', 'entries')} ({', '.join(parts)})"
+    return f"all {count(len(valid), 'entry', 'entries')} valid: nothing to compute"
+
+
+def _prune_orphans(cache: Cache, keep: set[str]) -> int:
+    removed = 0
+    for path in cache.entry_files():
+        if path.name[: -len(".safetensors")] not in keep:
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def finish_stage1(cache: Cache, manifest: Manifest) -> tuple[list[int], dict[int, int]]:
+    """Main process, after every process finished: merge the journals; the manifest says `complete`.
+
+    Returns the indices of the samples whose entries this run computed, and how many each process computed.
+    """
+    entries = dict(manifest.entries)
+    computed = []
+    per_process: dict[int, int] = {}
+    for record in cache.read_journals():
+        if all(k in record for k in ("key", "file", "size", "sha256")):
+            entries[record["key"]] = {k: record[k] for k in ("key", "file", "size", "sha256")}
+            if "index" in record:
+                computed.append(int(record["index"]))
+            rank = int(record.get("rank", 0))
+            per_process[rank] = per_process.get(rank, 0) + 1
+    needed = {s["key"] for s in manifest.samples}
+    missing = [s for s in manifest.samples if s["key"] not in entries or not cache.entry_file(s["key"]).is_file()]
+    if missing:  # pragma: no cover - every process computes its share or stops with an error
+        raise RuntimeError(f"stage 1 left {len(missing)} samples without a cache entry (e.g. index {missing[0]['index']})")
+    manifest.status, manifest.pending = "complete", None
+    manifest.entries = {k: entries[k] for k in sorted(needed)}
+    _prune_orphans(cache, needed)
+    cache.write_manifest(manifest)
+    cache.clear_journals()
+    return sorted(set(computed)), dict(sorted(per_process.items()))
+
+
+def compute_entries(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache: Cache, work: list[dict[str, Any]],
+                    accelerator: Any) -> None:
+    """Compute and store the given entries, recording each in this process's journal once it is in place."""
+    models = load_models(cfg, plan.data_process_models, training=False, device=accelerator.device)
+    ctx = make_context(cfg, models, accelerator.device)
+    schedule = stage1_schedule(plan)
+    code = cfg.pipeline.unit_code()
+    store_dtype = None if cfg.units.cache_dtype == cfg.units.dtype else getattr(torch, cfg.units.cache_dtype)
+    done = 0
+    bar = progress(work, len(work), "stage 1 (data_process)", cfg.output.progress and accelerator.is_local_main_process)
+    with torch.no_grad(), Journal(cache.journal_path(accelerator.process_index)) as journal:
+        for item in bar:
+            index = int(item["index"])
+            try:
+                state = dataset.sample(index)
+                values = {key: state.get(param) for param, key in schedule.snapshots_after.get(None, [])}
+                for name in schedule.units:
+                    state.update(code[name](ctx, state))
+                    for param, key in schedule.snapshots_after.get(name, []):
+                        values[key] = state[param]
+                for param, key in schedule.final:
+                    values[key] = state.get(param)
+                if store_dtype is not None:  # --cache_dtype: floating tensors stored in another dtype
+                    values = {key: _cast(value, store_dtype) for key, value in values.items()}
+            except BackendError as exc:
+                raise BackendError(f"stage 1 stopped at sample {index} (metadata row {index + 1}): {exc.one_line()}; "
+                                   f"the entries finished so far ({done} in this process) are kept: fix the input "
+                                   "and run the same command again") from None
+            record = cache.store_entry(item["key"], values, {"key": item["key"], "index": index, "sample_id": item["sample_id"]})
+            journal.append({**record, "index": index, "rank": accelerator.process_index})
+            done += 1
+    del models, ctx
+    gc.collect()
+
+
+def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: Path, report: Reporter,
+                     before_compute: Optional[Callable[[], None]] = None) -> Stage1Result:
+    """Fill `cache_dir` for `plan`: each missing or damaged entry once, sharded over processes.
+
+    The main process decides the work under the cache lock and writes it into the manifest; every
+    process takes its share of the pending entries (exactly once: no padding), journals them, and
+    the main process merges the journals at the end. Bad input stops before anything is written; a
+    stop while computing keeps every finished entry.
+    """
+    start = time.perf_counter()
+    cache = Cache(cache_dir)
+    main = accelerator.is_main_process
+    dataset = make_dataset(cfg)
+    manifest: Optional[Manifest] = None
+    reason = ""
+    computed: list[int] = []
+    with contextlib.ExitStack() as stack:
+        if main:
+            created = not cache.folder.exists()
+            stack.enter_context(cache.locked())
+            try:
+                manifest, reason = prepare_stage1(cfg, plan, dataset, cache, report)
+            except BaseException:
+                if created:  # nothing of value was written: leave no trace
+                    shutil.rmtree(cache.folder, ignore_errors=True)
+                raise
+            report(f"stage 1: {manifest.num_samples} samples; {reason}")
+            if before_compute is not None:
+                before_compute()
+        accelerator.wait_for_everyone()
+        if not main:
+            manifest = cache.read_manifest()
+        if manifest is None:  # pragma: no cover - the main process wrote it before the barrier
+            raise BackendError("stage 1: the cache manifest vanished while starting", source=str(cache.folder))
+        pending = manifest.pending or []
+        mine = pending[accelerator.process_index::accelerator.num_processes]
+        if mine:
+            compute_entries(cfg, plan, dataset, cache, mine, accelerator)
+        accelerator.wait_for_everyone()
+        if main and pending:
+            computed, per_process = finish_stage1(cache, manifest)
+            shares = ", ".join(str(per_process.get(r, 0)) for r in range(accelerator.num_processes))
+            report(f"stage 1: computed {count(sum(per_process.values()), 'entry', 'entries')} over {accelerator.num_processes} "
+                   f"process{'es' if accelerator.num_processes > 1 else ''} ({shares})")
+    accelerator.wait_for_everyone()
+    skipped = list(manifest.skipped)
+    if main and skipped:
+        report(f"stage 1: skipped {len(skipped)} of {len(skipped) + manifest.num_samples} samples (warnings above); "
+               "they are left out of the cache")
+    unique = len({s["key"] for s in manifest.samples})
+    return Stage1Result(seconds=time.perf_counter() - start, samples=manifest.num_samples,
+                        computed=computed, reused=unique - len(pending), skipped=skipped, reason=reason)
+
+
+def repair_cache(cache_dir: str | Path, overrides: Optional[dict[str, Any]] = None,
+                 echo: Optional[Callable[[str], None]] = None, progress: bool = False) -> Stage1Result:
+    """Re-run stage 1 for an existing cache with the arguments recorded in it (`overrides` may relocate
+    the dataset or the models): recomputes exactly the entries that are missing, damaged or out of date."""
+    from .args import make_args
+    from .session import make_accelerator, plan_for
+
+    cache = Cache(cache_dir)
+    manifest = cache.read_manifest()
+    if manifest is None:
+        raise BackendError("no manifest.json: not a cache folder", source=str(cache.folder))
+    recorded = dict(manifest.made_with)
+    if not recorded.get("task"):
+        raise BackendError("the manifest does not record how stage 1 ran (made_with); re-run the data_process stage",
+                           source=str(cache.manifest_path))
+    task = recorded.pop("task")
+    recorded.setdefault("pipeline", manifest.pipeline)
+    recorded.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        args = make_args(task=f"{task}:data_process", output_path=str(cache.folder), cache_path=str(cache.folder),
+                         progress=progress, plot=False, **recorded)
+    except TypeError as exc:  # a hand-edited made_with of the wrong shape
+        raise BackendError(f"damaged cache manifest: made_with does not hold training arguments ({exc})",
+                           source=str(cache.manifest_path)) from None
+    cfg = RunConfig.from_args(args)
+    plan = plan_for(cfg)
+    if plan.fingerprint != manifest.plan_fingerprint:
+        raise BackendError(f"the recorded arguments give another plan ({describe_plan_change(manifest, plan)})",
+                           source=str(cache.folder))
+    accelerator = make_accelerator(cfg)
+    return run_data_process(cfg, plan, accelerator, cache.folder, Reporter(accelerator, echo))

@@ -1,0 +1,316 @@
+"""The training loop: AdamW over micro-batches of sink inputs, the same loop for the unsplit run and stage 2.
+
+`run_training` takes its batches from a data source (`executor.Stage2Data` for stage 2, `executor.LiveData`
+for the unsplit run): both give the same elements in the same seeded order, so with the same
+--seed the two runs draw the same numbers and end with the same losses and weights. Each micro-batch
+loss is a mean over its samples, weighted by its share of the optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from unitgraph.atomic import write_text_atomic
+from unitgraph.plan import Plan
+
+from .args import BackendError
+from .batching import CachedItem, step_groups
+from .checkpoints import checkpoint_state, save_checkpoint
+from .config import RunConfig
+from .randomness import seeded_global_stream
+from .session import RunResult, load_models, make_context, progress
+
+
+def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerator: Any):
+    """Preset LoRA merged, trainable models and the LoRA adapter made trainable, AdamW; each prepared by accelerate."""
+    from .lora import add_lora, load_lora_checkpoint, merge_preset_lora
+
+    lora, prefixes = cfg.lora, cfg.prefixes
+    if lora.preset_path:
+        if lora.preset_model not in models:
+            raise BackendError(f"--preset_lora_model {lora.preset_model!r} is not loaded in this stage "
+                               f"(stage models: {', '.join(sorted(models))})")
+        merge_preset_lora(models[lora.preset_model], lora.preset_model, lora.preset_path, prefixes[lora.preset_model])
+    for slot in cfg.optim.trainable:
+        models[slot].requires_grad_(True)
+        models[slot].train()
+    lora_config = None
+    if lora.base_model:
+        base = models[lora.base_model]
+        lora_config = add_lora(base, lora.base_model, list(lora.targets), lora.rank, lora.alpha, cfg.seed)
+        base.train()
+        if lora.checkpoint:
+            load_lora_checkpoint(base, lora.base_model, lora.checkpoint, prefixes[lora.base_model], prefixes.values())
+    if cfg.optim.gradient_checkpointing:
+        for slot in plan.models_require_backward:
+            model = models[slot]
+            if hasattr(model, "enable_gradient_checkpointing"):
+                model.enable_gradient_checkpointing()
+            elif hasattr(model, "gradient_checkpointing_enable"):
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    params = [p for slot in plan.models_require_backward for p in models[slot].parameters() if p.requires_grad]
+    if not params:
+        raise BackendError("no trainable parameters (check --lora_target_modules / --trainable_models)")
+    optimizer = torch.optim.AdamW(params, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
+    wrapped = dict(models)
+    for slot in plan.models_require_backward:
+        wrapped[slot] = accelerator.prepare(models[slot])
+    return wrapped, accelerator.prepare(optimizer), lora_config
+
+
+def save(cfg: RunConfig, output: Path, name: str, models: dict[str, Any], lora_config: Any, accelerator: Any) -> Path:
+    raw = {slot: accelerator.unwrap_model(m) if isinstance(m, torch.nn.Module) else m for slot, m in models.items()}
+    state = checkpoint_state(raw, cfg.lora.base_model, cfg.optim.trainable, cfg.prefixes)
+    prefix = cfg.prefixes[cfg.lora.base_model] if cfg.lora.base_model else None
+    return save_checkpoint(output / name, state, prefix, lora_config, cfg.output.remove_prefix)
+
+
+class LossLog:
+    """loss.csv, written row by row on the main process (each row flushed as it is written)."""
+
+    def __init__(self, path: Path, main: bool):
+        self.path, self.rows = path, []
+        self._file = None
+        if main:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("w", encoding="utf-8", newline="")
+            self._file.write("step,epoch,loss,elapsed_s\n")
+            self._file.flush()
+
+    def add(self, step: int, epoch: int, loss: float, elapsed: float) -> None:
+        self.rows.append((step, epoch, loss, elapsed))
+        if self._file is not None:
+            csv.writer(self._file).writerow([step, epoch, repr(loss), f"{elapsed:.6f}"])
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def micro_step(cfg: RunConfig, ctx: Any, ready: Any, elements: list[Any], epoch: int, total: int, sync: bool,
+               trained: list[Any], accelerator: Any, seeded: bool, check: Any) -> Any:
+    """Forward and backward of one micro-batch; its loss (detached).
+
+    `ready` yields the batch's sink inputs: the units that call models run there, inside the step's
+    dropout stream, as the sink does. `check(loss, elements)` stops on a NaN before the weights change.
+    """
+    keys = [e.sample_key for e in elements]
+    with contextlib.ExitStack() as stack:
+        if not sync and accelerator.num_processes > 1:
+            for model in trained:
+                stack.enter_context(accelerator.no_sync(model))
+        if seeded:
+            stack.enter_context(seeded_global_stream(cfg.seed, "dropout", epoch, *keys))
+        batch = next(ready)
+        if batch.sample_keys != keys:  # pragma: no cover - iterate() follows the order it was given
+            raise RuntimeError(f"stage 2 batches out of order: {batch.sample_keys} instead of {keys}")
+        ctx.epoch, ctx.sample_key = epoch, keys[0]
+        loss = cfg.pipeline.loss(ctx, batch.inputs)
+        check(loss, elements)
+        # a micro-batch loss is a mean over its samples: weight it by its share of the step
+        # (one micro-batch per step: the loss as it is, value and gradient)
+        n = len(elements)
+        accelerator.backward(loss if n == total else loss / total if n == 1 else loss * n / total)
+    return loss.detach().float()
+
+
+def run_training(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: Any, output: Path,
+                 result: RunResult, stage_name: str) -> None:
+    """AdamW over `data`'s micro-batches; loss.csv, checkpoints and the loss plot in `output`."""
+    world, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
+    models = load_models(cfg, provider.models, training=True, device=accelerator.device)
+    models, optimizer, lora_config = prepare_models(cfg, plan, models, accelerator)
+    result.plan_path = write_run_files(cfg, plan, output, accelerator)  # only once every input has been checked
+    ctx = make_context(cfg, models, accelerator.device)
+    trained = [models[s] for s in plan.models_require_backward if hasattr(models[s], "no_sync")]
+    # Dropout draws from torch's global stream: each micro-step seeds it from its samples' keys, so the
+    # unsplit and the split run draw the same masks. Without any active dropout there is nothing to seed.
+    seeded = draws_dropout(models)
+    accum, epochs = cfg.optim.accumulation, cfg.optim.num_epochs
+    log = LossLog(output / "loss.csv", main)
+    bar = progress(None, len(step_groups(data.batches(0, rank, world), accum)) * epochs, stage_name,
+                   cfg.output.progress and accelerator.is_local_main_process)
+    step, t0, last = 0, None, None
+    try:
+        for epoch in range(epochs):
+            order = data.batches(epoch, rank, world)
+            ready = data.iterate(epoch, ctx, rank, world, batches=order, workers=cfg.data.num_workers)
+            try:
+                for group in step_groups(order, accum):
+                    t0 = time.perf_counter() if t0 is None else t0
+                    total = sum(len(b) for b in group)
+
+                    def check(loss: Any, elements: list[Any]) -> None:
+                        stop_on_bad_loss(loss, step + 1, epoch, [e.item for e in elements], provider, accelerator,
+                                         result, data.batch_size)
+
+                    losses = [(micro_step(cfg, ctx, ready, b, epoch, total, k == len(group) - 1, trained, accelerator,
+                                          seeded, check), len(b)) for k, b in enumerate(group)]
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    step += 1
+                    loss, now = step_loss(losses, total, accelerator), time.perf_counter()
+                    log.add(step, epoch, loss, now - t0)
+                    result.step_times.append(now - (last if last is not None else t0))
+                    last = now
+                    bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch, refresh=False)
+                    bar.update(1)
+                    if cfg.output.save_steps and step % cfg.output.save_steps == 0:
+                        checkpoint(cfg, output, f"step-{step}.safetensors", models, lora_config, accelerator, result)
+            finally:
+                ready.close()
+            checkpoint(cfg, output, f"epoch-{epoch}.safetensors", models, lora_config, accelerator, result)
+    finally:
+        log.close()
+        bar.close()
+    result.steps, result.losses, result.loss_csv = step, [r[2] for r in log.rows], log.path
+    if main and cfg.output.plot:
+        result.loss_plot = write_loss_plot(log.rows, output / "loss.png", f"{plan.pipeline} · {cfg.args.task}")
+    accelerator.wait_for_everyone()
+
+
+def step_loss(losses: list[tuple[Any, int]], total: int, accelerator: Any) -> float:
+    """The optimizer step's loss: the mean over its samples (over every process)."""
+    value = (torch.stack([v for v, _ in losses]).mean() if all(n == 1 for _, n in losses)
+             else sum(v * n for v, n in losses) / total)
+    if accelerator.num_processes > 1:
+        value = accelerator.reduce(value.to(accelerator.device), reduction="mean")
+    return float(value)
+
+
+def checkpoint(cfg: RunConfig, output: Path, name: str, models: dict[str, Any], lora_config: Any, accelerator: Any,
+               result: RunResult) -> None:
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        result.checkpoints.append(save(cfg, output, name, models, lora_config, accelerator))
+
+
+def write_run_files(cfg: RunConfig, plan: Plan, output: Path, accelerator: Any) -> Path:
+    """plan.json and training_args.json beside the run's outputs (main process)."""
+    path = output / "plan.json"
+    if accelerator.is_main_process:
+        output.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, plan.to_json())
+        write_text_atomic(output / "training_args.json", cfg.args.to_json())
+    return path
+
+
+def read_loss_csv(path: str | Path) -> list[dict[str, Any]]:
+    with Path(path).open(encoding="utf-8", newline="") as handle:
+        return [{"step": int(r["step"]), "epoch": int(r["epoch"]), "loss": float(r["loss"]), "elapsed_s": float(r["elapsed_s"])}
+                for r in csv.DictReader(handle)]
+
+
+def stop_on_bad_loss(loss: torch.Tensor, step: int, epoch: int, items: list[Any], provider: Any, accelerator: Any,
+                      result: RunResult, width: int = 1) -> None:
+    """A NaN or infinite loss stops training before it reaches the weights, naming the step and the sample(s).
+
+    With several processes every process learns whether any of them saw one (one tiny all-gather
+    per micro-step: a flag, the loss and the indices of up to `width` samples), so they all stop
+    together instead of waiting on each other in backward.
+    """
+    value = float(loss.detach().float())
+    bad = not math.isfinite(value)
+    if accelerator.num_processes > 1:
+        indices = [float(it.index) for it in items][:width]
+        indices += [-1.0] * (width - len(indices))
+        mine = torch.tensor([[float(bad), value if bad else 0.0, *indices]], dtype=torch.float64, device=accelerator.device)
+        every = accelerator.gather(mine).cpu().tolist()
+        culprits = [(rank, row) for rank, row in enumerate(every) if row[0] > 0]
+        if not culprits:
+            return
+        rank, row = culprits[0]
+        value = row[1]
+        names = {it.index: it for it in provider.items}
+        items = [names.get(int(i), CachedItem(int(i), "")) for i in row[2:] if i >= 0]
+        where = f" (process {rank})"
+    elif not bad:
+        return
+    else:
+        where = ""
+    last = result.checkpoints[-1] if result.checkpoints else None
+    kept = f"the last good checkpoint is kept: {last}" if last else "no checkpoint had been saved yet"
+    labels = [provider.label(it) for it in items]
+    on = labels[0] if len(labels) == 1 else f"a batch of {len(labels)}: {'; '.join(labels)}"
+    raise BackendError(f"loss is {value} at step {step} (epoch {epoch}) on {on}{where}: "
+                       f"training stopped before updating the weights; {kept}")
+
+
+def write_loss_plot(rows: list[tuple[int, int, float, float]], path: Path, title: str) -> Optional[Path]:
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from unitgraph.atomic import write_bytes_atomic
+
+    fig = Figure(figsize=(6, 3.5), dpi=100)
+    ax = fig.add_subplot(1, 1, 1)
+    steps = [r[0] for r in rows]
+    losses = [r[2] for r in rows]
+    ax.plot(steps, losses, linewidth=1, label="loss")
+    if len(losses) >= 10:
+        k = max(2, len(losses) // 20)
+        smooth = [sum(losses[max(0, i - k + 1): i + 1]) / len(losses[max(0, i - k + 1): i + 1]) for i in range(len(losses))]
+        ax.plot(steps, smooth, linewidth=2, label=f"mean of {k}")
+        ax.legend()
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    write_bytes_atomic(path, buffer.getvalue())
+    return path
+
+
+_DROP_NAME = re.compile(r"Drop|dropout|drop_?path")
+
+
+def draws_dropout(models: dict[str, Any]) -> bool:
+    """Whether a training step can draw from torch's global random stream: some model in training mode
+    has an active dropout (a dropout module with p > 0, a module of another kind named like one, or a
+    positive `*dropout*` / `drop_path*` value in its config). When none has, the seeded dropout stream
+    around each micro-step changes no number and is skipped."""
+    for model in models.values():
+        if not isinstance(model, torch.nn.Module):
+            continue
+        for module in model.modules():
+            if not module.training:
+                continue
+            if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+                if float(module.p) > 0:
+                    return True
+            elif _DROP_NAME.search(type(module).__name__):  # DropPath, StochasticDropout, ... (not EmbedRope)
+                return True
+            config = getattr(module, "config", None)
+            if config is not None and _config_dropout(config):
+                return True
+    return False
+
+
+def _config_dropout(config: Any, depth: int = 0) -> bool:
+    if depth > 4:
+        return False
+    items = config.items() if isinstance(config, dict) else vars(config).items() if hasattr(config, "__dict__") else ()
+    for key, value in items:
+        if isinstance(value, (dict,)) or (hasattr(value, "__dict__") and not isinstance(value, (str, bytes, type))
+                                          and type(value).__module__.startswith(("transformers", "diffusers"))):
+            if _config_dropout(value, depth + 1):
+                return True
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 \
+                and ("dropout" in str(key).lower() or "drop_path" in str(key).lower()):
+            return True
+    return False

@@ -1,0 +1,225 @@
+"""The conformance suite every registered family passes (docs: CONTRIBUTING.md, "Adding a family").
+
+Parametrized over `registry.families()` and their pipelines, so a new family joins by registration
+alone. For each pipeline, on the family's `test`-size tiny models:
+
+- the tiny folder loads with the family's diffusers pipeline class;
+- split == unsplit (loss rows and trained weights within 1e-6) for a LoRA on the DiT and on every
+  text encoder, in both cache modes;
+- stage 2 runs with the frozen encoders' folders deleted and the source data gone;
+- the DiT LoRA file loads with the diffusers pipeline's `load_lora_weights`, and fusing it changes the
+  DiT's weights by exactly what our adapter adds (alpha included);
+- stage 1 over 2 processes computes every entry exactly once and makes the cache 1 process makes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+diffusers = pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+pytest.importorskip("accelerate")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from unitgraph.backends.diffusion.args import make_args  # noqa: E402
+from unitgraph.backends.diffusion.cache import verify_cache  # noqa: E402
+from unitgraph.backends.diffusion.data import write_synthetic_dataset  # noqa: E402
+from unitgraph.backends.diffusion.registry import families  # noqa: E402
+from unitgraph.backends.diffusion.stages import run  # noqa: E402
+from unitgraph.backends.diffusion.training import read_loss_csv  # noqa: E402
+
+SIZE = 32
+SAMPLES = 3
+VENV_BIN = Path(sys.executable).parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+
+PIPELINES = [(family, pipeline) for family in families() for pipeline in family.pipelines]
+IDS = [pipeline.name for _, pipeline in PIPELINES]
+# every pipeline x every model a LoRA may sit on: the DiT and each text encoder the pipeline calls
+LORA_CASES = [(family, pipeline, slot) for family, pipeline in PIPELINES
+              for slot in [family.model_slots[0], *family.text_encoders] if slot in pipeline.spec_pipeline.models]
+
+
+def quiet(_text: str) -> None:
+    pass
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """family name -> its test-size tiny pipeline folder, written once per session."""
+    made: dict[str, Path] = {}
+
+    def get(family) -> Path:
+        if family.name not in made:
+            made[family.name] = family.tiny_module().write_tiny_models(
+                tmp_path_factory.mktemp(f"tiny-{family.name}") / "models", size="test", seed=0)
+        return made[family.name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def datasets(tmp_path_factory):
+    """pipeline name -> a small captioned image set with the columns its task needs."""
+    made: dict[str, Path] = {}
+
+    def get(pipeline) -> Path:
+        if pipeline.name not in made:
+            folder = tmp_path_factory.mktemp(f"data-{pipeline.name}")
+            write_synthetic_dataset(folder, count=SAMPLES, size=SIZE, seed=3, distill=pipeline.task == "direct_distill")
+            made[pipeline.name] = folder
+        return made[pipeline.name]
+
+    return get
+
+
+def flags(family, pipeline, models: Path, data: Path, lora: str, **extra):
+    kwargs = dict(pipeline=pipeline.name, dataset_base_path=str(data), dataset_metadata_path=str(data / "metadata.csv"),
+                  model_paths=str(models), lora_base_model=lora, lora_rank=4, max_pixels=SIZE * SIZE, seed=5,
+                  learning_rate=1e-3, progress=False, plot=False)
+    kwargs.update(extra)
+    return kwargs
+
+
+def assert_same_training(a: Path, b: Path, checkpoint: str = "epoch-0.safetensors") -> None:
+    la, lb = read_loss_csv(a / "loss.csv"), read_loss_csv(b / "loss.csv")
+    assert [(r["step"], r["epoch"]) for r in la] == [(r["step"], r["epoch"]) for r in lb] and la
+    assert [r["loss"] for r in la] == pytest.approx([r["loss"] for r in lb], abs=1e-6, rel=0)
+    wa, wb = load_file(str(a / checkpoint)), load_file(str(b / checkpoint))
+    assert set(wa) == set(wb) and wa
+    for key in wa:
+        assert torch.allclose(wa[key], wb[key], atol=1e-6, rtol=0), key
+
+
+@pytest.mark.parametrize("family, pipeline", PIPELINES, ids=IDS)
+def test_tiny_models_load_with_the_familys_diffusers_pipeline(family, pipeline, tiny_models):
+    root = tiny_models(family)
+    cls = getattr(diffusers, family.diffusers_pipelines[0])
+    pipe = cls.from_pretrained(str(root))
+    for slot in family.slots:
+        component = getattr(pipe, slot.subfolder)
+        assert type(component).__name__ in slot.class_names or slot.kind == "tokenizer", slot.name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, pipeline, lora", LORA_CASES,
+                         ids=[f"{p.name}-{slot}" for _, p, slot in LORA_CASES])
+def test_split_equals_unsplit_in_both_cache_modes(family, pipeline, lora, tiny_models, datasets, tmp_path):
+    models, data = tiny_models(family), datasets(pipeline)
+    task = pipeline.task
+    unsplit = run(make_args(task=task, output_path=str(tmp_path / "unsplit"), **flags(family, pipeline, models, data, lora)),
+                  echo=quiet)
+    assert unsplit.steps == SAMPLES
+    for mode in ("latest", "versioned"):
+        out = tmp_path / mode
+        split = run(make_args(task=f"{task}:split", output_path=str(out), cache_mode=mode,
+                              **flags(family, pipeline, models, data, lora)), echo=quiet)
+        assert lora in split.plan.train_models
+        assert_same_training(tmp_path / "unsplit", out)
+    keys = load_file(str(tmp_path / "unsplit" / "epoch-0.safetensors"))
+    prefix = family.slot(lora).lora_prefix
+    assert all(k.startswith(f"{prefix}.") and "lora_" in k for k in keys)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, pipeline", PIPELINES, ids=IDS)
+def test_stage2_needs_neither_the_frozen_encoders_nor_the_data(family, pipeline, tiny_models, datasets, tmp_path):
+    models = tmp_path / "models"
+    shutil.copytree(tiny_models(family), models)
+    data = tmp_path / "data"
+    shutil.copytree(datasets(pipeline), data)
+    dit = family.model_slots[0]
+    stage1 = run(make_args(task=f"{pipeline.task}:data_process", output_path=str(tmp_path / "cache"),
+                           **flags(family, pipeline, models, data, dit)), echo=quiet)
+    frozen = [slot for slot in stage1.plan.data_process_models if slot not in stage1.plan.train_models]
+    assert frozen, "the plan keeps some encoder out of training"
+    for slot in frozen:
+        shutil.rmtree(models / family.slot(slot).subfolder)
+    shutil.rmtree(data)
+    train = flags(family, pipeline, models, tmp_path / "cache", dit, dataset_metadata_path=None)
+    result = run(make_args(task=f"{pipeline.task}:train", output_path=str(tmp_path / "train"), **train), echo=quiet)
+    assert result.steps == SAMPLES and result.plan.train_models == [dit]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, pipeline", PIPELINES, ids=IDS)
+def test_dit_lora_loads_in_the_diffusers_pipeline(family, pipeline, tiny_models, datasets, tmp_path):
+    from peft.utils import get_peft_model_state_dict
+
+    models, data = tiny_models(family), datasets(pipeline)
+    dit = family.slot(family.model_slots[0])
+    result = run(make_args(task=f"{pipeline.task}:split", output_path=str(tmp_path / "out"), lora_alpha=8.0,
+                           **flags(family, pipeline, models, data, dit.name)), echo=quiet)
+    ckpt = result.last_checkpoint
+    saved = load_file(str(ckpt))
+    cls = getattr(diffusers, family.diffusers_pipelines[0])
+    pipe = cls.from_pretrained(str(models))
+    denoiser = getattr(pipe, dit.lora_prefix)
+    before = {k: v.clone() for k, v in denoiser.state_dict().items()}
+    pipe.load_lora_weights(str(ckpt))
+    adapter = next(iter(denoiser.peft_config))  # diffusers names the adapter itself
+    loaded = get_peft_model_state_dict(denoiser, adapter_name=adapter)
+    assert len(loaded) == len(saved) > 0
+    for name, value in loaded.items():
+        key = f"{dit.lora_prefix}.{name}"
+        assert torch.equal(value, saved[key]), key
+    pipe.fuse_lora()
+    after = {k: v for k, v in denoiser.state_dict().items() if "lora_" not in k}
+    changed = [k for k in after if k.replace(".base_layer", "") in before and
+               not torch.equal(after[k], before[k.replace(".base_layer", "")])]
+    assert changed, "the LoRA changes the DiT"
+    # the fused change is exactly scale * B @ A with the trained alpha (8) over the rank (4)
+    name = next(k for k in saved if k.endswith("lora_A.weight"))
+    module = name[len(dit.lora_prefix) + 1: -len(".lora_A.weight")]
+    delta = (saved[name.replace("lora_A", "lora_B")] @ saved[name]) * (8.0 / 4)
+    weight = f"{module}.base_layer.weight" if f"{module}.base_layer.weight" in after else f"{module}.weight"
+    assert torch.allclose(after[weight] - before[f"{module}.weight"], delta, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, pipeline", PIPELINES, ids=IDS)
+def test_two_process_stage1_is_exact_once(family, pipeline, tiny_models, tmp_path):
+    models = tiny_models(family)
+    data = tmp_path / "data"
+    write_synthetic_dataset(data, count=5, size=SIZE, seed=4, distill=pipeline.task == "direct_distill")
+    argv = ["train", "--pipeline", pipeline.name, "--task", f"{pipeline.task}:data_process", "--dataset_base_path", str(data),
+            "--dataset_metadata_path", str(data / "metadata.csv"), "--model_paths", str(models),
+            "--lora_base_model", family.model_slots[0], "--max_pixels", str(SIZE * SIZE), "--no-progress"]
+    one = subprocess.run([str(VENV_BIN / "unitgraph"), *argv, "--output_path", str(tmp_path / "one")],
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no", str(VENV_BIN / "unitgraph")]
+    two = subprocess.run([*launch, *argv, "--output_path", str(tmp_path / "two")], capture_output=True, text=True, env=ENV,
+                         timeout=400)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "computed 5 entries over 2 processes (3, 2)" in two.stdout, two.stdout
+    for cache in ("one", "two"):
+        problems, stats = verify_cache(tmp_path / cache)
+        assert problems == [] and stats["entries"] == 5
+    entries = lambda c: {p.name: p.read_bytes() for p in (tmp_path / c / "entries").iterdir()}  # noqa: E731
+    assert entries("one") == entries("two")
+
+
+def test_every_family_is_complete():
+    """What the generic machinery reads from a family is there: a tiny builder with both sizes, a
+    diffusers pipeline class, a denoiser with default LoRA targets, tasks the CLI knows."""
+    from unitgraph.backends.diffusion.args import TASKS
+
+    for family in families():
+        tiny = family.tiny_module()
+        assert {"test", "demo"} <= set(tiny.SIZES), family.name
+        assert hasattr(importlib.import_module("diffusers"), family.diffusers_pipelines[0]), family.name
+        dit = family.slot(family.model_slots[0])
+        assert dit.lora_prefix and dit.lora_targets, family.name
+        assert all(family.slot(t).lora_targets for t in family.text_encoders), family.name
+        assert all(task in TASKS for task in family.tasks), family.name
