@@ -71,6 +71,8 @@ def result_lines(result: Any) -> list[str]:
         lines.append(f"{'stage 2 (train)' if result.task.endswith((':train', ':split')) else 'training'}: "
                      f"{result.steps} steps in {result.stage_times['train']:.1f} s"
                      + (f" ({step * 1000:.0f} ms/step median)" if step else ""))
+    if getattr(result, "replaced", None):
+        lines.append(f"replaced:   the earlier run's files were moved to {result.replaced}")
     if result.last_checkpoint:
         lines.append(f"checkpoint: {result.last_checkpoint}")
     if result.loss_csv:
@@ -186,7 +188,7 @@ def demo_command(
     common = dict(dataset_base_path=str(data_dir), dataset_metadata_path=str(metadata), model_paths=str(models_dir),
                   pipeline=pipeline or family.pipelines[0].name, lora_base_model="dit", max_pixels=resolution * resolution,
                   seed=seed, **dict(family.demo))
-    args = make_args(task="sft:split", output_path=str(out / "train"), num_epochs=num_epochs, **common)
+    args = make_args(task="sft:split", output_path=str(out / "train"), num_epochs=num_epochs, overwrite=True, **common)
 
     from unitgraph.backends.diffusion.config import RunConfig
     from unitgraph.backends.diffusion.session import plan_for
@@ -203,7 +205,7 @@ def demo_command(
     if compare_steps > 0:
         console.rule(f"unsplit sft for comparison ({compare_steps} steps, every unit live each step)")
         subset = _subset_metadata(metadata, compare_steps)
-        base = make_args(task="sft", output_path=str(out / "unsplit"), num_epochs=1,
+        base = make_args(task="sft", output_path=str(out / "unsplit"), num_epochs=1, overwrite=True,
                          **{**common, "dataset_metadata_path": str(subset)})
         compare = run(base, echo=console.print)
 

@@ -249,8 +249,9 @@ def test_split_reuses_cache_and_lora_loads_in_diffusers(tiny, dataset, tmp_path)
     args = common(tiny, dataset, lora_alpha=8.0, remove_prefix_in_ckpt="pipe.dit.")
     first = run(make_args(task="sft:split", output_path=str(tmp_path / "out"), **args), echo=quiet)
     assert not first.cache_reused and (tmp_path / "out" / "cache" / "manifest.json").is_file()
-    again = run(make_args(task="sft:split", output_path=str(tmp_path / "out"), **args), echo=quiet)
-    assert again.cache_reused
+    # a re-run into the same folder moves the finished run aside (--overwrite) and reuses its cache
+    again = run(make_args(task="sft:split", output_path=str(tmp_path / "out"), overwrite=True, **args), echo=quiet)
+    assert again.cache_reused and again.replaced is not None and (again.replaced / "epoch-0.safetensors").is_file()
     ckpt = tmp_path / "out" / "epoch-0.safetensors"
 
     # ours, in memory: the trained adapter loaded back through peft

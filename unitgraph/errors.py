@@ -33,3 +33,7 @@ class SpecError(UnitgraphError):
 
 class PlanFileError(UnitgraphError):
     """A plan file that cannot be read as a unitgraph plan."""
+
+
+class OutputError(UnitgraphError):
+    """A file or folder unitgraph was asked to write cannot be written (or is not its to write)."""

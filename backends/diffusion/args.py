@@ -8,6 +8,8 @@ and `config.RunConfig.from_args` turns it, once, into the typed configs the stag
 from __future__ import annotations
 
 import json
+import math
+import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Optional
 
@@ -62,6 +64,7 @@ class TrainArgs:
     output_path: str = _f("./models", "Output folder (plan.json, training_args.json, loss.csv, checkpoints).", "output")
     remove_prefix_in_ckpt: Optional[str] = _f(None, "Strip this prefix from checkpoint keys (keys are 'transformer.…'; DiffSynth's 'pipe.dit.' is a no-op).", "output")
     save_steps: Optional[int] = _f(None, "Also save step-N.safetensors every N optimizer steps.", "output")
+    overwrite: bool = _f(False, "Start anew in an --output_path that holds an earlier run: its files are moved aside into OUTPUT/replaced-<time>/ (nothing is deleted; a cache in it is kept and reused).", "output")
     # LoRA
     lora_base_model: Optional[str] = _f(None, "Model that gets LoRA adapters (a model of the pipeline: dit, text_encoder, ...).", "lora")
     lora_target_modules: Optional[str] = _f(None, "Comma-separated module names for LoRA (default: the family's targets for the LoRA base model, as DiffSynth's examples use).", "lora")
@@ -134,6 +137,23 @@ class TrainArgs:
             raise BackendError("timestep boundaries must satisfy 0 <= --min_timestep_boundary < --max_timestep_boundary <= 1")
         if not self.trainable() and not self.lora_base_model and self.stage != "data_process":
             raise BackendError("nothing to train: give --lora_base_model and/or --trainable_models")
+        # AdamW refuses these only after the models are loaded; say so before anything starts
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise BackendError(f"--learning_rate must be a positive number, got {self.learning_rate}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise BackendError(f"--weight_decay must be 0 or a positive number, got {self.weight_decay}")
+        if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise BackendError(f"--lora_alpha must be a positive number (default: the rank), got {self.lora_alpha}")
+        for name in ("trainable_models", "lora_target_modules", "data_file_keys", "extra_inputs"):
+            value = getattr(self, name)
+            if value is not None and str(value).strip() and not split_list(value):
+                raise BackendError(f"--{name} {value!r} names nothing (a comma-separated list was expected)")
+        for name in ("lora_checkpoint", "preset_lora_path"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise BackendError(f"--{name}: no such file", source=path)
+        if self.preset_lora_model and not self.preset_lora_path:
+            raise BackendError("--preset_lora_model names the model a --preset_lora_path is merged into; give both")
         return self
 
     def to_json(self) -> str:

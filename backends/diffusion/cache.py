@@ -355,6 +355,31 @@ class Cache:
             raise BackendError(f"no cache entry for sample id {str(sample_id)[:12]} in the manifest", source=str(self.folder))
         return self.entry_file(key)
 
+    @property
+    def lock_path(self) -> Path:
+        return self.folder / LOCK
+
+    def check_owned(self) -> None:
+        """Stage 1 writes only into a new or empty folder or a unitgraph cache; anything else is refused.
+
+        (A folder holding only the lock is a first run that stopped before its manifest.)
+        """
+        if self.folder.is_symlink() and not self.folder.exists():
+            raise BackendError("is a dangling symlink", source=str(self.folder))
+        if not self.folder.exists():
+            return
+        if not self.folder.is_dir():
+            raise BackendError("is a file, not a cache folder; choose another --output_path/--cache_path", source=str(self.folder))
+        if self.read_manifest() is not None:
+            return
+        foreign = sorted(p.name for p in self.folder.iterdir() if p.name != LOCK and not (p.name.startswith(".")
+                                                                                          and p.name.endswith(".tmp")))
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise BackendError(f"is not empty and not a unitgraph cache (it holds {shown}, no manifest.json); unitgraph "
+                               "writes only into a new, empty or own folder: choose another --output_path/--cache_path",
+                               source=str(self.folder))
+
     def journal_path(self, rank: int) -> Path:
         return self.journal_dir / f"rank-{rank}.jsonl"
 

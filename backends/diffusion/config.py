@@ -84,6 +84,7 @@ class OutputConfig:
     save_steps: Optional[int] = None
     plot: bool = True
     progress: bool = True
+    overwrite: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,8 @@ class RunConfig:
                               args.find_unused_parameters),
             lora=LoraSpec(args.lora_base_model, targets, args.lora_rank, args.lora_alpha, args.lora_checkpoint,
                           args.preset_lora_path, preset_model if args.preset_lora_path else None),
-            output=OutputConfig(args.output_path, args.remove_prefix_in_ckpt, args.save_steps, args.plot, args.progress),
+            output=OutputConfig(args.output_path, args.remove_prefix_in_ckpt, args.save_steps, args.plot, args.progress,
+                                args.overwrite),
             notes=notes,
         )
 

@@ -127,7 +127,26 @@ def _lora_metadata(path: Path) -> dict[str, Any]:
     with safe_open(str(path), framework="pt") as handle:
         meta = handle.metadata() or {}
     raw = meta.get(METADATA_KEY)
-    return json.loads(raw) if raw else {}
+    try:
+        value = json.loads(raw) if raw else {}
+    except ValueError:
+        raise BackendError(f"the {METADATA_KEY} in the file's header is not JSON", source=str(path)) from None
+    if not isinstance(value, dict):
+        raise BackendError(f"the {METADATA_KEY} in the file's header is not a JSON object", source=str(path))
+    return value
+
+
+def _preset_scale(state: dict[str, Any], meta: dict[str, Any], name: str, prefix: str, rank: int) -> float:
+    """alpha / rank of one preset LoRA module: a `.alpha` key, else the adapter metadata, else 1."""
+    alpha = state.get(name + ".alpha")
+    if alpha is not None:
+        return float(alpha) / rank
+    value = float(meta.get(f"{prefix}.lora_alpha", meta.get("lora_alpha", rank)))
+    rank_meta = meta.get(f"{prefix}.r", meta.get("r", rank))
+    rank = int(rank_meta) if isinstance(rank_meta, (int, float)) and not isinstance(rank_meta, bool) else rank
+    if not (value == value and abs(value) != float("inf")) or rank <= 0:
+        raise ValueError(f"alpha {value} over rank {rank}")
+    return value / rank
 
 
 def merge_preset_lora(model: torch.nn.Module, slot: str, path: str | Path, prefix: str) -> int:
@@ -153,17 +172,14 @@ def merge_preset_lora(model: torch.nn.Module, slot: str, path: str | Path, prefi
         module = modules.get(module_name)
         if module is None or not hasattr(module, "weight"):
             continue
-        rank = a.shape[0]
-        alpha = state.get(name + ".alpha")
-        if alpha is not None:
-            alpha = float(alpha)
-        else:
-            alpha = float(meta.get(f"{prefix}.lora_alpha", meta.get("lora_alpha", rank)))
-            rank_meta = meta.get(f"{prefix}.r", meta.get("r", rank))
-            rank = int(rank_meta) if isinstance(rank_meta, (int, float)) else rank
-        with torch.no_grad():
-            delta = (b.float() @ a.float()) * (alpha / rank)
-            module.weight.add_(delta.to(module.weight.dtype).view_as(module.weight))
+        try:
+            scale = _preset_scale(state, meta, name, prefix, int(a.shape[0]))
+            with torch.no_grad():
+                delta = (b.float() @ a.float()) * scale
+                module.weight.add_(delta.to(module.weight.dtype).view_as(module.weight))
+        except (ValueError, TypeError, RuntimeError, ZeroDivisionError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise BackendError(f"preset LoRA weight {name} does not fit {slot} ({first})", source=str(path)) from None
         changed += 1
     if changed == 0:
         raise BackendError(f"preset LoRA changes no module of {slot}", source=str(path))

@@ -42,6 +42,7 @@ class RunResult:
     samples: int = 0
     steps: int = 0
     step_times: list[float] = field(default_factory=list)
+    replaced: Optional[Path] = None  # where --overwrite moved an earlier run's files
     losses: list[float] = field(default_factory=list)
 
     @property

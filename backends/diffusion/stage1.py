@@ -150,14 +150,20 @@ def _skip(skipped: list[dict[str, Any]], index: int, exc: BackendError) -> None:
     skipped.append({"index": index, "reason": exc.one_line()})
 
 
-def prepare_stage1(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache: Cache,
-                   report: Reporter) -> tuple[Manifest, str]:
-    """Main process, under the cache lock: work out every sample's key, keep the valid entries, write the manifest.
+@dataclass
+class Stage1Work:
+    """What stage 1 is about to do, decided before anything is written."""
 
-    Returns the manifest (status `filling` with a `pending` list, or `complete`) and one line saying
-    why entries are (re)computed.
-    Raises BackendError before changing anything when the folder holds another plan's cache or the
-    inputs are bad.
+    manifest: Manifest  # status `filling` with a `pending` list, or `complete`
+    reason: str  # one line saying why entries are (re)computed
+    memo: HashMemo
+    changed: bool  # the manifest differs from the one on disk
+
+
+def prepare_stage1(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache: Cache, report: Reporter) -> Stage1Work:
+    """Main process, under the cache lock: work out every sample's key and which entries are valid. Writes nothing.
+
+    Raises BackendError when the folder holds another plan's cache or the inputs are bad.
     """
     existing = cache.read_manifest()
     if existing is not None and existing.plan_fingerprint != plan.fingerprint:
@@ -223,9 +229,6 @@ def prepare_stage1(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache:
     pending = [{"key": key, "index": s["index"], "sample_id": s["sample_id"]}
                for key, s in first.items() if key not in valid and key not in bad_keys]
     reason = _work_reason(existing, inputs, pending, valid, len(first) - len(bad_keys), damaged)
-
-    cache.entries_dir.mkdir(parents=True, exist_ok=True)
-    cache.clean_temp_files()
     settings = recorded_settings(cfg, plan)
     manifest = Manifest(
         status="filling" if pending else "complete", pipeline=plan.pipeline, plan_fingerprint=plan.fingerprint,
@@ -236,13 +239,19 @@ def prepare_stage1(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache:
         entries={**{k: r for k, r in records.items() if k not in first and cache.folder.joinpath(r["file"]).is_file()},
                  **valid} if pending else valid,
         skipped=skipped, pending=pending or None)
-    if not pending:
-        _prune_orphans(cache, set(valid))
-    if existing is None or manifest.to_dict() != existing.to_dict():
-        cache.write_manifest(manifest)
+    return Stage1Work(manifest, reason, memo, existing is None or manifest.to_dict() != existing.to_dict())
+
+
+def commit_stage1(cache: Cache, work: Stage1Work) -> None:
+    """Main process, under the lock, once every whole-run check passed: the manifest and the folder's hygiene."""
+    cache.entries_dir.mkdir(parents=True, exist_ok=True)
+    cache.clean_temp_files()
+    if work.manifest.pending is None:
+        _prune_orphans(cache, set(work.manifest.entries))
+    if work.changed:
+        cache.write_manifest(work.manifest)
     cache.clear_journals()
-    memo.save(prune=True)  # this run asked about every file the cache depends on
-    return manifest, reason
+    work.memo.save(prune=True)  # this run asked about every file the cache depends on
 
 
 def _work_reason(existing: Optional[Manifest], inputs: dict[str, Any], pending: list, valid: dict, usable: int,
@@ -297,9 +306,10 @@ def finish_stage1(cache: Cache, manifest: Manifest) -> tuple[list[int], dict[int
 
 
 def compute_entries(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache: Cache, work: list[dict[str, Any]],
-                    accelerator: Any) -> None:
+                    accelerator: Any, models: Optional[dict[str, Any]] = None) -> None:
     """Compute and store the given entries, recording each in this process's journal once it is in place."""
-    models = load_models(cfg, plan.data_process_models, training=False, device=accelerator.device)
+    if models is None:
+        models = load_models(cfg, plan.data_process_models, training=False, device=accelerator.device)
     ctx = make_context(cfg, models, accelerator.device)
     schedule = stage1_schedule(plan)
     code = cfg.pipeline.unit_code()
@@ -347,16 +357,25 @@ def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: Pa
     manifest: Optional[Manifest] = None
     reason = ""
     computed: list[int] = []
+    models = None
     with contextlib.ExitStack() as stack:
         if main:
+            cache.check_owned()
             created = not cache.folder.exists()
+            had_lock = cache.lock_path.exists()
             stack.enter_context(cache.locked())
             try:
-                manifest, reason = prepare_stage1(cfg, plan, dataset, cache, report)
+                work = prepare_stage1(cfg, plan, dataset, cache, report)
+                if work.manifest.pending:  # a model that cannot load stops here, before anything is written
+                    models = load_models(cfg, plan.data_process_models, training=False, device=accelerator.device)
             except BaseException:
                 if created:  # nothing of value was written: leave no trace
                     shutil.rmtree(cache.folder, ignore_errors=True)
+                elif not had_lock:
+                    cache.lock_path.unlink(missing_ok=True)
                 raise
+            commit_stage1(cache, work)
+            manifest, reason = work.manifest, work.reason
             report(f"stage 1: {manifest.num_samples} samples; {reason}")
             if before_compute is not None:
                 before_compute()
@@ -368,7 +387,8 @@ def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: Pa
         pending = manifest.pending or []
         mine = pending[accelerator.process_index::accelerator.num_processes]
         if mine:
-            compute_entries(cfg, plan, dataset, cache, mine, accelerator)
+            compute_entries(cfg, plan, dataset, cache, mine, accelerator, models)
+        models = None
         accelerator.wait_for_everyone()
         if main and pending:
             computed, per_process = finish_stage1(cache, manifest)

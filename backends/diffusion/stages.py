@@ -30,6 +30,7 @@ from .context import DTYPE, UnitContext, describe_setting
 from .executor import LiveData, Stage2Data
 from .family import PipelineDef
 from .manifest import Manifest
+from .outputs import RunFolder
 from .session import Reporter, RunResult, make_accelerator, make_dataset, plan_for, unit_grad
 from .data import SampleError
 from .stage1 import key_settings, model_files, run_data_process
@@ -218,6 +219,8 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, accelerat
         report(note)
     output = Path(cfg.output.path)
     result = RunResult(task=args.task, output_path=output, plan=plan)
+    if cfg.stage != "data_process" and accelerator.is_main_process:
+        RunFolder(output).check(cfg.output.overwrite)  # refused before stage 1 spends any time
 
     def stage1(cache_dir: Path, before_compute: Optional[Callable[[], None]] = None) -> None:
         s1 = run_data_process(cfg, plan, accelerator, cache_dir, report, before_compute)

@@ -27,6 +27,7 @@ from .batching import CachedItem, step_groups
 from .checkpoints import checkpoint_state, save_checkpoint
 from .config import RunConfig
 from .randomness import seeded_global_stream
+from .outputs import RunFolder
 from .session import RunResult, load_models, make_context, progress
 
 
@@ -126,11 +127,30 @@ def micro_step(cfg: RunConfig, ctx: Any, ready: Any, elements: list[Any], epoch:
 
 def run_training(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: Any, output: Path,
                  result: RunResult, stage_name: str) -> None:
-    """AdamW over `data`'s micro-batches; loss.csv, checkpoints and the loss plot in `output`."""
-    world, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
+    """AdamW over `data`'s micro-batches; loss.csv, checkpoints and the loss plot in `output`.
+
+    The output folder is claimed (outputs.RunFolder: checked, locked, an earlier run moved aside with
+    --overwrite) only once every input has been checked and the models are loaded.
+    """
+    world, rank = accelerator.num_processes, accelerator.process_index
+    if not data.batches(0, rank, world):
+        raise BackendError(f"nothing to train on: no samples for process {rank} ({len(provider.items)} samples)")
     models = load_models(cfg, provider.models, training=True, device=accelerator.device)
     models, optimizer, lora_config = prepare_models(cfg, plan, models, accelerator)
-    result.plan_path = write_run_files(cfg, plan, output, accelerator)  # only once every input has been checked
+    if accelerator.is_main_process:
+        folder = RunFolder(output)
+        record = {"task": cfg.args.task, "pipeline": plan.pipeline, "plan_fingerprint": plan.fingerprint}
+        with folder.claimed(cfg.output.overwrite, record):
+            result.replaced = folder.replaced
+            _train(cfg, plan, provider, data, accelerator, output, result, stage_name, models, optimizer, lora_config)
+    else:
+        _train(cfg, plan, provider, data, accelerator, output, result, stage_name, models, optimizer, lora_config)
+
+
+def _train(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: Any, output: Path, result: RunResult,
+           stage_name: str, models: dict[str, Any], optimizer: Any, lora_config: Any) -> None:
+    world, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
+    result.plan_path = write_run_files(cfg, plan, output, accelerator)
     ctx = make_context(cfg, models, accelerator.device)
     trained = [models[s] for s in plan.models_require_backward if hasattr(models[s], "no_sync")]
     # Dropout draws from torch's global stream: each micro-step seeds it from its samples' keys, so the

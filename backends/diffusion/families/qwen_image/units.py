@@ -54,6 +54,18 @@ def image_to_tensor(image: Any, size: Any, dtype: Any) -> torch.Tensor:
     w, h = size.target(w0, h0, MULTIPLE)
     scale = max(w / w0, h / h0)
     rw, rh = max(w, round(w0 * scale)), max(h, round(h0 * scale))
+    if rw * rh > 4 * w * h:
+        # an extreme aspect ratio: resizing to cover first would make a huge image (a 10000x16 strip
+        # covering 1024x1024 is 640000 px wide); crop the source to the target's aspect first instead
+        if w0 / h0 > w / h:
+            cw, ch = max(1, round(h0 * w / h)), h0
+        else:
+            cw, ch = w0, max(1, round(w0 * h / w))
+        left, top = (w0 - cw) // 2, (h0 - ch) // 2
+        image = image.crop((left, top, left + cw, top + ch))
+        w0, h0 = image.size
+        scale = max(w / w0, h / h0)
+        rw, rh = max(w, round(w0 * scale)), max(h, round(h0 * scale))
     image = image.convert("RGB").resize((rw, rh), Image.Resampling.BICUBIC)
     left, top = (rw - w) // 2, (rh - h) // 2
     image = image.crop((left, top, left + w, top + h))

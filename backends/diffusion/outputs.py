@@ -1,0 +1,176 @@
+"""A training run's output folder: claimed before anything is written, locked while the run writes.
+
+unitgraph writes a run's files (plan.json, training_args.json, loss.csv, loss.png, checkpoints) only
+into a folder that is new, empty, or marked as its own by `unitgraph-run.json`, the marker naming the
+run (task, pipeline, plan fingerprint, status). A folder holding anything else is refused with one
+line, so a mistyped --output_path never mixes a run into someone's files. Unitgraph caches inside it
+(folders with a cache manifest, e.g. OUTPUT/cache of `:split`) are fine.
+
+A folder that already holds a run (finished or killed) is never silently written over: the run is
+refused unless `--overwrite`, which moves the old run's files aside into `OUTPUT/replaced-<time>/`
+(never deletes them; a cache inside the folder stays where it is and is reused when valid). While a
+run writes, it holds an exclusive lock on the folder (released by the kernel if it dies), so a
+second run into the same folder is refused instead of both exiting 0 with one's output lost.
+Temporary files of unitgraph's own naming (".<name>.<random>.tmp", left by a kill during an atomic
+write) are removed when the run starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from unitgraph.atomic import TEMP_SUFFIX, make_folder, write_text_atomic
+from unitgraph.errors import OutputError
+
+MARKER = "unitgraph-run.json"
+MARKER_FORMAT = "unitgraph.run/v1"
+LOCK = ".unitgraph-run.lock"
+# the files a run writes (moved aside together by --overwrite)
+RUN_FILES = ("plan.json", "training_args.json", "loss.csv", "loss.png", "*.safetensors", MARKER)
+CACHE_MANIFEST = "manifest.json"
+
+
+def _is_run_file(name: str) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for pattern in RUN_FILES)
+
+
+def _is_temp(name: str) -> bool:
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+
+
+def read_marker(folder: Path) -> Optional[dict[str, Any]]:
+    """The run marker of `folder` (None when it has none); an OutputError when it is not one of ours."""
+    path = folder / MARKER
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise OutputError(f"unreadable run marker ({type(exc).__name__}); move the folder aside or choose another "
+                          "--output_path", source=str(path)) from None
+    if not isinstance(data, dict) or data.get("format") != MARKER_FORMAT:
+        raise OutputError("not a unitgraph run marker; choose another --output_path", source=str(path))
+    return data
+
+
+def foreign_entries(folder: Path) -> list[str]:
+    """What in `folder` unitgraph did not make: anything but run files, its lock, its temp files and caches."""
+    out = []
+    for entry in sorted(folder.iterdir()):
+        name = entry.name
+        if name == LOCK or _is_temp(name):
+            continue
+        if entry.is_dir() and not entry.is_symlink() and ((entry / CACHE_MANIFEST).is_file() or name.startswith("replaced-")):
+            continue
+        if entry.is_file() and _is_run_file(name):
+            continue
+        out.append(name)
+    return out
+
+
+def move_aside(folder: Path) -> Path:
+    """Move the run files of `folder` into a new `replaced-<UTC time>` folder inside it; return that folder."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    aside = folder / f"replaced-{stamp}"
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = folder / f"replaced-{stamp}-{n}"
+    make_folder(aside)
+    for entry in sorted(folder.iterdir()):
+        if entry.is_file() and _is_run_file(entry.name):
+            os.replace(entry, aside / entry.name)
+    return aside
+
+
+class RunFolder:
+    """The output folder of one training run (main process only writes; see the module docstring)."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self._fd: Optional[int] = None
+        self.replaced: Optional[Path] = None
+
+    def check(self, overwrite: bool) -> None:
+        """Refuse a folder that is not unitgraph's or holds another run (unless `overwrite`). Writes nothing."""
+        folder = self.folder
+        if folder.is_symlink() and not folder.exists():
+            raise OutputError("is a dangling symlink", source=str(folder))
+        if folder.exists() and not folder.is_dir():
+            raise OutputError("is a file, not a folder; choose another --output_path", source=str(folder))
+        if not folder.exists():
+            return
+        marker = read_marker(folder)
+        foreign = foreign_entries(folder)
+        if marker is None and (folder / CACHE_MANIFEST).is_file():
+            raise OutputError("is a stage-1 cache folder, not a run's output folder; choose another --output_path "
+                              "(stage 2 reads the cache through --dataset_base_path)", source=str(folder))
+        if foreign and marker is None:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise OutputError(f"is not empty and not a unitgraph run folder (it holds {shown}); unitgraph writes only "
+                              "into a new, empty or own folder: choose another --output_path", source=str(folder))
+        if marker is not None and not overwrite:
+            checkpoints = sorted(p.name for p in folder.glob("*.safetensors"))
+            state = "a finished run" if marker.get("status") == "finished" else "the run of a process that stopped"
+            raise OutputError(f"holds {state} ({marker.get('task')}, {len(checkpoints)} checkpoints); pass "
+                              "--overwrite to move its files aside into replaced-<time>/ (nothing is deleted), or "
+                              "choose another --output_path", source=str(folder))
+
+    @contextlib.contextmanager
+    def claimed(self, overwrite: bool, run: dict[str, Any]) -> Iterator["RunFolder"]:
+        """Check, lock, clean our temp files, move an old run aside (`overwrite`), write the marker; on a
+        normal exit mark the run finished."""
+        import fcntl
+
+        self.check(overwrite)
+        created = not self.folder.exists()
+        make_folder(self.folder)
+        try:
+            fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            self._undo(created)
+            raise OutputError(f"cannot write into the folder ({exc.strerror})", source=str(self.folder)) from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise OutputError("another unitgraph run is writing into this folder; wait for it to finish or "
+                                  "choose another --output_path", source=str(self.folder)) from None
+            try:
+                self.check(overwrite)  # again, now that no other run can change the folder
+                for entry in self.folder.iterdir():
+                    if entry.is_file() and _is_temp(entry.name):
+                        entry.unlink(missing_ok=True)
+                if read_marker(self.folder) is not None:
+                    self.replaced = move_aside(self.folder)
+                self._write_marker({**run, "status": "running"})
+            except BaseException:
+                self._undo(created)
+                raise
+            yield self
+            self._write_marker({**run, "status": "finished"})
+        finally:
+            os.close(fd)
+
+    def _undo(self, created: bool) -> None:
+        """A claim that failed before the run wrote anything leaves a new folder as it was: absent."""
+        if created:
+            with contextlib.suppress(OSError):
+                (self.folder / LOCK).unlink(missing_ok=True)
+                self.folder.rmdir()
+
+    def _write_marker(self, run: dict[str, Any]) -> None:
+        data = {"format": MARKER_FORMAT, **run, "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        write_text_atomic(self.folder / MARKER, json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def nothing_claimed() -> Iterator[None]:
+    """For the processes that do not write the run's files (all but the main one)."""
+    yield None
