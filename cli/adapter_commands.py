@@ -14,7 +14,17 @@ import typer
 from unitgraph.atomic import write_text_atomic
 from unitgraph.audit import audit, render_text, text_renderables
 
-from .options import LoraBaseModel, Output, Provided, Source, Spec, WithMetadata, load_spec, provided_params
+from .options import (
+    LoraBaseModel,
+    Output,
+    Provided,
+    Source,
+    Spec,
+    TrustRemoteCode,
+    WithMetadata,
+    load_spec,
+    provided_params,
+)
 
 AUDIT_FORMATS = ("text", "json")
 
@@ -37,6 +47,7 @@ def audit_command(
     with_params: Provided = None,
     with_metadata: WithMetadata = None,
     source: Source = None,
+    trust_remote_code: TrustRemoteCode = False,
     fmt: AuditFormat = None,
     output: Output = None,
 ) -> None:
@@ -50,7 +61,7 @@ def audit_command(
     if fmt not in AUDIT_FORMATS:
         raise typer.BadParameter(f"must be one of {', '.join(AUDIT_FORMATS)}, got {fmt!r}", param_hint="--format")
     provided = provided_params(with_params, with_metadata)
-    pipeline = load_spec(spec, provided, source)
+    pipeline = load_spec(spec, provided, source, trust_remote_code)
     chosen = None if models is None else [m.strip() for m in models.split(",") if m.strip()]
     result = audit(pipeline, lora_base_model=lora_base_model, provided=provided, models=chosen)
     if fmt == "json":

@@ -18,6 +18,7 @@ from .options import (
     Source,
     Spec,
     TrainableModels,
+    TrustRemoteCode,
     WithMetadata,
     check_cache_mode,
     load_spec,
@@ -34,12 +35,13 @@ def plan_command(
     with_params: Provided = None,
     with_metadata: WithMetadata = None,
     source: Source = None,
+    trust_remote_code: TrustRemoteCode = False,
     output: Output = None,
 ) -> None:
     """Split SPEC into data_process and train stages and write the plan as JSON."""
     mode = check_cache_mode(cache_mode)
     provided = provided_params(with_params, with_metadata)
-    pipeline = load_spec(spec, provided, source)
+    pipeline = load_spec(spec, provided, source, trust_remote_code)
     plan = split(pipeline, model_list(trainable_models), lora_base_model, mode, provided)
     if plan.violations:  # split() verified it; never write a plan that does not hold (a planner bug)
         for line in plan.violations:
@@ -60,11 +62,12 @@ def verify_command(
     spec: Spec,
     plan_file: Annotated[str, typer.Argument(metavar="PLAN", help="A plan file written by `unitgraph plan`.", show_default=False)],
     source: Source = None,
+    trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Check PLAN against SPEC: exit 0 when every check holds, 1 with one line per violation."""
     plan = read_plan_file(plan_file)
     provided = plan.extra.get("provided")  # an adapter may resolve the spec by them, as `plan` did
-    pipeline = load_spec(spec, provided, source)
+    pipeline = load_spec(spec, provided, source, trust_remote_code)
     violations = verify(pipeline, plan)
     for line in violations:
         typer.echo(line)

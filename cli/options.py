@@ -1,4 +1,4 @@
-"""Options shared by the planning commands (plan, inspect, explain, audit), declared once."""
+"""Options shared by the planning commands (plan, verify, inspect, explain, audit), declared once."""
 
 from __future__ import annotations
 
@@ -38,7 +38,17 @@ WithMetadata = Annotated[
 ]
 Source = Annotated[
     Optional[str],
-    typer.Option("--source", help="For diffsynth: references, a DiffSynth-Studio source folder to read statically; for diffusers: module:Class references, the folder to import the module from.", show_default=False),
+    typer.Option("--source", help="For diffsynth: references, a DiffSynth-Studio source folder to read statically; for diffusers: module:Class references, the folder to import the module from (its code runs only with --trust-remote-code).", show_default=False),
+]
+TrustRemoteCode = Annotated[
+    bool,
+    typer.Option(
+        "--trust-remote-code",
+        "--trust_remote_code",
+        help=("Allow running code that is not an installed package: a saved diffusers: folder's custom blocks, "
+              "a module:Class found outside installed packages (e.g. with --source), an uninstalled diffsynth. "
+              "Off by default."),
+    ),
 ]
 Output = Annotated[Optional[str], typer.Option("-o", "--output", help="Write to this file (atomically) instead of stdout.")]
 
@@ -102,13 +112,14 @@ def metadata_columns(path: str | Path) -> list[str]:
     return [c for c in header if any(r.get(c) not in (None, "") for r in rows)]
 
 
-def load_spec(spec: str, provided: list[str] | None = None, source: str | None = None) -> Pipeline:
+def load_spec(spec: str, provided: list[str] | None = None, source: str | None = None,
+              trust_remote_code: bool = False) -> Pipeline:
     """load_pipeline, printing what adapters note (one line each on stderr) instead of Python warnings."""
     from unitgraph.adapters import AdapterNote, DeclarationWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", AdapterNote)
-        pipeline = load_pipeline(spec, provided=provided, source=source)
+        pipeline = load_pipeline(spec, provided=provided, source=source, trust_remote_code=trust_remote_code)
     for item in caught:
         if issubclass(item.category, AdapterNote):
             prefix = "warning" if issubclass(item.category, DeclarationWarning) else "note"

@@ -25,6 +25,7 @@ from .options import (
     Source,
     Spec,
     TrainableModels,
+    TrustRemoteCode,
     WithMetadata,
     check_cache_mode,
     load_spec,
@@ -74,6 +75,7 @@ def inspect_command(
     with_params: Provided = None,
     with_metadata: WithMetadata = None,
     source: Source = None,
+    trust_remote_code: TrustRemoteCode = False,
     fmt: Format = None,
     output: Output = None,
 ) -> None:
@@ -89,7 +91,7 @@ def inspect_command(
         raise typer.BadParameter(f"will not write {fmt} bytes to a terminal; pass -o FILE or redirect stdout",
                                  param_hint="--output")
     provided = provided_params(with_params, with_metadata)
-    pipeline = load_spec(spec, provided, source)
+    pipeline = load_spec(spec, provided, source, trust_remote_code)
     plan = split(pipeline, model_list(trainable_models), lora_base_model, mode, provided)
 
     if fmt == "text" and output is None:
@@ -129,6 +131,7 @@ def explain_command(
     with_params: Provided = None,
     with_metadata: WithMetadata = None,
     source: Source = None,
+    trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Say why UNIT is in its stage.
 
@@ -136,7 +139,7 @@ def explain_command(
     """
     mode = check_cache_mode(cache_mode)
     provided = provided_params(with_params, with_metadata)
-    pipeline = load_spec(spec, provided, source)
+    pipeline = load_spec(spec, provided, source, trust_remote_code)
     typer.echo(explain(pipeline, unit, model_list(trainable_models), lora_base_model, mode, provided).text)
 
 

@@ -413,10 +413,50 @@ def test_installed_package_path_reads_the_objects(source, monkeypatch):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            installed = resolve("toy_image.ToyImagePipeline")
+            # the stand-in is on sys.path, not installed: importing it needs the permission
+            installed = resolve("toy_image.ToyImagePipeline", trust_remote_code=True)
         static, _ = load_static(source)
         assert installed.to_dict() == static.to_dict()
         assert sum(issubclass(w.category, DeclarationWarning) for w in caught) == 3
+    finally:
+        for name in [m for m in sys.modules if m == "diffsynth" or m.startswith("diffsynth.")]:
+            del sys.modules[name]
+
+
+MARKER_INIT = """
+from pathlib import Path
+Path({marker!r}).write_text("diffsynth ran")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("diffsynth") is not None, reason="a real diffsynth package is installed")
+def test_a_diffsynth_package_that_is_not_installed_is_never_imported(source, tmp_path, monkeypatch):
+    """A DiffSynth-Studio checkout in the working directory (`python -m` puts it on sys.path) is read
+    with --source, statically; importing it needs --trust-remote-code."""
+    marker = tmp_path / "MARKER"
+    (source / "diffsynth" / "__init__.py").write_text(MARKER_INIT.format(marker=str(marker)))
+    monkeypatch.chdir(source)
+    monkeypatch.syspath_prepend(str(source))
+    try:
+        with pytest.raises(ug.SpecError) as info:
+            resolve("toy_image.ToyImagePipeline")
+        message = info.value.one_line()
+        assert f"importing diffsynth would run code from {source / 'diffsynth'}, which is not an installed package" in message
+        assert "--trust-remote-code allows it" in message and f"--source {source / 'diffsynth'}" in message
+        assert "diffsynth" not in sys.modules and not marker.exists()
+        # the static reading it suggests runs nothing, and needs no permission
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            static = resolve("toy_image.ToyImagePipeline", source=str(source / "diffsynth"))
+        assert static.to_dict() == load_static(source)[0].to_dict() and not marker.exists()
+        result = subprocess.run([sys.executable, "-m", "unitgraph.cli.app", "plan", "diffsynth:toy_image.ToyImagePipeline"],
+                                capture_output=True, text=True, timeout=120, cwd=source)
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "--trust-remote-code allows it" in result.stderr and not marker.exists()
+        result = subprocess.run([sys.executable, "-m", "unitgraph.cli.app", "plan", "diffsynth:toy_image.ToyImagePipeline",
+                                 "--trust-remote-code"], capture_output=True, text=True, timeout=120, cwd=source)
+        assert result.returncode == 0, result.stderr
+        assert marker.read_text() == "diffsynth ran"
     finally:
         for name in [m for m in sys.modules if m == "diffsynth" or m.startswith("diffsynth.")]:
             del sys.modules[name]

@@ -271,14 +271,15 @@ def test_plans_are_sound_and_the_text_encoder_hazard_is_visible(toy):
 
 
 def test_references_class_module_and_saved_folders(toy, blocks_dir, tmp_path):
-    by_module = load_blocks("toy_blocks:ToyBlocks", source=str(blocks_dir))
-    by_folder = load_blocks(str(blocks_dir))
+    # both run code that is not installed: only with trust_remote_code (tests/test_trust.py refuses them)
+    by_module = load_blocks("toy_blocks:ToyBlocks", source=str(blocks_dir), trust_remote_code=True)
+    by_folder = load_blocks(str(blocks_dir), trust_remote_code=True)
     for blocks in (by_module, by_folder):
         assert type(blocks).__name__ == "ToyBlocks"
     index = tmp_path / "saved"
     index.mkdir()
     (index / "modular_model_index.json").write_text(json.dumps({"_blocks_class_name": "QwenImageAutoBlocks"}))
-    assert type(load_blocks(str(index))).__name__ == "QwenImageAutoBlocks"
+    assert type(load_blocks(str(index))).__name__ == "QwenImageAutoBlocks"  # names a diffusers class: no trust needed
 
 
 def test_real_qwen_image_blocks_give_the_img2img_training_path():
@@ -318,14 +319,15 @@ def test_cli_plan_inspect_verify_and_notes(blocks_dir, tmp_path, capsys):
     ref = "diffusers:toy_blocks:ToyBlocks"
     plan_file = tmp_path / "plan.json"
     code, out, err = run_main(capsys, "plan", ref, "--source", str(blocks_dir), "--with", "prompt,image",
-                              "--lora-base-model", "transformer", "-o", str(plan_file))
+                              "--lora-base-model", "transformer", "-o", str(plan_file), "--trust-remote-code")
     assert code == 0, err
     assert "note: diffusers: the sink (the loss) is the denoiser block denoise" in err
     assert json.loads(plan_file.read_text())["provided"] == ["image", "prompt"]
     # verify resolves the blocks with the plan's provided params, as plan did
-    code, out, err = run_main(capsys, "verify", ref, str(plan_file), "--source", str(blocks_dir))
+    code, out, err = run_main(capsys, "verify", ref, str(plan_file), "--source", str(blocks_dir), "--trust-remote-code")
     assert code == 0, out + err
-    code, out, err = run_main(capsys, "inspect", f"diffusers:{blocks_dir}", "--lora-base-model", "transformer", "-f", "mermaid")
+    code, out, err = run_main(capsys, "inspect", f"diffusers:{blocks_dir}", "--lora-base-model", "transformer", "-f", "mermaid",
+                              "--trust_remote_code")
     assert code == 0, err
     assert "vae_encoder.inpaint.encode" in out and "note: diffusers: no --with given" in err
 

@@ -11,6 +11,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from unitgraph import split
 from unitgraph.render import (
@@ -22,7 +24,7 @@ from unitgraph.render import (
     render_text,
     to_mermaid,
 )
-from unitgraph.spec import Pipeline, Sink, Unit, read_spec_file
+from unitgraph.spec import Pipeline, Sink, Unit, pipeline_from_dict, read_spec_file
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "unitgraph" / "examples"
@@ -321,3 +323,82 @@ def test_cli_writes_mermaid_and_dot_files(tmp_path):
         result = run_cli("inspect", spec, "--lora-base-model", "dit", "-o", str(tmp_path / name))
         assert result.returncode == 0, result.stderr
         assert marker in (tmp_path / name).read_text(encoding="utf-8")
+
+
+# --- Mermaid escaping: any name the spec loader accepts ------------------------------------------
+
+# what the spec loader accepts as a name: any string that is not empty or all whitespace. Tokens
+# that mean something to Mermaid (quotes, line breaks, entity codes, link and comment syntax) are
+# drawn often, next to arbitrary characters.
+_TOKENS = st.one_of(
+    st.sampled_from(['"', "'", "\n", "\r", "\r\n", "\u2028", "\x85", "\x0b", "\t", "#", "#quot;", "#35;", ";", "|",
+                     "<", ">", "<br/>", "&amp;", "`", "[", "]", "(", ")", "{", "}", "%%", "-->", "end", "style:x#1;",
+                     "classDef", ":", "\\", " ", "é", "→"]),
+    st.characters(blacklist_categories=("Cs",)),
+)
+_NAMES = st.lists(_TOKENS, min_size=1, max_size=6).map("".join).filter(lambda s: s.strip())
+
+_LABEL = '[^"\\n\\r\\x0b\\x0c\\x1c\\x1d\\x1e\\x85\\u2028\\u2029]*'
+_ID = r"[A-Za-z_]\w*"
+_STATEMENTS = re.compile("|".join([
+    "flowchart LR",
+    "  %% [^\\n\\r\\x0b\\x0c\\x1c\\x1d\\x1e\\x85\\u2028\\u2029]*",
+    f'  subgraph {_ID}\\["{_LABEL}"\\]',
+    f'    {_ID}\\["{_LABEL}"\\]',
+    f'    {_ID}\\[\\("{_LABEL}"\\)\\]',
+    "  end",
+    f'  {_ID} -->\\|"{_LABEL}"\\| {_ID}',
+    f'  {_ID} -\\.->\\|"{_LABEL}"\\| {_ID}',
+    f"  {_ID} ==> {_ID}",
+    r'  classDef \w+ [^\s"]+',
+    r"  class [\w,]+ \w+",
+    r'  linkStyle [\d,]+ [^\s"]+',
+]))
+
+
+def _mermaid_decoded(label: str) -> str:
+    """What Mermaid shows for an escaped label: entity codes decoded, <br/> as a line break."""
+    named = {"quot": '"', "lt": "<", "gt": ">", "amp": "&"}
+    text = label.replace("<br/>", "\n")
+    return re.sub(r"#(\d+|quot|lt|gt|amp);", lambda m: named.get(m[1]) or chr(int(m[1])), text)
+
+
+@st.composite
+def _named_pipelines(draw):
+    unit_names = draw(st.lists(_NAMES, min_size=1, max_size=5, unique=True))
+    params = draw(st.lists(_NAMES, min_size=1, max_size=5, unique=True))
+    models = draw(st.lists(_NAMES, max_size=3, unique=True))
+    units = [{"name": name,
+              "inputs": draw(st.lists(st.sampled_from(params), max_size=3, unique=True)),
+              "outputs": draw(st.lists(st.sampled_from(params), max_size=2, unique=True)),
+              "models": draw(st.lists(st.sampled_from(models), max_size=2, unique=True)) if models else [],
+              "deterministic": draw(st.booleans())}
+             for name in unit_names]
+    data = {"name": draw(_NAMES), "units": units}
+    if draw(st.booleans()):
+        data["sink"] = {"inputs": draw(st.lists(st.sampled_from(params), max_size=3, unique=True)),
+                        "models": draw(st.lists(st.sampled_from(models), max_size=2, unique=True)) if models else []}
+    pipeline = pipeline_from_dict(data)  # the spec loader accepts these names
+    # a trained model is one something calls (named as the CLI would: trainable names are stripped)
+    called = [m for m in pipeline.models if m == m.strip()]
+    trained = draw(st.lists(st.sampled_from(called), max_size=2, unique=True)) if called else []
+    return pipeline, trained, draw(st.sampled_from(["latest", "versioned"]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(_named_pipelines())
+def test_mermaid_escapes_any_name_the_spec_loader_accepts(case):
+    pipeline, trained, mode = case
+    plan = split(pipeline, trained, cache_mode=mode)
+    text = to_mermaid(pipeline, plan)
+    lines = text[:-1].split("\n")  # Mermaid's lines: a raw line break in a label would make a new one
+    for line in lines:
+        assert _STATEMENTS.fullmatch(line), repr(line)
+    definitions = [re.match(r"    (u\d+)\[\"(.*)\"\]$", line) for line in lines]
+    definitions = [m for m in definitions if m]
+    assert sorted(m[1] for m in definitions) == sorted(f"u{i}" for i in range(len(pipeline.units)))
+    for m in definitions:
+        title = re.match(r"<b>(.*?)</b>", m[2])[1]
+        assert "<" not in title.replace("<br/>", "") and ">" not in title.replace("<br/>", "")
+        name = pipeline.units[int(m[1][1:])].name
+        assert _mermaid_decoded(title) == re.sub("\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]", "\n", name)

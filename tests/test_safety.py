@@ -294,3 +294,18 @@ def test_a_malformed_preset_lora_is_one_line(tmp_path):
     garbage.write_bytes(b"\xff" * 64)
     with pytest.raises(BackendError, match="not a safetensors file"):
         merge_preset_lora(model, "m", garbage, "transformer")
+
+
+@pytest.mark.slow
+def test_a_hand_edited_manifest_of_the_wrong_shape_is_one_line_everywhere(tiny, data, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    assert cli(capsys, *flags(tiny, data, "sft:data_process", cache))[0] == 0
+    good = json.loads((cache / "manifest.json").read_text())
+    for field, value in (("samples", "everything"), ("entries", [1, 2]), ("status", 3), ("samples", [{"index": "0"}])):
+        broken = {**good, field: value}
+        (cache / "manifest.json").write_text(json.dumps(broken))
+        for argv in (("cache", "verify", str(cache)), ("cache", "info", str(cache)), ("cache", "repair", str(cache)),
+                     flags(tiny, cache, "sft:train", tmp_path / "run")):
+            code, _, err = cli(capsys, *argv)
+            one_line(code, err, "manifest.json", "damaged cache manifest", field)
+    assert not (tmp_path / "run").exists()

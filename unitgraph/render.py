@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import html
 import io
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -493,8 +494,29 @@ def render_image(pipeline: Pipeline, plan: Plan, fmt: str = "svg") -> bytes:
 # --- Mermaid -------------------------------------------------------------------------------------
 
 
+# characters Mermaid must not see raw inside a quoted label, as its entity codes (`#quot;` is `&quot;`)
+_MERMAID_ENTITIES = {"#": "#35;", "&": "#amp;", '"': "#quot;", "<": "#lt;", ">": "#gt;", "|": "#124;", "`": "#96;"}
+# what ends a line for Mermaid's lexer or for Python's splitlines: a line break in a label
+_LINE_BREAKS = re.compile("\r\n|[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+_CONTROL = re.compile("[\x00-\x08\x0e-\x1f\x7f-\x9f]")
+
+
 def _mermaid_text(text: str) -> str:
-    return text.replace('"', "#quot;").replace("<", "#lt;").replace(">", "#gt;").replace("|", "#124;")
+    """Text safe inside a quoted Mermaid label: entity codes for quotes and markup, `<br/>` for line breaks.
+
+    `#` goes first, so that a name holding `#quot;` shows as written. `style` and `classDef` are
+    written with an entity too: Mermaid drops the last `;` of a line holding `style...:...#...;`
+    before decoding entities, which would break the last entity of the label.
+    """
+    text = "".join(_MERMAID_ENTITIES.get(c, c) for c in text)
+    text = text.replace("style", "#115;tyle").replace("classDef", "#99;lassDef")
+    text = _LINE_BREAKS.sub("<br/>", text)
+    return _CONTROL.sub(lambda m: f"#{ord(m.group())};", text)
+
+
+def _mermaid_comment(text: str) -> str:
+    """A `%%` comment stays on its line."""
+    return " ".join(_CONTROL.sub(" ", text).split())
 
 
 def to_mermaid(pipeline: Pipeline, plan: Plan) -> str:
@@ -511,21 +533,22 @@ def to_mermaid(pipeline: Pipeline, plan: Plan) -> str:
         return f'{node_id}["{label}"]'
 
     entry_ids = {entry: f"c{k}" for k, entry in enumerate(view.entries)}
-    out = ["flowchart LR", f"  %% {view.header()}"]
+    out = ["flowchart LR", f"  %% {_mermaid_comment(view.header())}"]
     note = view.savings_line()
     if note:
-        out.append(f"  %% {note}")
-    out.append(f'  subgraph data_process["stage 1 · data_process: loads {_join_models(plan.data_process_models)}"]')
+        out.append(f"  %% {_mermaid_comment(note)}")
+    dp_models = _mermaid_text(_join_models(plan.data_process_models))
+    out.append(f'  subgraph data_process["stage 1 · data_process: loads {dp_models}"]')
     for i in range(view.n):
         if i not in view.train:
             unit = view.active.units[i]
             out.append("    " + node(uid(i), unit.name, view.node_lines(i)))
     out.append("  end")
-    out.append(f'  subgraph cache["cache · {len(view.entries)} entries ({plan.cache_mode})"]')
+    out.append(f'  subgraph cache["cache · {len(view.entries)} entries ({_mermaid_text(plan.cache_mode)})"]')
     for (param, writer), node_id in entry_ids.items():
         out.append("    " + node(node_id, param, [f"← {view.writer_name(writer)}"], "cylinder"))
     out.append("  end")
-    out.append(f'  subgraph train["stage 2 · train: loads {_join_models(plan.train_models)}"]')
+    out.append(f'  subgraph train["stage 2 · train: loads {_mermaid_text(_join_models(plan.train_models))}"]')
     for i in range(view.n):
         if i in view.train:
             unit = view.active.units[i]

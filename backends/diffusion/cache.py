@@ -285,13 +285,20 @@ class Journal:
     """Append-only JSON lines, each fsynced: what one process has finished."""
 
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.path, self.fd = path, -1
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as exc:
+            raise BackendError(f"cannot write the stage-1 journal ({exc.strerror or exc})", source=str(path)) from None
 
     def append(self, record: dict[str, Any]) -> None:
-        os.write(self.fd, (json.dumps(record, sort_keys=True) + "\n").encode("utf-8"))
-        os.fsync(self.fd)
+        try:
+            os.write(self.fd, (json.dumps(record, sort_keys=True) + "\n").encode("utf-8"))
+            os.fsync(self.fd)
+        except OSError as exc:
+            raise BackendError(f"cannot write the stage-1 journal ({exc.strerror or exc}); the entries recorded so far "
+                               "are kept and the next run computes only the rest", source=str(self.path)) from None
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from unitgraph.atomic import write_text_atomic
+from unitgraph.errors import OutputError
 from unitgraph.plan import Plan
 
 from .args import BackendError
@@ -82,16 +83,22 @@ class LossLog:
         self.path, self.rows = path, []
         self._file = None
         if main:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = path.open("w", encoding="utf-8", newline="")
-            self._file.write("step,epoch,loss,elapsed_s\n")
-            self._file.flush()
+            try:
+                self._file = path.open("w", encoding="utf-8", newline="")
+                self._file.write("step,epoch,loss,elapsed_s\n")
+                self._file.flush()
+            except OSError as exc:
+                raise OutputError(f"cannot write the loss log ({exc.strerror or exc})", source=str(path)) from None
 
     def add(self, step: int, epoch: int, loss: float, elapsed: float) -> None:
         self.rows.append((step, epoch, loss, elapsed))
         if self._file is not None:
-            csv.writer(self._file).writerow([step, epoch, repr(loss), f"{elapsed:.6f}"])
-            self._file.flush()
+            try:
+                csv.writer(self._file).writerow([step, epoch, repr(loss), f"{elapsed:.6f}"])
+                self._file.flush()
+            except OSError as exc:
+                raise OutputError(f"cannot write the loss log ({exc.strerror or exc}) at step {step}; the rows and "
+                                  "checkpoints written so far are kept", source=str(self.path)) from None
 
     def close(self) -> None:
         if self._file is not None:

@@ -8,7 +8,9 @@
   nor torch needs to be installed;
 - without it, through the installed `diffsynth` package: the pipeline class is instantiated on the
   CPU (that creates the unit objects and a scheduler, no model) and the units' declarations are
-  read from the objects; unit code is still read as source.
+  read from the objects; unit code is still read as source. A `diffsynth` package that is not
+  installed code (found in the current directory or on PYTHONPATH, say) is imported only with
+  `trust_remote_code=True`; `--source` reads it without running it.
 
 The mapping (docs/adapters.md explains each decision):
 
@@ -47,7 +49,7 @@ from typing import Any, Iterable
 
 from ..errors import SpecError
 from ..spec import Pipeline, Sink, Unit
-from . import declaration_warning, note, short_list
+from . import declaration_warning, note, refuse_untrusted, short_list, untrusted_location
 
 # PipelineUnit.__init__ parameters, in order (positional arguments map onto them)
 FIELDS = ("seperate_cfg", "take_over", "input_params", "output_params", "input_params_posi", "input_params_nega",
@@ -61,8 +63,13 @@ RANDOM_CALLS = frozenset({
 })
 
 
-def resolve(name: str, *, provided: Iterable[str] | None = None, source: str | None = None) -> Pipeline:
-    """The pipeline of `diffsynth:MODULE.Class` (the `unitgraph.backends` entry point `diffsynth`)."""
+def resolve(name: str, *, provided: Iterable[str] | None = None, source: str | None = None,
+            trust_remote_code: bool = False) -> Pipeline:
+    """The pipeline of `diffsynth:MODULE.Class` (the `unitgraph.backends` entry point `diffsynth`).
+
+    With `source`, read statically (nothing runs); else imported from the installed package, which
+    must be installed code unless `trust_remote_code`.
+    """
     where = f"diffsynth:{name}"
     module_name, class_name = _split_name(name, where)
     if source is not None:
@@ -70,7 +77,7 @@ def resolve(name: str, *, provided: Iterable[str] | None = None, source: str | N
     if importlib.util.find_spec("diffsynth") is None:
         raise SpecError("DiffSynth-Studio is not installed; pass --source PATH (a DiffSynth-Studio checkout) "
                         "to read the pipeline from its source", source=where)
-    return from_installed(module_name, class_name, where=where)
+    return from_installed(module_name, class_name, where=where, trust_remote_code=trust_remote_code)
 
 
 def _split_name(name: str, where: str) -> tuple[str, str | None]:
@@ -487,9 +494,17 @@ def _decl_from_class(reader: _SourceReader, cls: ast.ClassDef, call: ast.Call) -
 
 
 def from_installed(module_name: str, class_name: str | None = None, *, where: str | None = None,
-                   **options: Any) -> Pipeline:
-    """Read the units from the installed `diffsynth` package: the pipeline is created on the CPU."""
+                   trust_remote_code: bool = False, **options: Any) -> Pipeline:
+    """Read the units from the installed `diffsynth` package: the pipeline is created on the CPU.
+
+    A `diffsynth` that is not installed code (see `untrusted_location`) is imported only with
+    `trust_remote_code=True`.
+    """
     where = where or f"diffsynth:{module_name}.{class_name or ''}"
+    place = untrusted_location("diffsynth")
+    if place is not None and not trust_remote_code:
+        raise refuse_untrusted(f"importing diffsynth would run code from {place}, which is not an installed "
+                               f"package (--source {place} reads it without running it)", where)
     try:
         module = importlib.import_module(f"diffsynth.pipelines.{module_name}")
     except ImportError as exc:

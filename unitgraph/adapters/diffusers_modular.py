@@ -2,10 +2,22 @@
 
 `unitgraph plan diffusers:QwenImageAutoBlocks` names any `ModularPipelineBlocks` class exported by
 diffusers; `diffusers:my_pkg.blocks:MyBlocks` a class of the user's own (with `--source DIR` added
-to the import path); `diffusers:path/to/folder` a saved modular pipeline (its `modular_config.json`
+to the import path); `diffusers:./path/to/folder` a saved modular pipeline (its `modular_config.json`
 names a blocks class in a module file of the folder, its `modular_model_index.json` a diffusers
 blocks class). The blocks are instantiated, nothing more: no component is created or loaded and
 nothing is downloaded. diffusers is imported when a reference is resolved, not when this module is.
+
+What is resolved how, and what runs (docs/adapters.md, 'What runs'):
+
+- a bare name (no `/` or `\\`, not starting with `.`, no `:`) is always a class of diffusers itself,
+  never a folder, even when a folder of that name is in the current directory;
+- a folder is read only when the reference is written as a path (`./MyBlocks`, `/abs/path`); its
+  `modular_model_index.json` names a diffusers class (nothing of the folder runs), its
+  `modular_config.json` names custom code, imported only with `trust_remote_code=True` (and not
+  when diffusers' DIFFUSERS_DISABLE_REMOTE_CODE is set, as diffusers' own `from_pretrained` does);
+- `module:Class` is imported when the module's top-level package is installed code (the standard
+  library, site-packages, an editable install); found anywhere else (`--source`, the current
+  directory, PYTHONPATH) it is imported only with `trust_remote_code=True`. So is diffusers itself.
 
 The mapping (docs/adapters.md explains each decision):
 
@@ -49,7 +61,7 @@ from typing import Any, Iterable
 
 from ..errors import SpecError
 from ..spec import Pipeline, Sink, Unit
-from . import note, short_list
+from . import note, refuse_untrusted, short_list, untrusted_location
 
 # components whose block is the training sink (the model the loss runs)
 DENOISER_COMPONENTS = ("transformer", "transformer_2", "unet", "denoiser")
@@ -67,17 +79,28 @@ KNOWN_DETERMINISTIC: frozenset[str] = frozenset()
 _UNION = object()
 
 
-def resolve(name: str, *, provided: Iterable[str] | None = None, source: str | None = None) -> Pipeline:
+def resolve(name: str, *, provided: Iterable[str] | None = None, source: str | None = None,
+            trust_remote_code: bool = False) -> Pipeline:
     """The pipeline of `diffusers:NAME` (the `unitgraph.backends` entry point `diffusers`)."""
     where = f"diffusers:{name}"
-    blocks = load_blocks(name, source=source, where=where)
+    blocks = load_blocks(name, source=source, where=where, trust_remote_code=trust_remote_code)
     return blocks_to_pipeline(blocks, provided=provided, source=where)
 
 
 # --- finding the blocks ---------------------------------------------------------------------------
 
 
-def _modular(where: str):
+def is_path_reference(name: str) -> bool:
+    """A reference written as a path (a saved folder); anything else never reads the filesystem."""
+    return "/" in name or "\\" in name or name.startswith(".")
+
+
+def _modular(where: str, trust_remote_code: bool = False):
+    if "diffusers" not in sys.modules:
+        place = untrusted_location("diffusers")
+        if place is not None and not trust_remote_code:
+            raise refuse_untrusted(f"importing diffusers would run code from {place}, which is not an installed "
+                                   f"package", where)
     try:
         import diffusers  # noqa: F401  (the import that takes seconds: torch comes with it)
         from diffusers import modular_pipelines
@@ -87,18 +110,23 @@ def _modular(where: str):
     return modular_pipelines
 
 
-def load_blocks(name: str, source: str | None = None, where: str | None = None) -> Any:
-    """A `ModularPipelineBlocks` instance for a class name, `module:Class`, or a saved folder."""
+def load_blocks(name: str, source: str | None = None, where: str | None = None, *,
+                trust_remote_code: bool = False) -> Any:
+    """A `ModularPipelineBlocks` instance for a class name, `module:Class`, or a saved folder (a path).
+
+    Code that is not installed (a folder's custom blocks, a module found outside installed packages)
+    runs only with `trust_remote_code=True`; without it a SpecError says what would run.
+    """
     where = where or f"diffusers:{name}"
-    mp = _modular(where)
-    folder = Path(name)
-    if ("/" in name or "\\" in name or name.startswith(".")) or (folder.is_dir() and ":" not in name):
+    mp = _modular(where, trust_remote_code)
+    if is_path_reference(name):
+        folder = Path(name)
         if not folder.is_dir():
             raise SpecError("no such folder (a saved modular pipeline folder was expected)", source=where)
-        obj = _from_folder(folder, mp, where)
+        obj = _from_folder(folder, mp, where, trust_remote_code)
     elif ":" in name:
         module_name, _, attr = name.rpartition(":")
-        module = _import_user_module(module_name, source, where)
+        module = _import_user_module(module_name, source, where, trust_remote_code)
         obj = getattr(module, attr, None)
         if obj is None:
             raise SpecError(f"module {module_name!r} has no attribute {attr!r}", source=where)
@@ -107,6 +135,9 @@ def load_blocks(name: str, source: str | None = None, where: str | None = None) 
             raise SpecError("--source is for `module:Class` references (the folder to import the module from)",
                             source=where)
         obj = _diffusers_class(name, mp, where)
+        if Path(name).is_dir():
+            note(f"diffusers: {name} is diffusers' class; the folder {name} in the current directory is not read "
+                 f"(write diffusers:./{name} to read it)")
     return _instantiate(obj, mp, where)
 
 
@@ -120,10 +151,12 @@ def _diffusers_class(name: str, mp, where: str) -> Any:
     known = [n for n in dir(mp) if n.endswith(("Blocks", "Step"))]
     close = difflib.get_close_matches(name, known, n=3)
     hint = f"; did you mean {', '.join(close)}?" if close else " (blocks classes look like QwenImageAutoBlocks)"
+    if Path(name).is_dir():
+        hint += f"; for the folder {name} in the current directory write diffusers:./{name}"
     raise SpecError(f"diffusers {diffusers.__version__} has no modular blocks class {name!r}{hint}", source=where)
 
 
-def _import_user_module(module_name: str, source: str | None, where: str):
+def _import_user_module(module_name: str, source: str | None, where: str, trust_remote_code: bool = False):
     added = False
     if source is not None:
         if not Path(source).is_dir():
@@ -133,6 +166,10 @@ def _import_user_module(module_name: str, source: str | None, where: str):
             sys.path.insert(0, path)
             added = True
     try:
+        place = untrusted_location(module_name)  # located, not imported
+        if place is not None and not trust_remote_code:
+            raise refuse_untrusted(f"importing {module_name!r} would run code from {place}, which is not an "
+                                   f"installed package", where)
         return importlib.import_module(module_name)
     except ImportError as exc:
         hint = "" if source else " (pass --source DIR to import it from a folder)"
@@ -142,8 +179,9 @@ def _import_user_module(module_name: str, source: str | None, where: str):
             sys.path.remove(str(Path(source).resolve()))
 
 
-def _from_folder(folder: Path, mp, where: str) -> Any:
-    """The blocks of a saved folder: custom code named by modular_config.json, else the index's class."""
+def _from_folder(folder: Path, mp, where: str, trust_remote_code: bool = False) -> Any:
+    """The blocks of a saved folder: custom code named by modular_config.json (imported only when
+    trusted, as diffusers' `from_pretrained(..., trust_remote_code=...)` would), else the index's class."""
     config = folder / "modular_config.json"
     index = folder / "modular_model_index.json"
     if config.is_file():
@@ -154,8 +192,15 @@ def _from_folder(folder: Path, mp, where: str) -> Any:
         ref = auto_map.get("ModularPipelineBlocks") or next(iter(auto_map.values()))
         module_file, _, class_name = str(ref).rpartition(".")
         path = folder / f"{module_file}.py"
+        if path.resolve().parent != folder.resolve():
+            raise SpecError(f"{config.name} names {ref!r}, a module outside the folder", source=where)
         if not path.is_file():
             raise SpecError(f"{config.name} names {ref!r} but {path.name} is not in the folder", source=where)
+        what = f"reading the folder {folder} would run its custom code {path} ({config.name} names {ref!r})"
+        if not trust_remote_code:
+            raise refuse_untrusted(what, where)
+        if _remote_code_disabled():
+            raise SpecError(f"{what}, and diffusers' DIFFUSERS_DISABLE_REMOTE_CODE forbids it", source=where)
         module = _import_file(path, where)
         obj = getattr(module, class_name, None)
         if obj is None:
@@ -171,6 +216,15 @@ def _from_folder(folder: Path, mp, where: str) -> Any:
                     source=where)
 
 
+def _remote_code_disabled() -> bool:
+    """diffusers' switch (an environment variable) that turns trust_remote_code off everywhere."""
+    try:
+        from diffusers.utils import constants
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(getattr(constants, "DIFFUSERS_DISABLE_REMOTE_CODE", False))
+
+
 def _read_json(path: Path, where: str) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -179,7 +233,7 @@ def _read_json(path: Path, where: str) -> Any:
 
 
 def _import_file(path: Path, where: str):
-    """Import a block module file of a saved folder (its code runs, as with trust_remote_code)."""
+    """Import a block module file of a saved folder (its code runs: only called when trusted)."""
     digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
     module_name = f"unitgraph_diffusers_blocks_{path.stem}_{digest}"
     if module_name in sys.modules:
