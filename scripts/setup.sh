@@ -17,6 +17,10 @@ if [ "$(cat .venv/.setup-stamp 2>/dev/null || true)" != "$stamp" ]; then
   echo "setup: installing $TORCH_PIN and unitgraph[diffusion,dev] into .venv (about a minute)" >&2
   .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_PIN"
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[diffusion,dev]"
+  # DiffSynth-Studio's own LoRA loader, for the tests of the diffsynth LoRA layout: unpacked beside the venv's
+  # packages (not importable as `diffsynth`: its dependencies are not installed), read by path in the tests.
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --target .venv/diffsynth-wheel "diffsynth==2.1.12" \
+    || echo "setup: note: the diffsynth wheel is not available; the DiffSynth loader tests will be skipped" >&2
   echo "$stamp" > .venv/.setup-stamp
 fi
 

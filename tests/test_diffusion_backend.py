@@ -257,7 +257,7 @@ def test_split_reuses_cache_and_lora_loads_in_diffusers(tiny, dataset, tmp_path)
     # ours, in memory: the trained adapter loaded back through peft
     dit = load_components(["dit"], model_paths=str(tiny))["dit"]
     add_lora(dit, "dit", ["to_q", "to_k", "to_v", "to_out.0"], 4, 8.0, seed=0)
-    load_lora_checkpoint(dit, "dit", ckpt, "transformer")
+    load_lora_checkpoint(dit, "dit", ckpt, {"dit": "transformer"})
     # diffusers' own loader on the same file
     pipe = QwenImagePipeline.from_pretrained(str(tiny))
     base = pipe.transformer

@@ -25,6 +25,7 @@ TASKS = (
     "direct_distill", "direct_distill:data_process", "direct_distill:train", "direct_distill:split",
 )
 CACHE_DTYPE_FLAGS = ("bf16", "fp16", "fp32")
+LORA_FORMATS = ("diffusers", "diffsynth")
 
 
 def _f(default: Any, help: str, group: str) -> Any:
@@ -62,7 +63,8 @@ class TrainArgs:
     min_timestep_boundary: float = _f(0.0, "Lower bound of the sampled timestep, as a fraction of the schedule.", "training")
     # output
     output_path: str = _f("./models", "Output folder (plan.json, training_args.json, loss.csv, checkpoints).", "output")
-    remove_prefix_in_ckpt: Optional[str] = _f(None, "Strip this prefix from checkpoint keys (keys are 'transformer.…'; DiffSynth's 'pipe.dit.' is a no-op).", "output")
+    remove_prefix_in_ckpt: Optional[str] = _f(None, "Strip this prefix from checkpoint keys (diffusers format: keys are 'transformer.…'; diffsynth format: 'pipe.dit.…', so DiffSynth's 'pipe.dit.' leaves the model's own module names).", "output")
+    lora_format: str = _f("diffusers", "Checkpoint key layout: diffusers (a diffusers pipeline's load_lora_weights reads it) or diffsynth (DiffSynth-Studio's pipe.load_lora reads it); 'unitgraph lora convert' turns one into the other.", "output")
     save_steps: Optional[int] = _f(None, "Also save step-N.safetensors every N optimizer steps.", "output")
     overwrite: bool = _f(False, "Start anew in an --output_path that holds an earlier run: its files are moved aside into OUTPUT/replaced-<time>/ (nothing is deleted; a cache in it is kept and reused).", "output")
     # LoRA
@@ -111,6 +113,8 @@ class TrainArgs:
     def validate(self) -> "TrainArgs":
         if self.task not in TASKS:
             raise BackendError(f"--task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.lora_format not in LORA_FORMATS:
+            raise BackendError(f"--lora_format must be one of {', '.join(LORA_FORMATS)}, got {self.lora_format!r}")
         if self.cache_mode not in ("latest", "versioned"):
             raise BackendError(f"--cache_mode must be latest or versioned, got {self.cache_mode!r}")
         for name in ("num_epochs", "gradient_accumulation_steps", "dataset_repeat", "lora_rank", "max_pixels"):

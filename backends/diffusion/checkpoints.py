@@ -1,24 +1,34 @@
-"""Checkpoints that diffusers loads: what was trained, under the slots' diffusers prefixes.
+"""Checkpoints in the two layouts users load: diffusers' and DiffSynth-Studio's.
 
-Keys follow diffusers' pipeline layout: `transformer.<module>.lora_A.weight` for a LoRA on the DiT,
-`text_encoder.<...>` for a text encoder (each slot's `lora_prefix`). The LoRA config (rank, alpha,
-targets) is kept in the safetensors header under `lora_adapter_metadata`, exactly as a diffusers
-pipeline's `save_lora_weights(..., transformer_lora_adapter_metadata=...)` writes it, so its
-`load_lora_weights` reproduces the trained output (alpha included). Full training of a model stores
-its trainable weights under the same prefixes.
+**diffusers** (the default): keys follow a diffusers pipeline's attributes, `transformer.<module>.lora_A.weight`
+for a LoRA on the DiT, `text_encoder.<...>` for a text encoder (each slot's `lora_prefix`). The LoRA
+config (rank, alpha, targets) is kept in the safetensors header under `lora_adapter_metadata`,
+exactly as a diffusers pipeline's `save_lora_weights(..., transformer_lora_adapter_metadata=...)`
+writes it, so its `load_lora_weights` reproduces the trained output (alpha included).
+
+**diffsynth**: the layout DiffSynth-Studio's training writes and its `pipe.load_lora(pipe.dit, path)`
+fuses: `pipe.<slot>.<module>.lora_A.default.weight`, where `<module>` is the model's own module
+name, so DiffSynth's `--remove_prefix_in_ckpt "pipe.dit."` leaves exactly the names its loader
+matches. DiffSynth files carry no alpha (its loader fuses `B @ A`, and treats an `alpha` key as a
+foreign file), so the LoRA scale `alpha / rank` is folded into `lora_A`: both layouts give the same
+`scale * B @ A`. Full training of a model stores its trainable weights under the same prefixes.
+
+`convert` turns one layout into the other (`unitgraph lora convert`), reading either.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
 from unitgraph.atomic import write_bytes_atomic
 
-from .lora import METADATA_KEY, _jsonable, lora_state_dict
+from .args import BackendError
+from .lora import DIFFSYNTH_ROOT, METADATA_KEY, _jsonable, layout_of, lora_state_dict, module_lora, read_safetensors
+
 
 
 def checkpoint_state(models: Mapping[str, torch.nn.Module], lora_slot: str | None, trainable: Iterable[str],
@@ -36,20 +46,98 @@ def checkpoint_state(models: Mapping[str, torch.nn.Module], lora_slot: str | Non
     return state
 
 
+def lora_scale(config: Any) -> float:
+    """alpha / rank of a peft LoraConfig (or of its dict)."""
+    data = config if isinstance(config, Mapping) else config.to_dict()
+    rank = float(data.get("r") or 1)
+    return float(data.get("lora_alpha") if data.get("lora_alpha") is not None else rank) / rank
+
+
+def to_diffsynth(state: Mapping[str, torch.Tensor], prefixes: Mapping[str, str], scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """diffusers-layout keys -> DiffSynth's: `pipe.<slot>.<module>.lora_A.default.weight`, the scale folded into A."""
+    by_prefix = {prefix: slot for slot, prefix in prefixes.items()}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        head, _, rest = key.partition(".")
+        slot = by_prefix.get(head)
+        if slot is None:
+            raise BackendError(f"checkpoint key {key!r} belongs to no model of the family (prefixes: "
+                               f"{', '.join(sorted(by_prefix))})")
+        if ".lora_A." in rest or ".lora_B." in rest:
+            rest = rest.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight")
+            if ".lora_A." in rest and scale != 1.0:
+                value = value * scale
+        out[f"{DIFFSYNTH_ROOT}.{slot}.{rest}"] = value
+    return out
+
+
 def save_checkpoint(path: str | Path, state: dict[str, torch.Tensor], lora_prefix: str | None = None,
-                    lora_config: Any = None, remove_prefix: str | None = None) -> Path:
-    """Write a checkpoint atomically as safetensors (with diffusers' LoRA metadata when there is a LoRA)."""
+                    lora_config: Any = None, remove_prefix: str | None = None, layout: str = "diffusers",
+                    prefixes: Optional[Mapping[str, str]] = None) -> Path:
+    """Write a checkpoint atomically as safetensors, in `layout` (diffusers' LoRA metadata for a diffusers LoRA)."""
     from safetensors.torch import save
 
+    metadata = {"format": "pt"}
+    if layout == "diffsynth":
+        scale = lora_scale(lora_config) if lora_config is not None else 1.0
+        state = to_diffsynth(state, prefixes or {}, scale)
+    elif lora_prefix is not None and lora_config is not None:
+        config = _jsonable(lora_config.to_dict())
+        metadata[METADATA_KEY] = json.dumps({f"{lora_prefix}.{k}": v for k, v in config.items()}, indent=2, sort_keys=True)
     tensors = {}
     for key, value in state.items():
         if remove_prefix and key.startswith(remove_prefix):
             key = key[len(remove_prefix):]
         tensors[key] = value.detach().to("cpu").contiguous().clone()
-    metadata = {"format": "pt"}
-    if lora_prefix is not None and lora_config is not None:
-        config = _jsonable(lora_config.to_dict())
-        metadata[METADATA_KEY] = json.dumps({f"{lora_prefix}.{k}": v for k, v in config.items()}, indent=2, sort_keys=True)
     path = Path(path)
     write_bytes_atomic(path, save(tensors, metadata=metadata))
     return path
+
+
+# ------------------------------------------------------------------------------------------------
+# reading either layout, converting
+
+
+def convert(src: str | Path, dst: str | Path, to: str, slot: str, prefixes: Mapping[str, str],
+            remove_prefix: Optional[str] = None) -> tuple[str, int]:
+    """Convert the LoRA of `slot` in `src` to layout `to` (diffusers or diffsynth) in `dst`; (source layout, tensors)."""
+    from safetensors import safe_open
+
+    state = read_safetensors(src)
+    with safe_open(str(src), framework="pt") as handle:
+        meta = handle.metadata() or {}
+    source = layout_of(state)
+    weights = module_lora(state, slot, prefixes)
+    if not weights:
+        raise BackendError(f"no LoRA weights of {slot} in the file", source=str(src))
+    ranks = {int(v.shape[0]) for k, v in weights.items() if ".lora_A." in k}
+    if len(ranks) != 1:
+        raise BackendError(f"the LoRA of {slot} has several ranks ({sorted(ranks)}); only one rank per file is supported",
+                           source=str(src))
+    rank = ranks.pop()
+    prefix = prefixes[slot]
+    alpha = float(rank)
+    if source == "diffusers":
+        try:
+            config = json.loads(meta.get(METADATA_KEY) or "{}")
+        except ValueError:
+            raise BackendError(f"the {METADATA_KEY} in the file's header is not JSON", source=str(src)) from None
+        alpha = float(config.get(f"{prefix}.lora_alpha", config.get("lora_alpha", rank)))
+    targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in weights})
+    diffusers_state = {f"{prefix}.{k}": v for k, v in weights.items()}
+    if to == "diffsynth":
+        save_checkpoint(dst, diffusers_state, layout="diffsynth", prefixes={slot: prefix},
+                        lora_config={"r": rank, "lora_alpha": alpha}, remove_prefix=remove_prefix)
+    elif to == "diffusers":
+        config = _ConfigDict({"r": rank, "lora_alpha": alpha, "target_modules": targets})
+        save_checkpoint(dst, diffusers_state, prefix, config, remove_prefix=remove_prefix)
+    else:
+        raise BackendError(f"--to must be diffusers or diffsynth, got {to!r}")
+    return source, len(weights)
+
+
+class _ConfigDict(dict):
+    """A LoRA config as save_checkpoint reads one (`to_dict()`)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self)

@@ -85,6 +85,7 @@ class OutputConfig:
     plot: bool = True
     progress: bool = True
     overwrite: bool = False
+    lora_format: str = "diffusers"
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,12 @@ class RunConfig:
                 raise BackendError(f"--lora_base_model {args.lora_base_model}: this family has no default LoRA targets "
                                    "for it; pass --lora_target_modules")
         cache_dtype = CACHE_DTYPES[args.cache_dtype] if args.cache_dtype else DTYPE
-        notes = ("note: --fp8_models is ignored (no fp8 training on this backend)",) if args.fp8_models else ()
+        notes = ["note: --fp8_models is ignored (no fp8 training on this backend)"] if args.fp8_models else []
+        workers = args.dataset_num_workers
+        cores = usable_cores()
+        if workers > cores:
+            notes.append(f"note: --dataset_num_workers {workers} capped at {cores}, the cores this process may use")
+            workers = cores
         return cls(
             args=args, family=family, pipeline=pipeline, task=args.family, stage=args.stage, cache_mode=args.cache_mode,
             cache_path=args.cache_path, seed=args.seed,
@@ -137,7 +143,7 @@ class RunConfig:
                                timestep_bounds=(args.min_timestep_boundary, args.max_timestep_boundary),
                                dtype=DTYPE, cache_dtype=cache_dtype),
             data=DataConfig(args.dataset_base_path, args.dataset_metadata_path, tuple(args.file_keys()),
-                            tuple(args.extra_input_names()), args.dataset_repeat, args.dataset_num_workers),
+                            tuple(args.extra_input_names()), args.dataset_repeat, workers),
             models=ModelConfig(args.model_paths, args.model_id_with_origin_paths, args.tokenizer_path,
                                args.modelscope_cache_dir, offline=offline_from_env(environ)),
             optim=OptimConfig(args.learning_rate, args.weight_decay, args.num_epochs, args.gradient_accumulation_steps,
@@ -147,14 +153,22 @@ class RunConfig:
             lora=LoraSpec(args.lora_base_model, targets, args.lora_rank, args.lora_alpha, args.lora_checkpoint,
                           args.preset_lora_path, preset_model if args.preset_lora_path else None),
             output=OutputConfig(args.output_path, args.remove_prefix_in_ckpt, args.save_steps, args.plot, args.progress,
-                                args.overwrite),
-            notes=notes,
+                                args.overwrite, args.lora_format),
+            notes=tuple(notes),
         )
 
     @property
     def prefixes(self) -> dict[str, str]:
         """Checkpoint key prefix of each model slot (its diffusers pipeline attribute)."""
         return {s.name: s.lora_prefix or s.name for s in self.family.slots if s.kind == "model"}
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def choose_pipeline(args: TrainArgs) -> tuple[Family, PipelineDef]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Mapping
 
 import torch
 
@@ -62,27 +62,67 @@ def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_peft_model_state_dict(model, adapter_name=ADAPTER)
 
 
-def load_lora_checkpoint(model: torch.nn.Module, slot: str, path: str | Path, prefix: str,
-                         other_prefixes: Iterable[str] = ()) -> None:
-    """Load LoRA weights saved by `save_checkpoint` (or diffusers) into the adapter of `model`.
+DIFFSYNTH_ROOT = "pipe"  # DiffSynth's keys start with its pipeline's attribute path, e.g. "pipe.dit."
+_LORA_PARTS = (".lora_A.", ".lora_B.")
+
+
+def layout_of(state: Mapping[str, Any]) -> str:
+    """'diffsynth' when the LoRA keys carry peft's adapter name or DiffSynth's `pipe.` root, else 'diffusers'."""
+    lora = [k for k in state if any(part in k for part in _LORA_PARTS)]
+    if any(".default." in k or k.startswith(f"{DIFFSYNTH_ROOT}.") for k in lora):
+        return "diffsynth"
+    return "diffusers"
+
+
+def module_lora(state: Mapping[str, torch.Tensor], slot: str, prefixes: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """The LoRA weights of `slot` in a file of either layout (checkpoints.py), keyed `<module>.lora_A.weight` /
+    `<module>.lora_B.weight`: the slot's prefix (`transformer.`, `pipe.dit.`, `diffusion_model.`) and peft's
+    adapter name (`.default`) taken off; other models' weights left out; keys saved without any prefix
+    (--remove_prefix_in_ckpt) taken as they are."""
+    own = prefixes.get(slot, slot)
+    others = [p for s, p in prefixes.items() if s != slot]
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if not any(part in key for part in _LORA_PARTS):
+            continue
+        name = key
+        for head in (f"{DIFFSYNTH_ROOT}.{slot}.", f"{own}.", "diffusion_model."):
+            if name.startswith(head):
+                name = name[len(head):]
+                break
+        else:
+            if name.startswith(f"{DIFFSYNTH_ROOT}.") or any(name.startswith(f"{p}.") for p in others):
+                continue  # another model's weights
+        out[name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")] = value
+    return out
+
+
+def load_lora_checkpoint(model: torch.nn.Module, slot: str, path: str | Path, prefixes: Mapping[str, str]) -> None:
+    """Load LoRA weights of `slot` from a checkpoint of either layout into the adapter of `model`.
 
     The checkpoint must fit the adapter exactly: every LoRA weight of the checkpoint names a LoRA
     module of `model` with the same shape, and every LoRA module gets a weight. Anything else is
     a BackendError naming the file (a checkpoint whose keys match no module would otherwise load
-    nothing and train from scratch without a word).
+    nothing and train from scratch without a word). The file's own scale (alpha / rank from a
+    diffusers file's metadata; 1 for a DiffSynth-layout file, which folds it into lora_A) is carried
+    over into the adapter's scale, so the adapter computes what the file means.
     """
     from peft.utils import set_peft_model_state_dict
 
+    config = model.peft_config[ADAPTER]
+    scale = float(config.lora_alpha) / float(config.r)
     state = read_safetensors(path)
-    prefix = prefix + "."
-    picked = {}
-    for key, value in state.items():
-        if "lora_A" not in key and "lora_B" not in key:
-            continue
-        if key.startswith(prefix):
-            picked[key[len(prefix):]] = value
-        elif not any(key.startswith(p + ".") for p in other_prefixes):
-            picked[key] = value  # saved with --remove_prefix_in_ckpt
+    picked = module_lora(state, slot, prefixes)
+    file_scale = 1.0
+    if layout_of(state) == "diffusers":
+        meta = _lora_metadata(Path(path))
+        own = prefixes.get(slot, slot)
+        rank = meta.get(f"{own}.r", meta.get("r"))
+        alpha = meta.get(f"{own}.lora_alpha", meta.get("lora_alpha"))
+        if isinstance(rank, (int, float)) and isinstance(alpha, (int, float)) and rank > 0:
+            file_scale = float(alpha) / float(rank)
+    if file_scale != scale:
+        picked = {k: v * (file_scale / scale) if ".lora_A." in k else v for k, v in picked.items()}
     if not picked:
         raise BackendError(f"no LoRA weights for {slot} in the checkpoint", source=str(path))
     expected = {k: v.shape for k, v in lora_state_dict(model).items()}

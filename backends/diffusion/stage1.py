@@ -316,11 +316,12 @@ def compute_entries(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache
     store_dtype = None if cfg.units.cache_dtype == cfg.units.dtype else getattr(torch, cfg.units.cache_dtype)
     done = 0
     bar = progress(work, len(work), "stage 1 (data_process)", cfg.output.progress and accelerator.is_local_main_process)
-    with torch.no_grad(), Journal(cache.journal_path(accelerator.process_index)) as journal:
+    with torch.no_grad(), Journal(cache.journal_path(accelerator.process_index)) as journal, \
+            decoded_ahead(dataset, [int(item["index"]) for item in work], cfg.data.num_workers) as samples:
         for item in bar:
             index = int(item["index"])
             try:
-                state = dataset.sample(index)
+                state = samples(index)
                 values = {key: state.get(param) for param, key in schedule.snapshots_after.get(None, [])}
                 for name in schedule.units:
                     state.update(code[name](ctx, state))
@@ -339,6 +340,40 @@ def compute_entries(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache
             done += 1
     del models, ctx
     gc.collect()
+
+
+@contextlib.contextmanager
+def decoded_ahead(dataset: DiffusionDataset, indices: list[int], workers: int):
+    """`sample(index)` for `indices` in order; with `workers` > 0 the samples' files are read and decoded that
+    many threads ahead (--dataset_num_workers: PIL decodes outside the GIL), at most 2 x workers in memory."""
+    if workers <= 0:
+        yield dataset.sample
+        return
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="unitgraph-decode")
+    ahead: deque = deque()
+    upcoming = iter(indices)
+
+    def refill() -> None:
+        while len(ahead) < 2 * workers:
+            index = next(upcoming, None)
+            if index is None:
+                return
+            ahead.append((index, pool.submit(dataset.sample, index)))
+
+    def sample(index: int) -> dict[str, Any]:
+        refill()
+        expected, future = ahead.popleft()
+        if expected != index:  # pragma: no cover - compute_entries asks in the order it gave
+            raise RuntimeError(f"decoded sample {expected} where {index} was asked for")
+        return future.result()
+
+    try:
+        yield sample
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: Path, report: Reporter,

@@ -13,6 +13,7 @@ and the split run draw the same numbers and end with the same losses and weights
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,13 +210,42 @@ def stage2_data(cfg: RunConfig, provider: CacheProvider) -> Stage2Data:
                       dataset_repeat=cfg.data.repeat, pad=cfg.family.pad, backward=provider.backward, dtype=provider.dtype)
 
 
+def flag_notes(cfg: RunConfig, plan: Plan, accelerator: Any) -> list[str]:
+    """One line, at start, for every accepted flag that does nothing here, saying what happens instead."""
+    args, notes = cfg.args, []
+    if args.offload_models:
+        stage1 = ", ".join(plan.data_process_models) or "none"
+        notes.append(f"note: --offload_models is not needed: each stage loads only its plan's models "
+                     f"(stage 1: {stage1}; stage 2: {', '.join(plan.train_models)})")
+    if args.use_gradient_checkpointing_offload:
+        notes.append("note: --use_gradient_checkpointing_offload: gradient checkpointing without offloading "
+                     "(there is no accelerator memory to offload from here)")
+    prefix = cfg.output.remove_prefix
+    if prefix and cfg.output.lora_format == "diffusers" and cfg.stage != "data_process":
+        heads = sorted({f"{p}." for p in cfg.prefixes.values()})
+        if not any(h.startswith(prefix) or prefix.startswith(h) for h in heads):
+            notes.append(f"note: --remove_prefix_in_ckpt {prefix}: no key starts with it in the diffusers layout (keys "
+                         f"start with {', '.join(heads)}); --lora_format diffsynth writes DiffSynth's 'pipe.<model>.' keys")
+    if cfg.stage == "data_process":
+        defaults = {"num_epochs": 1, "dataset_repeat": 1, "learning_rate": 1e-4, "lora_rank": 32, "save_steps": None,
+                    "lora_checkpoint": None, "gradient_accumulation_steps": 1, "batch_size": 1, "lora_format": "diffusers"}
+        given = [f"--{name}" for name, default in defaults.items() if getattr(args, name) != default]
+        if given:
+            notes.append(f"note: {', '.join(given)} {'is' if len(given) == 1 else 'are'} for training; stage 1 computes "
+                         "each entry once (they are kept in training_args.json for the record)")
+    if os.environ.get("MASTER_ADDR") and not os.environ.get("WORLD_SIZE") and accelerator.num_processes == 1:
+        notes.append("warning: accelerate launch asked for several processes but started one; on a CPU add --multi_gpu "
+                     "and set ACCELERATE_USE_CPU=true (docs/user-guide.md, 'Several processes')")
+    return notes
+
+
 def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, accelerator: Any = None) -> RunResult:
     """Execute `args.task`. Bad input raises BackendError (one line) before anything is written."""
     cfg = RunConfig.from_args(args)
     plan = plan_for(cfg)
     accelerator = accelerator or make_accelerator(cfg)
     report = Reporter(accelerator, echo)
-    for note in cfg.notes:
+    for note in [*cfg.notes, *flag_notes(cfg, plan, accelerator)]:
         report(note)
     output = Path(cfg.output.path)
     result = RunResult(task=args.task, output_path=output, plan=plan)

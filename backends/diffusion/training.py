@@ -51,7 +51,7 @@ def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerat
         lora_config = add_lora(base, lora.base_model, list(lora.targets), lora.rank, lora.alpha, cfg.seed)
         base.train()
         if lora.checkpoint:
-            load_lora_checkpoint(base, lora.base_model, lora.checkpoint, prefixes[lora.base_model], prefixes.values())
+            load_lora_checkpoint(base, lora.base_model, lora.checkpoint, prefixes)
     if cfg.optim.gradient_checkpointing:
         for slot in plan.models_require_backward:
             model = models[slot]
@@ -73,7 +73,8 @@ def save(cfg: RunConfig, output: Path, name: str, models: dict[str, Any], lora_c
     raw = {slot: accelerator.unwrap_model(m) if isinstance(m, torch.nn.Module) else m for slot, m in models.items()}
     state = checkpoint_state(raw, cfg.lora.base_model, cfg.optim.trainable, cfg.prefixes)
     prefix = cfg.prefixes[cfg.lora.base_model] if cfg.lora.base_model else None
-    return save_checkpoint(output / name, state, prefix, lora_config, cfg.output.remove_prefix)
+    return save_checkpoint(output / name, state, prefix, lora_config, cfg.output.remove_prefix, cfg.output.lora_format,
+                           cfg.prefixes)
 
 
 class LossLog:
