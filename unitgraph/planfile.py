@@ -17,7 +17,7 @@ from .closure import LATEST, VERSIONED
 from .errors import PlanFileError
 from .prune import prune
 from .spec import Pipeline
-from .userfiles import parse_user_json, read_user_text
+from .userfiles import read_user_json
 
 FORMAT = "unitgraph.plan/v1"
 
@@ -105,9 +105,8 @@ def active_pipeline(pipeline: Pipeline, plan: Plan) -> Pipeline:
 
 
 def read_plan_file(path: str | Path) -> Plan:
-    source = str(path)
-    data = parse_user_json(read_user_text(path, PlanFileError, "a plan file"), source, PlanFileError)
-    return Plan.from_dict(data, source=source)
+    """A plan file read back strictly: any problem, from an unreadable file to a bad field, is one PlanFileError."""
+    return Plan.from_dict(read_user_json(path, PlanFileError, "a plan file"), source=str(path))
 
 
 class _PlanReader:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from .errors import SpecError
-from .userfiles import parse_user_json, read_user_text
+from .userfiles import parse_user_json, parse_user_yaml, read_user_text
 
 UNIT_KEYS = {"name", "inputs", "outputs", "models", "deterministic", "requires"}
 SINK_KEYS = {"inputs", "models"}
@@ -271,24 +271,16 @@ def _kind(value: Any) -> str:
 
 
 def read_spec_file(path: str | Path) -> Pipeline:
-    """Load a JSON or YAML spec file; any problem is one SpecError naming the file."""
+    """Load a JSON or YAML spec file; any problem is one SpecError naming the file.
+
+    The readers of userfiles.py bound the file's size and nesting and refuse what is not plain data
+    (duplicate keys, NaN, integers past Python's digit limit, YAML alias bombs).
+    """
     path = Path(path)
     source = str(path)
     text = read_user_text(path, SpecError, "a spec file")
     if path.suffix.lower() in {".yaml", ".yml"}:
-        data = _parse_yaml(text, source)
+        data = parse_user_yaml(text, source, SpecError)
     else:
         data = parse_user_json(text, source, SpecError)
     return pipeline_from_dict(data, source=source)
-
-
-def _parse_yaml(text: str, source: str) -> Any:
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or "not valid YAML"
-        raise SpecError(f"malformed YAML{where}: {problem}", source=source) from None

@@ -11,8 +11,22 @@ so a random draw follows the sample, not its position. What a cache entry depend
 `key_inputs(i, params)` describes only the values stage 1 reads (file bytes, typed fields).
 
 Per-sample problems that a cheap look finds (a missing file, a file that is not an image, an image
-smaller than 16 px) raise `SampleError`: the stages skip such a sample with a warning and count it.
-Anything else stops the run (docs/cache.md).
+smaller than 16 px, an image of more pixels than PIL's `Image.MAX_IMAGE_PIXELS`, a decompression
+bomb, or of a mode that has no RGB conversion) raise `SampleError`: the stages skip such a sample
+with a warning and count it. Anything else stops the run (docs/cache.md); `sample()` raises
+`SampleError` too, for what only decoding finds, and stage 1 stops on it naming the row.
+
+Metadata files are read by the readers of `unitgraph.userfiles` (size, nesting, duplicate keys,
+NaN and integer limits; one line naming the file, the row or the line). A csv row with more fields
+than the header is an error (usually an unquoted comma), a row with fewer has its missing fields
+None, which is as empty as "" and an error only in a required column; a jsonl line must hold an
+object.
+
+Images become 8-bit RGB by `image_to_rgb`: 16-bit grayscale (modes I;16, I;16B, I;16L, I;16N and
+I, the 32-bit mode older PIL opens 16-bit PNGs in) is scaled from 0..65535 to 0..255 (mode I is
+clipped to that range first); 32-bit float images (mode F, e.g. float TIFFs) are taken as 0..1,
+scaled to 0..255 and clipped, and refused (SampleError) when a pixel is NaN or infinite; every other
+mode (palette, L, LA, RGBA, CMYK, ...) goes through PIL's `convert("RGB")` (alpha is dropped).
 """
 
 from __future__ import annotations
@@ -20,8 +34,13 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import math
+import warnings
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
+
+from unitgraph.userfiles import parse_user_csv, parse_user_json, parse_user_jsonl, read_user_text
 
 from .args import BackendError
 
@@ -30,6 +49,10 @@ IMAGE_PARAMS = ("image", "edit_image")
 # Typed dataset params: metadata files (csv in particular) carry strings.
 PARAM_TYPES = {"seed": int, "num_inference_steps": int, "cfg_scale": float}
 MIN_IMAGE_SIDE = 16
+# a metadata file larger than this is refused (one line) rather than read into memory: about a
+# million rows of long prompts; the limit of the other user files (specs, plans) is 64 MiB
+MAX_METADATA_BYTES = 256 * 1024 * 1024
+SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
 
 class SampleError(BackendError):
@@ -49,47 +72,36 @@ def file_sha256(path: Path) -> str:
 
 
 def read_metadata(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a csv, json (a list of objects) or jsonl file; a BackendError naming the file otherwise."""
+    """Rows of a csv, json (a list of objects, or an object whose "data" is one) or jsonl file.
+
+    Any problem is one BackendError naming the file and, where there is one, the row or line.
+    """
     path = Path(path)
+    source = str(path)
     if not path.exists():
-        raise BackendError("metadata file does not exist", source=str(path))
+        raise BackendError("metadata file does not exist", source=source)
     if path.is_dir():
-        raise BackendError("is a directory, expected a metadata file (csv, json or jsonl)", source=str(path))
+        raise BackendError("is a directory, expected a metadata file (csv, json or jsonl)", source=source)
     suffix = path.suffix.lower()
     if suffix not in (".csv", ".json", ".jsonl"):
-        raise BackendError(f"unsupported metadata format {suffix or '(no suffix)'} (use csv, json or jsonl)", source=str(path))
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BackendError(f"cannot read metadata: {exc}", source=str(path)) from None
+        raise BackendError(f"unsupported metadata format {suffix or '(no suffix)'} (use csv, json or jsonl)", source=source)
+    text = read_user_text(path, BackendError, f"a {suffix[1:]} metadata file", max_bytes=MAX_METADATA_BYTES)
     rows: Any
     if suffix == ".csv":
-        reader = csv.DictReader(text.splitlines())
-        if reader.fieldnames is None:
-            raise BackendError("empty csv (no header row)", source=str(path))
-        rows = [dict(r) for r in reader]
-    elif suffix == ".json":
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise BackendError(f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", source=str(path)) from None
+        _, rows = parse_user_csv(text, source, BackendError)
+    elif suffix == ".jsonl":
+        rows = parse_user_jsonl(text, source, BackendError)
+    else:
+        rows = parse_user_json(text, source, BackendError)
         if isinstance(rows, dict) and isinstance(rows.get("data"), list):
             rows = rows["data"]
-    elif suffix == ".jsonl":
-        rows = []
-        for n, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise BackendError(f"malformed JSON on line {n}: {exc.msg}", source=str(path)) from None
-    else:
-        raise BackendError(f"unsupported metadata format {suffix or '(no suffix)'} (use csv, json or jsonl)", source=str(path))
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise BackendError("metadata must be a list of objects, one per sample", source=str(path))
+        if not isinstance(rows, list):
+            raise BackendError("metadata must be a list of objects, one per sample", source=source)
+        for n, row in enumerate(rows, start=1):
+            if not isinstance(row, dict):
+                raise BackendError(f"row {n}: expected an object (one per sample), got {type(row).__name__}", source=source)
     if not rows:
-        raise BackendError("metadata has no rows", source=str(path))
+        raise BackendError("metadata has no rows", source=source)
     return rows
 
 
@@ -145,7 +157,11 @@ class DiffusionDataset:
             raise SampleError(f"row {index + 1}: column {key!r} must name a file, got {name!r}", index=index,
                               source=str(self.metadata_path))
         path = self.base_path / name
-        if not path.is_file():
+        try:
+            found = path.is_file()
+        except (OSError, ValueError):  # a name too long for the file system, say
+            found = False
+        if not found:
             raise SampleError(f"row {index + 1}: missing file {name!r} (column {key!r}) under {self.base_path}",
                               index=index, source=str(self.metadata_path))
         return path
@@ -158,6 +174,9 @@ class DiffusionDataset:
             if value in (None, "") and key not in self.required:
                 continue
             names = value if isinstance(value, list) else [value]
+            if not names:
+                raise SampleError(f"row {index + 1}: column {key!r} names no file (an empty list)", index=index,
+                                  source=str(self.metadata_path))
             out[key] = [self._file(index, key, name) for name in names]
         return out
 
@@ -193,40 +212,49 @@ class DiffusionDataset:
         return out
 
     def check(self, index: int) -> None:
-        """A cheap look at one sample's images: SampleError when one is missing, not an image or too small."""
-        from PIL import Image, UnidentifiedImageError
-
+        """A cheap look at one sample's images, without decoding them: SampleError when one is missing, not an
+        image, too small, too large (a decompression bomb) or of a mode that has no RGB conversion."""
         files = self.files(index)
         for param in self.inputs:
             for path in files.get(param, []):
+                where = f"row {index + 1}: {path.name!r} (column {param!r})"
                 try:
-                    with Image.open(path) as img:
-                        size = img.size
+                    with open_image(path) as img:
+                        size, mode = img.size, img.mode
                         img.verify()  # reads the file's structure (PNG chunk checksums) without decoding
-                except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-                    raise SampleError(f"row {index + 1}: {path.name!r} (column {param!r}) is not a readable image "
-                                      f"({type(exc).__name__}: {_first_line(exc)})", index=index,
-                                      source=str(self.metadata_path)) from None
+                except ImageProblem as exc:
+                    raise SampleError(f"{where} {exc}", index=index, source=str(self.metadata_path)) from None
+                except Exception as exc:  # PIL's plugins raise many types for damaged files (struct.error, EOFError, ...)
+                    raise SampleError(f"{where} is not a readable image ({type(exc).__name__}: {_first_line(exc)})",
+                                      index=index, source=str(self.metadata_path)) from None
                 if min(size) < MIN_IMAGE_SIDE:
                     raise SampleError(f"row {index + 1}: image {path.name!r} (column {param!r}) is {size[0]}x{size[1]} px, "
                                       f"smaller than {MIN_IMAGE_SIDE} px", index=index, source=str(self.metadata_path))
+                if not _converts_to_rgb(mode):
+                    raise SampleError(f"{where} is an image of mode {mode}, which has no RGB conversion", index=index,
+                                      source=str(self.metadata_path))
 
     def _value(self, index: int, param: str) -> Any:
         value = self.rows[index].get(param)
         if value == "":
             value = None
         if value is not None and param in PARAM_TYPES:
+            kind = PARAM_TYPES[param]
             try:
-                value = PARAM_TYPES[param](value)
-            except (TypeError, ValueError):
-                raise BackendError(f"row {index + 1}: column {param!r} must be a {PARAM_TYPES[param].__name__}, got {value!r}",
-                                   source=str(self.metadata_path)) from None
+                value = kind(value)
+                if kind is float and not math.isfinite(value):
+                    raise ValueError(value)
+            except (TypeError, ValueError, OverflowError):
+                shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:60]}..."
+                raise BackendError(f"row {index + 1}: column {param!r} must be a {'finite ' if kind is float else ''}"
+                                   f"{kind.__name__}, got {shown}", source=str(self.metadata_path)) from None
         return value
 
     def sample(self, index: int) -> dict[str, Any]:
-        """The dataset params of one sample (None where the dataset provides nothing)."""
-        from PIL import Image, UnidentifiedImageError
+        """The dataset params of one sample (None where the dataset provides nothing); images as 8-bit RGB.
 
+        An image that cannot be decoded or converted is a SampleError naming the row and the file.
+        """
         files = self.files(index)
         state: dict[str, Any] = {}
         for param in self.dataset_params:
@@ -237,11 +265,15 @@ class DiffusionDataset:
                 images = []
                 for path in files[param]:
                     try:
-                        with Image.open(path) as img:
-                            images.append(img.convert("RGB"))
-                    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-                        raise BackendError(f"row {index + 1}: cannot read image {path.name!r}: {_first_line(exc)}",
-                                           source=str(self.metadata_path)) from None
+                        with open_image(path) as img:
+                            images.append(image_to_rgb(img))
+                    except ImageProblem as exc:
+                        raise SampleError(f"row {index + 1}: image {path.name!r} (column {param!r}) {exc}", index=index,
+                                          source=str(self.metadata_path)) from None
+                    except Exception as exc:  # PIL's decoders raise many types for damaged files
+                        raise SampleError(f"row {index + 1}: cannot read image {path.name!r} (column {param!r}): "
+                                          f"{type(exc).__name__}: {_first_line(exc)}", index=index,
+                                          source=str(self.metadata_path)) from None
                 state[param] = images[0] if len(images) == 1 else images
                 continue
             state[param] = self._value(index, param)
@@ -251,6 +283,74 @@ class DiffusionDataset:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+class ImageProblem(Exception):
+    """What is wrong with an image file, said as the rest of a sentence ("is 20000x20000 px, ..."): the caller
+    adds the row and the file and raises a SampleError."""
+
+
+def open_image(path: Path) -> Any:
+    """`PIL.Image.open(path)`, refusing (ImageProblem) an image of more than `Image.MAX_IMAGE_PIXELS` pixels
+    before anything is decoded; PIL only warns up to twice that many and fails past it."""
+    from PIL import Image
+
+    limit = Image.MAX_IMAGE_PIXELS
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the check below says it in one line
+            img = Image.open(path)
+    except Image.DecompressionBombError as exc:
+        raise ImageProblem(f"is too large to decode safely ({_first_line(exc)})") from None
+    width, height = img.size
+    if limit and width * height > limit:
+        img.close()
+        raise ImageProblem(f"is {width}x{height} px ({width * height} pixels), more than the {limit} pixels PIL decodes "
+                           "safely (Image.MAX_IMAGE_PIXELS): a decompression bomb?")
+    return img
+
+
+def image_to_rgb(img: Any) -> Any:
+    """An 8-bit RGB copy of a PIL image, whatever its mode (see the module docstring).
+
+    16-bit grayscale is scaled (0..65535 to 0..255, rounded), float (mode F) taken as 0..1 and clipped;
+    ImageProblem for a float image with NaN or infinite pixels or a mode PIL cannot convert.
+    """
+    import numpy as np
+    from PIL import Image
+
+    mode = img.mode
+    if mode in SIXTEEN_BIT_MODES:
+        values = np.asarray(img)
+        if mode == "I":  # 32-bit signed: taken as a 16-bit image, values outside 0..65535 clipped
+            values = np.clip(values, 0, 65535)
+        gray = ((values.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
+        return Image.fromarray(gray, "L").convert("RGB")
+    if mode == "F":
+        values = np.asarray(img, dtype=np.float32)
+        if not np.isfinite(values).all():
+            raise ImageProblem("is a float image with NaN or infinite pixels")
+        gray = np.rint(np.clip(values, 0.0, 1.0) * 255.0).astype(np.uint8)
+        return Image.fromarray(gray, "L").convert("RGB")
+    try:
+        return img.convert("RGB")
+    except ValueError:
+        if not _converts_to_rgb(mode):
+            raise ImageProblem(f"is an image of mode {mode}, which has no RGB conversion") from None
+        raise
+
+
+@lru_cache(maxsize=None)
+def _converts_to_rgb(mode: str) -> bool:
+    if mode in SIXTEEN_BIT_MODES or mode in ("F", "RGB"):
+        return True
+    from PIL import Image
+
+    try:
+        Image.new(mode, (1, 1)).convert("RGB")
+    except Exception:  # an unknown mode or one without a conversion
+        return False
+    return True
 
 
 def write_synthetic_dataset(folder: str | Path, count: int = 8, size: int = 64, seed: int = 0,

@@ -56,20 +56,37 @@ class RunResult:
 
 
 class Reporter:
-    """Prints on the main process only: progress lines on stdout, warnings and notes on stderr
-    (unless `echo` takes every line)."""
+    """Prints on the main process only: progress lines and notes on stdout, warnings on stderr
+    (unless `echo` takes every line).
+
+    Notes about the flags (`note(text)`) are held until the run has passed its whole-run checks (the
+    first progress line, or `flush()`): a run refused for bad input prints its one error line only.
+    """
 
     def __init__(self, accelerator: Any, echo: Optional[Callable[[str], None]] = None):
         self.main = accelerator.is_main_process
         self.echo = echo
+        self._held: list[str] = []
+
+    def note(self, text: str) -> None:
+        self._held.append(text)
+
+    def flush(self) -> None:
+        held, self._held = self._held, []
+        for text in held:
+            self._print(text)
 
     def __call__(self, text: str) -> None:
+        self.flush()
+        self._print(text)
+
+    def _print(self, text: str) -> None:
         if not self.main:
             return
         if self.echo is not None:
             self.echo(text)
         else:
-            print(text, file=sys.stderr if text.startswith(("warning:", "note:")) else sys.stdout, flush=True)
+            print(text, file=sys.stderr if text.startswith("warning:") else sys.stdout, flush=True)
 
 
 def plan_for(cfg: RunConfig) -> Plan:
@@ -101,13 +118,15 @@ def make_dataset(cfg: RunConfig) -> DiffusionDataset:
 
 def stage_slots(cfg: RunConfig, models: Iterable[str], training: bool) -> list[str]:
     """The slots a stage loads for its plan models: each model, the tokenizer paired with a text
-    encoder, and in training the family's schedulers (timesteps and losses read them)."""
+    encoder, the pipeline's companions of the model (a processor beside a text encoder, say), and in
+    training the family's schedulers (timesteps and losses read them)."""
     slots: list[str] = []
     for name in models:
         slots.append(name)
         tokenizer = cfg.family.slot(name).tokenizer
         if tokenizer is not None:
             slots.append(tokenizer)
+        slots.extend(cfg.pipeline.companions.get(name, ()))
     if training:
         slots += [s.name for s in cfg.family.slots if s.kind == "scheduler"]
     return list(dict.fromkeys(slots))

@@ -246,7 +246,7 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, accelerat
     accelerator = accelerator or make_accelerator(cfg)
     report = Reporter(accelerator, echo)
     for note in [*cfg.notes, *flag_notes(cfg, plan, accelerator)]:
-        report(note)
+        report.note(note)
     output = Path(cfg.output.path)
     result = RunResult(task=args.task, output_path=output, plan=plan)
     if cfg.stage != "data_process" and accelerator.is_main_process:
@@ -288,6 +288,6 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, accelerat
         name = "train"
     result.samples = len(provider.items)
     start = time.perf_counter()
-    run_training(cfg, plan, provider, data, accelerator, output, result, name)
+    run_training(cfg, plan, provider, data, accelerator, output, result, name, report)
     result.stage_times["train"] = time.perf_counter() - start
     return result

@@ -134,7 +134,7 @@ def micro_step(cfg: RunConfig, ctx: Any, ready: Any, elements: list[Any], epoch:
 
 
 def run_training(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: Any, output: Path,
-                 result: RunResult, stage_name: str) -> None:
+                 result: RunResult, stage_name: str, report: Optional[Any] = None) -> None:
     """AdamW over `data`'s micro-batches; loss.csv, checkpoints and the loss plot in `output`.
 
     The output folder is claimed (outputs.RunFolder: checked, locked, an earlier run moved aside with
@@ -150,6 +150,8 @@ def run_training(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerat
         record = {"task": cfg.args.task, "pipeline": plan.pipeline, "plan_fingerprint": plan.fingerprint}
         with folder.claimed(cfg.output.overwrite, record):
             result.replaced = folder.replaced
+            if report is not None:
+                report.flush()  # every check passed: the notes about the flags
             _train(cfg, plan, provider, data, accelerator, output, result, stage_name, models, optimizer, lora_config)
     else:
         _train(cfg, plan, provider, data, accelerator, output, result, stage_name, models, optimizer, lora_config)
