@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import csv
-import json
 import warnings
 from pathlib import Path
 from typing import Annotated, Optional
@@ -78,33 +76,26 @@ def metadata_columns(path: str | Path) -> list[str]:
 
     .csv: the header row; .json: a list of objects (or one object); .jsonl: one object a line.
     """
+    from unitgraph.userfiles import parse_user_csv, parse_user_json, parse_user_jsonl, read_user_text
+
     path = Path(path)
     where = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError("no such file", source=where) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"cannot read: {exc}", source=where) from None
     suffix = path.suffix.lower()
+    if suffix not in (".csv", ".json", ".jsonl"):
+        raise SpecError(f"cannot tell the format of {path.name!r}: use .csv, .json or .jsonl", source=where)
+    text = read_user_text(path, SpecError, "a metadata file")
     if suffix == ".csv":
-        reader = csv.DictReader(text.splitlines())
-        header = [c.strip() for c in (reader.fieldnames or []) if c and c.strip()]
-        rows = list(reader)
-    elif suffix in (".json", ".jsonl"):
-        try:
-            if suffix == ".json":
-                data = json.loads(text)
-                rows = data if isinstance(data, list) else [data]
-            else:
-                rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as exc:
-            raise SpecError(f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", source=where) from None
+        fields, rows = parse_user_csv(text, where, SpecError)
+        header = [c.strip() for c in fields if c and c.strip()]
+    else:
+        if suffix == ".json":
+            data = parse_user_json(text, where, SpecError)
+            rows = data if isinstance(data, list) else [data]
+        else:
+            rows = parse_user_jsonl(text, where, SpecError)
         if not all(isinstance(r, dict) for r in rows):
             raise SpecError("expected objects (one per sample) whose keys are the columns", source=where)
         header = list(dict.fromkeys(str(k) for r in rows for k in r))
-    else:
-        raise SpecError(f"cannot tell the format of {path.name!r}: use .csv, .json or .jsonl", source=where)
     if not header:
         raise SpecError("no columns found", source=where)
     if not rows:

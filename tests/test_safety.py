@@ -309,3 +309,22 @@ def test_a_hand_edited_manifest_of_the_wrong_shape_is_one_line_everywhere(tiny, 
             code, _, err = cli(capsys, *argv)
             one_line(code, err, "manifest.json", "damaged cache manifest", field)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("content", ['[{"image": "a.png", "seed": ' + "9" * 5000 + "}]", "[" * 50000 + "]" * 50000,
+                                     '[{"image": "a.png", "image": "b.png"}]'])
+def test_metadata_for_planning_is_read_by_the_shared_reader(tmp_path, capsys, content):
+    meta = tmp_path / "meta.json"
+    meta.write_text(content)
+    code, _, err = cli(capsys, "plan", EXAMPLE, "--lora-base-model", "dit", "--with-metadata", str(meta))
+    one_line(code, err, str(meta))
+
+
+@pytest.mark.parametrize("content", ["[" * 50000 + "]" * 50000, '{"format": "unitgraph.cache/v2", "status": ' + "1" * 5000 + "}"])
+def test_pathological_manifests_are_one_line(tmp_path, capsys, content):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "manifest.json").write_text(content)
+    for command in ("verify", "info"):
+        code, _, err = cli(capsys, "cache", command, str(cache))
+        one_line(code, err, "manifest.json")

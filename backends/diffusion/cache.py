@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from unitgraph.atomic import write_bytes_atomic, write_text_atomic
+from unitgraph.userfiles import parse_user_json, read_user_json
 
 from .args import BackendError
 from .manifest import FORMAT, Manifest, describe_plan_change
@@ -143,8 +144,8 @@ def _safetensors_header(data: bytes, source: str) -> dict[str, Any]:
     if size <= 0 or 8 + size > len(data):
         raise BackendError("not a safetensors file (bad header length)", source=source)
     try:
-        header = json.loads(data[8:8 + size])
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = parse_user_json(data[8:8 + size].decode("utf-8"), source, BackendError)
+    except (UnicodeDecodeError, BackendError):
         raise BackendError("not a safetensors file (unreadable header)", source=source) from None
     if not isinstance(header, dict):
         raise BackendError("not a safetensors file (header is not an object)", source=source)
@@ -191,7 +192,9 @@ def entry_key_sizes(path: str | Path) -> dict[str, int]:
         size = int.from_bytes(head, "little") if len(head) == 8 else 0
         data = head + handle.read(size)
     header = _safetensors_header(data, str(path))
-    content = json.loads((header.get("__metadata__") or {}).get(HEADER_KEY, "{}"))
+    content = parse_user_json(str((header.get("__metadata__") or {}).get(HEADER_KEY, "{}")), str(path), BackendError)
+    if not isinstance(content, dict):
+        raise BackendError("not a unitgraph cache entry (its header is not an object)", source=str(path))
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     out = {}
     for key, value in (content.get("values") or {}).items():
@@ -245,10 +248,10 @@ class HashMemo:
         self.dirty = False
         if path is not None and path.is_file():
             try:
-                data = json.loads(path.read_text(encoding="utf-8"))
+                data = read_user_json(path, BackendError, "a hash memo", max_bytes=1 << 30)
                 if isinstance(data, dict) and data.get("format") == HASHES_FORMAT and isinstance(data.get("files"), dict):
                     self.files = data["files"]
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            except BackendError:
                 self.files = {}  # a damaged memo only costs re-hashing
 
     def digest(self, path: Path) -> str:
@@ -398,10 +401,10 @@ class Cache:
         if not self.manifest_path.is_file():
             return None
         try:
-            data = json.loads(self.manifest_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise BackendError(f"unreadable cache manifest ({type(exc).__name__}: {str(exc)[:200]}); delete the cache "
-                               "folder and run the data_process stage again", source=str(self.manifest_path)) from None
+            data = read_user_json(self.manifest_path, BackendError, "a cache manifest", max_bytes=1 << 30)
+        except BackendError as exc:
+            raise BackendError(f"unreadable cache manifest ({exc.message}); delete the cache folder and run the "
+                               "data_process stage again", source=str(self.manifest_path)) from None
         if isinstance(data, dict) and isinstance(data.get("format"), str) and data["format"] != FORMAT \
                 and data["format"].startswith("unitgraph.cache/"):
             return Manifest.from_dict(data, str(self.folder))  # raises: another version's cache
@@ -482,9 +485,9 @@ class Cache:
         for path in sorted(self.journal_dir.glob("*.jsonl")):
             for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
                 try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
+                    record = parse_user_json(line, str(path), BackendError)
+                except BackendError:
+                    continue  # a line cut short by a crash
                 if isinstance(record, dict):
                     records.append(record)
         return records

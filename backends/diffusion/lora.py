@@ -169,7 +169,7 @@ def _lora_metadata(path: Path) -> dict[str, Any]:
     raw = meta.get(METADATA_KEY)
     try:
         value = json.loads(raw) if raw else {}
-    except ValueError:
+    except (ValueError, RecursionError):
         raise BackendError(f"the {METADATA_KEY} in the file's header is not JSON", source=str(path)) from None
     if not isinstance(value, dict):
         raise BackendError(f"the {METADATA_KEY} in the file's header is not a JSON object", source=str(path))

@@ -79,7 +79,7 @@ def family_from_model_paths(paths: Iterable[str]) -> Optional[Family]:
         index = Path(given).expanduser() / "model_index.json"
         try:
             class_name = json.loads(index.read_text(encoding="utf-8")).get("_class_name")
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, RecursionError):
             continue
         for fam in families():
             if class_name in fam.diffusers_pipelines:
