@@ -86,9 +86,17 @@ def result_lines(result: Any) -> list[str]:
 
 def _family(pipeline: Optional[str]) -> Any:
     """The family of `--pipeline NAME` (a family or pipeline name), else the first registered one."""
+    return _choice(pipeline)[0]
+
+
+def _choice(pipeline: Optional[str]) -> tuple[Any, Any]:
+    """(family, the named pipeline or None when NAME is a family or not given)."""
     from unitgraph.backends.diffusion import registry
 
-    return registry.find_pipeline(pipeline)[0] if pipeline else registry.default_family()
+    if not pipeline:
+        return registry.default_family(), None
+    family, chosen = registry.find_pipeline(pipeline)
+    return family, chosen if chosen.name == pipeline else None
 
 
 PipelineOption = Annotated[Optional[str], typer.Option("--pipeline", help="A pipeline or family (see 'unitgraph pipelines'; default: the first registered family).")]
@@ -103,14 +111,14 @@ def tiny_models_command(
     """Write a random-weight diffusers pipeline folder of a family (it loads with the family's diffusers pipeline class)."""
     from unitgraph.backends.diffusion.args import BackendError
 
-    family = _family(pipeline)
+    family, chosen = _choice(pipeline)
     tiny = family.tiny_module()
     if size not in tiny.SIZES:
         raise BackendError(f"--size must be one of {', '.join(tiny.SIZES)}, got {size!r}")
     start = time.perf_counter()
-    path = tiny.write_tiny_models(outdir, size=size, seed=seed)
-    typer.echo(f"wrote {size}-size {family.title} pipeline ({family.diffusers_pipelines[0]}) to {path} "
-               f"in {time.perf_counter() - start:.1f} s")
+    path = tiny.write_tiny_models(outdir, size=size, seed=seed, pipeline=chosen.name if chosen else None)
+    cls = (chosen.diffusers_pipeline if chosen else None) or family.diffusers_pipelines[0]
+    typer.echo(f"wrote {size}-size {family.title} pipeline ({cls}) to {path} in {time.perf_counter() - start:.1f} s")
 
 
 def pipelines_command(
@@ -170,24 +178,26 @@ def demo_command(
     if resolution < 16 or resolution % 16:
         raise BackendError(f"--resolution must be a positive multiple of 16, got {resolution}")
     console = Console()
-    family = _family(pipeline)
+    family, chosen = _choice(pipeline)
+    chosen = chosen or family.pipelines[0]
+    edit = "edit_image" in chosen.required
     out = Path(output_path)
     wall = time.perf_counter()
-    models_dir = out / "models"
+    models_dir = out / ("models" if chosen is family.pipelines[0] else f"models-{chosen.name}")  # one folder per kind
     data_dir = out / "data"
     console.rule(f"[bold]unitgraph demo: split training of a tiny {family.title}")
     if not (models_dir / "model_index.json").is_file():
         t = time.perf_counter()
-        family.tiny_module().write_tiny_models(models_dir, size=size, seed=seed)
+        family.tiny_module().write_tiny_models(models_dir, size=size, seed=seed, pipeline=chosen.name)
         console.print(f"tiny {size}-size models (random weights) -> {models_dir}  [dim]{time.perf_counter() - t:.1f} s[/dim]")
     else:
         console.print(f"tiny models: reusing {models_dir}")
-    metadata = write_synthetic_dataset(data_dir, count=images, size=resolution, seed=seed)
+    metadata = write_synthetic_dataset(data_dir, count=images, size=resolution, seed=seed, edit=edit)
     console.print(f"dataset: {images} captioned {resolution}x{resolution} images -> {metadata}")
 
     common = dict(dataset_base_path=str(data_dir), dataset_metadata_path=str(metadata), model_paths=str(models_dir),
-                  pipeline=pipeline or family.pipelines[0].name, lora_base_model="dit", max_pixels=resolution * resolution,
-                  seed=seed, **dict(family.demo))
+                  pipeline=chosen.name, lora_base_model="dit", max_pixels=resolution * resolution,
+                  seed=seed, **({"extra_inputs": "edit_image"} if edit else {}), **dict(family.demo))
     args = make_args(task="sft:split", output_path=str(out / "train"), num_epochs=num_epochs, overwrite=True, **common)
 
     from unitgraph.backends.diffusion.config import RunConfig

@@ -13,7 +13,7 @@ from unitgraph.backends.diffusion.models import ModelSources
 from unitgraph.backends.diffusion.registry import family
 
 QWEN = family("qwen_image")
-ALL_SLOTS = tuple(s.name for s in QWEN.slots)
+ALL_SLOTS = tuple(s.name for s in QWEN.slots if s.kind != "processor")  # the processor belongs to the edit pipelines
 
 
 def sources(model_paths: Any = None, model_id_with_origin_paths: Any = None, tokenizer_path: Any = None,

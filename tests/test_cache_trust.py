@@ -20,11 +20,11 @@ pytest.importorskip("diffusers")
 pytest.importorskip("accelerate")
 pytest.importorskip("peft")
 
+from clitools import cli, one_error_line  # noqa: E402
 from PIL import Image  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from unitgraph.backends.diffusion import cache as cache_module  # noqa: E402
-from unitgraph.backends.diffusion import stages  # noqa: E402
 from unitgraph.backends.diffusion.args import BackendError, make_args  # noqa: E402
 from unitgraph.backends.diffusion.cache import Cache, read_entry  # noqa: E402
 from unitgraph.backends.diffusion.data import write_synthetic_dataset  # noqa: E402
@@ -58,26 +58,6 @@ def cli_args(tiny: Path, data: Path, task: str, out: Path, *extra: str) -> list[
     return ["train", "--task", task, "--dataset_base_path", str(data), "--dataset_metadata_path", str(data / "metadata.csv"),
             "--model_paths", str(tiny), "--lora_base_model", "dit", "--lora_target_modules", "to_q,to_k,to_v,to_out.0",
             "--lora_rank", "4", "--max_pixels", str(SIZE * SIZE), "--output_path", str(out), "--no-progress", "--no-plot", *extra]
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    """Run the `unitgraph` command in this process: (exit code, stdout, stderr)."""
-    from unitgraph.cli.app import main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        main(list(argv))
-    out, err = capsys.readouterr()
-    return int(exc.value.code or 0), out, err
-
-
-def one_error_line(code: int, err: str, *fragments: str) -> str:
-    lines = err.strip().splitlines()
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("unitgraph: error: ") and "Traceback" not in err, err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
 
 
 def tree(folder: Path) -> dict[str, bytes]:

@@ -1,9 +1,11 @@
 """The conformance suite every registered family passes (docs: CONTRIBUTING.md, "Adding a family").
 
 Parametrized over `registry.families()` and their pipelines, so a new family joins by registration
-alone. For each pipeline, on the family's `test`-size tiny models:
+alone. For each pipeline, on the family's `test`-size tiny models for that pipeline (written with
+`write_tiny_models(..., pipeline=NAME)`) and a dataset with the columns its declaration requires:
 
-- the tiny folder loads with the family's diffusers pipeline class;
+- the tiny folder loads with the pipeline's diffusers pipeline class (`PipelineDef.diffusers_pipeline`,
+  default the family's first);
 - split == unsplit (loss rows and trained weights within 1e-6) for a LoRA on the DiT and on every
   text encoder, in both cache modes;
 - stage 2 runs with the frozen encoders' folders deleted and the source data gone;
@@ -14,7 +16,10 @@ alone. For each pipeline, on the family's `test`-size tiny models:
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -30,7 +35,7 @@ pytest.importorskip("accelerate")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from unitgraph.backends.diffusion.args import make_args  # noqa: E402
+from unitgraph.backends.diffusion.args import BackendError, make_args  # noqa: E402
 from unitgraph.backends.diffusion.cache import verify_cache  # noqa: E402
 from unitgraph.backends.diffusion.data import write_synthetic_dataset  # noqa: E402
 from unitgraph.backends.diffusion.registry import families  # noqa: E402
@@ -53,29 +58,140 @@ def quiet(_text: str) -> None:
     pass
 
 
+def diffusers_class(family, pipeline) -> str:
+    """The diffusers pipeline class a pipeline's tiny folder loads with."""
+    return pipeline.diffusers_pipeline or family.diffusers_pipelines[0]
+
+
+def pipeline_slots(family, pipeline) -> list[str]:
+    """The slots a pipeline uses: its models, their tokenizers and companions, the family's schedulers."""
+    slots: list[str] = []
+    for model in pipeline.spec_pipeline.models:
+        slots += [model, *([family.slot(model).tokenizer] if family.slot(model).tokenizer else []),
+                  *pipeline.companions.get(model, ())]
+    slots += [s.name for s in family.slots if s.kind == "scheduler"]
+    return list(dict.fromkeys(slots))
+
+
+@contextlib.contextmanager
+def _processor_without_video():
+    """transformers 5 builds its Qwen2-VL processors only with a video processor, which needs torchvision
+    (not installed here): let the class take video_processor=None, enough for images."""
+    from transformers import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+
+    def relaxed(self, name, arg):
+        return None if arg is None and name == "video_processor" else check(self, name, arg)
+
+    ProcessorMixin.check_argument_for_proper_class = relaxed
+    try:
+        yield
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+
+
+def real_processor(slot, folder: Path):
+    """The slot's processor class itself (not the loader's parts) from a processor folder, with or without torchvision."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    cls = getattr(importlib.import_module(slot.library), slot.class_name)
+    try:
+        return cls.from_pretrained(str(folder), local_files_only=True)
+    except ImportError:
+        with _processor_without_video():
+            return cls(image_processor=AutoImageProcessor.from_pretrained(str(folder), local_files_only=True),
+                       tokenizer=AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+
+
+def load_diffusers_pipeline(family, pipeline, root: Path):
+    """`<diffusers class>.from_pretrained(root)`; a processor transformers cannot build here is handed in ready-made."""
+    cls = getattr(diffusers, diffusers_class(family, pipeline))
+    overrides = {}
+    for name in pipeline_slots(family, pipeline):
+        slot = family.slot(name)
+        if slot.kind == "processor" and (root / slot.subfolder).is_dir():
+            overrides[slot.subfolder] = real_processor(slot, root / slot.subfolder)
+    return cls.from_pretrained(str(root), **overrides)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    """family name -> its test-size tiny pipeline folder, written once per session."""
-    made: dict[str, Path] = {}
+    """(family, pipeline) -> the test-size tiny pipeline folder for the pipeline's diffusers class, written once
+    per session (pipelines of one class share it)."""
+    made: dict[tuple[str, str], Path] = {}
 
-    def get(family) -> Path:
-        if family.name not in made:
-            made[family.name] = family.tiny_module().write_tiny_models(
-                tmp_path_factory.mktemp(f"tiny-{family.name}") / "models", size="test", seed=0)
-        return made[family.name]
+    def get(family, pipeline) -> Path:
+        key = (family.name, diffusers_class(family, pipeline))
+        if key not in made:
+            made[key] = family.tiny_module().write_tiny_models(
+                tmp_path_factory.mktemp(f"tiny-{family.name}") / "models", size="test", seed=0, pipeline=pipeline.name)
+        return made[key]
 
     return get
 
 
+def extra_columns(pipeline) -> list[str]:
+    """The required metadata columns beyond image and prompt (passed as --extra_inputs, as DiffSynth's commands do)."""
+    return [c for c in pipeline.required if c not in ("image", "prompt")]
+
+
+def edit_images_per_sample(pipeline) -> int:
+    """2 when the pipeline's model-free units that read edit_image take a list of two edit images, else 1."""
+    from PIL import Image
+
+    from unitgraph.backends.diffusion.context import UnitContext
+
+    two = [Image.new("RGB", (SIZE, SIZE)), Image.new("RGB", (SIZE, SIZE))]
+    for unit in pipeline.units:
+        if "edit_image" in unit.inputs and not unit.models:
+            try:
+                unit(UnitContext(models={}), {p: two if p == "edit_image" else None for p in unit.inputs})
+            except BackendError:
+                return 1
+    return 2
+
+
+def write_dataset(pipeline, folder: Path, count: int, seed: int) -> Path:
+    """A captioned image set with the columns the pipeline requires; returns its metadata file.
+
+    With edit_image required, each row has an edit image; a pipeline that takes several gets a JSON
+    metadata file whose edit_image lists two (the second a rotated copy of the first).
+    """
+    required = set(pipeline.required)
+    csv_path = write_synthetic_dataset(folder, count=count, size=SIZE, seed=seed, edit="edit_image" in required,
+                                       distill=bool({"seed", "num_inference_steps"} & required))
+    if "edit_image" not in required or edit_images_per_sample(pipeline) < 2:
+        return csv_path
+    from PIL import Image
+
+    with csv_path.open(newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    for row in rows:
+        second = row["edit_image"].replace(".png", "_b.png")
+        with Image.open(folder / row["edit_image"]) as image:
+            image.rotate(90).save(folder / second)
+        row["edit_image"] = [row["edit_image"], second]
+    path = folder / "metadata.json"
+    path.write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    csv_path.unlink()
+    return path
+
+
+def metadata_file(data: Path) -> Path:
+    json_path = data / "metadata.json"
+    return json_path if json_path.is_file() else data / "metadata.csv"
+
+
 @pytest.fixture(scope="session")
 def datasets(tmp_path_factory):
-    """pipeline name -> a small captioned image set with the columns its task needs."""
+    """pipeline name -> a small captioned image set with the columns its declaration requires."""
     made: dict[str, Path] = {}
 
     def get(pipeline) -> Path:
         if pipeline.name not in made:
             folder = tmp_path_factory.mktemp(f"data-{pipeline.name}")
-            write_synthetic_dataset(folder, count=SAMPLES, size=SIZE, seed=3, distill=pipeline.task == "direct_distill")
+            write_dataset(pipeline, folder, count=SAMPLES, seed=3)
             made[pipeline.name] = folder
         return made[pipeline.name]
 
@@ -83,9 +199,11 @@ def datasets(tmp_path_factory):
 
 
 def flags(family, pipeline, models: Path, data: Path, lora: str, **extra):
-    kwargs = dict(pipeline=pipeline.name, dataset_base_path=str(data), dataset_metadata_path=str(data / "metadata.csv"),
+    kwargs = dict(pipeline=pipeline.name, dataset_base_path=str(data), dataset_metadata_path=str(metadata_file(data)),
                   model_paths=str(models), lora_base_model=lora, lora_rank=4, max_pixels=SIZE * SIZE, seed=5,
                   learning_rate=1e-3, progress=False, plot=False)
+    if extra_columns(pipeline):
+        kwargs["extra_inputs"] = ",".join(extra_columns(pipeline))
     kwargs.update(extra)
     return kwargs
 
@@ -102,10 +220,12 @@ def assert_same_training(a: Path, b: Path, checkpoint: str = "epoch-0.safetensor
 
 @pytest.mark.parametrize("family, pipeline", PIPELINES, ids=IDS)
 def test_tiny_models_load_with_the_familys_diffusers_pipeline(family, pipeline, tiny_models):
-    root = tiny_models(family)
-    cls = getattr(diffusers, family.diffusers_pipelines[0])
-    pipe = cls.from_pretrained(str(root))
-    for slot in family.slots:
+    root = tiny_models(family, pipeline)
+    assert json.loads((root / "model_index.json").read_text())["_class_name"] == diffusers_class(family, pipeline)
+    pipe = load_diffusers_pipeline(family, pipeline, root)
+    assert type(pipe).__name__ == diffusers_class(family, pipeline)
+    for name in pipeline_slots(family, pipeline):
+        slot = family.slot(name)
         component = getattr(pipe, slot.subfolder)
         assert type(component).__name__ in slot.class_names or slot.kind == "tokenizer", slot.name
 
@@ -114,7 +234,7 @@ def test_tiny_models_load_with_the_familys_diffusers_pipeline(family, pipeline, 
 @pytest.mark.parametrize("family, pipeline, lora", LORA_CASES,
                          ids=[f"{p.name}-{slot}" for _, p, slot in LORA_CASES])
 def test_split_equals_unsplit_in_both_cache_modes(family, pipeline, lora, tiny_models, datasets, tmp_path):
-    models, data = tiny_models(family), datasets(pipeline)
+    models, data = tiny_models(family, pipeline), datasets(pipeline)
     task = pipeline.task
     unsplit = run(make_args(task=task, output_path=str(tmp_path / "unsplit"), **flags(family, pipeline, models, data, lora)),
                   echo=quiet)
@@ -134,7 +254,7 @@ def test_split_equals_unsplit_in_both_cache_modes(family, pipeline, lora, tiny_m
 @pytest.mark.parametrize("family, pipeline", PIPELINES, ids=IDS)
 def test_stage2_needs_neither_the_frozen_encoders_nor_the_data(family, pipeline, tiny_models, datasets, tmp_path):
     models = tmp_path / "models"
-    shutil.copytree(tiny_models(family), models)
+    shutil.copytree(tiny_models(family, pipeline), models)
     data = tmp_path / "data"
     shutil.copytree(datasets(pipeline), data)
     dit = family.model_slots[0]
@@ -155,14 +275,13 @@ def test_stage2_needs_neither_the_frozen_encoders_nor_the_data(family, pipeline,
 def test_dit_lora_loads_in_the_diffusers_pipeline(family, pipeline, tiny_models, datasets, tmp_path):
     from peft.utils import get_peft_model_state_dict
 
-    models, data = tiny_models(family), datasets(pipeline)
+    models, data = tiny_models(family, pipeline), datasets(pipeline)
     dit = family.slot(family.model_slots[0])
     result = run(make_args(task=f"{pipeline.task}:split", output_path=str(tmp_path / "out"), lora_alpha=8.0,
                            **flags(family, pipeline, models, data, dit.name)), echo=quiet)
     ckpt = result.last_checkpoint
     saved = load_file(str(ckpt))
-    cls = getattr(diffusers, family.diffusers_pipelines[0])
-    pipe = cls.from_pretrained(str(models))
+    pipe = load_diffusers_pipeline(family, pipeline, models)
     denoiser = getattr(pipe, dit.lora_prefix)
     before = {k: v.clone() for k, v in denoiser.state_dict().items()}
     pipe.load_lora_weights(str(ckpt))
@@ -188,12 +307,14 @@ def test_dit_lora_loads_in_the_diffusers_pipeline(family, pipeline, tiny_models,
 @pytest.mark.slow
 @pytest.mark.parametrize("family, pipeline", PIPELINES, ids=IDS)
 def test_two_process_stage1_is_exact_once(family, pipeline, tiny_models, tmp_path):
-    models = tiny_models(family)
+    models = tiny_models(family, pipeline)
     data = tmp_path / "data"
-    write_synthetic_dataset(data, count=5, size=SIZE, seed=4, distill=pipeline.task == "direct_distill")
+    metadata = write_dataset(pipeline, data, count=5, seed=4)
     argv = ["train", "--pipeline", pipeline.name, "--task", f"{pipeline.task}:data_process", "--dataset_base_path", str(data),
-            "--dataset_metadata_path", str(data / "metadata.csv"), "--model_paths", str(models),
+            "--dataset_metadata_path", str(metadata), "--model_paths", str(models),
             "--lora_base_model", family.model_slots[0], "--max_pixels", str(SIZE * SIZE), "--no-progress"]
+    if extra_columns(pipeline):
+        argv += ["--extra_inputs", ",".join(extra_columns(pipeline))]
     one = subprocess.run([str(VENV_BIN / "unitgraph"), *argv, "--output_path", str(tmp_path / "one")],
                          capture_output=True, text=True, env=ENV, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
@@ -219,6 +340,9 @@ def test_every_family_is_complete():
         tiny = family.tiny_module()
         assert {"test", "demo"} <= set(tiny.SIZES), family.name
         assert hasattr(importlib.import_module("diffusers"), family.diffusers_pipelines[0]), family.name
+        for pipeline in family.pipelines:
+            assert hasattr(importlib.import_module("diffusers"), diffusers_class(family, pipeline)), pipeline.name
+            assert diffusers_class(family, pipeline) in family.diffusers_pipelines, pipeline.name
         dit = family.slot(family.model_slots[0])
         assert dit.lora_prefix and dit.lora_targets, family.name
         assert all(family.slot(t).lora_targets for t in family.text_encoders), family.name

@@ -418,7 +418,7 @@ def test_modelscope_missing_model(ms_cache):
     assert set(load_components(["dit"], model_id_with_origin_paths=spec, cache_dir=ms_cache)) == {"dit"}
     with pytest.raises(ModelLoadError) as err:
         load_components(["vae"], model_id_with_origin_paths=spec, cache_dir=ms_cache)
-    _assert_one_line(err.value, "nobody/missing", "not found", "UNITGRAPH_OFFLINE=1")
+    _assert_one_line(err.value, "nobody/missing", "not found", "offline: UNITGRAPH_OFFLINE", "--model_paths")
     with pytest.raises(ModelLoadError) as err:
         load_components(["dit"], model_id_with_origin_paths="Qwen/Qwen-Image:controlnet/x.safetensors",
                         cache_dir=ms_cache)

@@ -13,20 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from clitools import cli
 from unitgraph.backends.diffusion import registry
 from unitgraph.backends.diffusion.args import BackendError, make_args
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    from unitgraph.cli.app import main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        main(list(argv))
-    out, err = capsys.readouterr()
-    return int(exc.value.code or 0), out, err
 
 
 def test_nothing_outside_a_family_folder_names_the_family():
@@ -63,6 +54,13 @@ def test_pipeline_choice(tmp_path):
         folder.mkdir()
         (folder / "model_index.json").write_text(json.dumps({"_class_name": fam.diffusers_pipelines[0]}))
         assert choose_pipeline(make_args(model_paths=str(folder), lora_base_model="dit"))[0] is fam
+    for fam in registry.families():  # a class of one pipeline's own (e.g. an edit pipeline) selects that pipeline
+        for p in fam.pipelines:
+            if p.diffusers_pipeline:
+                folder = tmp_path / f"own-{p.name}"
+                folder.mkdir()
+                (folder / "model_index.json").write_text(json.dumps({"_class_name": p.diffusers_pipeline}))
+                assert choose_pipeline(make_args(model_paths=str(folder), task=p.task, lora_base_model="dit"))[1] is p
     unknown = tmp_path / "other"
     unknown.mkdir()
     (unknown / "model_index.json").write_text(json.dumps({"_class_name": "SomeOtherPipeline"}))
@@ -86,7 +84,9 @@ def test_pipelines_command(capsys):
     rows = json.loads(out)
     assert [r["family"] for r in rows] == [f.name for f in registry.families()]
     qwen = rows[0]
-    assert {p["name"]: p["task"] for p in qwen["pipelines"]} == {"qwen_image": "sft", "qwen_image_distill": "direct_distill"}
+    tasks = {p["name"]: p["task"] for p in qwen["pipelines"]}
+    assert tasks == {p.name: p.task for p in registry.family("qwen_image").pipelines}
+    assert tasks["qwen_image"] == "sft" and tasks["qwen_image_distill"] == "direct_distill"
     assert {s["name"] for s in qwen["slots"]} >= {"dit", "vae", "text_encoder", "tokenizer", "scheduler"}
     code, out, _ = cli(capsys, "pipelines")
     assert code == 0 and "qwen_image_distill" in out and "QwenImageTransformer2DModel" in out

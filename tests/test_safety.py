@@ -17,29 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from clitools import cli, one_error_line as one_line
 from unitgraph.atomic import write_text_atomic
 from unitgraph.errors import OutputError, UnitgraphError
 
 EXAMPLE = "examples:qwen_image"
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    from unitgraph.cli.app import main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        main(list(argv))
-    out, err = capsys.readouterr()
-    return int(exc.value.code or 0), out, err
-
-
-def one_line(code: int, err: str, *fragments: str) -> str:
-    lines = err.strip().splitlines()
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("unitgraph: error: ") and "Traceback" not in err, err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
 
 
 # ------------------------------------------------------------------------------------------------

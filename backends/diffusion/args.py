@@ -46,6 +46,7 @@ class TrainArgs:
     model_paths: Optional[str] = _f(None, "A JSON list of model folders, or one path (a diffusers pipeline folder works).", "models")
     model_id_with_origin_paths: Optional[str] = _f(None, "'org/name:sub/pattern,...' resolved through modelscope.", "models")
     tokenizer_path: Optional[str] = _f(None, "Tokenizer folder (default: beside the text encoder or in the pipeline folder).", "models")
+    processor_path: Optional[str] = _f(None, "Processor folder for a pipeline whose text encoder reads images (the edit pipelines; default: in the pipeline folder or beside the text encoder, else the family's model id).", "models")
     modelscope_cache_dir: Optional[str] = _f(None, "modelscope cache folder (default: modelscope's own).", "models")
     offload_models: Optional[str] = _f(None, "Accepted for compatibility (no effect: each stage loads only its models).", "models")
     fp8_models: Optional[str] = _f(None, "Accepted for compatibility (no fp8 on CPU; ignored with a warning).", "models")

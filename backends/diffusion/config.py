@@ -10,22 +10,19 @@ that cache keys record (`context.UnitSettings`), the optimisation (`OptimConfig`
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from .args import BackendError, TrainArgs, split_list
 from .context import CACHE_DTYPES, DTYPE, ImageSize, UnitSettings
 from .family import Family, PipelineDef
-from .models import OFFLINE_ENV, ModelSources
-from .registry import default_family, family_from_model_paths, pipeline_for_task
-
-_TRUE = ("1", "true", "yes", "on")
-
+from .hub import Hub
+from .models import ModelSources
+from .registry import default_family, pipeline_for_task, pipeline_from_model_paths
 
 def offline_from_env(environ: Any = None) -> bool:
-    """Whether model ids resolve from the local modelscope cache only (read once, where flags are parsed)."""
-    environ = os.environ if environ is None else environ
-    return str(environ.get(OFFLINE_ENV, "")).strip().lower() in _TRUE
+    """Whether model ids resolve from local files only (hub.OFFLINE_VARIABLES; read once, where flags are parsed)."""
+    return Hub.from_env(environ=environ).offline
 
 
 @dataclass(frozen=True)
@@ -47,11 +44,15 @@ class ModelConfig:
     tokenizer_path: Optional[str] = None
     cache_dir: Optional[str] = None
     offline: bool = False
+    hub: Hub = field(default_factory=Hub)  # where model ids are found (DiffSynth's ./models, the modelscope cache)
+    processor_path: Optional[str] = None  # DiffSynth's --processor_path (a multimodal processor folder or model id)
 
     def sources(self, family: Family, offline: Optional[bool] = None) -> ModelSources:
         """The family's slots resolved from these arguments (`offline` overrides the setting)."""
+        hub = self.hub if offline is None or offline == self.hub.offline else \
+            replace(self.hub, offline=offline, offline_reason=self.hub.offline_reason or "comparing stage-1 models")
         return ModelSources(family.slots, self.model_paths, self.model_id_with_origin_paths, self.tokenizer_path,
-                            self.cache_dir, offline=self.offline if offline is None else offline)
+                            self.cache_dir, offline=hub.offline, hub=hub, processor_path=self.processor_path)
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ class RunConfig:
                 raise BackendError(f"--lora_base_model {args.lora_base_model}: this family has no default LoRA targets "
                                    "for it; pass --lora_target_modules")
         cache_dtype = CACHE_DTYPES[args.cache_dtype] if args.cache_dtype else DTYPE
+        hub = Hub.from_env(args.modelscope_cache_dir, environ)
         notes = ["note: --fp8_models is ignored (no fp8 training on this backend)"] if args.fp8_models else []
         workers = args.dataset_num_workers
         cores = usable_cores()
@@ -145,7 +147,7 @@ class RunConfig:
             data=DataConfig(args.dataset_base_path, args.dataset_metadata_path, tuple(args.file_keys()),
                             tuple(args.extra_input_names()), args.dataset_repeat, workers),
             models=ModelConfig(args.model_paths, args.model_id_with_origin_paths, args.tokenizer_path,
-                               args.modelscope_cache_dir, offline=offline_from_env(environ)),
+                               args.modelscope_cache_dir, offline=hub.offline, hub=hub, processor_path=args.processor_path),
             optim=OptimConfig(args.learning_rate, args.weight_decay, args.num_epochs, args.gradient_accumulation_steps,
                               args.batch_size, tuple(args.trainable()),
                               args.use_gradient_checkpointing or args.use_gradient_checkpointing_offload,
@@ -182,8 +184,7 @@ def choose_pipeline(args: TrainArgs) -> tuple[Family, PipelineDef]:
         paths = parse_model_paths(args.model_paths)
     except ModelLoadError:
         paths = []  # reported when the models are resolved
-    family = family_from_model_paths(paths) or default_family()
-    return pipeline_for_task(family.name, args.family)
+    return pipeline_from_model_paths(paths, args.family) or pipeline_for_task(default_family().name, args.family)
 
 
 __all__ = ["DataConfig", "LoraSpec", "ModelConfig", "OptimConfig", "OutputConfig", "RunConfig", "choose_pipeline",

@@ -152,6 +152,10 @@ class PipelineDef:
     `task` is the --task family it runs (`sft`, `direct_distill`); `required` are the metadata
     columns every sample must have, `optional` those used when present; `param_types` converts
     metadata strings (csv carries only strings) for the dataset params that are numbers.
+    `diffusers_pipeline` is the diffusers pipeline class its tiny folders load with and its LoRA files
+    are checked with (None: the family's first). `companions` are the auxiliary slots (a processor,
+    say) a stage loads together with a model for this pipeline, beside the tokenizer a text encoder
+    pairs with: {"text_encoder": ("processor",)} loads the processor wherever the text encoder runs.
     """
 
     name: str
@@ -161,6 +165,8 @@ class PipelineDef:
     description: str = ""
     required: tuple[str, ...] = ("image", "prompt")
     optional: tuple[str, ...] = ()
+    diffusers_pipeline: Optional[str] = None
+    companions: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
 
     @cached_property
     def spec_pipeline(self) -> Pipeline:
@@ -180,7 +186,9 @@ class PipelineDef:
 class ModelSlot:
     """One component a family loads, named as DiffSynth-Studio's pipeline names it (`dit`, `vae`, ...).
 
-    kind: "model" (weights, may be trained), "tokenizer", "scheduler" or "processor".
+    kind: "model" (weights, may be trained), "tokenizer", "scheduler" or "processor" (a multimodal
+    processor folder: preprocessor_config.json beside tokenizer files; a stage loads it as a pipeline's
+    companion of a model, see PipelineDef.companions).
     library / class_name: the class `from_pretrained` is called on (e.g. `diffusers.AutoencoderKL`).
     subfolder: its key in a diffusers pipeline folder's model_index.json.
     accepts: further class names that identify a folder of this slot (`_class_name` for diffusers,
@@ -189,7 +197,7 @@ class ModelSlot:
     lora_targets: the default --lora_target_modules when it is the LoRA base model.
     tokenizer: the tokenizer slot paired with this text encoder (FLUX has two such pairs).
     default_config: for a scheduler, the family's published config, used when no folder gives one.
-    origin: (model id, pattern) DiffSynth falls back to when only model ids are given (tokenizers).
+    origin: (model id, pattern) DiffSynth falls back to when only model ids are given (tokenizers, processors).
     """
 
     name: str
@@ -215,9 +223,10 @@ class Family:
     """A model family: everything the generic machinery needs to train it.
 
     diffusers_pipelines: the `_class_name`s of model_index.json that mean this family (the first is
-    the class its tiny folders and LoRA files are checked with). slots: the denoiser first (a scheduler
-    folder is looked for beside it). tiny: the module (relative to the
-    family's package) with `SIZES` and `write_tiny_models(outdir, size, seed)`. pad: params padded
+    the class its tiny folders and LoRA files are checked with, unless a pipeline names its own). slots: the
+    denoiser first (a scheduler folder is looked for beside it). tiny: the module (relative to the family's
+    package) with `SIZES` and `write_tiny_models(outdir, size, seed, pipeline=None)` (the folder for a
+    pipeline's diffusers class; None: the family's first pipeline's). pad: params padded
     along dim 1 in a batch, each with its 0/1 mask param. demo: flags the demo trains with.
     """
 
@@ -242,6 +251,10 @@ class Family:
             unknown = sorted(set(pipeline.spec().models) - set(names))
             if unknown:
                 raise ValueError(f"family {self.name}: pipeline {pipeline.name} calls undeclared models {unknown}")
+            for model, aux in pipeline.companions.items():
+                unknown = sorted({model, *aux} - set(names))
+                if unknown:
+                    raise ValueError(f"family {self.name}: pipeline {pipeline.name} has companions of undeclared slots {unknown}")
 
     def slot(self, name: str) -> ModelSlot:
         for slot in self.slots:

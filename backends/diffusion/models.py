@@ -20,20 +20,23 @@ is cheap.
 
 from __future__ import annotations
 
-import fnmatch
 import importlib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 from .family import ModelSlot
+from .hub import Hub, origin_subfolder as _origin_subfolder
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                     "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "spiece.model")
 _WEIGHT_INDEX_FILES = ("diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json")
 _WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
+# A processor folder: these configs beside its tokenizer files (preprocessor_config.json marks one)
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                    "chat_template.json")
 # Read once where the flags are parsed (config.ModelConfig); named in messages.
 OFFLINE_ENV = "UNITGRAPH_OFFLINE"
 
@@ -177,6 +180,8 @@ class SlotTable:
         self.by_class = {c: s.name for s in slots if s.kind != "tokenizer" for c in s.class_names}
         self.by_model_type = {t: s.name for s in slots for t in s.model_types}
         self.tokenizers = [s.name for s in slots if s.kind == "tokenizer"]
+        self.processors = [s.name for s in slots if s.kind == "processor"]
+        self.text_encoders = [s.name for s in slots if s.kind == "model" and s.tokenizer is not None]
         self.denoiser = next(s.name for s in slots if s.kind == "model")  # a family declares its denoiser first
 
     def __getitem__(self, name: str) -> ModelSlot:
@@ -191,6 +196,13 @@ class SlotTable:
     def encoder_of(self, tokenizer: str) -> str | None:
         """The text encoder slot a tokenizer slot is paired with."""
         return next((s.name for s in self.slots.values() if s.tokenizer == tokenizer), None)
+
+    def processor_slot(self, class_name: str) -> str:
+        """The processor slot for a processor class (the only one, when the family has one)."""
+        for name in self.processors:
+            if class_name in self.slots[name].class_names:
+                return name
+        return self.processors[0]
 
     def tokenizer_slot(self, class_name: str) -> str:
         """The tokenizer slot for a tokenizer class (the only one, when the family has one)."""
@@ -273,6 +285,11 @@ def classify_folder(path: Path | str, table: SlotTable, origin: str | None = Non
             raise ModelLoadError(p, f"unsupported scheduler {class_name or '(no _class_name)'} (expected {expected})")
         return _Entry(origin=origin, path=p, kind=slot, class_name=class_name)
 
+    if table.processors and _is_processor_folder(p):
+        class_name = _processor_class(p)
+        slot = table.processor_slot(class_name)
+        return _Entry(origin=origin, path=p, kind=slot, class_name=class_name or table.expected(slot))
+
     if _is_tokenizer_folder(p):
         class_name = _tokenizer_class(p)
         slot = table.tokenizer_slot(class_name)
@@ -291,45 +308,18 @@ def _tokenizer_class(folder: Path) -> str:
     return str(_read_json(cfg).get("tokenizer_class", "")) if cfg.is_file() else ""
 
 
-# --------------------------------------------------------------------------------------------
-# modelscope
+def _is_processor_folder(p: Path) -> bool:
+    return p.is_dir() and (p / "preprocessor_config.json").is_file()
 
 
-def _origin_subfolder(pattern: str) -> str:
-    """'transformer/diffusion_pytorch_model*.safetensors' -> 'transformer'; 'x.safetensors' -> ''."""
-    head, sep, _ = pattern.partition("/")
-    return head if sep else ""
-
-
-def _modelscope_snapshot(model_id: str, pattern: str, cache_dir: str | os.PathLike | None, offline: bool) -> Path:
-    """Resolve model_id through modelscope (its local cache only when `offline`)."""
-    sub = _origin_subfolder(pattern)
-    file_pattern = pattern + "*" if pattern.endswith("/") else pattern
-    allow = [file_pattern, f"{sub}/*.json" if sub else "*.json"]
-    label = f"modelscope:{model_id}:{pattern}"
-    try:
-        from modelscope import snapshot_download
-    except ImportError as exc:  # pragma: no cover - modelscope is a backend dependency
-        raise ModelLoadError(label, f"modelscope is not installed ({exc})") from None
-    try:
-        root = snapshot_download(
-            model_id,
-            cache_dir=None if cache_dir is None else str(cache_dir),
-            allow_patterns=allow,
-            local_files_only=offline,
-        )
-    except Exception as exc:  # modelscope raises several unrelated types here
-        where = f"cache {cache_dir}" if cache_dir is not None else "default modelscope cache"
-        how = f"not found in the {where} ({OFFLINE_ENV}=1, no download)" if offline else "cannot be downloaded"
-        detail = str(exc).splitlines()[0] if str(exc) else ""
-        raise ModelLoadError(label, f"model {how}: {type(exc).__name__}" + (f": {detail}" if detail else "")) from None
-    root_path = Path(root)
-    folder = root_path / sub if sub else root_path
-    if not folder.is_dir():
-        raise ModelLoadError(folder, f"{label} has no folder {sub or '.'} in its snapshot")
-    if not any(fnmatch.fnmatch(str(f.relative_to(root_path)), file_pattern) for f in folder.rglob("*") if f.is_file()):
-        raise ModelLoadError(folder, f"{label}: no file in the snapshot matches {file_pattern}")
-    return folder
+def _processor_class(folder: Path) -> str:
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        cfg = folder / name
+        if cfg.is_file():
+            value = _read_json(cfg).get("processor_class")
+            if value:
+                return str(value)
+    return ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,16 +332,20 @@ class ModelSources:
     Component folders from model_paths are classified eagerly (config files only); modelscope
     entries whose origin subfolder names a slot (transformer/, vae/, ...) are resolved only
     when that slot is asked for. A pipeline folder's subfolders are only looked at on demand.
-    `tokenizer_path` (DiffSynth's --tokenizer_path) is the tokenizer of the first text encoder.
+    `tokenizer_path` (DiffSynth's --tokenizer_path) is the tokenizer of the first text encoder;
+    `processor_path` (DiffSynth's --processor_path) the family's first processor.
     """
 
     def __init__(self, slots: Sequence[ModelSlot] | SlotTable, model_paths: Any = None,
                  model_id_with_origin_paths: Any = None, tokenizer_path: Any = None, cache_dir: Any = None,
-                 offline: bool = False):
+                 offline: bool = False, hub: Optional[Hub] = None, processor_path: Any = None):
         self.table = slots if isinstance(slots, SlotTable) else SlotTable(slots)
         self.cache_dir = cache_dir
         self.offline = bool(offline)
+        self.hub = hub or Hub(cache_dir=None if cache_dir is None else str(cache_dir), offline=self.offline,
+                              offline_reason=OFFLINE_ENV if self.offline else "")
         self.tokenizer_path = None if tokenizer_path in (None, "") else str(tokenizer_path)
+        self.processor_path = None if processor_path in (None, "") else str(processor_path)
         self._remote = parse_model_id_with_origin_paths(model_id_with_origin_paths)
         self.entries: list[_Entry] = []
         self._seen: set[Path] = set()
@@ -374,7 +368,7 @@ class ModelSources:
         return bool(self.entries or self._remote)
 
     def _snapshot(self, model_id: str, pattern: str) -> Path:
-        return _modelscope_snapshot(model_id, pattern, self.cache_dir, self.offline)
+        return self.hub.snapshot(model_id, pattern, ModelLoadError)
 
     def _fetch_remote(self, i: int) -> None:
         if i in self._remote_done:
@@ -419,6 +413,8 @@ class ModelSources:
         kind = self.table[slot].kind
         if kind == "tokenizer":
             return self._resolve_tokenizer(slot)
+        if kind == "processor":
+            return self._resolve_processor(slot)
         self._fetch_remote_for(slot)
         entry = self._component(slot)
         if entry is not None:
@@ -473,35 +469,90 @@ class ModelSources:
             if encoder is not None and _is_tokenizer_folder(encoder.path.parent / subfolder):
                 return self._tokenizer_source(slot, encoder.path.parent / subfolder, encoder.origin)
         # Like DiffSynth: the tokenizer folder of the text encoder's model id, else the family's default origin.
-        origin = self.table[slot].origin
-        if self._remote and origin is not None:
-            ids = [encoder.model_id] if encoder is not None and encoder.model_id else []
-            ids += [model_id for model_id, _ in self._remote]
-            ids.append(origin[0])
-            last_error = None
-            for model_id in dict.fromkeys(ids):
-                try:
-                    folder = self._snapshot(model_id, origin[1])
-                except ModelLoadError as exc:
-                    last_error = exc
-                    continue
-                return self._tokenizer_source(slot, folder, f"{model_id}:{origin[1]}")
-            if last_error is not None and pipeline_error is None:
-                raise last_error
+        source = self._from_origins(slot, encoder, self._tokenizer_source, pipeline_error)
+        if source is not None:
+            return source
         if pipeline_error is not None:
             raise pipeline_error
         raise self._missing(slot)
+
+    def _from_origins(self, slot: str, encoder: _Entry | None, make: Any,
+                      pipeline_error: ModelLoadError | None) -> ComponentSource | None:
+        """The slot's origin folder (ModelSlot.origin's pattern) under the model ids given, the text encoder's
+        first, then the family's default model id; None when no model id is given or the slot has no origin."""
+        origin = self.table[slot].origin
+        if not self._remote or origin is None:
+            return None
+        ids = [encoder.model_id] if encoder is not None and encoder.model_id else []
+        ids += [model_id for model_id, _ in self._remote]
+        ids.append(origin[0])
+        last_error = None
+        for model_id in dict.fromkeys(ids):
+            try:
+                folder = self._snapshot(model_id, origin[1])
+            except ModelLoadError as exc:
+                last_error = exc
+                continue
+            return make(slot, folder, f"{model_id}:{origin[1]}")
+        if last_error is not None and pipeline_error is None:
+            raise last_error
+        return None
 
     def _tokenizer_source(self, slot: str, folder: Path, origin: str) -> ComponentSource:
         if not _is_tokenizer_folder(folder):
             raise ModelLoadError(folder, "not a tokenizer folder (no tokenizer.json or tokenizer_config.json)")
         return ComponentSource(slot, folder, _tokenizer_class(folder) or self.table.expected(slot), origin)
 
+    def _resolve_processor(self, slot: str) -> ComponentSource:
+        """--processor_path; a processor folder given (classified by its preprocessor_config.json); a pipeline
+        folder's processor subfolder; a processor folder beside the text encoder's; else, when model ids are
+        given, the slot's origin folder (where DiffSynth's --processor_path defaults to)."""
+        if self.processor_path is not None and slot == self.table.processors[0]:
+            local = Path(self.processor_path).expanduser()
+            if local.exists() or ":" not in self.processor_path:
+                if not local.exists():
+                    raise ModelLoadError(local, "processor path does not exist")
+                return self._processor_source(slot, local, self.processor_path)
+            model_id, pattern = parse_model_id_with_origin_paths(self.processor_path)[0]
+            return self._processor_source(slot, self._snapshot(model_id, pattern), self.processor_path)
+        self._fetch_remote_for(slot)
+        entry = self._component(slot)
+        if entry is not None:
+            return ComponentSource(slot, entry.path, entry.class_name, entry.origin)
+        pipeline_error = None
+        try:
+            source = self._pipeline_source(slot)
+        except ModelLoadError as exc:  # e.g. the pipeline's processor/ folder is missing
+            source, pipeline_error = None, exc
+        if source is not None:
+            return source
+        subfolder = self.table[slot].subfolder
+        encoder = None
+        for encoder_slot in self.table.text_encoders:
+            self._fetch_remote_for(encoder_slot)
+            found = self._component(encoder_slot)
+            encoder = encoder or found
+            if found is not None and _is_processor_folder(found.path.parent / subfolder):
+                return self._processor_source(slot, found.path.parent / subfolder, found.origin)
+        source = self._from_origins(slot, encoder, self._processor_source, pipeline_error)
+        if source is not None:
+            return source
+        if pipeline_error is not None:
+            raise pipeline_error
+        raise self._missing(slot)
+
+    def _processor_source(self, slot: str, folder: Path, origin: str) -> ComponentSource:
+        if not _is_processor_folder(folder):
+            raise ModelLoadError(folder, "not a processor folder (no preprocessor_config.json)")
+        return ComponentSource(slot, folder, _processor_class(folder) or self.table.expected(slot), origin)
+
     def _missing(self, slot: str) -> ModelLoadError:
         if not self.has_sources:
             return ModelLoadError(None, f"no model given for {slot}: pass --model_paths or --model_id_with_origin_paths")
         if self.table[slot].kind == "tokenizer":
             return ModelLoadError(None, f"no {slot} found beside the text encoder or in a pipeline folder; pass --tokenizer_path")
+        if self.table[slot].kind == "processor":
+            return ModelLoadError(None, f"no {slot} found beside the text encoder or in a pipeline folder; pass --processor_path")
         for i in range(len(self._remote)):  # describe everything that was given
             self._fetch_remote(i)
         expected = self.table.expected(slot)
@@ -575,6 +626,8 @@ def component_files(source: ComponentSource, kind: str, include_config: bool = T
         files += weights
     elif kind == "tokenizer":
         files = [folder / name for name in _TOKENIZER_FILES if (folder / name).is_file()]
+    elif kind == "processor":  # its configs and its tokenizer's files
+        files = [folder / name for name in (*_PROCESSOR_FILES, *_TOKENIZER_FILES) if (folder / name).is_file()]
     elif include_config:
         files = [folder / name for name in ("scheduler_config.json", "preprocessor_config.json",
                                              "processor_config.json") if (folder / name).is_file()]
@@ -603,6 +656,27 @@ def _class(slot: ModelSlot) -> Any:
     return getattr(module, slot.class_name)
 
 
+@dataclass(frozen=True)
+class ProcessorParts:
+    """A transformers processor folder loaded as its image processor and tokenizer, where the processor
+    class itself cannot be built (transformers 5 builds a processor with a video part only when torchvision
+    is installed, even to process images). Unit code that reads a processor uses only these two attributes."""
+
+    image_processor: Any
+    tokenizer: Any
+
+
+def _load_processor(cls: Any, folder: Path) -> Any:
+    """The processor class from `folder`, or its parts when the class needs a library that is not installed."""
+    try:
+        return cls.from_pretrained(str(folder), local_files_only=True)
+    except ImportError:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        return ProcessorParts(image_processor=AutoImageProcessor.from_pretrained(str(folder), local_files_only=True),
+                              tokenizer=AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+
+
 def load_component(source: ComponentSource, slot: ModelSlot, torch_dtype: Any = None):
     """Load one resolved component with its slot's class. Model weights are read from safetensors only."""
     dtype = _dtype(torch_dtype)
@@ -622,6 +696,8 @@ def load_component(source: ComponentSource, slot: ModelSlot, torch_dtype: Any = 
             from transformers import AutoTokenizer
 
             return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        if slot.kind == "processor" and slot.library == "transformers":
+            return _load_processor(cls, folder)
         return cls.from_pretrained(str(folder), local_files_only=True)
     except ModelLoadError:
         raise

@@ -73,8 +73,9 @@ def pipeline_for_task(name: str, task: str) -> tuple[Family, PipelineDef]:
                        f"{', '.join(f'{p.name} ({p.task})' for p in fam.pipelines)})")
 
 
-def family_from_model_paths(paths: Iterable[str]) -> Optional[Family]:
-    """The family whose diffusers pipeline class a given folder's model_index.json names (None when none does)."""
+def pipeline_from_model_paths(paths: Iterable[str], task: str) -> Optional[tuple[Family, PipelineDef]]:
+    """The pipeline a given folder's model_index.json names by its diffusers class (a pipeline of `task` whose
+    own class it is, else its family's pipeline for `task`); None when no folder names a registered class."""
     for given in paths:
         index = Path(given).expanduser() / "model_index.json"
         try:
@@ -82,8 +83,11 @@ def family_from_model_paths(paths: Iterable[str]) -> Optional[Family]:
         except (OSError, ValueError, AttributeError, RecursionError):
             continue
         for fam in families():
-            if class_name in fam.diffusers_pipelines:
-                return fam
+            own = [p for p in fam.pipelines if p.diffusers_pipeline == class_name and p.task == task]
+            if own:
+                return fam, own[0]
+            if class_name in fam.diffusers_pipelines or any(p.diffusers_pipeline == class_name for p in fam.pipelines):
+                return pipeline_for_task(fam.name, task)
     return None
 
 

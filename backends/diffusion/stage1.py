@@ -100,11 +100,15 @@ def made_with(cfg: RunConfig) -> dict[str, Any]:
     tokenizer = args.tokenizer_path
     if tokenizer and os.path.exists(tokenizer):
         tokenizer = os.path.abspath(tokenizer)
+    processor = args.processor_path
+    if processor and os.path.exists(processor):
+        processor = os.path.abspath(processor)
     return {
         "task": args.family, "pipeline": cfg.pipeline.name, "dataset_base_path": absolute(args.dataset_base_path),
         "dataset_metadata_path": absolute(args.dataset_metadata_path), "data_file_keys": args.data_file_keys,
         "extra_inputs": args.extra_inputs, "model_paths": model_paths,
         "model_id_with_origin_paths": args.model_id_with_origin_paths, "tokenizer_path": tokenizer,
+        "processor_path": processor,
         "modelscope_cache_dir": absolute(args.modelscope_cache_dir), "trainable_models": args.trainable_models,
         "lora_base_model": args.lora_base_model, "cache_mode": args.cache_mode,
         "height": args.height, "width": args.width, "max_pixels": args.max_pixels, "cache_dtype": args.cache_dtype,

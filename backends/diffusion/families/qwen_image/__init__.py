@@ -1,7 +1,11 @@
-"""The Qwen-Image family: text-to-image fine-tuning (`qwen_image`) and direct distillation (`qwen_image_distill`).
+"""The Qwen-Image family: text-to-image fine-tuning (`qwen_image`), image editing with one edit image
+(`qwen_image_edit`, Qwen-Image-Edit) or several (`qwen_image_edit_plus`, Qwen-Image-Edit-2509 and later),
+and direct distillation (`qwen_image_distill`).
 
 Model names follow DiffSynth-Studio's QwenImagePipeline (`dit`, `vae`, `text_encoder`), so its
-commands port unchanged; the classes and subfolders are those of diffusers' `QwenImagePipeline`.
+commands port unchanged; the classes and subfolders are those of diffusers' `QwenImagePipeline`
+(`QwenImageEditPipeline` / `QwenImageEditPlusPipeline` for the edit pipelines, whose text encoder reads
+the edit images through the `processor` slot: a Qwen2VLProcessor folder, `--processor_path`).
 The unit code is in `units.py` (each declaration above its function), the losses in `losses.py`, the
 tiny random-weight configs in `tiny.py`. No torch is imported here.
 """
@@ -46,6 +50,9 @@ SLOTS = (
               accepts=("Qwen2TokenizerFast",), origin=("Qwen/Qwen-Image", "tokenizer/")),
     ModelSlot("scheduler", "diffusers", "FlowMatchEulerDiscreteScheduler", "scheduler", kind="scheduler",
               default_config=SCHEDULER_CONFIG),
+    # the edit pipelines' processor (DiffSynth's --processor_path, default Qwen/Qwen-Image-Edit:processor/)
+    ModelSlot("processor", "transformers", "Qwen2VLProcessor", "processor", kind="processor",
+              accepts=("Qwen2_5_VLProcessor",), origin=("Qwen/Qwen-Image-Edit", "processor/")),
 )
 
 _ENCODERS = (u.shape_checker, u.image_encoder, u.edit_image_encoder, u.prompt_encoder)
@@ -56,6 +63,35 @@ QWEN_IMAGE = PipelineDef(
     loss=losses.flow_matching_loss,
     description="Qwen-Image text-to-image (and edit) fine-tuning with the flow-matching loss",
 )
+
+# The edit pipelines: the edit images reach the DiT as extra tokens after the target's (their latents,
+# one img_shapes entry each; the loss reads the target tokens only) and the text encoder as images
+# through the processor (pixel_values, image_grid_thw). The VL preprocessing of the edit images is its
+# own unit (ConditionImageResizer), so a LoRA on the text encoder leaves it, and the VAE, in stage 1.
+_EDIT_COMPANIONS = {"text_encoder": ("processor",)}
+
+
+def _edit_pipeline(name: str, diffusers_class: str, resizers: tuple, prompt_encoder, description: str) -> PipelineDef:
+    edit_resizer, condition_resizer = resizers
+    return PipelineDef(
+        name, "sft",
+        units=(u.target_shape_checker, u.image_encoder, edit_resizer, u.edit_images_encoder, condition_resizer,
+               prompt_encoder, u.latent_sampler, u.noise_initializer, u.latent_packer, u.timestep_sampler),
+        loss=losses.flow_matching_loss,
+        description=description,
+        required=("image", "prompt", "edit_image"),
+        diffusers_pipeline=diffusers_class,
+        companions=_EDIT_COMPANIONS,
+    )
+
+
+QWEN_IMAGE_EDIT = _edit_pipeline(
+    "qwen_image_edit", "QwenImageEditPipeline", (u.edit_image_resizer, u.condition_image_resizer), u.edit_prompt_encoder,
+    "Qwen-Image-Edit fine-tuning: one edit image per sample (edit_image column), seen by the DiT and the VL text encoder")
+QWEN_IMAGE_EDIT_PLUS = _edit_pipeline(
+    "qwen_image_edit_plus", "QwenImageEditPlusPipeline", (u.edit_images_resizer, u.condition_images_resizer),
+    u.edit_plus_prompt_encoder,
+    "Qwen-Image-Edit-2509 fine-tuning: one or more edit images per sample (edit_image: a JSON list of files)")
 
 # The noise comes from the sample's `seed` (metadata), so it is deterministic and cacheable; the
 # target is the posterior mean. `num_inference_steps` and `cfg_scale` are dataset values read by the loss.
@@ -73,8 +109,9 @@ FAMILY = Family(
     title="Qwen-Image",
     package=__name__,
     slots=SLOTS,
-    pipelines=(QWEN_IMAGE, QWEN_IMAGE_DISTILL),
-    diffusers_pipelines=("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline"),
+    pipelines=(QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, QWEN_IMAGE_DISTILL),
+    diffusers_pipelines=("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline",
+                         "QwenImageEditPipeline", "QwenImageEditPlusPipeline"),
     # padded along dim 1 to the longest in a batch; the mask marks padding with 0, which the transformer ignores
     pad={"prompt_emb": "prompt_emb_mask", "negative_prompt_emb": "negative_prompt_emb_mask"},
     demo={"lora_target_modules": "to_q,to_k,to_v,to_out.0", "lora_rank": 8, "learning_rate": 1e-3},

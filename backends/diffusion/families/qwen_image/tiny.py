@@ -4,6 +4,15 @@
 (model_index.json, transformer/, vae/, text_encoder/, tokenizer/, scheduler/) that
 `diffusers.QwenImagePipeline.from_pretrained(outdir)` loads and runs offline.
 
+`write_tiny_models(outdir, size, seed, pipeline="qwen_image_edit")` (or `qwen_image_edit_plus`) writes
+the edit pipelines' folder instead: the same components plus a processor/ subfolder (the tiny
+tokenizer and a Qwen2-VL image processor with small min/max pixels), a tokenizer that also knows
+the vision tokens and is trained on the edit template too (its system prefix is exactly the 64
+tokens diffusers drops), and a text encoder whose config names those tokens' ids, so that its
+1-layer vision tower runs on the edit image. Its model_index.json names QwenImageEditPipeline
+(QwenImageEditPlusPipeline), which loads it (where transformers can build a Qwen2VLProcessor: it
+needs torchvision for the processor's video part).
+
 Two sizes:
   * ``test``: a DiT LoRA step at 64 px takes ~10 ms on CPU (VAE spatial factor 4, z_dim 4).
   * ``demo``: a DiT LoRA step at 256 px takes ~0.15 s (VAE spatial factor 8, z_dim 16).
@@ -23,13 +32,15 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from . import SCHEDULER_CONFIG
-from .units import PROMPT_TEMPLATE, PROMPT_TEMPLATE_DROP  # noqa: F401 - the tests check the template length
+from .units import EDIT_TEMPLATE, EDIT_TEMPLATE_DROP, PROMPT_TEMPLATE, PROMPT_TEMPLATE_DROP  # noqa: F401 - the tests check the template lengths
 
 # The tokenizer below is trained so that every word of the pipeline's system template
 # (diffusers' prompt_template_encode) is one token: the prefix up to "user\n" is then exactly
 # PROMPT_TEMPLATE_DROP (prompt_template_encode_start_idx, 34) tokens long.
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen2.5-VL's vision tokens, which the edit templates and the processor use (edit tokenizers only)
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 TOKENIZER_VOCAB_SIZE = 1024  # upper bound for the trained BPE; also the text model's vocab_size
 
 # Qwen2's pre-tokenizer split pattern (same as transformers' Qwen2Tokenizer).
@@ -132,6 +143,15 @@ SIZES: dict[str, dict[str, Any]] = {
     },
 }
 
+# The edit pipelines' image processor (Qwen2VLImageProcessor), per size: the VL encoder sees the edit
+# image at min_pixels..max_pixels (sides multiples of patch_size * merge_size = 28), so 56x56 gives
+# 16 patches and 4 image tokens at test size. Kept out of SIZES so the text-to-image folder stays as it was.
+PROCESSOR_SIZES: dict[str, dict[str, Any]] = {
+    "test": {"min_pixels": 56 * 56, "max_pixels": 56 * 56, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2},
+    "demo": {"min_pixels": 56 * 56, "max_pixels": 112 * 112, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2},
+}
+
+
 @dataclass(frozen=True)
 class VaeGeometry:
     """Latent geometry of a Qwen-Image VAE: pixels per latent cell and latent channels."""
@@ -172,11 +192,12 @@ def _split_template_text(text: str) -> list[str]:
     return [p for p in pieces if p]
 
 
-def build_tiny_tokenizer():
+def build_tiny_tokenizer(edit: bool = False):
     """Train a tiny byte-level BPE offline and wrap it as a transformers Qwen2Tokenizer.
 
     Every word of the pipeline's system template becomes a single token, so the template's
-    prefix tokenizes to exactly PROMPT_TEMPLATE_DROP tokens.
+    prefix tokenizes to exactly PROMPT_TEMPLATE_DROP tokens. With `edit`, the edit template is
+    learnt too (its prefix is then EDIT_TEMPLATE_DROP tokens) and the vision tokens are special tokens.
     """
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
@@ -189,15 +210,18 @@ def build_tiny_tokenizer():
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
+    specials = list(SPECIAL_TOKENS) + (list(VISION_TOKENS) if edit else [])
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB_SIZE,
         min_frequency=1,
         show_progress=False,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     template = PROMPT_TEMPLATE.replace("{}", "")
     corpus = _split_template_text(template) + ["assistant", "user", "system"] + list(_TOKENIZER_SENTENCES)
+    if edit:
+        corpus += _split_template_text(EDIT_TEMPLATE.replace("{}", "")) + ["Picture 1: ", "Picture 2: ", "Picture 3: "]
     bpe.train_from_iterator(corpus, trainer=trainer)
 
     model_state = json.loads(bpe.to_str())["model"]
@@ -213,14 +237,15 @@ def build_tiny_tokenizer():
         pad_token="<|endoftext|>",
         model_max_length=32768,
     )
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    extra = ["<|im_start|>", "<|im_end|>"] + (list(VISION_TOKENS) if edit else [])
+    tokenizer.add_special_tokens({"additional_special_tokens": extra})
     n = len(tokenizer)
     if n > TOKENIZER_VOCAB_SIZE:  # pragma: no cover - guards the constant above
         raise RuntimeError(f"tiny tokenizer has {n} tokens, more than {TOKENIZER_VOCAB_SIZE}")
     return tokenizer
 
 
-def _text_encoder_config(spec: dict[str, Any], tokenizer):
+def _text_encoder_config(spec: dict[str, Any], tokenizer, edit: bool = False):
     from transformers import Qwen2_5_VLConfig
 
     text, vision = spec["text"], spec["vision"]
@@ -251,11 +276,72 @@ def _text_encoder_config(spec: dict[str, Any], tokenizer):
         "out_hidden_size": text["hidden_size"],
         "fullatt_block_indexes": [0],
     }
-    return Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config)
+    if not edit:
+        return Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config)
+    # the vision tokens' ids in the tiny vocabulary, so that the image features land on the image pads
+    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                   tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))))
+    return Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **ids)
 
 
-def build_tiny_components(size: str = "test", seed: int = 0) -> dict[str, Any]:
-    """Build the five pipeline components in memory (keys: diffusers component names)."""
+def _pipeline(pipeline: Any):
+    """The family's PipelineDef for a name or a PipelineDef; None means the first (text-to-image) pipeline."""
+    from . import FAMILY
+
+    if pipeline is None:
+        return FAMILY.pipelines[0]
+    name = str(getattr(pipeline, "name", pipeline))
+    try:
+        return FAMILY.pipeline(name)
+    except KeyError:
+        raise ValueError(f"unknown Qwen-Image pipeline {name!r} (pipelines: {', '.join(p.name for p in FAMILY.pipelines)})") from None
+
+
+def is_edit(pipeline: Any) -> bool:
+    """Whether a pipeline's folder has a processor: its text encoder reads the edit images through one."""
+    return any("processor" in aux for aux in _pipeline(pipeline).companions.values())
+
+
+def build_tiny_image_processor(size: str = "test"):
+    """The edit pipelines' Qwen2-VL image processor with the size's small min/max pixels."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # no torchvision needed
+
+    return Qwen2VLImageProcessorPil(**PROCESSOR_SIZES[size])
+
+
+def _processor_files(image_processor) -> dict[str, dict[str, Any]]:
+    """preprocessor_config.json and video_preprocessor_config.json of a Qwen2VLProcessor folder.
+
+    Written as JSON (not by Qwen2VLProcessor.save_pretrained): transformers builds that class only with
+    torchvision, for the video processor, which this folder does not need to be written.
+    """
+    config = json.loads(image_processor.to_json_string())
+    config["image_processor_type"] = "Qwen2VLImageProcessor"
+    config["processor_class"] = "Qwen2VLProcessor"
+    size = config.get("size") or {}
+    config["min_pixels"], config["max_pixels"] = size.get("shortest_edge"), size.get("longest_edge")
+    video = {k: v for k, v in config.items() if k != "image_processor_type"}
+    video["video_processor_type"] = "Qwen2VLVideoProcessor"
+    return {"preprocessor_config.json": config, "video_preprocessor_config.json": video}
+
+
+def write_processor(folder, tokenizer, image_processor) -> Path:
+    """A Qwen2VLProcessor folder: the tokenizer's files plus the image (and video) processor configs."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(folder))
+    for name, config in _processor_files(image_processor).items():
+        (folder / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return folder
+
+
+def build_tiny_components(size: str = "test", seed: int = 0, pipeline: Any = None) -> dict[str, Any]:
+    """Build the five pipeline components in memory (keys: diffusers component names).
+
+    For an edit pipeline the tokenizer and the text encoder's config are the edit ones (see the module
+    docstring) and the image processor comes as `image_processor` (the folder's processor/ is it plus
+    the tokenizer).
+    """
     import torch
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration
@@ -263,7 +349,8 @@ def build_tiny_components(size: str = "test", seed: int = 0) -> dict[str, Any]:
     if size not in SIZES:
         raise ValueError(f"unknown tiny size {size!r}; choose one of {sorted(SIZES)}")
     spec = copy.deepcopy(SIZES[size])
-    tokenizer = build_tiny_tokenizer()
+    edit = is_edit(pipeline)
+    tokenizer = build_tiny_tokenizer(edit=edit)
 
     def seeded(component: str, build):
         with torch.random.fork_rng(devices=[]):
@@ -274,33 +361,63 @@ def build_tiny_components(size: str = "test", seed: int = 0) -> dict[str, Any]:
     tf_args["axes_dims_rope"] = tuple(tf_args["axes_dims_rope"])
     transformer = seeded("transformer", lambda: QwenImageTransformer2DModel(**tf_args))
     vae = seeded("vae", lambda: AutoencoderKLQwenImage(**spec["vae"]))
-    te_config = _text_encoder_config(spec, tokenizer)
+    te_config = _text_encoder_config(spec, tokenizer, edit=edit)
     text_encoder = seeded("text_encoder", lambda: Qwen2_5_VLForConditionalGeneration(te_config))
     scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
     for module in (transformer, vae, text_encoder):
         module.eval()
-    return {
+    components = {
         "transformer": transformer,
         "vae": vae,
         "text_encoder": text_encoder,
         "tokenizer": tokenizer,
         "scheduler": scheduler,
     }
+    if edit:
+        components["image_processor"] = build_tiny_image_processor(size)
+    return components
 
 
-def write_tiny_models(outdir, size: str = "test", seed: int = 0) -> Path:
+def write_tiny_models(outdir, size: str = "test", seed: int = 0, pipeline: Any = None) -> Path:
     """Write a complete random-weight Qwen-Image diffusers pipeline folder; return its path.
 
     The folder holds model_index.json and the transformer/, vae/, text_encoder/, tokenizer/
     and scheduler/ subfolders (weights as safetensors), plus unitgraph_tiny.json {size, seed}.
+    `pipeline` (a name or a PipelineDef; None: qwen_image) chooses the folder: the edit pipelines'
+    has a processor/ subfolder too and its model_index.json names their diffusers class.
     """
-    from diffusers import QwenImagePipeline
+    import diffusers
 
+    from . import FAMILY
+
+    definition = _pipeline(pipeline)
+    name = definition.name
+    class_name = definition.diffusers_pipeline or FAMILY.diffusers_pipelines[0]
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
-    components = build_tiny_components(size=size, seed=seed)
-    pipe = QwenImagePipeline(**components)
-    pipe.save_pretrained(str(out), safe_serialization=True)
+    components = build_tiny_components(size=size, seed=seed, pipeline=name)
+    image_processor = components.pop("image_processor", None)
+    cls = getattr(diffusers, class_name)
+    if image_processor is None:
+        pipe = cls(**components)
+        pipe.save_pretrained(str(out), safe_serialization=True)
+    else:
+        from diffusers.utils import logging as diffusers_logging
+
+        pipe = cls(processor=None, **components)
+        level = diffusers_logging.get_verbosity()
+        diffusers_logging.set_verbosity_error()  # "processor=None cannot be saved": it is written below
+        try:
+            pipe.save_pretrained(str(out), safe_serialization=True)
+        finally:
+            diffusers_logging.set_verbosity(level)
+        write_processor(out / "processor", components["tokenizer"], image_processor)
+        index_path = out / "model_index.json"
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+        index["processor"] = ["transformers", "Qwen2VLProcessor"]
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     info = {"size": size, "seed": int(seed), "config": SIZES[size]}
+    if image_processor is not None:
+        info.update(pipeline=name, processor=PROCESSOR_SIZES[size])
     (out / "unitgraph_tiny.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     return out

@@ -2,13 +2,25 @@
 
 Params of the Qwen-Image pipelines (one sample; tensors carry a batch dimension of 1):
 
-  dataset    image (PIL), prompt (str), edit_image (PIL or None: only with --extra_inputs edit_image)
+  dataset    image (PIL), prompt (str), edit_image (PIL or None: only with --extra_inputs edit_image;
+             in the edit pipelines a PIL image, or for qwen_image_edit_plus a list of them)
   shape      image/edit_image become float tensors (1, 3, 1, H, W) in [-1, 1]; height, width (ints)
   vae        latent_mean, latent_logvar: the VAE posterior of the image (cached, not a sample)
              edit_latents: normalised mean latents of the edit image (None without one)
   text       prompt_emb (1, L, D), prompt_emb_mask (1, L): template tokens dropped
   fresh      input_latents: a sample of the posterior, normalised; noise; timestep (non-deterministic)
   packed     input_latents/noise/edit_latents packed into 2x2 patches, img_shapes for RoPE
+
+The edit pipelines (qwen_image_edit, qwen_image_edit_plus, as diffusers' QwenImageEditPipeline and
+QwenImageEditPlusPipeline run them) size the edit images on their own, not like the target image:
+
+  edit       edit_pixels: each edit image resized (aspect kept, no crop) to an area of 1024x1024, or
+             of the target size when that is smaller (--max_pixels, --height x --width), sides
+             multiples of 32, as float tensors (1, 3, 1, H, W); edit_latents: a list of their latents
+  vision     condition_images: the edit images as the VL encoder sees them (PIL): for qwen_image_edit
+             the edit image at the VAE size, for _plus each at an area of 384x384; the processor (the
+             text encoder's companion) turns them into pixel_values and image_grid_thw
+  text       prompt_emb with the edit template: the image tokens stay, the 64 system tokens are dropped
 
 Each function is `fn(ctx, **inputs) -> {output: value}` over one sample; it touches only the models
 it declares, and a non-deterministic unit draws only from `ctx.rng(purpose)`. torch is imported on
@@ -31,6 +43,22 @@ PROMPT_TEMPLATE = (
     "<|im_start|>assistant\n"
 )
 PROMPT_TEMPLATE_DROP = 34
+# diffusers' QwenImageEditPipeline / QwenImageEditPlusPipeline template and drop index: the edit pipeline puts
+# one VISION_PLACEHOLDER before the prompt (its prompt_template_encode holds it), the plus pipeline one
+# "Picture k: " + placeholder per edit image. The 64 dropped tokens are the system prefix up to "user\n".
+EDIT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+EDIT_TEMPLATE_DROP = 64
+IMAGE_TOKEN = "<|image_pad|>"
+VISION_PLACEHOLDER = "<|vision_start|>" + IMAGE_TOKEN + "<|vision_end|>"
+PICTURE_PROMPT = "Picture {}: " + VISION_PLACEHOLDER
+VAE_IMAGE_AREA = 1024 * 1024  # diffusers' VAE_IMAGE_SIZE: edit images reach the VAE at this area
+CONDITION_IMAGE_AREA = 384 * 384  # diffusers' CONDITION_IMAGE_SIZE: the plus pipeline's VL images
+EDIT_MULTIPLE = 32  # diffusers' calculate_dimensions rounds edit image sides to this
 TOKENIZER_MAX_LENGTH = 1024
 MAX_SEQUENCE_LENGTH = 512
 MULTIPLE = 16  # image sides are multiples of this (VAE factor x 2x2 patches)
@@ -84,6 +112,101 @@ def shape_checker(ctx, image: Any, edit_image: Any) -> dict[str, Any]:
     return {"image": pixels, "edit_image": edit, "height": int(pixels.shape[-2]), "width": int(pixels.shape[-1])}
 
 
+@unit("ShapeChecker", inputs=("image",), outputs=("image", "height", "width"),
+      settings=("image_size", "dtype", "cache_dtype"))
+def target_shape_checker(ctx, image: Any) -> dict[str, Any]:
+    """The edit pipelines' shape checker: the target image only (the edit images are sized by their own units)."""
+    if image is None:
+        raise BackendError("sample has no image")
+    pixels = image_to_tensor(image, ctx.size, ctx.dtype)
+    return {"image": pixels, "height": int(pixels.shape[-2]), "width": int(pixels.shape[-1])}
+
+
+# ------------------------------------------------------------------------------------------------
+# edit images (the edit pipelines)
+
+
+def edit_images(edit_image: Any, many: bool) -> list[Any]:
+    """A sample's edit images as a list of RGB PIL images: one for qwen_image_edit, one or more for _plus."""
+    from PIL import Image
+
+    if edit_image is None:
+        raise BackendError("sample has no edit image (the edit pipelines need an edit_image column: "
+                           "--extra_inputs edit_image)")
+    images = list(edit_image) if isinstance(edit_image, (list, tuple)) else [edit_image]
+    if not images:
+        raise BackendError("sample has an empty list of edit images")
+    if not many and len(images) != 1:
+        raise BackendError(f"qwen_image_edit takes one edit image per sample, got {len(images)} "
+                           "(qwen_image_edit_plus takes several)")
+    for image in images:
+        if not isinstance(image, Image.Image):
+            raise BackendError(f"expected an edit image, got {type(image).__name__}")
+    return [image if image.mode == "RGB" else image.convert("RGB") for image in images]
+
+
+def edit_dimensions(area: int, width: int, height: int) -> tuple[int, int]:
+    """(width, height) of an image of `area` pixels with the aspect of width x height, sides multiples of 32
+    (diffusers' calculate_dimensions; at least 32)."""
+    import math
+
+    ratio = width / height
+    w = math.sqrt(area * ratio)
+    h = w / ratio
+    return max(EDIT_MULTIPLE, round(w / EDIT_MULTIPLE) * EDIT_MULTIPLE), max(EDIT_MULTIPLE, round(h / EDIT_MULTIPLE) * EDIT_MULTIPLE)
+
+
+def vae_edit_area(size: Any) -> int:
+    """The area edit images reach the VAE at: 1024x1024 (as diffusers and DiffSynth), or the target size when
+    that is smaller (--height x --width, else --max_pixels), so small training runs stay small."""
+    target = size.height * size.width if size.height is not None and size.width is not None else size.max_pixels
+    return min(VAE_IMAGE_AREA, int(target))
+
+
+def resize_edit(image: Any, area: int) -> Any:
+    """An edit image resized to `area` (aspect kept, no crop), as diffusers' VaeImageProcessor.resize does (Lanczos)."""
+    from PIL import Image
+
+    width, height = edit_dimensions(area, *image.size)
+    return image.resize((width, height), resample=Image.Resampling.LANCZOS)
+
+
+def edit_image_tensor(image: Any, dtype: Any) -> torch.Tensor:
+    """A PIL image as (1, 3, 1, H, W) in [-1, 1], with diffusers' VaeImageProcessor.preprocess arithmetic."""
+    import numpy as np
+
+    array = np.array(image).astype(np.float32) / 255.0  # H, W, 3
+    pixels = 2.0 * torch.from_numpy(array).permute(2, 0, 1)[None] - 1.0
+    return pixels[:, :, None].to(dtype)
+
+
+def _edit_units(many: bool) -> tuple[Any, Any]:
+    """The edit image's two preprocessing units: for the VAE, and for the VL encoder (its own unit, so that
+    with a LoRA on the text encoder it stays in stage 1 and stage 2 reads its cached output)."""
+
+    @unit("EditImageResizer", inputs=("edit_image",), outputs=("edit_pixels",),
+          settings=("image_size", "dtype", "cache_dtype"))
+    def edit_image_resizer(ctx, edit_image: Any) -> dict[str, Any]:
+        area = vae_edit_area(ctx.size)
+        return {"edit_pixels": [edit_image_tensor(resize_edit(im, area), ctx.dtype) for im in edit_images(edit_image, many)]}
+
+    if many:
+        @unit("ConditionImageResizer", inputs=("edit_image",), outputs=("condition_images",))
+        def condition_image_resizer(ctx, edit_image: Any) -> dict[str, Any]:
+            return {"condition_images": [resize_edit(im, CONDITION_IMAGE_AREA) for im in edit_images(edit_image, many)]}
+    else:
+        # diffusers' edit pipeline shows the VL encoder the very image the VAE encodes
+        @unit("ConditionImageResizer", inputs=("edit_image",), outputs=("condition_images",), settings=("image_size",))
+        def condition_image_resizer(ctx, edit_image: Any) -> dict[str, Any]:
+            return {"condition_images": [resize_edit(im, vae_edit_area(ctx.size)) for im in edit_images(edit_image, many)]}
+
+    return edit_image_resizer, condition_image_resizer
+
+
+edit_image_resizer, condition_image_resizer = _edit_units(many=False)
+edit_images_resizer, condition_images_resizer = _edit_units(many=True)
+
+
 # ------------------------------------------------------------------------------------------------
 # VAE
 
@@ -120,6 +243,13 @@ def edit_image_encoder(ctx, edit_image: Any) -> dict[str, Any]:
         return {"edit_latents": None}
     mean, _ = encode_distribution(ctx, edit_image)
     return {"edit_latents": mean}
+
+
+@unit("EditImageEncoder", inputs=("edit_pixels",), outputs=("edit_latents",), models=("vae",),
+      settings=("dtype", "cache_dtype"))
+def edit_images_encoder(ctx, edit_pixels: list) -> dict[str, Any]:
+    """The edit pipelines' edit latents: one (1, z, 1, h, w) mean latent per edit image (diffusers' argmax)."""
+    return {"edit_latents": [encode_distribution(ctx, pixels)[0] for pixels in edit_pixels]}
 
 
 # honest VAE sampling: the cache keeps the posterior, training draws a fresh latent each epoch
@@ -170,6 +300,71 @@ def prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
     return {"prompt_emb": emb, "prompt_emb_mask": mask}
 
 
+def vl_inputs(processor: Any, texts: list[str], images: list[Any]) -> dict[str, torch.Tensor]:
+    """What Qwen2VLProcessor(text=texts, images=images, padding=True) hands the text encoder, made from its
+    image processor and tokenizer: each image pad of the texts becomes grid_t*grid_h*grid_w / merge_size**2
+    pads, in order (the loader may give the processor as these two parts: transformers builds the
+    Qwen2VLProcessor class only with torchvision)."""
+    image_processor, tokenizer = processor.image_processor, processor.tokenizer
+    vision = image_processor(images=images, return_tensors="pt")
+    grid = vision["image_grid_thw"]
+    counts = (grid.prod(-1) // int(image_processor.merge_size) ** 2).tolist()
+    expanded, k = [], 0
+    for text in texts:
+        first, *rest = text.split(IMAGE_TOKEN)
+        pieces = [first]
+        for piece in rest:
+            if k >= len(counts):
+                raise BackendError(f"the prompts hold more image pads than the {len(counts)} edit images")
+            pieces += [IMAGE_TOKEN * int(counts[k]), piece]
+            k += 1
+        expanded.append("".join(pieces))
+    if k != len(counts):
+        raise BackendError(f"the prompts hold {k} image pads for {len(counts)} edit images")
+    tokens = tokenizer(expanded, padding=True, return_tensors="pt")
+    return {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"],
+            "pixel_values": vision["pixel_values"], "image_grid_thw": grid}
+
+
+def edit_prompt_text(prompt: str, images: int, pictures: bool) -> str:
+    """The edit template around a prompt: one vision placeholder (edit), or "Picture k: " + placeholder per image (plus)."""
+    vision = "".join(PICTURE_PROMPT.format(i + 1) for i in range(images)) if pictures else VISION_PLACEHOLDER * images
+    return EDIT_TEMPLATE.format(vision + prompt)
+
+
+def encode_edit_prompt(ctx, prompt: str, condition_images: list[Any], pictures: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-Image-Edit prompt embeddings: the VL encoder reads the prompt and the edit images; the system prefix is dropped."""
+    text_encoder = ctx.model("text_encoder")
+    inputs = vl_inputs(ctx.model("processor"), [edit_prompt_text(prompt, len(condition_images), pictures)],
+                       list(condition_images))
+    inputs = {k: v.to(ctx.device) for k, v in inputs.items()}
+    out = text_encoder(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                       pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
+                       output_hidden_states=True)
+    hidden = out.hidden_states[-1][0][inputs["attention_mask"][0].bool()][EDIT_TEMPLATE_DROP:]
+    if hidden.shape[0] == 0:
+        raise BackendError("the processor's tokenizer does not match the Qwen-Image-Edit prompt template "
+                           "(no prompt tokens left after the template)")
+    mask = torch.ones(1, hidden.shape[0], dtype=torch.long, device=hidden.device)
+    return hidden[None].to(ctx.dtype), mask
+
+
+def _edit_prompt_unit(pictures: bool) -> Any:
+    @unit("EditPromptEncoder", inputs=("prompt", "condition_images"), outputs=("prompt_emb", "prompt_emb_mask"),
+          models=("text_encoder",), settings=("dtype", "cache_dtype"))
+    def edit_prompt_encoder(ctx, prompt: Any, condition_images: list) -> dict[str, Any]:
+        if not isinstance(prompt, str):
+            raise BackendError(f"prompt must be a string, got {type(prompt).__name__}")
+        emb, mask = encode_edit_prompt(ctx, prompt, condition_images, pictures)
+        return {"prompt_emb": emb, "prompt_emb_mask": mask}
+
+    return edit_prompt_encoder
+
+
+edit_prompt_encoder = _edit_prompt_unit(pictures=False)
+edit_plus_prompt_encoder = _edit_prompt_unit(pictures=True)
+
+
 @unit("NegativePromptEncoder", inputs=("negative_prompt", "cfg_scale"),
       outputs=("negative_prompt_emb", "negative_prompt_emb_mask"), models=("text_encoder",), settings=("dtype", "cache_dtype"))
 def negative_prompt_encoder(ctx, negative_prompt: Any, cfg_scale: Any) -> dict[str, Any]:
@@ -212,11 +407,15 @@ def pack(latents: torch.Tensor) -> torch.Tensor:
 @unit("LatentPacker", inputs=("input_latents", "noise", "edit_latents"),
       outputs=("input_latents", "noise", "edit_latents", "img_shapes"), settings=("cache_dtype",))
 def latent_packer(ctx, input_latents: torch.Tensor, noise: torch.Tensor, edit_latents: Any) -> dict[str, Any]:
+    """Packs the target latents and noise, and the edit latents (one tensor, or a list of them: packed each,
+    then joined along the tokens, as the DiT reads them after the target's); img_shapes has one entry per image."""
     shapes = [(1, int(input_latents.shape[-2]) // 2, int(input_latents.shape[-1]) // 2)]
     packed_edit = None
     if edit_latents is not None:
-        shapes.append((1, int(edit_latents.shape[-2]) // 2, int(edit_latents.shape[-1]) // 2))
-        packed_edit = pack(ctx.tensor(edit_latents))
+        edits = list(edit_latents) if isinstance(edit_latents, (list, tuple)) else [edit_latents]
+        shapes += [(1, int(e.shape[-2]) // 2, int(e.shape[-1]) // 2) for e in edits]
+        packed = [pack(ctx.tensor(e)) for e in edits]
+        packed_edit = packed[0] if len(packed) == 1 else torch.cat(packed, dim=1)
     return {"input_latents": pack(input_latents), "noise": pack(noise), "edit_latents": packed_edit,
             "img_shapes": [shapes]}
 

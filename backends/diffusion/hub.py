@@ -1,0 +1,97 @@
+"""Where a model id (`--model_id_with_origin_paths "org/name:sub/pattern"`) is found, as DiffSynth-Studio finds it.
+
+1. **DiffSynth's local layout**: `DIFFSYNTH_MODEL_BASE_PATH` (default `./models`) `/<org>/<name>/<pattern>`,
+   where DiffSynth's own downloads land, so a DiffSynth user's models are found where they are.
+2. **The modelscope cache** (`snapshot_download` with `local_files_only` when offline; `--modelscope_cache_dir`
+   or modelscope's default cache).
+3. **A download** through modelscope, unless offline.
+
+Offline means any of `DIFFSYNTH_SKIP_DOWNLOAD`, `UNITGRAPH_OFFLINE`, `MODELSCOPE_OFFLINE` or `HF_HUB_OFFLINE`
+is set to a true value (read once, where the flags are parsed: `config.ModelConfig`). A model found nowhere
+is one line saying where it was looked for and how to point at local files.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+OFFLINE_VARIABLES = ("DIFFSYNTH_SKIP_DOWNLOAD", "UNITGRAPH_OFFLINE", "MODELSCOPE_OFFLINE", "HF_HUB_OFFLINE")
+BASE_PATH_VARIABLE = "DIFFSYNTH_MODEL_BASE_PATH"
+DEFAULT_BASE_PATH = "./models"
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Hub:
+    """How model ids resolve for one run: DiffSynth's local base folder, the modelscope cache, online or not."""
+
+    base_path: Path = Path(DEFAULT_BASE_PATH)
+    cache_dir: Optional[str] = None
+    offline: bool = False
+    offline_reason: str = ""  # the variable that made it offline, for messages
+
+    @classmethod
+    def from_env(cls, cache_dir: Optional[str] = None, environ: Optional[Mapping[str, str]] = None,
+                 offline: Optional[bool] = None) -> "Hub":
+        environ = os.environ if environ is None else environ
+        reason = next((name for name in OFFLINE_VARIABLES if str(environ.get(name, "")).strip().lower() in _TRUE), "")
+        return cls(base_path=Path(environ.get(BASE_PATH_VARIABLE) or DEFAULT_BASE_PATH), cache_dir=cache_dir,
+                   offline=bool(reason) if offline is None else offline,
+                   offline_reason=reason if offline is None else ("" if not offline else reason or "offline"))
+
+    def local(self, model_id: str, pattern: str) -> Optional[Path]:
+        """The folder of `pattern` under DiffSynth's local layout, when a file there matches it."""
+        root = self.base_path / model_id
+        sub = origin_subfolder(pattern)
+        folder = root / sub if sub else root
+        if not folder.is_dir():
+            return None
+        return folder if matches(root, folder, pattern) else None
+
+    def snapshot(self, model_id: str, pattern: str, error: Any) -> Path:
+        """The folder holding `pattern` of `model_id` (see the module docstring); `error(path, problem)` builds
+        the exception for a model found nowhere."""
+        found = self.local(model_id, pattern)
+        if found is not None:
+            return found
+        label = f"{model_id}:{pattern}"
+        sub = origin_subfolder(pattern)
+        file_pattern = pattern + "*" if pattern.endswith("/") else pattern
+        allow = [file_pattern, f"{sub}/*.json" if sub else "*.json"]
+        looked = f"{self.base_path / model_id} ({BASE_PATH_VARIABLE})"
+        cache = f"the modelscope cache {self.cache_dir}" if self.cache_dir else "the default modelscope cache"
+        hint = (f"put the files at {self.base_path / model_id / (sub or '')} or pass --model_paths with the local folder")
+        try:
+            from modelscope import snapshot_download
+        except ImportError as exc:  # pragma: no cover - modelscope is a backend dependency
+            raise error(label, f"modelscope is not installed ({exc})") from None
+        try:
+            root = Path(snapshot_download(model_id, cache_dir=self.cache_dir, allow_patterns=allow,
+                                          local_files_only=self.offline))
+        except Exception as exc:  # modelscope raises several unrelated types here
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if self.offline:
+                raise error(label, f"not found in {looked} nor in {cache} (offline: {self.offline_reason}); {hint}") from None
+            raise error(label, f"not found in {looked} nor in {cache}, and the download failed ({type(exc).__name__}: "
+                               f"{detail}); {hint}, or set DIFFSYNTH_SKIP_DOWNLOAD=True to never try the network") from None
+        folder = root / sub if sub else root
+        if not folder.is_dir():
+            raise error(folder, f"modelscope:{label} has no folder {sub or '.'} in its snapshot")
+        if not matches(root, folder, pattern):
+            raise error(folder, f"modelscope:{label}: no file in the snapshot matches {file_pattern}")
+        return folder
+
+
+def origin_subfolder(pattern: str) -> str:
+    """'transformer/diffusion_pytorch_model*.safetensors' -> 'transformer'; 'x.safetensors' -> ''."""
+    head, sep, _ = pattern.partition("/")
+    return head if sep else ""
+
+
+def matches(root: Path, folder: Path, pattern: str) -> bool:
+    file_pattern = pattern + "*" if pattern.endswith("/") else pattern
+    return any(fnmatch.fnmatch(str(f.relative_to(root)), file_pattern) for f in folder.rglob("*") if f.is_file())

@@ -1,0 +1,149 @@
+"""DiffSynth-Studio's documented Qwen-Image split-training commands, verbatim but for the program name.
+
+From examples/qwen_image/model_training/special/split_training/Qwen-Image-LoRA.sh: `accelerate launch
+examples/qwen_image/model_training/train.py` becomes `unitgraph train`; the tiny models sit where
+DiffSynth keeps downloaded models (./models/<org>/<name>/...), the data where its example dataset goes;
+only the sizes are lowered (--dataset_repeat, epochs stay 5). No unitgraph-specific variable is set:
+the models must be found locally, offline. Then what a DiffSynth user checks: epoch checkpoints named
+as DiffSynth names them, loadable by diffusers, and with --lora_format diffsynth by DiffSynth's loader.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+diffusers = pytest.importorskip("diffusers")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from unitgraph.backends.diffusion.data import write_synthetic_dataset  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+UNITGRAPH = str(Path(sys.executable).parent / "unitgraph")
+DIFFSYNTH_LOADER = REPO / ".venv" / "diffsynth-wheel" / "diffsynth" / "utils" / "lora" / "general.py"
+
+STAGE1 = """
+  --dataset_base_path data/diffsynth_example_dataset/qwen_image/Qwen-Image
+  --dataset_metadata_path data/diffsynth_example_dataset/qwen_image/Qwen-Image/metadata.csv
+  --max_pixels 1048576
+  --dataset_repeat 1
+  --model_id_with_origin_paths "Qwen/Qwen-Image:text_encoder/model*.safetensors,Qwen/Qwen-Image:vae/diffusion_pytorch_model.safetensors"
+  --learning_rate 1e-4
+  --num_epochs 5
+  --remove_prefix_in_ckpt "pipe.dit."
+  --output_path "./models/train/Qwen-Image-LoRA-splited-cache"
+  --lora_base_model "dit"
+  --lora_target_modules "to_q,to_k,to_v,add_q_proj,add_k_proj,add_v_proj,to_out.0,to_add_out,img_mlp.net.2,img_mod.1,txt_mlp.net.2,txt_mod.1"
+  --lora_rank 32
+  --use_gradient_checkpointing
+  --dataset_num_workers 8
+  --find_unused_parameters
+  --task "sft:data_process"
+"""
+STAGE2 = """
+  --dataset_base_path "./models/train/Qwen-Image-LoRA-splited-cache"
+  --max_pixels 1048576
+  --dataset_repeat 2
+  --model_id_with_origin_paths "Qwen/Qwen-Image:transformer/diffusion_pytorch_model*.safetensors"
+  --learning_rate 1e-4
+  --num_epochs 5
+  --remove_prefix_in_ckpt "pipe.dit."
+  --output_path "./models/train/Qwen-Image-LoRA-splited"
+  --lora_base_model "dit"
+  --lora_target_modules "to_q,to_k,to_v,add_q_proj,add_k_proj,add_v_proj,to_out.0,to_add_out,img_mlp.net.2,img_mod.1,txt_mlp.net.2,txt_mod.1"
+  --lora_rank 32
+  --use_gradient_checkpointing
+  --dataset_num_workers 8
+  --find_unused_parameters
+  --task "sft:train"
+"""  # DiffSynth's --dataset_repeat 50 lowered to 2
+
+
+def clean_env() -> dict[str, str]:
+    """The environment of a DiffSynth user: none of unitgraph's variables, no offline switch."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNITGRAPH_", "DIFFSYNTH_", "MODELSCOPE_", "HF_HUB_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def unitgraph(cwd: Path, flags: str, *extra: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([UNITGRAPH, "train", *shlex.split(flags), *extra], cwd=cwd, capture_output=True, text=True,
+                          env=clean_env(), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def workdir(tiny, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("diffsynth-user")
+    shutil.copytree(tiny, root / "models" / "Qwen" / "Qwen-Image")  # where DiffSynth keeps Qwen/Qwen-Image
+    write_synthetic_dataset(root / "data" / "diffsynth_example_dataset" / "qwen_image" / "Qwen-Image", count=3, size=64,
+                            seed=8)
+    return root
+
+
+@pytest.mark.slow
+def test_diffsynths_split_commands_port_by_swapping_the_program_name(workdir):
+    first = unitgraph(workdir, STAGE1)
+    assert "note: --dataset_num_workers 8 capped" in first.stdout or os.cpu_count() >= 8
+    assert "--num_epochs" in first.stdout and "stage 1 computes each entry once" in first.stdout
+    second = unitgraph(workdir, STAGE2)
+    out = workdir / "models" / "train" / "Qwen-Image-LoRA-splited"
+    assert sorted(p.name for p in out.glob("epoch-*.safetensors")) == [f"epoch-{k}.safetensors" for k in range(5)]
+    assert "--remove_prefix_in_ckpt pipe.dit.: no key starts with it" in second.stdout
+    # diffusers loads the default layout from the folder DiffSynth's layout holds
+    pipe = diffusers.QwenImagePipeline.from_pretrained(str(workdir / "models" / "Qwen" / "Qwen-Image"))
+    before = pipe.transformer.transformer_blocks[0].attn.to_q.weight.detach().clone()
+    pipe.load_lora_weights(str(out / "epoch-4.safetensors"))
+    pipe.fuse_lora()
+    assert not torch.equal(pipe.transformer.transformer_blocks[0].attn.to_q.weight, before)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DIFFSYNTH_LOADER.is_file(), reason="the diffsynth wheel is not unpacked (scripts/setup.sh does it)")
+def test_with_the_diffsynth_layout_diffsynths_loader_fuses_the_checkpoint(workdir):
+    unitgraph(workdir, STAGE1)
+    flags = STAGE2.replace("Qwen-Image-LoRA-splited\"", "Qwen-Image-LoRA-splited-ds\"")
+    unitgraph(workdir, flags, "--lora_format", "diffsynth")
+    ckpt = workdir / "models" / "train" / "Qwen-Image-LoRA-splited-ds" / "epoch-4.safetensors"
+    state = load_file(str(ckpt))
+    assert state and all(k.startswith("transformer_blocks.") for k in state)
+    spec = importlib.util.spec_from_file_location("diffsynth_lora_general", DIFFSYNTH_LOADER)
+    general = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(general)
+    dit = diffusers.QwenImageTransformer2DModel.from_pretrained(str(workdir / "models" / "Qwen" / "Qwen-Image"),
+                                                               subfolder="transformer")
+    before = dit.transformer_blocks[0].attn.to_q.weight.detach().clone()
+    general.GeneralLoRALoader().fuse_lora_to_base_model(dit, state)
+    assert not torch.equal(dit.transformer_blocks[0].attn.to_q.weight, before)
+
+
+def test_model_ids_resolve_as_diffsynth_resolves_them(tmp_path):
+    from unitgraph.backends.diffusion.hub import OFFLINE_VARIABLES, Hub
+    from unitgraph.backends.diffusion.models import ModelLoadError
+
+    for name in OFFLINE_VARIABLES:
+        hub = Hub.from_env(environ={name: "True"})
+        assert hub.offline and hub.offline_reason == name
+    assert not Hub.from_env(environ={"DIFFSYNTH_SKIP_DOWNLOAD": "False"}).offline
+    base = tmp_path / "elsewhere"
+    (base / "acme" / "tiny" / "vae").mkdir(parents=True)
+    (base / "acme" / "tiny" / "vae" / "diffusion_pytorch_model.safetensors").write_bytes(b"x")
+    hub = Hub.from_env(environ={"DIFFSYNTH_MODEL_BASE_PATH": str(base), "DIFFSYNTH_SKIP_DOWNLOAD": "1"},
+                       cache_dir=str(tmp_path / "ms"))
+    assert hub.snapshot("acme/tiny", "vae/diffusion_pytorch_model.safetensors", ModelLoadError) == base / "acme" / "tiny" / "vae"
+    assert hub.local("acme/tiny", "vae/model*.safetensors") is None  # the pattern must match a file
+    with pytest.raises(ModelLoadError) as exc:
+        hub.snapshot("acme/other", "text_encoder/model*.safetensors", ModelLoadError)
+    line = str(exc.value)
+    assert "\n" not in line and str(base / "acme" / "other") in line and "DIFFSYNTH_MODEL_BASE_PATH" in line
+    assert "offline: DIFFSYNTH_SKIP_DOWNLOAD" in line and "--model_paths" in line and str(tmp_path / "ms") in line
