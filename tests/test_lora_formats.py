@@ -143,3 +143,21 @@ def test_flags_that_do_nothing_here_say_so_once(tiny, tmp_path):
                   **common), echo=lines.append)
     assert [line for line in lines if "--remove_prefix_in_ckpt pipe.dit.: no key starts with it" in line]
     assert QWEN.slot("dit").lora_prefix == "transformer"
+
+
+def test_a_launch_that_started_one_of_several_processes_is_warned(monkeypatch):
+    from types import SimpleNamespace
+
+    from unitgraph.backends.diffusion.config import RunConfig
+    from unitgraph.backends.diffusion.session import plan_for
+    from unitgraph.backends.diffusion.stages import flag_notes
+
+    cfg = RunConfig.from_args(make_args(lora_base_model="dit", processor_path="somewhere"))
+    plan = plan_for(cfg)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # what `accelerate launch --num_processes 2` sets without --multi_gpu
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    notes = flag_notes(cfg, plan, SimpleNamespace(num_processes=1))
+    assert any(n.startswith("warning: accelerate launch asked for several processes but started one") for n in notes)
+    assert any("--processor_path is not used" in n for n in notes)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not any("several processes" in n for n in flag_notes(cfg, plan, SimpleNamespace(num_processes=2)))

@@ -227,12 +227,17 @@ def flag_notes(cfg: RunConfig, plan: Plan, accelerator: Any) -> list[str]:
             notes.append(f"note: --remove_prefix_in_ckpt {prefix}: no key starts with it in the diffusers layout (keys "
                          f"start with {', '.join(heads)}); --lora_format diffsynth writes DiffSynth's 'pipe.<model>.' keys")
     if cfg.stage == "data_process":
-        defaults = {"num_epochs": 1, "dataset_repeat": 1, "learning_rate": 1e-4, "lora_rank": 32, "save_steps": None,
-                    "lora_checkpoint": None, "gradient_accumulation_steps": 1, "batch_size": 1, "lora_format": "diffusers"}
+        defaults = {"num_epochs": 1, "dataset_repeat": 1, "learning_rate": 1e-4, "weight_decay": 0.01, "lora_rank": 32,
+                    "lora_alpha": None, "lora_target_modules": None, "lora_checkpoint": None, "save_steps": None,
+                    "gradient_accumulation_steps": 1, "batch_size": 1, "lora_format": "diffusers",
+                    "remove_prefix_in_ckpt": None, "use_gradient_checkpointing": False, "find_unused_parameters": False}
         given = [f"--{name}" for name, default in defaults.items() if getattr(args, name) != default]
         if given:
             notes.append(f"note: {', '.join(given)} {'is' if len(given) == 1 else 'are'} for training; stage 1 computes "
                          "each entry once (they are kept in training_args.json for the record)")
+    companions = {slot for slots in cfg.pipeline.companions.values() for slot in slots}
+    if args.processor_path and "processor" not in companions:
+        notes.append(f"note: --processor_path is not used: pipeline {cfg.pipeline.name} has no processor")
     if os.environ.get("MASTER_ADDR") and not os.environ.get("WORLD_SIZE") and accelerator.num_processes == 1:
         notes.append("warning: accelerate launch asked for several processes but started one; on a CPU add --multi_gpu "
                      "and set ACCELERATE_USE_CPU=true (docs/user-guide.md, 'Several processes')")
