@@ -411,10 +411,8 @@ class ModelSources:
         """Find the folder of one slot; raise ModelLoadError if no source provides it."""
         self.table.check([slot])
         kind = self.table[slot].kind
-        if kind == "tokenizer":
-            return self._resolve_tokenizer(slot)
-        if kind == "processor":
-            return self._resolve_processor(slot)
+        if kind in ("tokenizer", "processor"):
+            return self._resolve_companion(slot)
         self._fetch_remote_for(slot)
         entry = self._component(slot)
         if entry is not None:
@@ -438,17 +436,24 @@ class ModelSources:
             raise self._missing(slot)
         return ComponentSource(slot, None, self.table.expected(slot), "the family's published scheduler config")
 
-    def _resolve_tokenizer(self, slot: str) -> ComponentSource:
-        encoder_slot = self.table.encoder_of(slot)
-        first_tokenizer = next((s.tokenizer for s in self.table.slots.values() if s.tokenizer), None)
-        if self.tokenizer_path is not None and slot == first_tokenizer:
-            local = Path(self.tokenizer_path).expanduser()
-            if local.exists() or ":" not in self.tokenizer_path:
+    def _resolve_companion(self, slot: str) -> ComponentSource:
+        """A tokenizer or processor: the flag that names it (--tokenizer_path for the first text encoder's
+        tokenizer, --processor_path for the first processor); a folder given in --model_paths; a pipeline
+        folder's subfolder; the same subfolder beside a text encoder's folder; else, when model ids are
+        given, the slot's origin folder under them (as DiffSynth defaults its tokenizer and processor)."""
+        kind = self.table[slot].kind
+        given, is_folder, make = ((self.tokenizer_path, _is_tokenizer_folder, self._tokenizer_source) if kind == "tokenizer"
+                                  else (self.processor_path, _is_processor_folder, self._processor_source))
+        first = (next((s.tokenizer for s in self.table.slots.values() if s.tokenizer), None) if kind == "tokenizer"
+                 else self.table.processors[0])
+        if given is not None and slot == first:
+            local = Path(given).expanduser()
+            if local.exists() or ":" not in given:
                 if not local.exists():
-                    raise ModelLoadError(local, "tokenizer path does not exist")
-                return self._tokenizer_source(slot, local, self.tokenizer_path)
-            model_id, pattern = parse_model_id_with_origin_paths(self.tokenizer_path)[0]
-            return self._tokenizer_source(slot, self._snapshot(model_id, pattern), self.tokenizer_path)
+                    raise ModelLoadError(local, f"{kind} path does not exist")
+                return make(slot, local, given)
+            model_id, pattern = parse_model_id_with_origin_paths(given)[0]
+            return make(slot, self._snapshot(model_id, pattern), given)
         self._fetch_remote_for(slot)
         entry = self._component(slot)
         if entry is not None:
@@ -456,20 +461,20 @@ class ModelSources:
         pipeline_error = None
         try:
             source = self._pipeline_source(slot)
-        except ModelLoadError as exc:  # e.g. the pipeline's tokenizer/ folder is missing
+        except ModelLoadError as exc:  # e.g. the pipeline's tokenizer/ or processor/ folder is missing
             source, pipeline_error = None, exc
         if source is not None:
             return source
-        # A tokenizer folder beside the text encoder folder.
+        encoders = [self.table.encoder_of(slot)] if kind == "tokenizer" else list(self.table.text_encoders)
         subfolder = self.table[slot].subfolder
         encoder = None
-        if encoder_slot is not None:
+        for encoder_slot in (e for e in encoders if e is not None):
             self._fetch_remote_for(encoder_slot)
-            encoder = self._component(encoder_slot)
-            if encoder is not None and _is_tokenizer_folder(encoder.path.parent / subfolder):
-                return self._tokenizer_source(slot, encoder.path.parent / subfolder, encoder.origin)
-        # Like DiffSynth: the tokenizer folder of the text encoder's model id, else the family's default origin.
-        source = self._from_origins(slot, encoder, self._tokenizer_source, pipeline_error)
+            found = self._component(encoder_slot)
+            encoder = encoder or found
+            if found is not None and is_folder(found.path.parent / subfolder):
+                return make(slot, found.path.parent / subfolder, found.origin)
+        source = self._from_origins(slot, encoder, make, pipeline_error)
         if source is not None:
             return source
         if pipeline_error is not None:
@@ -502,44 +507,6 @@ class ModelSources:
         if not _is_tokenizer_folder(folder):
             raise ModelLoadError(folder, "not a tokenizer folder (no tokenizer.json or tokenizer_config.json)")
         return ComponentSource(slot, folder, _tokenizer_class(folder) or self.table.expected(slot), origin)
-
-    def _resolve_processor(self, slot: str) -> ComponentSource:
-        """--processor_path; a processor folder given (classified by its preprocessor_config.json); a pipeline
-        folder's processor subfolder; a processor folder beside the text encoder's; else, when model ids are
-        given, the slot's origin folder (where DiffSynth's --processor_path defaults to)."""
-        if self.processor_path is not None and slot == self.table.processors[0]:
-            local = Path(self.processor_path).expanduser()
-            if local.exists() or ":" not in self.processor_path:
-                if not local.exists():
-                    raise ModelLoadError(local, "processor path does not exist")
-                return self._processor_source(slot, local, self.processor_path)
-            model_id, pattern = parse_model_id_with_origin_paths(self.processor_path)[0]
-            return self._processor_source(slot, self._snapshot(model_id, pattern), self.processor_path)
-        self._fetch_remote_for(slot)
-        entry = self._component(slot)
-        if entry is not None:
-            return ComponentSource(slot, entry.path, entry.class_name, entry.origin)
-        pipeline_error = None
-        try:
-            source = self._pipeline_source(slot)
-        except ModelLoadError as exc:  # e.g. the pipeline's processor/ folder is missing
-            source, pipeline_error = None, exc
-        if source is not None:
-            return source
-        subfolder = self.table[slot].subfolder
-        encoder = None
-        for encoder_slot in self.table.text_encoders:
-            self._fetch_remote_for(encoder_slot)
-            found = self._component(encoder_slot)
-            encoder = encoder or found
-            if found is not None and _is_processor_folder(found.path.parent / subfolder):
-                return self._processor_source(slot, found.path.parent / subfolder, found.origin)
-        source = self._from_origins(slot, encoder, self._processor_source, pipeline_error)
-        if source is not None:
-            return source
-        if pipeline_error is not None:
-            raise pipeline_error
-        raise self._missing(slot)
 
     def _processor_source(self, slot: str, folder: Path, origin: str) -> ComponentSource:
         if not _is_processor_folder(folder):
