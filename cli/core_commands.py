@@ -8,7 +8,7 @@ import typer
 
 from unitgraph.atomic import write_text_atomic
 from unitgraph.plan import read_plan_file, split, versioned_savings_line
-from unitgraph.verify import minimality_note, verify
+from unitgraph.soundness import minimality_note, verify
 
 from .options import (
     CacheMode,

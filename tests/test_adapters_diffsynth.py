@@ -21,7 +21,7 @@ from unitgraph.adapters.diffsynth import analyse_process, from_installed, from_s
 from unitgraph.audit import audit
 from unitgraph.graph import VersionGraph
 from unitgraph.prune import prune
-from unitgraph.verify import unsplit_reads
+from unitgraph.soundness import unsplit_reads
 
 BASE_PIPELINE = '''
 class PipelineUnit:

@@ -8,7 +8,7 @@ import unitgraph as ug
 from unitgraph.graph import VersionGraph
 from unitgraph.plan import plan_from_train_set
 from unitgraph.closure import LATEST, VERSIONED, update_chain_train_set
-from unitgraph.verify import find_violations
+from unitgraph.soundness import find_violations
 
 
 def pipeline(*units, sink=None, name="example"):

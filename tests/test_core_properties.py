@@ -21,7 +21,7 @@ from unitgraph.closure import (
     update_chain_closure,
     write_hazard_closure,
 )
-from unitgraph.verify import find_violations
+from unitgraph.soundness import find_violations
 
 PARAMS = ["a", "b", "c", "d", "e"]
 MODELS = ["enc", "vae", "te", "dit"]

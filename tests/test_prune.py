@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import unitgraph as ug
 from unitgraph.graph import VersionGraph
 from unitgraph.prune import active_units, prune
-from unitgraph.verify import unsplit_reads
+from unitgraph.soundness import unsplit_reads
 
 PARAMS = ["image", "edit_image", "prompt", "a", "b"]
 

@@ -14,7 +14,7 @@ from .plan import split
 from .planfile import FORMAT, Plan, read_plan_file
 from .references import load_pipeline
 from .spec import Pipeline, Sink, Unit, pipeline_from_dict
-from .verify import verify
+from .soundness import verify
 
 __version__ = "0.1.0"
 

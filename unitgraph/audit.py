@@ -26,7 +26,7 @@ from .graph import VersionGraph
 from .plan import split
 from .prune import prune
 from .spec import Pipeline
-from .verify import MISSING, split_reads, unsplit_reads
+from .soundness import MISSING, split_reads, unsplit_reads
 
 FORMAT = "unitgraph.audit/v1"
 DENOISER_NAMES = ("dit", "transformer", "unet", "denoiser", "transformer_2")

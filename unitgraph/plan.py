@@ -18,7 +18,7 @@ from .graph import VersionGraph
 from .planfile import FORMAT, Plan, active_pipeline, fingerprint, read_plan_file
 from .prune import prune
 from .spec import Pipeline
-from .verify import checks_from, find_violations
+from .soundness import checks_from, find_violations
 
 __all__ = [
     "FORMAT",

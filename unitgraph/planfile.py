@@ -2,7 +2,7 @@
 
 This is what a plan *is*, apart from how one is made: the verifier checks a Plan against its
 pipeline and needs only this module, while making a plan (plan.py) ends by verifying it. With the
-record here, plan.py imports verify.py and verify.py imports this, and neither imports the other.
+record here, plan.py imports soundness.py and soundness.py imports this, and neither imports the other.
 """
 
 from __future__ import annotations
