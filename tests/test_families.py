@@ -128,8 +128,9 @@ def test_lora_errors_say_what_is_wrong():
                                                                                     "0.lora_B.default.weight"]
 
 
-def test_python_dash_m_is_not_needed_for_planning():
-    """Planning a family pipeline from a fresh process imports no torch (declarations only)."""
+def test_every_familys_declarations_import_no_torch():
+    """Building every pipeline of every family from a fresh process imports no torch (declarations only);
+    test_diffusion_backend checks the same for planning one pipeline through `diffusion:` references."""
     code = ("import sys; from unitgraph.backends.diffusion import registry; "
             "[p.spec() for f in registry.families() for p in f.pipelines]; "
             "print([m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules])")

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from .args import BackendError, TrainArgs, split_list
+from .args import BackendError, TrainArgs
 from .context import CACHE_DTYPES, DTYPE, ImageSize, UnitSettings
 from .family import Family, PipelineDef
 from .hub import Hub
@@ -188,4 +188,4 @@ def choose_pipeline(args: TrainArgs) -> tuple[Family, PipelineDef]:
 
 
 __all__ = ["DataConfig", "LoraSpec", "ModelConfig", "OptimConfig", "OutputConfig", "RunConfig", "choose_pipeline",
-           "offline_from_env", "split_list"]
+           "offline_from_env"]

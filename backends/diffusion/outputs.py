@@ -169,8 +169,3 @@ class RunFolder:
         data = {"format": MARKER_FORMAT, **run, "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         write_text_atomic(self.folder / MARKER, json.dumps(data, indent=1, sort_keys=True) + "\n")
 
-
-@contextlib.contextmanager
-def nothing_claimed() -> Iterator[None]:
-    """For the processes that do not write the run's files (all but the main one)."""
-    yield None
