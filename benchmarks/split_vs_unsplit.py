@@ -1,8 +1,8 @@
 """What splitting buys on this CPU: unsplit vs stage 2 vs the denoiser alone, memory, batch size, cache size.
 
-For Qwen-Image-shaped tiny models at three sizes (`test`, `demo`, and `balanced`, where the frozen
-encoders cost about as much as a denoiser step), one run measures, alternating the configurations
-and repeating them, each configuration in its own process:
+For one pipeline's tiny models (`--pipeline`, default qwen_image) at its sizes (`test`, `demo`, and for
+Qwen-Image `balanced`, where the frozen encoders cost about as much as a denoiser step), one run measures,
+alternating the configurations and repeating them, each configuration in its own process:
 
   stage1   `sft:data_process` (stages.run): seconds per sample, peak RSS
   unsplit  one `sft` step (stages.run): encoders + denoiser + backward + AdamW, images read each step
@@ -12,12 +12,12 @@ and repeating them, each configuration in its own process:
   limit    the same denoiser step on sink inputs already in memory: the floor for stage 2; then
            the loss and size of the cache with floating tensors stored as bf16 / fp16 / fp32
 
-plus the whole-process time of `unitgraph plan diffusion:qwen_image --lora-base-model dit`.
+plus the whole-process time of `unitgraph plan diffusion:<pipeline> --lora-base-model dit`.
 Timings are medians over steps (the first step of a process is left out) and over repeats; peak RSS
-is the process's VmHWM. With --write the results replace the split-vs-unsplit section of
-docs/benchmarks.md and docs/img/benchmark_split_vs_unsplit.png.
+is the process's VmHWM. With --write the results replace the pipeline's split-vs-unsplit section of
+docs/benchmarks.md and its plot (docs/img/benchmark_split_vs_unsplit[_<pipeline>].png).
 
-    python benchmarks/split_vs_unsplit.py [--sizes test,demo,balanced] [--repeats 3] [--write] [--workdir DIR]
+    python benchmarks/split_vs_unsplit.py [--pipeline flux] [--sizes test,demo,balanced] [--repeats 3] [--write] [--workdir DIR]
     python benchmarks/split_vs_unsplit.py --from-results DIR/results.json --write   # re-render only
 """
 
@@ -64,7 +64,7 @@ CHUNK = 8  # the loader configuration alternates with in-memory steps every CHUN
 CONFIGS = ("stage1", "unsplit", "train", "loader", "limit")
 BATCH_SIZES = (1, 4, 8)
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
-# LoRA on the family's default DiT targets (family("qwen_image").slot("dit").lora_targets, DiffSynth's)
+# LoRA on the family's default DiT targets (family.slot("dit").lora_targets, DiffSynth's)
 LORA = {"lora_base_model": "dit", "lora_rank": 32}
 SEED = 0
 
@@ -103,12 +103,39 @@ def load_settings(workdir: Path) -> dict[str, Any]:
     return json.loads((Path(workdir) / "settings.json").read_text())
 
 
+DEFAULT_PIPELINE = "qwen_image"
+
+
+def chosen_pipeline(workdir: Path) -> tuple[Any, Any]:
+    """(family, pipeline) the run measures (settings.json's `pipeline`)."""
+    from unitgraph.backends.diffusion.registry import find_pipeline
+
+    return find_pipeline(load_settings(workdir).get("pipeline", DEFAULT_PIPELINE))
+
+
+def section_names(pipeline: str) -> tuple[str, str, str, Path]:
+    """(begin marker, end marker, title, plot path) of a pipeline's section of docs/benchmarks.md."""
+    if pipeline == DEFAULT_PIPELINE:
+        return BEGIN, END, TITLE, PLOT
+    from unitgraph.backends.diffusion.registry import find_pipeline
+
+    family, _ = find_pipeline(pipeline)
+    return (f"<!-- split-vs-unsplit:{pipeline}:begin -->", f"<!-- split-vs-unsplit:{pipeline}:end -->",
+            f"## Split vs unsplit training ({family.title}-shaped tiny models, `{pipeline}`)",
+            PLOT.with_name(f"benchmark_split_vs_unsplit_{pipeline}.png"))
+
+
 def train_args(workdir: Path, size: str, task: str, output: Path, **extra: Any):
     from unitgraph.backends.diffusion.args import make_args
 
-    s = load_settings(workdir)["sizes"][size]
+    settings = load_settings(workdir)
+    s = settings["sizes"][size]
     p = paths(workdir, size)
-    kwargs = dict(task=task, dataset_base_path=str(p["data"]), dataset_metadata_path=str(p["data"] / "metadata.csv"),
+    _, pipeline = chosen_pipeline(workdir)
+    extras = [c for c in pipeline.required if c not in ("image", "prompt")]
+    if extras:
+        extra.setdefault("extra_inputs", ",".join(extras))
+    kwargs = dict(task=task, pipeline=pipeline.name, dataset_base_path=str(p["data"]), dataset_metadata_path=str(p["data"] / "metadata.csv"),
                   model_paths=str(p["models"]), height=s["px"], width=s["px"], seed=SEED, learning_rate=1e-4,
                   output_path=str(output), progress=False, plot=False, **LORA)
     kwargs.update(extra)
@@ -126,19 +153,21 @@ def _quiet(_text: str) -> None:
 def child_prepare(workdir: Path, size: str) -> dict[str, Any]:
     """Models, dataset and the cache the stage-2 configurations train from."""
     from unitgraph.backends.diffusion.data import write_synthetic_dataset
-    from unitgraph.backends.diffusion.families.qwen_image import tiny
     from unitgraph.backends.diffusion.stages import run
 
     s = load_settings(workdir)["sizes"][size]
     p = paths(workdir, size)
-    if s["tiny"] == "balanced" and "balanced" not in tiny.SIZES:
+    family, pipeline = chosen_pipeline(workdir)
+    tiny = family.tiny_module()
+    if s["tiny"] == "balanced" and "balanced" not in tiny.SIZES:  # Qwen-Image's (see BALANCED_EXTRA)
         config = copy.deepcopy(tiny.SIZES["demo"])
         config["description"] = BALANCED_EXTRA["description"]
         for part in ("transformer", "text"):
             config[part].update(BALANCED_EXTRA[part])
         tiny.SIZES["balanced"] = config
-    tiny.write_tiny_models(p["models"], size=s["tiny"], seed=SEED)
-    write_synthetic_dataset(p["data"], count=s["samples"], size=s["px"], seed=1)
+    tiny.write_tiny_models(p["models"], size=s["tiny"], seed=SEED, pipeline=pipeline.name)
+    images = [c for c in pipeline.image_params if c in pipeline.required and c != "image"]
+    write_synthetic_dataset(p["data"], count=s["samples"], size=s["px"], seed=1, images=images)
     run(train_args(workdir, size, "sft:data_process", p["cache"]), echo=_quiet)
     return {"description": tiny.SIZES[s["tiny"]]["description"]}
 
@@ -214,7 +243,6 @@ class Stage2:
         import unitgraph
         from unitgraph.backends.diffusion.config import RunConfig
         from unitgraph.backends.diffusion.lora import add_lora
-        from unitgraph.backends.diffusion.registry import family
         from unitgraph.backends.diffusion.session import load_models, make_accelerator, make_context
         from unitgraph.backends.diffusion.training import draws_dropout
 
@@ -223,8 +251,7 @@ class Stage2:
         self.args = args = train_args(workdir, size, "sft:train", out, dataset_base_path=str(self.cache),
                                       dataset_metadata_path=None, dataset_repeat=self.settings["train_repeat"])
         self.cfg = cfg = RunConfig.from_args(args)
-        self.family = family("qwen_image")
-        self.pipeline = self.family.pipeline("qwen_image")
+        self.family, self.pipeline = chosen_pipeline(workdir)
         self.plan = unitgraph.split(self.pipeline.spec_pipeline, lora_base_model="dit")
         self.accelerator = make_accelerator(cfg)
         device = self.accelerator.device
@@ -419,11 +446,13 @@ def spawn(config: str, workdir: Path, size: str, rep: int = 0) -> dict[str, Any]
     return result
 
 
-PLAN_COMMAND = ["plan", "diffusion:qwen_image", "--lora-base-model", "dit"]
+def plan_command(pipeline: str) -> list[str]:
+    return ["plan", f"diffusion:{pipeline}", "--lora-base-model", "dit"]
 
 
-def planner_startup(repeats: int) -> list[float]:
-    """Seconds for the whole `unitgraph plan diffusion:qwen_image --lora-base-model dit` process (import to exit)."""
+def planner_startup(repeats: int, pipeline: str = DEFAULT_PIPELINE) -> list[float]:
+    """Seconds for the whole `unitgraph plan diffusion:<pipeline> --lora-base-model dit` process (import to exit)."""
+    PLAN_COMMAND = plan_command(pipeline)
     exe = Path(sys.executable).with_name("unitgraph")
     command = [str(exe)] if exe.exists() else [sys.executable, "-m", "unitgraph.cli.app"]
     times = []
@@ -467,10 +496,12 @@ def cache_bytes(cache_dir: Path) -> dict[str, Any]:
             "per_key": {k: median(v) for k, v in sorted(per_key.items())}, "entries": len(files)}
 
 
-def model_bytes(models_dir: Path) -> dict[str, int]:
+def model_bytes(models_dir: Path, family: Any) -> dict[str, int]:
+    """Weight bytes per model slot of the family (the denoiser, `dit`, first)."""
     out = {}
-    for slot, folder in (("dit", "transformer"), ("vae", "vae"), ("text_encoder", "text_encoder")):
-        out[slot] = sum(f.stat().st_size for f in (Path(models_dir) / folder).glob("*.safetensors"))
+    for name in family.model_slots:
+        folder = Path(models_dir) / family.slot(name).subfolder
+        out[name] = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     return out
 
 
@@ -482,9 +513,13 @@ def measure(sizes: list[str], repeats: int, workdir: Path, settings: Optional[di
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    from unitgraph.backends.diffusion.registry import find_pipeline
+
     settings = dict(settings or {"sizes": {s: SIZES[s] for s in sizes}})
     settings.setdefault("threads", threads)
+    settings.setdefault("pipeline", DEFAULT_PIPELINE)
     (workdir / "settings.json").write_text(json.dumps(settings, indent=2))
+    family, _ = find_pipeline(settings["pipeline"])
     started = time.perf_counter()
     results: dict[str, Any] = {"sizes": {}, "settings": settings}
     for size in sizes:
@@ -492,7 +527,7 @@ def measure(sizes: list[str], repeats: int, workdir: Path, settings: Optional[di
         prepared = spawn("prepare", workdir, size)
         results["sizes"][size] = {"description": prepared["description"], "runs": {c: [] for c in CONFIGS},
                                   "cache": cache_bytes(paths(workdir, size)["cache"]),
-                                  "model_bytes": model_bytes(paths(workdir, size)["models"])}
+                                  "model_bytes": model_bytes(paths(workdir, size)["models"], family)}
         echo(f"prepared {size} ({prepared['wall_s']:.1f} s)")
     planner: list[float] = []
     for rep in range(repeats):
@@ -504,7 +539,7 @@ def measure(sizes: list[str], repeats: int, workdir: Path, settings: Optional[di
                 step = result.get("step_s") or result.get("per_sample_s")
                 echo(f"repeat {rep + 1}/{repeats} {size:>8} {config:>7}: {1000 * step:8.1f} ms, "
                      f"peak RSS {result['rss'] / 2**20:6.0f} MB ({result['wall_s']:.1f} s)")
-        planner += planner_startup(max(1, planner_repeats // repeats))
+        planner += planner_startup(max(1, planner_repeats // repeats), settings["pipeline"])
     results["planner_startup_s"] = planner
     results["total_s"] = time.perf_counter() - started
     results["environment"] = environment()
@@ -521,6 +556,12 @@ def environment() -> dict[str, Any]:
         except md.PackageNotFoundError:
             versions[name] = None
     return {"python": platform.python_version(), "cpus": os.cpu_count(), "versions": versions}
+
+
+def _title(settings: dict[str, Any]) -> str:
+    from unitgraph.backends.diffusion.registry import find_pipeline
+
+    return find_pipeline(settings.get("pipeline", DEFAULT_PIPELINE))[0].title
 
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
@@ -577,6 +618,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     return {"rows": rows, "planner_startup_s": median(results.get("planner_startup_s", [])),
             "planner_runs": len(results.get("planner_startup_s", [])), "total_s": results.get("total_s"),
             "environment": results.get("environment", {}), "threads": results["settings"].get("threads"),
+            "pipeline": results["settings"].get("pipeline", DEFAULT_PIPELINE), "title": _title(results["settings"]),
             "repeats": max((len(r["runs"]["train"]) for r in results["sizes"].values()), default=0)}
 
 
@@ -655,7 +697,7 @@ def markdown(summary: dict[str, Any], plot_name: Optional[str] = None) -> str:
     if findings:
         out.append(" ".join(findings) + "\n")
     out.append("Sizes: " + "; ".join(f"`{r['size']}`: {r['description']}" for r in rows) + ". "
-               "LoRA rank 32 on DiffSynth's default Qwen-Image targets, AdamW, float32, one sample per step. "
+               f"LoRA rank 32 on DiffSynth's default {summary.get('title', 'Qwen-Image')} targets, AdamW, float32, one sample per step. "
                "Break-even epochs = t_stage1 per sample / (t_unsplit − t_train (loader)): from that many epochs on, "
                "stage 1 plus stage 2 costs less than unsplit training (process start and model loading left out).\n")
     out.append("Peak RSS in MB (VmHWM of each configuration's own process; libraries alone take most of it), and the "
@@ -715,7 +757,7 @@ def markdown(summary: dict[str, Any], plot_name: Optional[str] = None) -> str:
                    f"{_kb(d['float16']['tensor_bytes'])} | {change('bfloat16')} | {change('float16')} |")
     out.append("")
     if summary.get("planner_startup_s") is not None:
-        out.append(f"Planner start-up: `unitgraph plan diffusion:qwen_image --lora-base-model dit` as a whole process "
+        out.append(f"Planner start-up: `unitgraph plan diffusion:{summary.get('pipeline', DEFAULT_PIPELINE)} --lora-base-model dit` as a whole process "
                    f"(interpreter start, imports, plan, verification, writing the plan): "
                    f"**{summary['planner_startup_s']:.2f} s** (median of {summary['planner_runs']} runs; target well under 1 s).\n")
     if plot_name:
@@ -723,7 +765,8 @@ def markdown(summary: dict[str, Any], plot_name: Optional[str] = None) -> str:
     env = summary.get("environment", {})
     versions = ", ".join(f"{k} {v}" for k, v in (env.get("versions") or {}).items() if v)
     total = summary.get("total_s")
-    out.append(f"One run of `python benchmarks/split_vs_unsplit.py --write` ({summary['repeats']} repeats, configurations "
+    flag = "" if summary.get("pipeline", DEFAULT_PIPELINE) == DEFAULT_PIPELINE else f" --pipeline {summary['pipeline']}"
+    out.append(f"One run of `python benchmarks/split_vs_unsplit.py{flag} --write` ({summary['repeats']} repeats, configurations "
                f"alternating, each in its own process{'' if total is None else f'; {total / 60:.1f} min in all'}) on "
                f"{env.get('cpus', '?')} CPU cores, Python {env.get('python', '?')}, {versions}. "
                "The machine is shared: single steps occasionally take several times longer, which the medians absorb.")
@@ -782,20 +825,22 @@ def plot(summary: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def write_doc(text: str, doc: Path = DOC) -> None:
-    section = f"{BEGIN}\n{text}\n{END}"
+def write_doc(text: str, doc: Path = DOC, pipeline: str = DEFAULT_PIPELINE) -> None:
+    begin, end, title, _ = section_names(pipeline)
+    section = f"{begin}\n{text}\n{end}"
     content = doc.read_text() if doc.exists() else "# Benchmarks\n\n"
-    if BEGIN in content:
-        content = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, content, flags=re.S)
+    if begin in content:
+        content = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: section, content, flags=re.S)
     else:
-        content = content.rstrip("\n") + f"\n\n\n{TITLE}\n\n{section}\n"
+        content = content.rstrip("\n") + f"\n\n\n{title}\n\n{section}\n"
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(content)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default=",".join(SIZES))
+    parser.add_argument("--pipeline", default=DEFAULT_PIPELINE, help="the pipeline whose tiny models are measured")
+    parser.add_argument("--sizes", default=None, help="comma-separated sizes (default: test,demo, and balanced for qwen_image)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--write", action="store_true", help="replace the split-vs-unsplit section of docs/benchmarks.md")
     parser.add_argument("--workdir", help="keep models, caches and raw results here (default: a temporary folder)")
@@ -811,26 +856,38 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     if args.from_results:
         summary = summarize(json.loads(Path(args.from_results).read_text()))
-        text = markdown(summary, PLOT.name if args.write else None)
+        plot_path = section_names(summary["pipeline"])[3]
+        text = markdown(summary, plot_path.name if args.write else None)
         print(text)
         if args.write:
-            plot(summary, PLOT)
-            write_doc(text)
+            plot(summary, plot_path)
+            write_doc(text, pipeline=summary["pipeline"])
         return
-    sizes = [s for s in args.sizes.split(",") if s]
-    unknown = [s for s in sizes if s not in SIZES]
-    if unknown:
-        parser.error(f"unknown size {unknown[0]!r} (choose from {', '.join(SIZES)})")
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="unitgraph-bench-"))
+    sys.path.insert(0, str(ROOT))
+    from unitgraph.backends.diffusion.args import BackendError
+    from unitgraph.backends.diffusion.registry import find_pipeline
+
     try:
-        results = measure(sizes, args.repeats, workdir, threads=args.threads or None)
+        family, pipeline = find_pipeline(args.pipeline)
+    except BackendError as exc:
+        parser.error(str(exc))
+    own = [s for s in SIZES if s in family.tiny_module().SIZES or (s == "balanced" and family.name == "qwen_image")]
+    sizes = [s for s in (args.sizes or ",".join(own)).split(",") if s]
+    unknown = [s for s in sizes if s not in own]
+    if unknown:
+        parser.error(f"unknown size {unknown[0]!r} for {pipeline.name} (choose from {', '.join(own)})")
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="unitgraph-bench-"))
+    plot_path = section_names(pipeline.name)[3]
+    try:
+        settings = {"sizes": {s: SIZES[s] for s in sizes}, "pipeline": pipeline.name}
+        results = measure(sizes, args.repeats, workdir, settings=settings, threads=args.threads or None)
         (workdir / "results.json").write_text(json.dumps(results, indent=2))
         summary = summarize(results)
-        text = markdown(summary, PLOT.name if args.write else None)
+        text = markdown(summary, plot_path.name if args.write else None)
         print(text)
         if args.write:
-            plot(summary, PLOT)
-            write_doc(text)
+            plot(summary, plot_path)
+            write_doc(text, pipeline=pipeline.name)
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -180,7 +180,9 @@ def demo_command(
     console = Console()
     family, chosen = _choice(pipeline)
     chosen = chosen or family.pipelines[0]
-    edit = "edit_image" in chosen.required
+    # the required columns beyond image and prompt (an edit or reference image): mirrored copies of the image
+    extras = [c for c in chosen.required if c not in ("image", "prompt")]
+    extra_images = [c for c in extras if c in chosen.image_params]
     out = Path(output_path)
     wall = time.perf_counter()
     models_dir = out / ("models" if chosen is family.pipelines[0] else f"models-{chosen.name}")  # one folder per kind
@@ -192,12 +194,13 @@ def demo_command(
         console.print(f"tiny {size}-size models (random weights) -> {models_dir}  [dim]{time.perf_counter() - t:.1f} s[/dim]")
     else:
         console.print(f"tiny models: reusing {models_dir}")
-    metadata = write_synthetic_dataset(data_dir, count=images, size=resolution, seed=seed, edit=edit)
+    metadata = write_synthetic_dataset(data_dir, count=images, size=resolution, seed=seed, images=extra_images,
+                                       distill=bool({"seed", "num_inference_steps"} & set(extras)))
     console.print(f"dataset: {images} captioned {resolution}x{resolution} images -> {metadata}")
 
     common = dict(dataset_base_path=str(data_dir), dataset_metadata_path=str(metadata), model_paths=str(models_dir),
                   pipeline=chosen.name, lora_base_model="dit", max_pixels=resolution * resolution,
-                  seed=seed, **({"extra_inputs": "edit_image"} if edit else {}), **dict(family.demo))
+                  seed=seed, **({"extra_inputs": ",".join(extras)} if extras else {}), **dict(family.demo))
     args = make_args(task="sft:split", output_path=str(out / "train"), num_epochs=num_epochs, overwrite=True, **common)
 
     from unitgraph.backends.diffusion.config import RunConfig

@@ -41,6 +41,7 @@ def repair_command(
     model_paths: Annotated[Optional[str], typer.Option("--model_paths", "--model-paths", help="The model folders, if they moved (as for train).")] = None,
     model_id_with_origin_paths: Annotated[Optional[str], typer.Option("--model_id_with_origin_paths", "--model-id-with-origin-paths", help="Model ids, as for train.")] = None,
     tokenizer_path: Annotated[Optional[str], typer.Option("--tokenizer_path", "--tokenizer-path", help="The tokenizer folder, if it moved.")] = None,
+    tokenizer_2_path: Annotated[Optional[str], typer.Option("--tokenizer_2_path", "--tokenizer-2-path", help="The second text encoder's tokenizer folder (FLUX's T5), if it moved.")] = None,
     processor_path: Annotated[Optional[str], typer.Option("--processor_path", "--processor-path", help="The processor folder (edit pipelines), if it moved.")] = None,
     modelscope_cache_dir: Annotated[Optional[str], typer.Option("--modelscope_cache_dir", "--modelscope-cache-dir", help="modelscope cache folder.")] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = False,
@@ -50,7 +51,7 @@ def repair_command(
 
     overrides = {"dataset_base_path": dataset_base_path, "dataset_metadata_path": dataset_metadata_path,
                  "model_paths": model_paths, "model_id_with_origin_paths": model_id_with_origin_paths,
-                 "tokenizer_path": tokenizer_path, "processor_path": processor_path,
+                 "tokenizer_path": tokenizer_path, "tokenizer_2_path": tokenizer_2_path, "processor_path": processor_path,
                  "modelscope_cache_dir": modelscope_cache_dir}
     result = repair_cache(folder, overrides, echo=_warn, progress=progress)
     if result.computed:

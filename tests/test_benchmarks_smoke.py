@@ -89,3 +89,22 @@ def test_one_tiny_real_run(tmp_path):
     assert dtypes["float32"]["loss_rel_max"] == 0.0
     assert dtypes["bfloat16"]["tensor_bytes"] < dtypes["float32"]["tensor_bytes"]
     assert "| test |" in bench.markdown(summary)
+
+
+def test_each_pipeline_has_its_own_section(tmp_path):
+    """--pipeline flux writes a section (and plot) of its own beside Qwen-Image's, replaced in place on re-runs."""
+    results = _fake_results()
+    results["settings"]["pipeline"] = "flux"
+    summary = bench.summarize(results)
+    assert summary["pipeline"] == "flux" and summary["title"] == "FLUX.1"
+    text = bench.markdown(summary)
+    assert "default FLUX.1 targets" in text and "--pipeline flux --write" in text and "diffusion:flux" in text
+    doc = tmp_path / "benchmarks.md"
+    bench.write_doc(bench.markdown(bench.summarize(_fake_results())), doc)
+    bench.write_doc(text, doc, pipeline="flux")
+    bench.write_doc(text.replace("40.0", "41.0"), doc, pipeline="flux")
+    begin, end, title, plot = bench.section_names("flux")
+    content = doc.read_text()
+    assert content.count(begin) == 1 and content.count(bench.BEGIN) == 1 and title in content
+    assert "| test | 64 px | 41.0 |" in content.split(begin)[1] and "| test | 64 px | 40.0 |" in content.split(begin)[0]
+    assert plot.name == "benchmark_split_vs_unsplit_flux.png" and bench.section_names("qwen_image")[3] == bench.PLOT

@@ -136,42 +136,50 @@ def extra_columns(pipeline) -> list[str]:
     return [c for c in pipeline.required if c not in ("image", "prompt")]
 
 
-def edit_images_per_sample(pipeline) -> int:
-    """2 when the pipeline's model-free units that read edit_image take a list of two edit images, else 1."""
+def extra_images(pipeline) -> list[str]:
+    """The required image columns beyond the target image (edit_image, kontext_images, ...)."""
+    return [c for c in pipeline.image_params if c in pipeline.required and c != "image"]
+
+
+def images_per_sample(pipeline, column: str) -> int:
+    """2 when the pipeline's model-free units that read `column` take a list of two images, else 1."""
     from PIL import Image
 
     from unitgraph.backends.diffusion.context import UnitContext
 
     two = [Image.new("RGB", (SIZE, SIZE)), Image.new("RGB", (SIZE, SIZE))]
     for unit in pipeline.units:
-        if "edit_image" in unit.inputs and not unit.models:
+        if column in unit.inputs and not unit.models:
             try:
-                unit(UnitContext(models={}), {p: two if p == "edit_image" else None for p in unit.inputs})
+                unit(UnitContext(models={}), {p: two if p == column else None for p in unit.inputs})
             except BackendError:
                 return 1
     return 2
 
 
 def write_dataset(pipeline, folder: Path, count: int, seed: int) -> Path:
-    """A captioned image set with the columns the pipeline requires; returns its metadata file.
+    """A small captioned image set with the columns the pipeline requires; returns its metadata file.
 
-    With edit_image required, each row has an edit image; a pipeline that takes several gets a JSON
-    metadata file whose edit_image lists two (the second a rotated copy of the first).
+    Each required image column beyond the target gets a mirrored copy of the row's image; where the
+    pipeline takes several images in such a column, a JSON metadata file lists two (the second a rotated copy).
     """
     required = set(pipeline.required)
-    csv_path = write_synthetic_dataset(folder, count=count, size=SIZE, seed=seed, edit="edit_image" in required,
+    columns = extra_images(pipeline)
+    csv_path = write_synthetic_dataset(folder, count=count, size=SIZE, seed=seed, images=columns,
                                        distill=bool({"seed", "num_inference_steps"} & required))
-    if "edit_image" not in required or edit_images_per_sample(pipeline) < 2:
+    several = [c for c in columns if images_per_sample(pipeline, c) >= 2]
+    if not several:
         return csv_path
     from PIL import Image
 
     with csv_path.open(newline="", encoding="utf-8") as handle:
         rows = list(csv.DictReader(handle))
     for row in rows:
-        second = row["edit_image"].replace(".png", "_b.png")
-        with Image.open(folder / row["edit_image"]) as image:
-            image.rotate(90).save(folder / second)
-        row["edit_image"] = [row["edit_image"], second]
+        for column in several:
+            second = row[column].replace(".png", "_b.png")
+            with Image.open(folder / row[column]) as image:
+                image.rotate(90).save(folder / second)
+            row[column] = [row[column], second]
     path = folder / "metadata.json"
     path.write_text(json.dumps(rows, indent=1), encoding="utf-8")
     csv_path.unlink()

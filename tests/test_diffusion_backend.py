@@ -112,7 +112,8 @@ def test_metadata_formats_and_errors(tmp_path, dataset):
     ds = DiffusionDataset(dataset, tmp_path / "m.jsonl", params)
     sample = ds.sample(0)
     assert sample["edit_image"] is None and sample["image"].size == (SIZE, SIZE) and isinstance(sample["prompt"], str)
-    with_edit = DiffusionDataset(dataset, dataset / "metadata.csv", params, extra_inputs=["edit_image"])
+    with_edit = DiffusionDataset(dataset, dataset / "metadata.csv", params, extra_inputs=["edit_image"],
+                                 image_params=("image", "edit_image"))
     assert with_edit.sample(0)["edit_image"] is not None
     same = DiffusionDataset(dataset, dataset / "metadata.csv", params)  # csv and jsonl rows: the same samples
     assert same.sample_id(0) == ds.sample_id(0) != ds.sample_id(1) and with_edit.sample_id(0) != ds.sample_id(0)

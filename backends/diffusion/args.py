@@ -45,7 +45,9 @@ class TrainArgs:
     pipeline: Optional[str] = _f(None, "Pipeline to train (see 'unitgraph pipelines'; default: the family whose diffusers pipeline class the --model_paths folder's model_index.json names, else the first registered family).", "models")
     model_paths: Optional[str] = _f(None, "A JSON list of model folders, or one path (a diffusers pipeline folder works).", "models")
     model_id_with_origin_paths: Optional[str] = _f(None, "'org/name:sub/pattern,...' resolved through modelscope.", "models")
-    tokenizer_path: Optional[str] = _f(None, "Tokenizer folder (default: beside the text encoder or in the pipeline folder).", "models")
+    tokenizer_path: Optional[str] = _f(None, "Tokenizer folder of the (first) text encoder (default: beside the text encoder or in the pipeline folder).", "models")
+    tokenizer_1_path: Optional[str] = _f(None, "The first text encoder's tokenizer (DiffSynth's name for --tokenizer_path in two-encoder families).", "models")
+    tokenizer_2_path: Optional[str] = _f(None, "The second text encoder's tokenizer (two-encoder families; default: beside it or in the pipeline folder).", "models")
     processor_path: Optional[str] = _f(None, "Processor folder for a pipeline whose text encoder reads images (the edit pipelines; default: in the pipeline folder or beside the text encoder, else the family's model id).", "models")
     modelscope_cache_dir: Optional[str] = _f(None, "modelscope cache folder (default: modelscope's own).", "models")
     offload_models: Optional[str] = _f(None, "Accepted for compatibility (no effect: each stage loads only its models).", "models")
@@ -65,6 +67,7 @@ class TrainArgs:
     # output
     output_path: str = _f("./models", "Output folder (plan.json, training_args.json, loss.csv, checkpoints).", "output")
     remove_prefix_in_ckpt: Optional[str] = _f(None, "Strip this prefix from checkpoint keys (diffusers format: keys are 'transformer.…'; diffsynth format: 'pipe.dit.…', so DiffSynth's 'pipe.dit.' leaves the model's own module names).", "output")
+    align_to_opensource_format: bool = _f(False, "Accepted for DiffSynth's commands: LoRA files are already in the diffusers format, which diffusers and ComfyUI load (see --lora_format).", "output")
     lora_format: str = _f("diffusers", "Checkpoint key layout: diffusers (a diffusers pipeline's load_lora_weights reads it) or diffsynth (DiffSynth-Studio's pipe.load_lora reads it); 'unitgraph lora convert' turns one into the other.", "output")
     save_steps: Optional[int] = _f(None, "Also save step-N.safetensors every N optimizer steps.", "output")
     overwrite: bool = _f(False, "Start anew in an --output_path that holds an earlier run: its files are moved aside into OUTPUT/replaced-<time>/ (nothing is deleted; a cache in it is kept and reused).", "output")
@@ -111,11 +114,18 @@ class TrainArgs:
     def lora_targets(self) -> list[str]:
         return split_list(self.lora_target_modules)
 
+    def first_tokenizer_path(self) -> Optional[str]:
+        """--tokenizer_path or its two-encoder spelling --tokenizer_1_path (checked in validate: not two different ones)."""
+        return self.tokenizer_1_path or self.tokenizer_path
+
     def validate(self) -> "TrainArgs":
         if self.task not in TASKS:
             raise BackendError(f"--task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.lora_format not in LORA_FORMATS:
             raise BackendError(f"--lora_format must be one of {', '.join(LORA_FORMATS)}, got {self.lora_format!r}")
+        if self.tokenizer_path and self.tokenizer_1_path and self.tokenizer_path != self.tokenizer_1_path:
+            raise BackendError("--tokenizer_path and --tokenizer_1_path name the same tokenizer (the first text "
+                               "encoder's); give one of them")
         if self.cache_mode not in ("latest", "versioned"):
             raise BackendError(f"--cache_mode must be latest or versioned, got {self.cache_mode!r}")
         for name in ("num_epochs", "gradient_accumulation_steps", "dataset_repeat", "lora_rank", "max_pixels"):

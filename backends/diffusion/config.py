@@ -46,13 +46,15 @@ class ModelConfig:
     offline: bool = False
     hub: Hub = field(default_factory=Hub)  # where model ids are found (DiffSynth's ./models, the modelscope cache)
     processor_path: Optional[str] = None  # DiffSynth's --processor_path (a multimodal processor folder or model id)
+    tokenizer_2_path: Optional[str] = None  # the second text encoder's tokenizer (DiffSynth's --tokenizer_2_path in two-encoder families)
 
     def sources(self, family: Family, offline: Optional[bool] = None) -> ModelSources:
         """The family's slots resolved from these arguments (`offline` overrides the setting)."""
         hub = self.hub if offline is None or offline == self.hub.offline else \
             replace(self.hub, offline=offline, offline_reason=self.hub.offline_reason or "comparing stage-1 models")
         return ModelSources(family.slots, self.model_paths, self.model_id_with_origin_paths, self.tokenizer_path,
-                            self.cache_dir, offline=hub.offline, hub=hub, processor_path=self.processor_path)
+                            self.cache_dir, offline=hub.offline, hub=hub, processor_path=self.processor_path,
+                            tokenizer_2_path=self.tokenizer_2_path)
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,8 @@ class RunConfig:
         if args.preset_lora_path and preset_model not in models:
             raise BackendError("--preset_lora_path needs --preset_lora_model (or --lora_base_model) naming a model of the pipeline")
         targets = tuple(args.lora_targets())
+        if args.lora_base_model and targets:
+            targets = family.slot(args.lora_base_model).lora_modules(targets)
         if args.lora_base_model and not targets:
             targets = family.slot(args.lora_base_model).lora_targets
             if not targets:
@@ -133,6 +137,10 @@ class RunConfig:
         cache_dtype = CACHE_DTYPES[args.cache_dtype] if args.cache_dtype else DTYPE
         hub = Hub.from_env(args.modelscope_cache_dir, environ)
         notes = ["note: --fp8_models is ignored (no fp8 training on this backend)"] if args.fp8_models else []
+        if args.align_to_opensource_format:
+            notes.append("note: --align_to_opensource_format: LoRA files are written in the diffusers format "
+                         "(--lora_format), which diffusers' load_lora_weights and ComfyUI read; DiffSynth's own "
+                         "kohya-style renaming is not done")
         workers = args.dataset_num_workers
         cores = usable_cores()
         if workers > cores:
@@ -146,8 +154,9 @@ class RunConfig:
                                dtype=DTYPE, cache_dtype=cache_dtype),
             data=DataConfig(args.dataset_base_path, args.dataset_metadata_path, tuple(args.file_keys()),
                             tuple(args.extra_input_names()), args.dataset_repeat, workers),
-            models=ModelConfig(args.model_paths, args.model_id_with_origin_paths, args.tokenizer_path,
-                               args.modelscope_cache_dir, offline=hub.offline, hub=hub, processor_path=args.processor_path),
+            models=ModelConfig(args.model_paths, args.model_id_with_origin_paths, args.first_tokenizer_path(),
+                               args.modelscope_cache_dir, offline=hub.offline, hub=hub, processor_path=args.processor_path,
+                               tokenizer_2_path=args.tokenizer_2_path),
             optim=OptimConfig(args.learning_rate, args.weight_decay, args.num_epochs, args.gradient_accumulation_steps,
                               args.batch_size, tuple(args.trainable()),
                               args.use_gradient_checkpointing or args.use_gradient_checkpointing_offload,

@@ -45,9 +45,10 @@ from unitgraph.userfiles import parse_user_csv, parse_user_json, parse_user_json
 from .args import BackendError
 
 REQUIRED_COLUMNS = ("image", "prompt")
-IMAGE_PARAMS = ("image", "edit_image")
-# Typed dataset params: metadata files (csv in particular) carry strings.
-PARAM_TYPES = {"seed": int, "num_inference_steps": int, "cfg_scale": float}
+# The defaults of a DiffusionDataset made without a pipeline's declarations (PipelineDef.image_params,
+# PipelineDef.param_types): metadata files (csv in particular) carry strings.
+IMAGE_PARAMS = ("image",)
+PARAM_TYPES: dict[str, type] = {}
 MIN_IMAGE_SIDE = 16
 # a metadata file larger than this is refused (one line) rather than read into memory: about a
 # million rows of long prompts; the limit of the other user files (specs, plans) is 64 MiB
@@ -121,6 +122,8 @@ class DiffusionDataset:
         extra_inputs: Iterable[str] = (),
         required: Iterable[str] = REQUIRED_COLUMNS,
         optional: Iterable[str] = (),
+        image_params: Iterable[str] = IMAGE_PARAMS,
+        param_types: Optional[dict[str, type]] = None,
     ):
         self.base_path = Path(base_path or ".")
         if not self.base_path.is_dir():
@@ -131,6 +134,8 @@ class DiffusionDataset:
         self.metadata_path = Path(metadata_path)
         self.rows = read_metadata(self.metadata_path)
         self.dataset_params = list(dict.fromkeys(dataset_params))
+        self.image_params = tuple(image_params)
+        self.param_types = dict(PARAM_TYPES if param_types is None else param_types)
         columns = set().union(*(r.keys() for r in self.rows))
         self.extra_inputs = list(dict.fromkeys(list(extra_inputs) + [c for c in optional if c in columns]))
         self.required = [c for c in required]
@@ -141,7 +146,7 @@ class DiffusionDataset:
         self.file_keys = [k for k in dict.fromkeys(list(data_file_keys)) if k in columns]
         self.inputs = [p for p in self.dataset_params if p in self.required or p in self.extra_inputs]
         for p in self.inputs:
-            if p in IMAGE_PARAMS and p not in self.file_keys:
+            if p in self.image_params and p not in self.file_keys:
                 self.file_keys.append(p)
         for n, row in enumerate(self.rows):
             for name in self.required:
@@ -238,8 +243,8 @@ class DiffusionDataset:
         value = self.rows[index].get(param)
         if value == "":
             value = None
-        if value is not None and param in PARAM_TYPES:
-            kind = PARAM_TYPES[param]
+        if value is not None and param in self.param_types:
+            kind = self.param_types[param]
             try:
                 value = kind(value)
                 if kind is float and not math.isfinite(value):
@@ -354,10 +359,11 @@ def _converts_to_rgb(mode: str) -> bool:
 
 
 def write_synthetic_dataset(folder: str | Path, count: int = 8, size: int = 64, seed: int = 0,
-                            edit: bool = False, distill: bool = False) -> Path:
+                            edit: bool = False, distill: bool = False, images: Iterable[str] = ()) -> Path:
     """A small captioned image set (coloured shapes on a background) with metadata.csv; returns the csv path.
 
-    For tests and the demo. `edit` adds an edit_image column; `distill` adds seed,
+    For tests and the demo. `images` adds a column per name, each naming a mirrored copy of the row's
+    image (a reference or edit image); `edit` adds the edit_image column; `distill` adds seed,
     num_inference_steps and cfg_scale columns.
     """
     import random
@@ -389,10 +395,11 @@ def write_synthetic_dataset(folder: str | Path, count: int = 8, size: int = 64, 
         name = f"images/{i:03d}.png"
         img.save(folder / name)
         row = {"image": name, "prompt": f"a {fg} {shape} on a {bg} background"}
-        if edit:
-            edit_name = f"images/{i:03d}_edit.png"
-            img.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(folder / edit_name)
-            row["edit_image"] = edit_name
+        for column in dict.fromkeys([*(["edit_image"] if edit else []), *images]):
+            suffix = "edit" if column == "edit_image" else column
+            extra_name = f"images/{i:03d}_{suffix}.png"
+            img.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(folder / extra_name)
+            row[column] = extra_name
         if distill:
             row.update({"seed": i, "num_inference_steps": 2, "cfg_scale": 1.0})
         rows.append(row)

@@ -150,8 +150,9 @@ class PipelineDef:
     """One trainable pipeline of a family: its units in order, its loss and the task it serves.
 
     `task` is the --task family it runs (`sft`, `direct_distill`); `required` are the metadata
-    columns every sample must have, `optional` those used when present; `param_types` converts
-    metadata strings (csv carries only strings) for the dataset params that are numbers.
+    columns every sample must have, `optional` those used when present; `image_params` are the
+    dataset params that name image files (loaded as RGB images, a list of files giving a list);
+    `param_types` converts metadata strings (csv carries only strings) for the params that are numbers.
     `diffusers_pipeline` is the diffusers pipeline class its tiny folders load with and its LoRA files
     are checked with (None: the family's first). `companions` are the auxiliary slots (a processor,
     say) a stage loads together with a model for this pipeline, beside the tokenizer a text encoder
@@ -165,6 +166,8 @@ class PipelineDef:
     description: str = ""
     required: tuple[str, ...] = ("image", "prompt")
     optional: tuple[str, ...] = ()
+    image_params: tuple[str, ...] = ("image",)
+    param_types: Mapping[str, type] = field(default_factory=dict, hash=False)
     diffusers_pipeline: Optional[str] = None
     companions: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
 
@@ -195,7 +198,9 @@ class ModelSlot:
     `architectures` for transformers); model_types: transformers `model_type` values that do.
     lora_prefix: the diffusers pipeline attribute its checkpoint keys live under (`transformer`);
     lora_targets: the default --lora_target_modules when it is the LoRA base model.
-    tokenizer: the tokenizer slot paired with this text encoder (FLUX has two such pairs).
+    lora_aliases: module names of DiffSynth-Studio's own model class (a DiT of its own may fuse q, k and v into
+    `a_to_qkv`, say) -> the modules of this slot's class they stand for, so its --lora_target_modules port.
+    tokenizer: the tokenizer slot paired with this text encoder (a family may have several such pairs).
     default_config: for a scheduler, the family's published config, used when no folder gives one.
     origin: (model id, pattern) DiffSynth falls back to when only model ids are given (tokenizers, processors).
     """
@@ -209,6 +214,7 @@ class ModelSlot:
     model_types: tuple[str, ...] = ()
     lora_prefix: Optional[str] = None
     lora_targets: tuple[str, ...] = ()
+    lora_aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
     tokenizer: Optional[str] = None
     default_config: Optional[Mapping[str, Any]] = None
     origin: Optional[tuple[str, str]] = None
@@ -216,6 +222,16 @@ class ModelSlot:
     @property
     def class_names(self) -> tuple[str, ...]:
         return (self.class_name, *self.accepts)
+
+    def lora_modules(self, targets: tuple[str, ...]) -> tuple[str, ...]:
+        """--lora_target_modules as this slot's module names: each DiffSynth alias replaced by what it
+        stands for, duplicates dropped, order kept.
+
+        >>> ModelSlot("dit", "diffusers", "X", "x", lora_aliases={"a_to_qkv": ("to_q", "to_k", "to_v")}).lora_modules(
+        ...     ("a_to_qkv", "to_q", "proj_out"))
+        ('to_q', 'to_k', 'to_v', 'proj_out')
+        """
+        return tuple(dict.fromkeys(m for t in targets for m in self.lora_aliases.get(t, (t,))))
 
 
 @dataclass(frozen=True)

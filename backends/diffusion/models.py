@@ -37,6 +37,9 @@ _WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
 # A processor folder: these configs beside its tokenizer files (preprocessor_config.json marks one)
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
                     "chat_template.json")
+SINGLE_FILE_PROBLEM = ("is a single-file checkpoint (the original release layout, no config.json beside it), which "
+                       "unitgraph does not read; give the model's diffusers/transformers folder (its transformer/, vae/, "
+                       "text_encoder/ ... subfolders)")
 # Read once where the flags are parsed (config.ModelConfig); named in messages.
 OFFLINE_ENV = "UNITGRAPH_OFFLINE"
 
@@ -235,6 +238,8 @@ def classify_folder(path: Path | str, table: SlotTable, origin: str | None = Non
         raise ModelLoadError(p, "path does not exist")
     if p.is_file():
         if p.suffix in (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt"):
+            if not any((p.parent / name).is_file() for name in ("config.json", "model_index.json", "scheduler_config.json")):
+                raise ModelLoadError(p, SINGLE_FILE_PROBLEM)
             entry = classify_folder(p.parent, table, origin)
             if entry.kind == "pipeline":
                 raise ModelLoadError(p, "is a file at the top of a pipeline folder; give the folder itself")
@@ -332,19 +337,25 @@ class ModelSources:
     Component folders from model_paths are classified eagerly (config files only); modelscope
     entries whose origin subfolder names a slot (transformer/, vae/, ...) are resolved only
     when that slot is asked for. A pipeline folder's subfolders are only looked at on demand.
-    `tokenizer_path` (DiffSynth's --tokenizer_path) is the tokenizer of the first text encoder;
+    `tokenizer_path` (DiffSynth's --tokenizer_path, or --tokenizer_1_path) is the tokenizer of the
+    first text encoder, `tokenizer_2_path` (--tokenizer_2_path) that of the second;
     `processor_path` (DiffSynth's --processor_path) the family's first processor.
     """
 
     def __init__(self, slots: Sequence[ModelSlot] | SlotTable, model_paths: Any = None,
                  model_id_with_origin_paths: Any = None, tokenizer_path: Any = None, cache_dir: Any = None,
-                 offline: bool = False, hub: Optional[Hub] = None, processor_path: Any = None):
+                 offline: bool = False, hub: Optional[Hub] = None, processor_path: Any = None,
+                 tokenizer_2_path: Any = None):
         self.table = slots if isinstance(slots, SlotTable) else SlotTable(slots)
         self.cache_dir = cache_dir
         self.offline = bool(offline)
         self.hub = hub or Hub(cache_dir=None if cache_dir is None else str(cache_dir), offline=self.offline,
                               offline_reason=OFFLINE_ENV if self.offline else "")
         self.tokenizer_path = None if tokenizer_path in (None, "") else str(tokenizer_path)
+        # the tokenizer slots of the text encoders, in order, and the flag naming each
+        pairs = [s.tokenizer for s in self.table.slots.values() if s.kind == "model" and s.tokenizer]
+        given = [self.tokenizer_path, None if tokenizer_2_path in (None, "") else str(tokenizer_2_path)]
+        self._tokenizers_given = {slot: path for slot, path in zip(pairs, given) if path is not None}
         self.processor_path = None if processor_path in (None, "") else str(processor_path)
         self._remote = parse_model_id_with_origin_paths(model_id_with_origin_paths)
         self.entries: list[_Entry] = []
@@ -376,6 +387,12 @@ class ModelSources:
         self._remote_done.add(i)
         model_id, pattern = self._remote[i]
         folder = self._snapshot(model_id, pattern)
+        if "/" not in pattern and pattern.endswith((".safetensors", ".ckpt", ".bin", ".pth")) \
+                and not (folder / "config.json").is_file():
+            # DiffSynth reads release files at a repository's top (a DiT in its original layout); a diffusers
+            # pipeline repository holds the same weights in per-component folders
+            denoiser = self.table[self.table.denoiser].subfolder
+            raise ModelLoadError(f"{model_id}:{pattern}", f"{SINGLE_FILE_PROBLEM}: e.g. {model_id}:{denoiser}/*.safetensors")
         entry = classify_folder(folder, self.table, origin=f"{model_id}:{pattern}")
         entry.model_id = model_id
         self._add(entry)
@@ -442,11 +459,12 @@ class ModelSources:
         folder's subfolder; the same subfolder beside a text encoder's folder; else, when model ids are
         given, the slot's origin folder under them (as DiffSynth defaults its tokenizer and processor)."""
         kind = self.table[slot].kind
-        given, is_folder, make = ((self.tokenizer_path, _is_tokenizer_folder, self._tokenizer_source) if kind == "tokenizer"
-                                  else (self.processor_path, _is_processor_folder, self._processor_source))
-        first = (next((s.tokenizer for s in self.table.slots.values() if s.tokenizer), None) if kind == "tokenizer"
-                 else self.table.processors[0])
-        if given is not None and slot == first:
+        if kind == "tokenizer":
+            given, is_folder, make = self._tokenizers_given.get(slot), _is_tokenizer_folder, self._tokenizer_source
+        else:
+            given = self.processor_path if slot == self.table.processors[0] else None
+            is_folder, make = _is_processor_folder, self._processor_source
+        if given is not None:
             local = Path(given).expanduser()
             if local.exists() or ":" not in given:
                 if not local.exists():
@@ -517,7 +535,8 @@ class ModelSources:
         if not self.has_sources:
             return ModelLoadError(None, f"no model given for {slot}: pass --model_paths or --model_id_with_origin_paths")
         if self.table[slot].kind == "tokenizer":
-            return ModelLoadError(None, f"no {slot} found beside the text encoder or in a pipeline folder; pass --tokenizer_path")
+            flag = "--tokenizer_2_path" if list(self._tokenizer_order()).index(slot) == 1 else "--tokenizer_path"
+            return ModelLoadError(None, f"no {slot} found beside the text encoder or in a pipeline folder; pass {flag}")
         if self.table[slot].kind == "processor":
             return ModelLoadError(None, f"no {slot} found beside the text encoder or in a pipeline folder; pass --processor_path")
         for i in range(len(self._remote)):  # describe everything that was given
@@ -531,6 +550,11 @@ class ModelSources:
             return ModelLoadError(e.path, f"is {what}, but {slot} needs {expected} and no other path provides it")
         kinds = "; ".join(f"{e.path} ({e.kind})" for e in self.entries)
         return ModelLoadError(None, f"no given path provides {slot} ({expected}); given: {kinds}")
+
+    def _tokenizer_order(self) -> list[str]:
+        """Tokenizer slots: those paired with the text encoders first, in order, then the others."""
+        paired = [s.tokenizer for s in self.table.slots.values() if s.kind == "model" and s.tokenizer]
+        return list(dict.fromkeys([*paired, *self.table.tokenizers]))
 
     def resolve_many(self, slots: Iterable[str] | str) -> dict[str, ComponentSource]:
         return {slot: self.resolve(slot) for slot in self.table.check(slots)}

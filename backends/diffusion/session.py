@@ -113,7 +113,8 @@ def make_dataset(cfg: RunConfig) -> DiffusionDataset:
     spec = cfg.pipeline.spec_pipeline
     return DiffusionDataset(cfg.data.base_path, cfg.data.metadata_path, VersionGraph.of(spec).dataset_params,
                             data_file_keys=cfg.data.file_keys, extra_inputs=cfg.data.extra_inputs,
-                            required=cfg.pipeline.required, optional=cfg.pipeline.optional)
+                            required=cfg.pipeline.required, optional=cfg.pipeline.optional,
+                            image_params=cfg.pipeline.image_params, param_types=cfg.pipeline.param_types)
 
 
 def stage_slots(cfg: RunConfig, models: Iterable[str], training: bool) -> list[str]:

@@ -97,9 +97,12 @@ def made_with(cfg: RunConfig) -> dict[str, Any]:
             model_paths = json.dumps([os.path.abspath(p) for p in parse_model_paths(model_paths)])
         except ModelLoadError:
             pass
-    tokenizer = args.tokenizer_path
+    tokenizer = args.first_tokenizer_path()
     if tokenizer and os.path.exists(tokenizer):
         tokenizer = os.path.abspath(tokenizer)
+    tokenizer_2 = args.tokenizer_2_path
+    if tokenizer_2 and os.path.exists(tokenizer_2):
+        tokenizer_2 = os.path.abspath(tokenizer_2)
     processor = args.processor_path
     if processor and os.path.exists(processor):
         processor = os.path.abspath(processor)
@@ -108,7 +111,7 @@ def made_with(cfg: RunConfig) -> dict[str, Any]:
         "dataset_metadata_path": absolute(args.dataset_metadata_path), "data_file_keys": args.data_file_keys,
         "extra_inputs": args.extra_inputs, "model_paths": model_paths,
         "model_id_with_origin_paths": args.model_id_with_origin_paths, "tokenizer_path": tokenizer,
-        "processor_path": processor,
+        "tokenizer_2_path": tokenizer_2, "processor_path": processor,
         "modelscope_cache_dir": absolute(args.modelscope_cache_dir), "trainable_models": args.trainable_models,
         "lora_base_model": args.lora_base_model, "cache_mode": args.cache_mode,
         "height": args.height, "width": args.width, "max_pixels": args.max_pixels, "cache_dtype": args.cache_dtype,

@@ -55,6 +55,8 @@ SLOTS = (
               accepts=("Qwen2_5_VLProcessor",), origin=("Qwen/Qwen-Image-Edit", "processor/")),
 )
 
+# the image files a sample may name: the target and, with --extra_inputs edit_image, an edit image
+_IMAGES = ("image", "edit_image")
 _ENCODERS = (u.shape_checker, u.image_encoder, u.edit_image_encoder, u.prompt_encoder)
 
 QWEN_IMAGE = PipelineDef(
@@ -62,6 +64,7 @@ QWEN_IMAGE = PipelineDef(
     units=(*_ENCODERS, u.latent_sampler, u.noise_initializer, u.latent_packer, u.timestep_sampler),
     loss=losses.flow_matching_loss,
     description="Qwen-Image text-to-image (and edit) fine-tuning with the flow-matching loss",
+    image_params=_IMAGES,
 )
 
 # The edit pipelines: the edit images reach the DiT as extra tokens after the target's (their latents,
@@ -80,6 +83,7 @@ def _edit_pipeline(name: str, diffusers_class: str, resizers: tuple, prompt_enco
         loss=losses.flow_matching_loss,
         description=description,
         required=("image", "prompt", "edit_image"),
+        image_params=_IMAGES,
         diffusers_pipeline=diffusers_class,
         companions=_EDIT_COMPANIONS,
     )
@@ -102,6 +106,8 @@ QWEN_IMAGE_DISTILL = PipelineDef(
     description="Qwen-Image direct distillation: a few-step sampler from seeded noise, compared with the image's latents",
     required=("image", "prompt", "seed", "num_inference_steps"),
     optional=("cfg_scale", "negative_prompt"),
+    image_params=_IMAGES,
+    param_types={"seed": int, "num_inference_steps": int, "cfg_scale": float},
 )
 
 FAMILY = Family(

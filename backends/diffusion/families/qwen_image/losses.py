@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...family import lazy_module, sink
-from .units import schedule_sigmas
+from ...flowmatch import schedule_sigmas
 
 torch = lazy_module("torch")
 F = lazy_module("torch.nn.functional")

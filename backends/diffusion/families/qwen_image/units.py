@@ -33,6 +33,8 @@ from typing import Any
 
 from ...args import BackendError
 from ...family import lazy_module, unit
+from ...flowmatch import sample_timestep
+from ...imaging import image_to_pixels
 
 torch = lazy_module("torch")
 
@@ -69,37 +71,7 @@ MULTIPLE = 16  # image sides are multiples of this (VAE factor x 2x2 patches)
 
 def image_to_tensor(image: Any, size: Any, dtype: Any) -> torch.Tensor:
     """Resize (cover, then centre crop) and convert a PIL image to (1, 3, 1, H, W) in [-1, 1]."""
-    import numpy as np
-    from PIL import Image
-
-    if isinstance(image, list):
-        if len(image) != 1:
-            raise BackendError(f"expected one image per sample, got {len(image)}")
-        image = image[0]
-    if not isinstance(image, Image.Image):
-        raise BackendError(f"expected an image, got {type(image).__name__}")
-    w0, h0 = image.size
-    w, h = size.target(w0, h0, MULTIPLE)
-    scale = max(w / w0, h / h0)
-    rw, rh = max(w, round(w0 * scale)), max(h, round(h0 * scale))
-    if rw * rh > 4 * w * h:
-        # an extreme aspect ratio: resizing to cover first would make a huge image (a 10000x16 strip
-        # covering 1024x1024 is 640000 px wide); crop the source to the target's aspect first instead
-        if w0 / h0 > w / h:
-            cw, ch = max(1, round(h0 * w / h)), h0
-        else:
-            cw, ch = w0, max(1, round(w0 * h / w))
-        left, top = (w0 - cw) // 2, (h0 - ch) // 2
-        image = image.crop((left, top, left + cw, top + ch))
-        w0, h0 = image.size
-        scale = max(w / w0, h / h0)
-        rw, rh = max(w, round(w0 * scale)), max(h, round(h0 * scale))
-    image = image.convert("RGB").resize((rw, rh), Image.Resampling.BICUBIC)
-    left, top = (rw - w) // 2, (rh - h) // 2
-    image = image.crop((left, top, left + w, top + h))
-    array = torch.from_numpy(np.asarray(image, dtype=np.float32).copy())  # H, W, 3
-    pixels = array.permute(2, 0, 1) / 127.5 - 1.0
-    return pixels[None, :, None].to(dtype)
+    return image_to_pixels(image, size, dtype, MULTIPLE)[:, :, None]
 
 
 @unit("ShapeChecker", inputs=("image", "edit_image"), outputs=("image", "edit_image", "height", "width"),
@@ -420,45 +392,8 @@ def latent_packer(ctx, input_latents: torch.Tensor, noise: torch.Tensor, edit_la
             "img_shapes": [shapes]}
 
 
-def calculate_shift(seq_len: int, config: Any) -> float:
-    base_len = config.get("base_image_seq_len", 256)
-    max_len = config.get("max_image_seq_len", 4096)
-    base_shift = config.get("base_shift", 0.5)
-    max_shift = config.get("max_shift", 1.15)
-    slope = (max_shift - base_shift) / (max_len - base_len)
-    return seq_len * slope + base_shift - slope * base_len
-
-
-def schedule_sigmas(ctx, seq_len: int, num_steps: int, inference: bool = False) -> torch.Tensor:
-    """The scheduler's sigmas for an image of `seq_len` tokens (num_steps + 1 values, ending at 0)."""
-    import copy
-
-    import numpy as np
-
-    key = (seq_len, num_steps, inference)
-    if key not in ctx.memo:
-        scheduler = copy.deepcopy(ctx.model("scheduler"))
-        mu = calculate_shift(seq_len, scheduler.config)
-        kwargs = {"mu": mu} if scheduler.config.get("use_dynamic_shifting", False) else {}
-        if inference:
-            scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps).tolist(), device="cpu", **kwargs)
-        else:
-            scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
-        ctx.memo[key] = scheduler.sigmas.detach().to(torch.float32).clone()
-    return ctx.memo[key]
-
-
 @unit("TimestepSampler", inputs=("img_shapes",), outputs=("timestep",), deterministic=False,
       settings=("seed", "timestep_bounds", "cache_dtype"))
 def timestep_sampler(ctx, img_shapes: Any) -> dict[str, Any]:
     _, h, w = img_shapes[0][0]
-    steps = int(ctx.model("scheduler").config.get("num_train_timesteps", 1000))
-    sigmas = schedule_sigmas(ctx, int(h * w), steps)[:steps]
-    lo, hi = ctx.timestep_bounds
-    # sigmas fall from ~1 to ~0: index 0 is the noisiest; the bounds are fractions of the noise level
-    first = int(round((1.0 - hi) * steps))
-    last = max(first + 1, int(round((1.0 - lo) * steps)))
-    index = int(torch.randint(first, last, (1,), generator=ctx.rng("timestep")).item())
-    return {"timestep": (sigmas[index] * 1000.0).reshape(1).to(ctx.device)}
-
-
+    return {"timestep": sample_timestep(ctx, int(h * w))}

@@ -1,0 +1,62 @@
+"""Flow-matching schedules from a diffusers FlowMatchEulerDiscreteScheduler config, shared by the families.
+
+Training draws a noise level sigma from the scheduler's own training schedule (its
+`num_train_timesteps` sigmas, with the config's static or resolution-dependent shift), as
+DiffSynth-Studio and the diffusers pipelines use it; `--min/max_timestep_boundary` narrow the draw
+to a fraction of the schedule. Sigmas are memoised per (sequence length, steps) in the unit context.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["calculate_shift", "schedule_sigmas", "sample_timestep"]
+
+
+def calculate_shift(seq_len: int, config: Any) -> float:
+    """diffusers' mu for a resolution-dependent shift: linear in the image's token count between the
+    config's (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift)."""
+    base_len = config.get("base_image_seq_len", 256)
+    max_len = config.get("max_image_seq_len", 4096)
+    base_shift = config.get("base_shift", 0.5)
+    max_shift = config.get("max_shift", 1.15)
+    slope = (max_shift - base_shift) / (max_len - base_len)
+    return seq_len * slope + base_shift - slope * base_len
+
+
+def schedule_sigmas(ctx: Any, seq_len: int, num_steps: int, inference: bool = False) -> Any:
+    """The scheduler's sigmas for an image of `seq_len` tokens (num_steps + 1 values, ending at 0).
+
+    `inference` gives the sampler's evenly spaced schedule (diffusers' pipelines pass
+    linspace(1, 1/steps, steps) as sigmas), else the training schedule of `num_steps` steps.
+    """
+    import copy
+
+    import numpy as np
+    import torch
+
+    key = ("flowmatch", seq_len, num_steps, inference)
+    if key not in ctx.memo:
+        scheduler = copy.deepcopy(ctx.model("scheduler"))
+        mu = calculate_shift(seq_len, scheduler.config)
+        kwargs = {"mu": mu} if scheduler.config.get("use_dynamic_shifting", False) else {}
+        if inference:
+            scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps).tolist(), device="cpu", **kwargs)
+        else:
+            scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
+        ctx.memo[key] = scheduler.sigmas.detach().to(torch.float32).clone()
+    return ctx.memo[key]
+
+
+def sample_timestep(ctx: Any, seq_len: int) -> Any:
+    """One training timestep (sigma * 1000, shape (1,)) drawn from `ctx.rng("timestep")` within the bounds."""
+    import torch
+
+    steps = int(ctx.model("scheduler").config.get("num_train_timesteps", 1000))
+    sigmas = schedule_sigmas(ctx, int(seq_len), steps)[:steps]
+    lo, hi = ctx.timestep_bounds
+    # sigmas fall from ~1 to ~0: index 0 is the noisiest; the bounds are fractions of the noise level
+    first = int(round((1.0 - hi) * steps))
+    last = max(first + 1, int(round((1.0 - lo) * steps)))
+    index = int(torch.randint(first, last, (1,), generator=ctx.rng("timestep")).item())
+    return (sigmas[index] * 1000.0).reshape(1).to(ctx.device)
