@@ -11,7 +11,8 @@ alone. For each pipeline, on the family's `test`-size tiny models for that pipel
 - stage 2 runs with the frozen encoders' folders deleted and the source data gone;
 - the DiT LoRA file loads with the diffusers pipeline's `load_lora_weights`, and fusing it changes the
   DiT's weights by exactly what our adapter adds (alpha included);
-- stage 1 over 2 processes computes every entry exactly once and makes the cache 1 process makes.
+- stage 1 over 2 processes computes every entry exactly once and makes the cache (entries and manifest)
+  1 process makes.
 """
 
 from __future__ import annotations
@@ -323,9 +324,11 @@ def test_two_process_stage1_is_exact_once(family, pipeline, tiny_models, tmp_pat
             "--lora_base_model", family.model_slots[0], "--max_pixels", str(SIZE * SIZE), "--no-progress"]
     if extra_columns(pipeline):
         argv += ["--extra_inputs", ",".join(extra_columns(pipeline))]
-    one = subprocess.run([str(VENV_BIN / "unitgraph"), *argv, "--output_path", str(tmp_path / "one")],
-                         capture_output=True, text=True, env=ENV, timeout=300)
-    assert one.returncode == 0, one.stderr[-2000:]
+    # the reference: one process, in this one (same flags)
+    run(make_args(task=f"{pipeline.task}:data_process", pipeline=pipeline.name, dataset_base_path=str(data),
+                  dataset_metadata_path=str(metadata), model_paths=str(models), lora_base_model=family.model_slots[0],
+                  max_pixels=SIZE * SIZE, output_path=str(tmp_path / "one"), progress=False,
+                  **({"extra_inputs": ",".join(extra_columns(pipeline))} if extra_columns(pipeline) else {})), echo=quiet)
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
               "--mixed_precision", "no", "--dynamo_backend", "no", str(VENV_BIN / "unitgraph")]
     two = subprocess.run([*launch, *argv, "--output_path", str(tmp_path / "two")], capture_output=True, text=True, env=ENV,
@@ -336,7 +339,9 @@ def test_two_process_stage1_is_exact_once(family, pipeline, tiny_models, tmp_pat
         problems, stats = verify_cache(tmp_path / cache)
         assert problems == [] and stats["entries"] == 5
     entries = lambda c: {p.name: p.read_bytes() for p in (tmp_path / c / "entries").iterdir()}  # noqa: E731
-    assert entries("one") == entries("two")
+    assert entries("one") == entries("two")  # same keys, same bytes
+    manifest = lambda c: json.loads((tmp_path / c / "manifest.json").read_text())  # noqa: E731
+    assert manifest("one") == manifest("two")
 
 
 def test_every_family_is_complete():
