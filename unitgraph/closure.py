@@ -11,6 +11,16 @@ TRAIN access of a param, so they stand later too. Visiting positions in pipeline
 sees every unit after everything that can pull it in, and each param's first TRAIN access is
 settled the first time the sweep meets it. Total work: units + reads + update-chain lengths.
 
+Config reads (a unit's `configs`, DESIGN §2) take no part in any of this. X0 holds a unit for what
+it *calls*: a unit calling a model of B produces values that carry gradients and change as the
+weights do. A model's config is not its weights: it is fixed for the run, like a setting, and
+training never changes it, so a unit that only reads the config of a model of B computes the same
+deterministic value in every epoch; it is no seed. Nor is a config a param: no unit writes it, so
+it has no versions, adds no edge to the reaching-write tables of graph.py, and F, U and W (which
+look only at params) never see it. The whole closure, and with it every proof of
+docs/semantics.md, is therefore unchanged by `configs`; they matter only for what a stage loads
+(plan.py: the stage reads the model's config without loading its weights).
+
 The module is named for what it computes, a closure, and not `split`: the package exports the
 function `unitgraph.split` (plan.py), and a submodule of the same name would be shadowed by it, so
 `import unitgraph.split` would hand back the function instead of this module (issue 10).
@@ -88,7 +98,11 @@ def backward_models(trainable_models: Iterable[str] = (), lora_base_model: str |
 
 
 def seeds(vg: VersionGraph, backward: frozenset[str]) -> dict[int, Reason]:
-    """X0: units that call a model needing backward, and every non-deterministic unit."""
+    """X0: units that call a model needing backward, and every non-deterministic unit.
+
+    Only `unit.models` count: reading the config of a model of B (`unit.configs`) does not seed a
+    unit, since the config is fixed for the run (see the module docstring).
+    """
     found: dict[int, Reason] = {}
     for i, unit in enumerate(vg.pipeline.units):
         hit = tuple(m for m in dict.fromkeys(unit.models) if m in backward)

@@ -9,6 +9,10 @@ calls no model that needs backward, it is deterministic, it reads no version a t
 (F), and, in `latest` mode, it writes no param after a train unit first read or wrote it (W, which
 contains U). Each condition is stated with the facts that make it true.
 
+A unit that reads the config of a model without calling it (`configs`) is told so: the config is
+fixed for the run, so the read seeds nothing (even when the model needs backward) and is no data
+dependency, and the stage loads the model's config, not its weights.
+
 An inactive unit (its `requires` are not met by the params a run provides, `--with`) is explained
 by the params it lacks: it is dropped before the split, and C1-C3 apply to the active pipeline.
 """
@@ -22,7 +26,7 @@ from .closure import LATEST, Reason, train_set
 from .graph import VersionGraph
 from .plan import split
 from .planfile import Plan, active_pipeline
-from .spec import Pipeline
+from .spec import Pipeline, Unit
 
 TRAIN = "train"
 DATA_PROCESS = "data_process"
@@ -97,7 +101,7 @@ def explain_in_plan(pipeline: Pipeline, plan: Plan, position: int) -> Explanatio
     backward = frozenset(plan.models_require_backward)
     reasons = train_set(vg, backward, plan.cache_mode)
     if position in reasons:
-        return _explain_train(vg, reasons, position, plan.cache_mode)
+        return _explain_train(vg, reasons, position, plan.cache_mode, backward)
     return _explain_data_process(vg, backward, set(reasons), position, plan)
 
 
@@ -130,7 +134,15 @@ def chain_of(reasons: dict[int, Reason], position: int) -> list[tuple[int, Reaso
     return chain
 
 
-def _explain_train(vg: VersionGraph, reasons: dict[int, Reason], position: int, cache_mode: str) -> Explanation:
+def config_reads(unit: Unit, backward: frozenset[str]) -> tuple[list[str], list[str]]:
+    """The models whose config `unit` only reads: (those that need backward, the others)."""
+    configs = list(dict.fromkeys(unit.configs))
+    return [m for m in configs if m in backward], [m for m in configs if m not in backward]
+
+
+def _explain_train(
+    vg: VersionGraph, reasons: dict[int, Reason], position: int, cache_mode: str, backward: frozenset[str]
+) -> Explanation:
     names = vg.names
     chain = chain_of(reasons, position)
     parts = []
@@ -138,6 +150,11 @@ def _explain_train(vg: VersionGraph, reasons: dict[int, Reason], position: int, 
         subject = f"{names[position]} is in train because it" if k == 0 else "which is in train because it"
         parts.append(f"{subject} {reason.describe(names)}")
     text = ", ".join(parts) + "."
+    needing, _ = config_reads(vg.pipeline.units[position], backward)
+    if needing:  # so the reader does not take the config read for the cause
+        verb = "needs" if len(needing) == 1 else "need"
+        text += (f" It also reads the config of {', '.join(needing)}, which {verb} backward, without calling it; "
+                 f"that alone does not seed a unit (a config is fixed for the run).")
     return Explanation(
         unit=names[position],
         stage=TRAIN,
@@ -160,6 +177,16 @@ def _explain_data_process(
                           f"models that need backward: {needing})")
     else:
         conditions.append(f"it calls no model that needs backward (it calls none; models that need backward: {needing})")
+
+    if unit.configs:
+        needing_configs, other_configs = config_reads(unit, backward)
+        read = ", ".join((*needing_configs, *other_configs))
+        which = ""
+        if needing_configs:
+            verb = "needs" if len(needing_configs) == 1 else "need"
+            which = f" ({', '.join(needing_configs)} {verb} backward)"
+        conditions.append(f"it only reads the config of {read}{which}, without calling it: a config is fixed for "
+                          f"the run, like a setting, so the read does not seed it (X0) and is no data dependency")
 
     conditions.append("it is deterministic, so its output is the same in every epoch")
 
@@ -197,6 +224,10 @@ def _explain_data_process(
     else:
         footer = "None of its outputs is cached: only data_process units use them."
 
+    config_only = [m for m in dict.fromkeys(unit.configs) if m in plan.data_process_configs]
+    if config_only:
+        footer += f" Stage 1 loads the config of {', '.join(config_only)} for it, not the weights."
+
     lines = [f"{unit.name} is in data_process because nothing pulls it into train:"]
     lines += [f"  - {c}" for c in conditions]
     lines.append(footer)
@@ -219,4 +250,4 @@ def _first_train_access(vg: VersionGraph, train: set[int]) -> dict[str, int]:
     return first
 
 
-__all__ = ["Explanation", "chain_of", "explain", "explain_in_plan", "missing_requirements"]
+__all__ = ["Explanation", "chain_of", "config_reads", "explain", "explain_in_plan", "missing_requirements"]

@@ -29,6 +29,7 @@ __all__ = [
     "plan_from_train_set",
     "read_plan_file",
     "split",
+    "stage_configs",
     "versioned_savings_line",
 ]
 
@@ -89,11 +90,16 @@ def plan_from_train_set(
     cache_mode: str,
     reasons: dict[int, Reason] | None = None,
 ) -> Plan:
-    """Write down any split of `vg` (sound or not): the verifier and the U-only reference use this."""
+    """Write down any split of `vg` (sound or not): the verifier and the U-only reference use this.
+
+    A stage's configs are the configs its units read minus the models the stage loads anyway: a
+    loaded model brings its config with it, so only the others need their config.json alone.
+    """
     units = vg.pipeline.units
     names = vg.names
     dp = [i for i in range(vg.n) if i not in train]
     tr = sorted(train)
+    dp_models = {m for i in dp for m in units[i].models}
     train_models = {m for i in tr for m in units[i].models} | set(backward) | set(vg.sink_models(backward))
     entries = [(p, None if w is None else names[w]) for p, w in cache_entries(vg, train, cache_mode)]
     reasons = reasons or {}
@@ -102,14 +108,21 @@ def plan_from_train_set(
         models_require_backward=sorted(backward),
         cache_mode=cache_mode,
         data_process_units=[names[i] for i in dp],
-        data_process_models=sorted({m for i in dp for m in units[i].models}),
+        data_process_models=sorted(dp_models),
         train_units=[names[i] for i in tr],
         train_models=sorted(train_models),
         cache_entries=entries,
         fingerprint=fingerprint(vg.pipeline, backward, cache_mode),
+        data_process_configs=stage_configs(units, dp, dp_models),
+        train_configs=stage_configs(units, tr, train_models),
         reasons={names[i]: r.describe(names) for i, r in reasons.items()},
         reason_details={names[i]: r.to_dict(names) for i, r in reasons.items()},
     )
+
+
+def stage_configs(units, positions: Iterable[int], loaded: Iterable[str]) -> list[str]:
+    """The models whose config the units at `positions` read and that their stage does not load, sorted."""
+    return sorted({m for i in positions for m in units[i].configs} - set(loaded))
 
 
 def _check_models_exist(pipeline: Pipeline, backward: frozenset[str]) -> None:

@@ -27,6 +27,10 @@ class Plan:
     """A split of one pipeline for one set of models that need backward.
 
     Cache entries are (param, writer unit name or None for the dataset value).
+
+    `data_process_configs` and `train_configs`: the models whose config (config.json) a stage's
+    units read but whose weights that stage does not load, sorted; the stage reads only their
+    configs. Empty for pipelines without `configs`, whose plan files then have no such key.
     """
 
     pipeline: str
@@ -43,6 +47,8 @@ class Plan:
     reason_details: dict[str, dict] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # keys of newer formats, kept on round trips
     declared_cache_params: list[str] | None = None  # `cache.params` as read from a file, checked by verify
+    data_process_configs: list[str] = field(default_factory=list)  # configs read in stage 1, weights not loaded
+    train_configs: list[str] = field(default_factory=list)  # configs read in stage 2, weights not loaded
     # what verify found when split() made this plan (empty for a sound one); not part of the file
     violations: list[str] = field(default_factory=list, compare=False, repr=False)
 
@@ -62,8 +68,8 @@ class Plan:
             "format": FORMAT,
             "pipeline": self.pipeline,
             "models_require_backward": sorted(self.models_require_backward),
-            "data_process": {"units": list(self.data_process_units), "models": sorted(self.data_process_models)},
-            "train": {"units": list(self.train_units), "models": sorted(self.train_models)},
+            "data_process": _stage_dict(self.data_process_units, self.data_process_models, self.data_process_configs),
+            "train": _stage_dict(self.train_units, self.train_models, self.train_configs),
             "cache_mode": self.cache_mode,
             "cache": {
                 "params": self.cache_params,
@@ -88,8 +94,20 @@ class Plan:
         return reader.plan()
 
 
+def _stage_dict(units: list[str], models: list[str], configs: list[str]) -> dict[str, Any]:
+    """One stage's section; `configs` only when the stage reads some, so plans without any stay as they were."""
+    data: dict[str, Any] = {"units": list(units), "models": sorted(models)}
+    if configs:
+        data["configs"] = sorted(configs)
+    return data
+
+
 def fingerprint(pipeline: Pipeline, backward: Iterable[str], cache_mode: str) -> str:
-    """sha256 of the canonical spec, B, the cache mode and the format: what a cache was made under."""
+    """sha256 of the canonical spec, B, the cache mode and the format: what a cache was made under.
+
+    Units' `configs` enter through the canonical spec, and only for units that have some
+    (spec.Pipeline.canonical_dict): a pipeline without configs keeps the fingerprint it always had.
+    """
     header = json.dumps(
         {"format": FORMAT, "models_require_backward": sorted(set(backward)), "cache_mode": cache_mode},
         sort_keys=True, separators=(",", ":"),
@@ -136,6 +154,12 @@ class _PlanReader:
             raise self.fail(f"'{where}{key}' must be a list of strings")
         return list(values)
 
+    def optional_strings(self, key: str, container: dict, where: str) -> list[str]:
+        """A list of strings that may be missing (empty then), e.g. a stage's `configs`."""
+        if key not in container:
+            return []
+        return self.strings(key, container, where)
+
     def plan(self) -> Plan:
         fmt = self.get("format", str)
         if fmt != FORMAT:
@@ -174,6 +198,8 @@ class _PlanReader:
             train_models=self.strings("models", tr, "train."),
             cache_entries=entries,
             declared_cache_params=self.strings("params", cache, "cache."),
+            data_process_configs=self.optional_strings("configs", dp, "data_process."),
+            train_configs=self.optional_strings("configs", tr, "train."),
             fingerprint=self.get("fingerprint", str),
             checks=dict(checks),
             reasons=dict(reasons),

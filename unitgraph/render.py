@@ -13,7 +13,10 @@ shows what will run, not a re-derivation of it:
   that overwrites p without reading the previous version gets a dashed edge from it;
 - train units are coloured by the rule that put them there (X0 seeds with a double border, F, W,
   U) and say why in their last line; the graph label holds the title, models per stage, the
-  `versioned` note and a legend.
+  `versioned` note and a legend;
+- config reads (a unit's `configs`) are a node line `config: dit`, and a stage that reads a
+  model's config without loading it says `(config only: dit)` after the models it loads. A config
+  is no param, so no edge is drawn for it.
 
 Layout: left to right (rankdir=LR), so depth of data flow runs across and independent units stack
 down; that keeps 30+ unit pipelines readable where a top-down layout gets very wide.
@@ -241,6 +244,8 @@ class PlanView:
         """The small lines under a unit's name: models, dataset inputs (stage 1), in-place updates, reason."""
         unit = self.active.units[position]
         lines = [", ".join(unit.models)]
+        if unit.configs:
+            lines.append(_config_line(unit.configs))
         reads = self.dataset_reads.get(position)
         if reads:  # dataset inputs are listed, not drawn: thirty edges from one node are noise
             lines.append("dataset: " + ", ".join(reads))
@@ -270,6 +275,24 @@ def plan_view(pipeline: Pipeline, plan: Plan) -> PlanView:
 
 def _join_models(models: list[str] | tuple[str, ...]) -> str:
     return ", ".join(models) if models else "none"
+
+
+def _stage_loads(models: list[str], configs: list[str]) -> str:
+    """What a stage loads: its models, then `  (config only: dit)` when it reads configs it does not load."""
+    loads = _join_models(models)
+    return f"{loads}  (config only: {', '.join(configs)})" if configs else loads
+
+
+def _config_line(configs: tuple[str, ...]) -> str:
+    return "config: " + ", ".join(dict.fromkeys(configs))
+
+
+def _unit_models(unit: Any) -> str:
+    """The units table's models cell: the models a unit calls, then the configs it only reads."""
+    models = ", ".join(unit.models)
+    if unit.configs:
+        return f"{models}; {_config_line(unit.configs)}" if models else _config_line(unit.configs)
+    return models or "-"
 
 
 def _wrap_params(params: list[str], per_line: int = 2, sep: str = "\\n") -> str:
@@ -343,8 +366,8 @@ def _title_label(view: PlanView) -> str:
     """Title, models per stage, the versioned note and the legend, as one HTML graph label."""
     plan = view.plan
     lines = [
-        f"stage 1 (data_process) loads: {_join_models(plan.data_process_models)}",
-        f"stage 2 (train) loads: {_join_models(plan.train_models)}",
+        f"stage 1 (data_process) loads: {_stage_loads(plan.data_process_models, plan.data_process_configs)}",
+        f"stage 2 (train) loads: {_stage_loads(plan.train_models, plan.train_configs)}",
         f"cache: {len(plan.cache_entries)} entries ({plan.cache_mode} mode)",
     ]
     note = view.savings_line()
@@ -389,7 +412,7 @@ def to_graphviz(pipeline: Pipeline, plan: Plan):
     dp_positions = [i for i in range(view.n) if i not in view.train]
     tr_positions = [i for i in range(view.n) if i in view.train]
     with g.subgraph(name="cluster_data_process") as c:
-        c.attr(label=f"stage 1 · data_process: runs once, loads {_join_models(plan.data_process_models)}",
+        c.attr(label=f"stage 1 · data_process: runs once, loads {_stage_loads(plan.data_process_models, plan.data_process_configs)}",
                style="rounded,filled", fillcolor="#f0f7ff", color=DP_LINE, fontcolor=DP_LINE, fontsize="13")
         for i in dp_positions:
             unit = view.active.units[i]
@@ -403,7 +426,7 @@ def to_graphviz(pipeline: Pipeline, plan: Plan):
                    style="filled", fillcolor=CACHE_FILL, color=CACHE_LINE,
                    tooltip=f"cache entry {param} (version written by {view.writer_name(writer)})")
     with g.subgraph(name="cluster_train") as c:
-        c.attr(label=f"stage 2 · train: runs every step, loads {_join_models(plan.train_models)}",
+        c.attr(label=f"stage 2 · train: runs every step, loads {_stage_loads(plan.train_models, plan.train_configs)}",
                style="rounded,filled", fillcolor="#fff5f5", color="#dc2626", fontcolor="#dc2626", fontsize="13")
         for i in tr_positions:
             unit = view.active.units[i]
@@ -537,7 +560,7 @@ def to_mermaid(pipeline: Pipeline, plan: Plan) -> str:
     note = view.savings_line()
     if note:
         out.append(f"  %% {_mermaid_comment(note)}")
-    dp_models = _mermaid_text(_join_models(plan.data_process_models))
+    dp_models = _mermaid_text(_stage_loads(plan.data_process_models, plan.data_process_configs))
     out.append(f'  subgraph data_process["stage 1 · data_process: loads {dp_models}"]')
     for i in range(view.n):
         if i not in view.train:
@@ -548,7 +571,7 @@ def to_mermaid(pipeline: Pipeline, plan: Plan) -> str:
     for (param, writer), node_id in entry_ids.items():
         out.append("    " + node(node_id, param, [f"← {view.writer_name(writer)}"], "cylinder"))
     out.append("  end")
-    out.append(f'  subgraph train["stage 2 · train: loads {_mermaid_text(_join_models(plan.train_models))}"]')
+    out.append(f'  subgraph train["stage 2 · train: loads {_mermaid_text(_stage_loads(plan.train_models, plan.train_configs))}"]')
     for i in range(view.n):
         if i in view.train:
             unit = view.active.units[i]
@@ -635,7 +658,7 @@ def text_renderables(pipeline: Pipeline, plan: Plan) -> list[Any]:
     position = 0
     for k, unit in enumerate(pipeline.units):
         if k in inactive:
-            units.add_row(str(k + 1), unit.name, Text("inactive", style="dim"), ", ".join(unit.models) or "-",
+            units.add_row(str(k + 1), unit.name, Text("inactive", style="dim"), _unit_models(unit),
                           view.inactive_line(unit, inactive[k]) + " (dropped before the split)", style="dim")
             continue
         i = position
@@ -647,7 +670,7 @@ def text_renderables(pipeline: Pipeline, plan: Plan) -> list[Any]:
             stage = Text("data_process", style="blue")
             cached = cached_by.get(i, [])
             why = f"stage 1; cached: {', '.join(cached)}" if cached else "stage 1; used inside stage 1 only"
-        units.add_row(str(k + 1), unit.name, stage, ", ".join(unit.models) or "-", why)
+        units.add_row(str(k + 1), unit.name, stage, _unit_models(unit), why)
     out.append(units)
 
     cache = Table(title=f"cache entries ({len(view.entries)}, {plan.cache_mode} mode)", title_justify="left",
@@ -663,8 +686,8 @@ def text_renderables(pipeline: Pipeline, plan: Plan) -> list[Any]:
 
     models = Text()
     models.append("models loaded per stage\n", style="bold")
-    models.append(f"  stage 1 (data_process): {_join_models(plan.data_process_models)}\n")
-    models.append(f"  stage 2 (train):        {_join_models(plan.train_models)}")
+    models.append(f"  stage 1 (data_process): {_stage_loads(plan.data_process_models, plan.data_process_configs)}\n")
+    models.append(f"  stage 2 (train):        {_stage_loads(plan.train_models, plan.train_configs)}")
     out.append(models)
 
     checks = Text()

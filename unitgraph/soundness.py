@@ -4,6 +4,9 @@ Soundness is checked two ways: the invariants C1-C3 of DESIGN §3, and a simulat
 with version tags, which must make every unit and the sink read exactly the versions they read in
 the unsplit run. The simulation executes the plan as written (its unit lists and cache entries),
 not as recomputed, so a hand-edited plan is caught.
+
+Exactness also covers what each stage lists: its models and its configs. A config read changes no
+version (a config is not a param), so configs have no part in soundness and none in the simulation.
 """
 
 from __future__ import annotations
@@ -217,6 +220,33 @@ def _check_models(vg: VersionGraph, plan: Plan, train: set[int], backward: froze
             out.append(Violation("models", f"{stage} lists {m}, which no unit of that stage calls"))
         if list(declared) != sorted(set(declared)):
             out.append(Violation("format", f"{stage}.models must be sorted and without duplicates"))
+    out += _check_configs(vg, plan, train, dp_models, train_models)
+    return out
+
+
+def _check_configs(
+    vg: VersionGraph, plan: Plan, train: set[int], dp_models: list[str], train_models: list[str]
+) -> list[Violation]:
+    """A stage's configs are exactly the configs its units read minus the models it must load.
+
+    Measured against the models a stage must load (not those the plan lists, which _check_models
+    judges), so one wrong model is reported once, as a model. Configs change no version, so the
+    simulation below needs nothing of them.
+    """
+    units = vg.pipeline.units
+    out = []
+    for stage, declared, positions, loaded in (
+        ("data_process", plan.data_process_configs, [i for i in range(vg.n) if i not in train], dp_models),
+        ("train", plan.train_configs, sorted(train), train_models),
+    ):
+        expected = {m for i in positions for m in units[i].configs} - set(loaded)
+        for m in sorted(expected - set(declared)):
+            out.append(Violation("configs", f"{stage} units read the config of {m}, which the plan does not list"))
+        for m in sorted(set(declared) - expected):
+            reason = "it loads that model" if m in loaded else "no unit of that stage reads it"
+            out.append(Violation("configs", f"{stage} lists the config of {m}, but {reason}"))
+        if list(declared) != sorted(set(declared)):
+            out.append(Violation("format", f"{stage}.configs must be sorted and without duplicates"))
     return out
 
 

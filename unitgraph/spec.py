@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 from .errors import SpecError
 from .userfiles import parse_user_json, parse_user_yaml, read_user_text
 
-UNIT_KEYS = {"name", "inputs", "outputs", "models", "deterministic", "requires"}
+UNIT_KEYS = {"name", "inputs", "outputs", "models", "deterministic", "requires", "configs"}
 SINK_KEYS = {"inputs", "models"}
 PIPELINE_KEYS = {"name", "units", "sink"}
 
@@ -24,7 +24,14 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Unit:
-    """One preprocessing step: what it reads, writes and calls."""
+    """One preprocessing step: what it reads, writes and calls.
+
+    `configs` names models whose configuration the unit reads without calling the model (a channel
+    count of the DiT, the VAE's scale factor). A config is fixed for a run, like a setting: reading
+    it gives no gradient and no data dependency, so it never seeds the unit into TRAIN, and a stage
+    that runs the unit loads the model's config, not its weights (DESIGN §2, closure.py). A model
+    the unit calls is not listed here too: calling it reads its config anyway.
+    """
 
     name: str
     inputs: tuple[str, ...] = ()
@@ -33,9 +40,11 @@ class Unit:
     deterministic: bool = True
     # inputs without which the unit is a no-op (spec v1 extension; empty: always active)
     requires: tuple[str, ...] = ()
+    # models whose config the unit reads without calling them (empty: none)
+    configs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for attr in ("inputs", "outputs", "models", "requires"):
+        for attr in ("inputs", "outputs", "models", "requires", "configs"):
             object.__setattr__(self, attr, tuple(getattr(self, attr)))
 
     def to_dict(self) -> dict[str, Any]:
@@ -48,6 +57,8 @@ class Unit:
         }
         if self.requires:
             data["requires"] = list(self.requires)
+        if self.configs:  # absent when empty, like `requires`: older spec dicts stay byte-identical
+            data["configs"] = list(self.configs)
         return data
 
 
@@ -113,6 +124,14 @@ class Pipeline:
             names.update(self.sink.models)
         return sorted(names)
 
+    @property
+    def configs(self) -> list[str]:
+        """Every model some unit reads the config of (without calling it), sorted.
+
+        A name may also be in `models`: one unit may call a model whose config another only reads.
+        """
+        return sorted({m for unit in self.units for m in unit.configs})
+
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"name": self.name, "units": [u.to_dict() for u in self.units]}
         if self.sink is not None:
@@ -154,6 +173,8 @@ class Pipeline:
             }
             if u.requires:  # absent when empty, so specs without `requires` keep their fingerprints
                 unit["requires"] = sorted(set(u.requires))
+            if u.configs:  # likewise: pipelines without `configs` keep their fingerprints (and caches)
+                unit["configs"] = sorted(set(u.configs))
             units.append(unit)
         sink = None
         if self.sink is not None:
@@ -162,7 +183,8 @@ class Pipeline:
 
 
 def validate(pipeline: Pipeline) -> None:
-    """Reject what would make a plan ambiguous: empty or duplicate names, non-string entries."""
+    """Reject what would make a plan ambiguous: empty or duplicate names, non-string entries, a model a
+    unit both calls and only reads the config of."""
     src = pipeline.source
     if not isinstance(pipeline.name, str) or not pipeline.name.strip():
         raise SpecError("pipeline 'name' must be a non-empty string", source=src)
@@ -175,8 +197,12 @@ def validate(pipeline: Pipeline) -> None:
         if unit.name in seen:
             raise SpecError("duplicate unit name", source=src, unit=unit.name)
         seen.add(unit.name)
-        for attr in ("inputs", "outputs", "models", "requires"):
+        for attr in ("inputs", "outputs", "models", "requires", "configs"):
             _check_names(getattr(unit, attr), f"'{attr}'", src, unit.name)
+        both = [m for m in dict.fromkeys(unit.configs) if m in unit.models]
+        if both:
+            raise SpecError(f"{both[0]!r} is in both 'models' and 'configs'; a unit that calls a model reads its config "
+                            f"anyway, so list it only in 'models'", source=src, unit=unit.name)
         stray = [p for p in unit.requires if p not in unit.inputs]
         if stray:
             raise SpecError(f"'requires' names {stray[0]!r}, which is not one of the unit's inputs", source=src, unit=unit.name)
@@ -240,6 +266,7 @@ def _unit_from_dict(raw: Any, index: int, source: str) -> Unit:
         models=_string_list(raw, "models", source, name),
         deterministic=deterministic,
         requires=_string_list(raw, "requires", source, name),
+        configs=_string_list(raw, "configs", source, name),
     )
 
 
