@@ -60,6 +60,8 @@ SIZES: dict[str, dict[str, Any]] = {
     "demo": {"tiny": "demo", "px": 256, "samples": 8, "unsplit_repeat": 1, "train_repeat": 2, "sweep_steps": [6, 3, 2]},
     "balanced": {"tiny": "balanced", "px": 256, "samples": 6, "unsplit_repeat": 1, "train_repeat": 2, "sweep_steps": [4, 2, 1]},
 }
+# Video pipelines (Wan): clips of 17 frames (5 latent frames), at smaller sides than the image sizes.
+VIDEO_SIZES = {"test": {"px": 64, "frames": 17}, "demo": {"px": 128, "frames": 17}}
 CHUNK = 8  # the loader configuration alternates with in-memory steps every CHUNK steps
 CONFIGS = ("stage1", "unsplit", "train", "loader", "limit")
 BATCH_SIZES = (1, 4, 8)
@@ -132,9 +134,11 @@ def train_args(workdir: Path, size: str, task: str, output: Path, **extra: Any):
     s = settings["sizes"][size]
     p = paths(workdir, size)
     _, pipeline = chosen_pipeline(workdir)
-    extras = [c for c in pipeline.required if c not in ("image", "prompt")]
+    extras = [c for c in pipeline.required if c not in ("image", "prompt", *pipeline.video_params)]
     if extras:
         extra.setdefault("extra_inputs", ",".join(extras))
+    if "frames" in s:
+        extra.setdefault("num_frames", s["frames"])
     kwargs = dict(task=task, pipeline=pipeline.name, dataset_base_path=str(p["data"]), dataset_metadata_path=str(p["data"] / "metadata.csv"),
                   model_paths=str(p["models"]), height=s["px"], width=s["px"], seed=SEED, learning_rate=1e-4,
                   output_path=str(output), progress=False, plot=False, **LORA)
@@ -167,7 +171,9 @@ def child_prepare(workdir: Path, size: str) -> dict[str, Any]:
         tiny.SIZES["balanced"] = config
     tiny.write_tiny_models(p["models"], size=s["tiny"], seed=SEED, pipeline=pipeline.name)
     images = [c for c in pipeline.image_params if c in pipeline.required and c != "image"]
-    write_synthetic_dataset(p["data"], count=s["samples"], size=s["px"], seed=1, images=images)
+    videos = [c for c in pipeline.video_params if c in pipeline.required]
+    write_synthetic_dataset(p["data"], count=s["samples"], size=s["px"], seed=1, images=images, videos=videos,
+                            frames=s.get("frames", 1))
     run(train_args(workdir, size, "sft:data_process", p["cache"]), echo=_quiet)
     return {"description": tiny.SIZES[s["tiny"]]["description"]}
 
@@ -573,7 +579,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         def med(config: str, key: str) -> Optional[float]:
             return median([r.get(key) for r in runs[config]])
 
-        row: dict[str, Any] = {"size": size, "description": data["description"], "px": results["settings"]["sizes"][size]["px"]}
+        row: dict[str, Any] = {"size": size, "description": data["description"], "px": results["settings"]["sizes"][size]["px"],
+                               "frames": results["settings"]["sizes"][size].get("frames")}
         for config in ("unsplit", "train", "loader", "limit"):
             row[f"t_{config}"] = med(config, "step_s")
         row["t_stage1"] = med("stage1", "per_sample_s")
@@ -671,7 +678,8 @@ def markdown(summary: dict[str, Any], plot_name: Optional[str] = None) -> str:
     out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         be = r["break_even_loader"] if r["break_even_loader"] is not None else r["break_even_train"]
-        out.append(f"| {r['size']} | {r['px']} px | {_ms(r['t_unsplit'])} | {_ms(r['t_stage1'])} | {_ms(r['t_train'])} | "
+        image = f"{r['px']} px" + (f" x {r['frames']} frames" if r.get("frames") else "")
+        out.append(f"| {r['size']} | {image} | {_ms(r['t_unsplit'])} | {_ms(r['t_stage1'])} | {_ms(r['t_train'])} | "
                    f"{_ms(r['t_loader'])} | {_ms(r['t_limit'])} | {_mark(r['train_vs_limit'], 1.05)} | "
                    f"{_mark(r['loader_vs_limit'], 1.05)} | {_x(r.get('thread_vs_limit'), 3)} | {_x(r['train_vs_unsplit'])} | "
                    f"{_x(r['loader_vs_unsplit'])} | {_x(be)} |")
@@ -879,7 +887,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="unitgraph-bench-"))
     plot_path = section_names(pipeline.name)[3]
     try:
-        settings = {"sizes": {s: SIZES[s] for s in sizes}, "pipeline": pipeline.name}
+        settings = {"sizes": {s: dict(SIZES[s], **(VIDEO_SIZES.get(s, {}) if pipeline.video_params else {}))
+                              for s in sizes}, "pipeline": pipeline.name}
         results = measure(sizes, args.repeats, workdir, settings=settings, threads=args.threads or None)
         (workdir / "results.json").write_text(json.dumps(results, indent=2))
         summary = summarize(results)

@@ -181,8 +181,10 @@ def demo_command(
     family, chosen = _choice(pipeline)
     chosen = chosen or family.pipelines[0]
     # the required columns beyond image and prompt (an edit or reference image): mirrored copies of the image
-    extras = [c for c in chosen.required if c not in ("image", "prompt")]
+    extras = [c for c in chosen.required if c not in ("image", "prompt", *chosen.video_params)]
     extra_images = [c for c in extras if c in chosen.image_params]
+    videos = [c for c in chosen.required if c in chosen.video_params]  # clips of the demo's --num_frames
+    frames = int(dict(family.demo).get("num_frames", 5))
     out = Path(output_path)
     wall = time.perf_counter()
     models_dir = out / ("models" if chosen is family.pipelines[0] else f"models-{chosen.name}")  # one folder per kind
@@ -194,9 +196,10 @@ def demo_command(
         console.print(f"tiny {size}-size models (random weights) -> {models_dir}  [dim]{time.perf_counter() - t:.1f} s[/dim]")
     else:
         console.print(f"tiny models: reusing {models_dir}")
-    metadata = write_synthetic_dataset(data_dir, count=images, size=resolution, seed=seed, images=extra_images,
+    metadata = write_synthetic_dataset(data_dir, count=images, size=resolution, seed=seed, images=extra_images, videos=videos, frames=frames,
                                        distill=bool({"seed", "num_inference_steps"} & set(extras)))
-    console.print(f"dataset: {images} captioned {resolution}x{resolution} images -> {metadata}")
+    what = f"{frames}-frame clips" if videos else "images"
+    console.print(f"dataset: {images} captioned {resolution}x{resolution} {what} -> {metadata}")
 
     common = dict(dataset_base_path=str(data_dir), dataset_metadata_path=str(metadata), model_paths=str(models_dir),
                   pipeline=chosen.name, lora_base_model="dit", max_pixels=resolution * resolution,

@@ -106,7 +106,7 @@ def test_batch_size_and_cache_dtype_arguments():
     assert make_args(task="sft:split", cache_dtype="fp16", **base).cache_dtype == "fp16"
     with pytest.raises(BackendError, match="--cache_dtype must be one of bf16, fp16, fp32"):
         make_args(task="sft:split", cache_dtype="int8", **base)
-    images_only = {"ConditionImageResizer"}  # writes PIL images for the VL encoder: --cache_dtype cannot change them
+    images_only = {"ConditionImageResizer", "FirstFrame"}  # write PIL images (for a VL or CLIP encoder): --cache_dtype cannot change them
     for unit in (u for family in families() for pipeline in family.pipelines for u in pipeline.units):
         assert ("cache_dtype" in unit.settings) != (unit.name in images_only), unit.name  # the others write float tensors
 

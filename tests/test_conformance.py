@@ -161,12 +161,14 @@ def images_per_sample(pipeline, column: str) -> int:
 def write_dataset(pipeline, folder: Path, count: int, seed: int) -> Path:
     """A small captioned image set with the columns the pipeline requires; returns its metadata file.
 
-    Each required image column beyond the target gets a mirrored copy of the row's image; where the
+    Each required image column beyond the target gets a mirrored copy of the row's image, each video column
+    a 5-frame clip of it scrolling; where the
     pipeline takes several images in such a column, a JSON metadata file lists two (the second a rotated copy).
     """
     required = set(pipeline.required)
     columns = extra_images(pipeline)
-    csv_path = write_synthetic_dataset(folder, count=count, size=SIZE, seed=seed, images=columns,
+    videos = [c for c in pipeline.video_params if c in required]  # clips of 5 frames (2 latent frames)
+    csv_path = write_synthetic_dataset(folder, count=count, size=SIZE, seed=seed, images=columns, videos=videos,
                                        distill=bool({"seed", "num_inference_steps"} & required))
     several = [c for c in columns if images_per_sample(pipeline, c) >= 2]
     if not several:
@@ -296,10 +298,13 @@ def test_dit_lora_loads_in_the_diffusers_pipeline(family, pipeline, tiny_models,
     pipe.load_lora_weights(str(ckpt))
     adapter = next(iter(denoiser.peft_config))  # diffusers names the adapter itself
     loaded = get_peft_model_state_dict(denoiser, adapter_name=adapter)
-    assert len(loaded) == len(saved) > 0
+    assert saved and {f"{dit.lora_prefix}.{name}" for name in loaded} >= set(saved)
     for name, value in loaded.items():
         key = f"{dit.lora_prefix}.{name}"
-        assert torch.equal(value, saved[key]), key
+        if key in saved:
+            assert torch.equal(value, saved[key]), key
+        else:  # a loader may add zero adapters (diffusers' Wan I2V does for the image K/V beside a text K/V LoRA)
+            assert not value.any(), key
     pipe.fuse_lora()
     after = {k: v for k, v in denoiser.state_dict().items() if "lora_" not in k}
     changed = [k for k in after if k.replace(".base_layer", "") in before and

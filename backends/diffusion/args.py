@@ -62,8 +62,8 @@ class TrainArgs:
     use_gradient_checkpointing: bool = _f(False, "Gradient checkpointing in the trained models.", "training")
     use_gradient_checkpointing_offload: bool = _f(False, "Accepted for compatibility (same as gradient checkpointing here).", "training")
     task: str = _f("sft", "sft, sft:data_process, sft:train, sft:split, direct_distill[:data_process|:train|:split].", "training")
-    max_timestep_boundary: float = _f(1.0, "Upper bound of the sampled timestep, as a fraction of the schedule.", "training")
-    min_timestep_boundary: float = _f(0.0, "Lower bound of the sampled timestep, as a fraction of the schedule.", "training")
+    max_timestep_boundary: float = _f(1.0, "End of the sampled range of the training schedule, as a fraction of its positions from the noisiest (DiffSynth's meaning: with a shift-5 schedule 0.358 keeps sigmas 1 to ~0.9, a high-noise expert's range).", "training")
+    min_timestep_boundary: float = _f(0.0, "Start of the sampled range, as a fraction of the schedule's positions from the noisiest.", "training")
     # output
     output_path: str = _f("./models", "Output folder (plan.json, training_args.json, loss.csv, checkpoints).", "output")
     remove_prefix_in_ckpt: Optional[str] = _f(None, "Strip this prefix from checkpoint keys (diffusers format: keys are 'transformer.…'; diffsynth format: 'pipe.dit.…', so DiffSynth's 'pipe.dit.' leaves the model's own module names).", "output")
@@ -83,6 +83,7 @@ class TrainArgs:
     height: Optional[int] = _f(None, "Fixed image height (with --width); sides become multiples of 16.", "image")
     width: Optional[int] = _f(None, "Fixed image width (with --height).", "image")
     max_pixels: int = _f(1024 * 1024, "Images larger than this many pixels are scaled down.", "image")
+    num_frames: int = _f(81, "Frames per video clip (4k+1): the first frames of each video; a shorter video gives the largest 4k+1 it holds.", "image")
     # unitgraph
     seed: int = _f(0, "Seed of every random draw (shuffle, latents, noise, timesteps, LoRA init).", "unitgraph")
     cache_path: Optional[str] = _f(None, "Cache folder for :split (default OUTPUT/cache) and :data_process (default OUTPUT).", "unitgraph")
@@ -123,6 +124,8 @@ class TrainArgs:
             raise BackendError(f"--task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.lora_format not in LORA_FORMATS:
             raise BackendError(f"--lora_format must be one of {', '.join(LORA_FORMATS)}, got {self.lora_format!r}")
+        if self.num_frames < 1 or (self.num_frames - 1) % 4:
+            raise BackendError(f"--num_frames must be 4k+1 (1, 5, 9, ..., 81), got {self.num_frames}")
         if self.tokenizer_path and self.tokenizer_1_path and self.tokenizer_path != self.tokenizer_1_path:
             raise BackendError("--tokenizer_path and --tokenizer_1_path name the same tokenizer (the first text "
                                "encoder's); give one of them")

@@ -33,6 +33,7 @@ class DataConfig:
     extra_inputs: tuple[str, ...]
     repeat: int = 1
     num_workers: int = 0
+    num_frames: int = 81  # frames per video clip
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,8 @@ class RunConfig:
                                timestep_bounds=(args.min_timestep_boundary, args.max_timestep_boundary),
                                dtype=DTYPE, cache_dtype=cache_dtype),
             data=DataConfig(args.dataset_base_path, args.dataset_metadata_path, tuple(args.file_keys()),
-                            tuple(args.extra_input_names()), args.dataset_repeat, workers),
+                            tuple(n for n in args.extra_input_names() if n not in pipeline.derived_inputs),
+                            args.dataset_repeat, workers, args.num_frames),
             models=ModelConfig(args.model_paths, args.model_id_with_origin_paths, args.first_tokenizer_path(),
                                args.modelscope_cache_dir, offline=hub.offline, hub=hub, processor_path=args.processor_path,
                                tokenizer_2_path=args.tokenizer_2_path),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .randomness import generator
 
@@ -94,6 +94,9 @@ class UnitContext:
     epoch: Optional[int] = None
     sample_key: Optional[str] = None
     memo: dict = field(default_factory=dict)
+    # slot -> its configuration, for the models units read the config of without calling (unit `configs`);
+    # called at most once per slot and context, only when a unit asks
+    config_loader: Optional[Callable[[str], Any]] = None
 
     @property
     def size(self) -> ImageSize:
@@ -117,6 +120,18 @@ class UnitContext:
         if slot not in self.models:
             raise RuntimeError(f"model {slot!r} is not loaded in this stage")
         return self.models[slot]
+
+    def config(self, slot: str) -> Any:
+        """A model's configuration (dict-like): the loaded model's own, else read from its config.json alone,
+        never its weights (for units that declare `configs`)."""
+        if slot in self.models:
+            return self.raw(slot).config
+        key = ("config", slot)
+        if key not in self.memo:
+            if self.config_loader is None:
+                raise RuntimeError(f"the configuration of {slot!r} is not available in this stage")
+            self.memo[key] = self.config_loader(slot)
+        return self.memo[key]
 
     def raw(self, slot: str) -> Any:
         """The model itself, unwrapped from DDP (for its config and attributes)."""

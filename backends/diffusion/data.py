@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable, Optional
 from unitgraph.userfiles import parse_user_csv, parse_user_json, parse_user_jsonl, read_user_text
 
 from .args import BackendError
+from .video import STILL_SUFFIXES, VideoProblem, probe_clip, read_clip
 
 REQUIRED_COLUMNS = ("image", "prompt")
 # The defaults of a DiffusionDataset made without a pipeline's declarations (PipelineDef.image_params,
@@ -124,6 +125,8 @@ class DiffusionDataset:
         optional: Iterable[str] = (),
         image_params: Iterable[str] = IMAGE_PARAMS,
         param_types: Optional[dict[str, type]] = None,
+        video_params: Iterable[str] = (),
+        num_frames: int = 81,
     ):
         self.base_path = Path(base_path or ".")
         if not self.base_path.is_dir():
@@ -135,6 +138,8 @@ class DiffusionDataset:
         self.rows = read_metadata(self.metadata_path)
         self.dataset_params = list(dict.fromkeys(dataset_params))
         self.image_params = tuple(image_params)
+        self.video_params = tuple(video_params)
+        self.num_frames = int(num_frames)
         self.param_types = dict(PARAM_TYPES if param_types is None else param_types)
         columns = set().union(*(r.keys() for r in self.rows))
         self.extra_inputs = list(dict.fromkeys(list(extra_inputs) + [c for c in optional if c in columns]))
@@ -146,7 +151,7 @@ class DiffusionDataset:
         self.file_keys = [k for k in dict.fromkeys(list(data_file_keys)) if k in columns]
         self.inputs = [p for p in self.dataset_params if p in self.required or p in self.extra_inputs]
         for p in self.inputs:
-            if p in self.image_params and p not in self.file_keys:
+            if (p in self.image_params or p in self.video_params) and p not in self.file_keys:
                 self.file_keys.append(p)
         for n, row in enumerate(self.rows):
             for name in self.required:
@@ -212,6 +217,8 @@ class DiffusionDataset:
                 out[param] = None
             elif param in files:
                 out[param] = {"files": [file_digest(path) for path in files[param]]}
+                if param in self.video_params:  # the clip is the file's first num_frames frames
+                    out[param]["num_frames"] = self.num_frames
             else:
                 out[param] = {"value": self._value(index, param)}
         return out
@@ -223,6 +230,9 @@ class DiffusionDataset:
         for param in self.inputs:
             for path in files.get(param, []):
                 where = f"row {index + 1}: {path.name!r} (column {param!r})"
+                if param in self.video_params and path.suffix.lower() not in STILL_SUFFIXES:
+                    self._check_video(index, param, path, where)
+                    continue
                 try:
                     with open_image(path) as img:
                         size, mode = img.size, img.mode
@@ -238,6 +248,26 @@ class DiffusionDataset:
                 if not _converts_to_rgb(mode):
                     raise SampleError(f"{where} is an image of mode {mode}, which has no RGB conversion", index=index,
                                       source=str(self.metadata_path))
+
+    def _check_video(self, index: int, param: str, path: Path, where: str) -> None:
+        try:
+            width, height = probe_clip(path)
+        except VideoProblem as exc:
+            raise SampleError(f"{where} {exc}", index=index, source=str(self.metadata_path)) from None
+        if min(width, height) < MIN_IMAGE_SIDE:
+            raise SampleError(f"row {index + 1}: video {path.name!r} (column {param!r}) is {width}x{height} px, "
+                              f"smaller than {MIN_IMAGE_SIDE} px", index=index, source=str(self.metadata_path))
+
+    def _clip(self, index: int, param: str, path: Path) -> list[Any]:
+        try:
+            return read_clip(path, self.num_frames)
+        except VideoProblem as exc:
+            raise SampleError(f"row {index + 1}: video {path.name!r} (column {param!r}) {exc}", index=index,
+                              source=str(self.metadata_path)) from None
+        except Exception as exc:  # a still image PIL cannot read
+            raise SampleError(f"row {index + 1}: cannot read {path.name!r} (column {param!r}): "
+                              f"{type(exc).__name__}: {_first_line(exc)}", index=index,
+                              source=str(self.metadata_path)) from None
 
     def _value(self, index: int, param: str) -> Any:
         value = self.rows[index].get(param)
@@ -265,6 +295,10 @@ class DiffusionDataset:
         for param in self.dataset_params:
             if param not in self.inputs:
                 state[param] = None
+                continue
+            if param in files and param in self.video_params:
+                clips = [self._clip(index, param, path) for path in files[param]]
+                state[param] = clips[0] if len(clips) == 1 else clips
                 continue
             if param in files:
                 images = []
@@ -359,12 +393,14 @@ def _converts_to_rgb(mode: str) -> bool:
 
 
 def write_synthetic_dataset(folder: str | Path, count: int = 8, size: int = 64, seed: int = 0,
-                            edit: bool = False, distill: bool = False, images: Iterable[str] = ()) -> Path:
+                            edit: bool = False, distill: bool = False, images: Iterable[str] = (),
+                            videos: Iterable[str] = (), frames: int = 5) -> Path:
     """A small captioned image set (coloured shapes on a background) with metadata.csv; returns the csv path.
 
     For tests and the demo. `images` adds a column per name, each naming a mirrored copy of the row's
-    image (a reference or edit image); `edit` adds the edit_image column; `distill` adds seed,
-    num_inference_steps and cfg_scale columns.
+    image (a reference or edit image); `videos` a column per name, each naming an mp4 clip of `frames`
+    frames in which the row's image scrolls sideways (2 px a frame); `edit` adds the edit_image column;
+    `distill` adds seed, num_inference_steps and cfg_scale columns.
     """
     import random
 
@@ -400,6 +436,14 @@ def write_synthetic_dataset(folder: str | Path, count: int = 8, size: int = 64, 
             extra_name = f"images/{i:03d}_{suffix}.png"
             img.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(folder / extra_name)
             row[column] = extra_name
+        for column in dict.fromkeys(videos):
+            from PIL import ImageChops
+
+            from .video import write_clip
+
+            clip_name = f"images/{i:03d}_{column}.mp4"
+            write_clip(folder / clip_name, [ImageChops.offset(img, 2 * k, 0) for k in range(frames)])
+            row[column] = clip_name
         if distill:
             row.update({"seed": i, "num_inference_steps": 2, "cfg_scale": 1.0})
         rows.append(row)

@@ -104,8 +104,13 @@ class UnitCode:
 
 
 def unit(name: str, *, inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = (), models: tuple[str, ...] = (),
-         deterministic: bool = True, settings: tuple[str, ...] = ()) -> Callable[[Callable[..., dict[str, Any]]], UnitCode]:
+         deterministic: bool = True, settings: tuple[str, ...] = (),
+         configs: tuple[str, ...] = ()) -> Callable[[Callable[..., dict[str, Any]]], UnitCode]:
     """Declare the decorated function as unit `name` (see the module docstring).
+
+    `configs` are models whose configuration the unit reads (`ctx.config(slot)`) without calling them:
+    they do not pull the unit into training when the model needs backward, and a stage that runs it
+    reads the model's config.json only.
 
     Raises ValueError at import time for a setting outside SETTINGS, so a typo cannot make a cache
     key miss what a unit reads.
@@ -115,7 +120,8 @@ def unit(name: str, *, inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = 
         raise ValueError(f"unit {name}: unknown settings {unknown} (known: {', '.join(SETTINGS)})")
 
     def wrap(fn: Callable[..., dict[str, Any]]) -> UnitCode:
-        declaration = Unit(name, inputs=inputs, outputs=outputs, models=models, deterministic=deterministic)
+        extra = {"configs": tuple(configs)} if configs else {}
+        declaration = Unit(name, inputs=inputs, outputs=outputs, models=models, deterministic=deterministic, **extra)
         return UnitCode(declaration, fn, tuple(settings))
 
     return wrap
@@ -152,7 +158,10 @@ class PipelineDef:
     `task` is the --task family it runs (`sft`, `direct_distill`); `required` are the metadata
     columns every sample must have, `optional` those used when present; `image_params` are the
     dataset params that name image files (loaded as RGB images, a list of files giving a list);
-    `param_types` converts metadata strings (csv carries only strings) for the params that are numbers.
+    `param_types` converts metadata strings (csv carries only strings) for the params that are numbers;
+    `video_params` name video files (a clip: the first --num_frames frames, as PIL frames; a still image is
+    one frame); `derived_inputs` are --extra_inputs names the pipeline computes itself (DiffSynth's
+    `input_image`, a clip's first frame), accepted without a metadata column.
     `diffusers_pipeline` is the diffusers pipeline class its tiny folders load with and its LoRA files
     are checked with (None: the family's first). `companions` are the auxiliary slots (a processor,
     say) a stage loads together with a model for this pipeline, beside the tokenizer a text encoder
@@ -168,6 +177,8 @@ class PipelineDef:
     optional: tuple[str, ...] = ()
     image_params: tuple[str, ...] = ("image",)
     param_types: Mapping[str, type] = field(default_factory=dict, hash=False)
+    video_params: tuple[str, ...] = ()
+    derived_inputs: tuple[str, ...] = ()
     diffusers_pipeline: Optional[str] = None
     companions: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
 

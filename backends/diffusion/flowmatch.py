@@ -2,15 +2,15 @@
 
 Training draws a noise level sigma from the scheduler's own training schedule (its
 `num_train_timesteps` sigmas, with the config's static or resolution-dependent shift), as
-DiffSynth-Studio and the diffusers pipelines use it; `--min/max_timestep_boundary` narrow the draw
-to a fraction of the schedule. Sigmas are memoised per (sequence length, steps) in the unit context.
+DiffSynth-Studio and the diffusers pipelines use it, or from a static-shift schedule (DiffSynth's video template);
+`--min/max_timestep_boundary` narrow the draw to a range of the schedule's positions (`_draw_index`). Sigmas are memoised per (sequence length, steps) in the unit context.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["calculate_shift", "schedule_sigmas", "sample_timestep"]
+__all__ = ["calculate_shift", "schedule_sigmas", "sample_timestep", "shifted_sigmas", "sample_shifted_timestep"]
 
 
 def calculate_shift(seq_len: int, config: Any) -> float:
@@ -50,13 +50,40 @@ def schedule_sigmas(ctx: Any, seq_len: int, num_steps: int, inference: bool = Fa
 
 def sample_timestep(ctx: Any, seq_len: int) -> Any:
     """One training timestep (sigma * 1000, shape (1,)) drawn from `ctx.rng("timestep")` within the bounds."""
-    import torch
-
     steps = int(ctx.model("scheduler").config.get("num_train_timesteps", 1000))
     sigmas = schedule_sigmas(ctx, int(seq_len), steps)[:steps]
-    lo, hi = ctx.timestep_bounds
-    # sigmas fall from ~1 to ~0: index 0 is the noisiest; the bounds are fractions of the noise level
-    first = int(round((1.0 - hi) * steps))
-    last = max(first + 1, int(round((1.0 - lo) * steps)))
-    index = int(torch.randint(first, last, (1,), generator=ctx.rng("timestep")).item())
+    index = _draw_index(ctx, steps)
     return (sigmas[index] * 1000.0).reshape(1).to(ctx.device)
+
+
+def _draw_index(ctx: Any, steps: int) -> int:
+    """An index into a schedule of `steps` sigmas, uniform in [min_boundary * steps, max_boundary * steps).
+
+    As DiffSynth-Studio's FlowMatchSFTLoss reads --min/max_timestep_boundary: fractions of the schedule's
+    positions counted from its noisiest end (index 0, sigma ~1), so a two-expert video model's high-noise
+    expert trains on `--max_timestep_boundary 0.358` (shift 5: sigmas from 1 down to ~0.9), the low-noise one on the rest.
+    """
+    import torch
+
+    lo, hi = ctx.timestep_bounds
+    first = min(steps - 1, int(lo * steps))
+    last = max(first + 1, min(steps, int(hi * steps)))
+    return int(torch.randint(first, last, (1,), generator=ctx.rng("timestep")).item())
+
+
+def shifted_sigmas(num_steps: int, shift: float) -> Any:
+    """A static-shift training schedule (DiffSynth-Studio's video template): num_steps sigmas evenly spaced from
+    1 down to (but not including) 0, each shifted as shift * s / (1 + (shift - 1) * s)."""
+    import torch
+
+    s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)[:-1]
+    return (shift * s / (1.0 + (shift - 1.0) * s)).to(torch.float32)
+
+
+def sample_shifted_timestep(ctx: Any, shift: float, num_steps: int = 1000) -> Any:
+    """One training timestep (sigma * 1000, shape (1,)) of `shifted_sigmas`, drawn within the bounds."""
+    key = ("shifted", num_steps, shift)
+    if key not in ctx.memo:
+        ctx.memo[key] = shifted_sigmas(num_steps, shift)
+    sigmas = ctx.memo[key]
+    return (sigmas[_draw_index(ctx, num_steps)] * 1000.0).reshape(1).to(ctx.device)

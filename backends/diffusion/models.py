@@ -568,6 +568,31 @@ class ModelSources:
         """
         return component_files(self.resolve(slot), self.table[slot].kind, include_config=include_config)
 
+    def config_files(self, slot: str) -> list[Path]:
+        """The file a configuration-only read of a model slot opens: its config.json."""
+        source = self.resolve(slot)
+        if source.path is None or not (source.path / "config.json").is_file():
+            raise ModelLoadError(source.path, f"no config.json for {slot}")
+        return [source.path / "config.json"]
+
+    def load_config(self, slot: str) -> Any:
+        """A model slot's configuration, from its config.json alone (its weights are never opened): a diffusers
+        FrozenDict or a transformers PretrainedConfig, as `model.config` would be."""
+        source = self.resolve(slot)
+        (folder,) = [p.parent for p in self.config_files(slot)]
+        spec = self.table[slot]
+        try:
+            if spec.library == "diffusers":
+                from diffusers.configuration_utils import FrozenDict
+
+                return FrozenDict(_class(spec).load_config(str(folder), local_files_only=True))
+            from transformers import AutoConfig
+
+            return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        except Exception as exc:
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelLoadError(source.path, f"cannot read the configuration of {slot}: {detail}") from None
+
     def load(self, slots: Iterable[str] | str, torch_dtype: Any = None) -> dict[str, Any]:
         """Load only the requested slots: {slot: model / tokenizer / scheduler}; models in eval mode on the CPU.
 

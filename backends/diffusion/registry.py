@@ -23,7 +23,7 @@ from .args import BackendError
 from .family import Family, PipelineDef
 
 # The registered families, the first being the default when nothing else decides.
-FAMILY_MODULES = ("qwen_image", "flux")
+FAMILY_MODULES = ("qwen_image", "flux", "wan")
 
 
 @lru_cache(maxsize=None)

@@ -114,7 +114,8 @@ def make_dataset(cfg: RunConfig) -> DiffusionDataset:
     return DiffusionDataset(cfg.data.base_path, cfg.data.metadata_path, VersionGraph.of(spec).dataset_params,
                             data_file_keys=cfg.data.file_keys, extra_inputs=cfg.data.extra_inputs,
                             required=cfg.pipeline.required, optional=cfg.pipeline.optional,
-                            image_params=cfg.pipeline.image_params, param_types=cfg.pipeline.param_types)
+                            image_params=cfg.pipeline.image_params, param_types=cfg.pipeline.param_types,
+                            video_params=cfg.pipeline.video_params, num_frames=cfg.data.num_frames)
 
 
 def stage_slots(cfg: RunConfig, models: Iterable[str], training: bool) -> list[str]:
@@ -163,7 +164,26 @@ def load_models(cfg: RunConfig, models: Iterable[str], training: bool, device: A
 
 
 def make_context(cfg: RunConfig, models: dict[str, Any], device: Any) -> UnitContext:
-    return UnitContext(models=models, settings=cfg.units, device=device)
+    """The stage's unit context; the configs the pipeline's units declare are read on demand (config.json only)."""
+    return UnitContext(models=models, settings=cfg.units, device=device, config_loader=config_loader(cfg))
+
+
+def config_loader(cfg: RunConfig) -> Any:
+    """slot -> its configuration from its config.json (no weights), for the slots the pipeline's units declare
+    in `configs`; a BackendError (one line) when it cannot be found."""
+    from .models import ModelLoadError
+
+    declared = set(getattr(cfg.pipeline.spec_pipeline, "configs", ()))
+
+    def load(slot: str) -> Any:
+        if slot not in declared:
+            raise RuntimeError(f"no unit of {cfg.pipeline.name} declares it reads the configuration of {slot!r}")
+        try:
+            return cfg.models.sources(cfg.family).load_config(slot)
+        except ModelLoadError as exc:
+            raise BackendError(str(exc)) from None
+
+    return load
 
 
 def unit_grad(unit: Any, backward: set[str], inputs: dict[str, Any]) -> Any:

@@ -74,7 +74,23 @@ def key_inputs(cfg: RunConfig, plan: Plan, memo: HashMemo) -> dict[str, Any]:
         "dataset_params": deps.dataset_params,
         "settings": key_settings(cfg, plan),
         "models": model_files_digest(model_files(cfg, deps.models), memo.digest),
+        **config_key(cfg, plan, memo),
     }
+
+
+def config_key(cfg: RunConfig, plan: Plan, memo: HashMemo) -> dict[str, Any]:
+    """{"configs": digests of the config.json files stage 1 reads without loading the model
+    (plan.data_process_configs)}, or nothing: keys of pipelines without config reads are as before."""
+    from .models import ModelLoadError
+
+    slots = list(plan.data_process_configs)
+    if not slots:
+        return {}
+    try:
+        sources = cfg.models.sources(cfg.family)
+        return {"configs": model_files_digest({slot: sources.config_files(slot) for slot in slots}, memo.digest)}
+    except ModelLoadError as exc:
+        raise BackendError(str(exc)) from None
 
 
 def recorded_settings(cfg: RunConfig, plan: Plan) -> dict[str, Any]:
@@ -115,6 +131,7 @@ def made_with(cfg: RunConfig) -> dict[str, Any]:
         "modelscope_cache_dir": absolute(args.modelscope_cache_dir), "trainable_models": args.trainable_models,
         "lora_base_model": args.lora_base_model, "cache_mode": args.cache_mode,
         "height": args.height, "width": args.width, "max_pixels": args.max_pixels, "cache_dtype": args.cache_dtype,
+        **({"num_frames": args.num_frames} if cfg.pipeline.video_params else {}),
     }
 
 

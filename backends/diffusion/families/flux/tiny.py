@@ -23,14 +23,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ...tiny_tokenizers import clip_tokenizer, t5_tokenizer
 from . import SCHEDULER_CONFIG
 from .units import CLIP_MAX_LENGTH
 
-# Words the tokenizers know whole (the synthetic datasets' prompts are made of these).
-_WORDS = ("a", "an", "the", "of", "on", "in", "with", "and", "photo", "red", "green", "blue", "yellow", "white",
-          "black", "orange", "purple", "circle", "square", "triangle", "background", "cat", "dog", "sitting",
-          "chair", "painting", "image", "small", "large", "bright", "dark")
-_PUNCTUATION = tuple(",.!?'-:;()")
 
 SIZES: dict[str, dict[str, Any]] = {
     "test": {
@@ -68,39 +64,13 @@ _SEED_OFFSETS = {"transformer": 0, "vae": 1, "text_encoder": 2, "text_encoder_2"
 
 
 def build_clip_tokenizer():
-    """A byte-level BPE CLIPTokenizer: byte symbols, their word-end forms, merges spelling the known words."""
-    from tokenizers import pre_tokenizers
-    from transformers import CLIPTokenizer
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab: dict[str, int] = {}
-    for symbol in [*alphabet, *(a + "</w>" for a in alphabet)]:
-        vocab.setdefault(symbol, len(vocab))
-    merges: list[tuple[str, str]] = []
-    for word in _WORDS:
-        if len(word) < 2:
-            continue
-        left = word[0]
-        for i, char in enumerate(word[1:], start=1):
-            right = char + ("</w>" if i == len(word) - 1 else "")
-            if (left, right) not in merges:
-                merges.append((left, right))
-            left = left + right
-            vocab.setdefault(left, len(vocab))
-    for special in ("<|startoftext|>", "<|endoftext|>"):
-        vocab.setdefault(special, len(vocab))
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH)
+    """FLUX's tiny CLIP tokenizer (byte-level BPE, 77 tokens)."""
+    return clip_tokenizer(CLIP_MAX_LENGTH)
 
 
 def build_t5_tokenizer():
-    """A Unigram T5Tokenizer: <pad>=0, </s>=1, <unk>=2, then "▁", characters, "▁"+character and whole words."""
-    from transformers import T5Tokenizer
-
-    chars = [*"abcdefghijklmnopqrstuvwxyz", *"ABCDEFGHIJKLMNOPQRSTUVWXYZ", *"0123456789", *_PUNCTUATION]
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    pieces += [(c, -6.0) for c in chars] + [("\u2581" + c, -5.0) for c in chars]
-    pieces += [("\u2581" + w, -1.0) for w in _WORDS if len(w) > 1]
-    return T5Tokenizer(vocab=pieces, extra_ids=0)
+    """FLUX's tiny T5 tokenizer (Unigram)."""
+    return t5_tokenizer()
 
 
 def _seeded(name: str, seed: int, make):

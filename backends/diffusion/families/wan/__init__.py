@@ -1,0 +1,93 @@
+"""The Wan family: text-to-video fine-tuning (`wan`, Wan 2.1/2.2 T2V) and image-to-video (`wan_i2v`: the
+clip's first frame VAE-encoded into the conditioning latents with its mask, and CLIP image features for
+Wan 2.1 I2V).
+
+Model names follow DiffSynth-Studio's WanVideoPipeline (`dit`, `text_encoder`, `vae`, `image_encoder`);
+the classes and subfolders are those of diffusers' `WanPipeline` / `WanImageToVideoPipeline` folders
+(`Wan-AI/Wan2.1-T2V-1.3B-Diffusers` and kin). DiffSynth's own Wan DiT names its attention modules
+q/k/v/o and its MLP ffn.0/ffn.2: they are mapped to diffusers' (`DIT_LORA_ALIASES`), so its
+`--lora_target_modules "q,k,v,o,ffn.0,ffn.2"` ports. The I2V units that need the DiT's `image_dim` read
+its config only (`configs=("dit",)`), so stage 1 never loads the DiT's weights, where DiffSynth loads
+every model in both stages. No torch is imported here.
+"""
+
+from __future__ import annotations
+
+from ...family import Family, ModelSlot, PipelineDef
+from . import losses, units as u
+
+# Wan 2.1's diffusers scheduler (used for sampling; training draws from DiffSynth's shift-5 schedule).
+SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000,
+    "prediction_type": "flow_prediction",
+    "use_flow_sigmas": True,
+    "flow_shift": 3.0,
+}
+
+DIT_LORA_ALIASES = {
+    "q": ("to_q",),
+    "k": ("to_k",),
+    "v": ("to_v",),
+    "o": ("to_out.0",),
+    "ffn.0": ("ffn.net.0.proj",),
+    "ffn.2": ("ffn.net.2",),
+    "k_img": ("add_k_proj",),
+    "v_img": ("add_v_proj",),
+}
+DIFFSYNTH_DIT_TARGETS = ("q", "k", "v", "o", "ffn.0", "ffn.2")  # examples/wanvideo/model_training/lora/*.sh
+DIT_LORA_TARGETS = tuple(m for t in DIFFSYNTH_DIT_TARGETS for m in DIT_LORA_ALIASES[t])
+TEXT_LORA_TARGETS = ("q", "k", "v", "o")  # UMT5's T5Attention
+WAN_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+
+SLOTS = (
+    ModelSlot("dit", "diffusers", "WanTransformer3DModel", "transformer", lora_prefix="transformer",
+              lora_targets=DIT_LORA_TARGETS, lora_aliases=DIT_LORA_ALIASES),
+    ModelSlot("text_encoder", "transformers", "UMT5EncoderModel", "text_encoder", model_types=("umt5",),
+              lora_prefix="text_encoder", lora_targets=TEXT_LORA_TARGETS, tokenizer="tokenizer"),
+    ModelSlot("vae", "diffusers", "AutoencoderKLWan", "vae", lora_prefix="vae"),
+    ModelSlot("image_encoder", "transformers", "CLIPVisionModel", "image_encoder", model_types=("clip_vision_model",),
+              lora_prefix="image_encoder"),
+    ModelSlot("tokenizer", "transformers", "T5TokenizerFast", "tokenizer", kind="tokenizer",
+              accepts=("T5Tokenizer",), origin=(WAN_MODEL, "tokenizer/")),
+    ModelSlot("image_processor", "transformers", "CLIPImageProcessor", "image_processor", kind="processor",
+              accepts=("CLIPImageProcessorPil",), origin=("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", "image_processor/")),
+    ModelSlot("scheduler", "diffusers", "UniPCMultistepScheduler", "scheduler", kind="scheduler",
+              accepts=("FlowMatchEulerDiscreteScheduler",), default_config=SCHEDULER_CONFIG),
+)
+
+_FRESH = (u.latent_sampler, u.noise_initializer, u.timestep_sampler)
+
+WAN = PipelineDef(
+    "wan", "sft",
+    units=(u.video_shape_checker, u.video_encoder, u.prompt_encoder, *_FRESH),
+    loss=losses.flow_matching_loss,
+    description="Wan text-to-video fine-tuning (video column: clips of --num_frames frames) with the flow-matching loss",
+    required=("video", "prompt"),
+    image_params=(),
+    video_params=("video",),
+)
+
+WAN_I2V = PipelineDef(
+    "wan_i2v", "sft",
+    units=(u.first_frame, u.video_shape_checker, u.video_encoder, u.image_conditioner, u.image_embedder,
+           u.prompt_encoder, *_FRESH),
+    loss=losses.i2v_flow_matching_loss,
+    description="Wan image-to-video fine-tuning: each clip's first frame conditions it (VAE latents and mask, "
+                "CLIP image features for Wan 2.1 I2V)",
+    required=("video", "prompt"),
+    image_params=(),
+    video_params=("video",),
+    derived_inputs=("input_image",),
+    diffusers_pipeline="WanImageToVideoPipeline",
+    companions={"image_encoder": ("image_processor",)},
+)
+
+FAMILY = Family(
+    name="wan",
+    title="Wan",
+    package=__name__,
+    slots=SLOTS,
+    pipelines=(WAN, WAN_I2V),
+    diffusers_pipelines=("WanPipeline", "WanImageToVideoPipeline"),
+    demo={"lora_target_modules": "q,k,v,o,ffn.0,ffn.2", "lora_rank": 8, "learning_rate": 1e-3, "num_frames": 9},
+)

@@ -1,0 +1,52 @@
+"""Wan's sink: the flow-matching loss, for text-to-video (`wan`) and with image conditioning (`wan_i2v`).
+
+The transformer is called as diffusers' WanPipeline / WanImageToVideoPipeline call it in a denoising
+step: the noisy latents (with the I2V conditioning `condition` concatenated along the channels), the
+timestep on the 0..1000 scale, UMT5's 512-token sequence and, for I2V, CLIP's image embedding. The
+target is noise - x0, as DiffSynth-Studio's FlowMatchSFTLoss trains Wan. It runs on a batch of clips of
+one shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...family import lazy_module, sink
+
+torch = lazy_module("torch")
+F = lazy_module("torch.nn.functional")
+
+
+def predict(ctx, latents: torch.Tensor, timestep: torch.Tensor, prompt_emb: Any, condition: Any = None,
+            image_embeds: Any = None) -> torch.Tensor:
+    """The transformer's velocity for latents (B, z, T, h, w) at `timestep` (B,), on the 0..1000 scale."""
+    dit, raw = ctx.model("dit"), ctx.raw("dit")
+    dtype = raw.dtype
+    hidden = latents if condition is None else torch.cat([latents, ctx.tensor(condition).to(latents.dtype)], dim=1)
+    return dit(
+        hidden_states=hidden.to(dtype),
+        timestep=timestep.to(dtype).reshape(-1).expand(latents.shape[0]),
+        encoder_hidden_states=ctx.tensor(prompt_emb).to(dtype),
+        encoder_hidden_states_image=None if image_embeds is None else ctx.tensor(image_embeds).to(dtype),
+        return_dict=False,
+    )[0]
+
+
+def _loss(i2v: bool) -> Any:
+    inputs = ("input_latents", "noise", "timestep", "prompt_emb") + (("condition", "image_embeds") if i2v else ())
+
+    @sink(inputs=inputs, models=("dit",))
+    def flow_matching_loss(ctx, input_latents, noise, timestep, prompt_emb, condition=None, image_embeds=None):
+        """MSE between the predicted velocity and noise - x0 at x_t = (1 - s) x0 + s noise, s = timestep / 1000."""
+        x0, noise = ctx.tensor(input_latents), ctx.tensor(noise)
+        t = ctx.tensor(timestep).to(x0.dtype)
+        s = (t / 1000.0).view(-1, 1, 1, 1, 1)
+        noisy = (1.0 - s) * x0 + s * noise
+        pred = predict(ctx, noisy, t, prompt_emb, condition, image_embeds)
+        return F.mse_loss(pred.float(), (noise - x0).float())
+
+    return flow_matching_loss
+
+
+flow_matching_loss = _loss(i2v=False)
+i2v_flow_matching_loss = _loss(i2v=True)

@@ -1,0 +1,127 @@
+"""Tiny random-weight Wan pipelines for tests and demos (`unitgraph tiny-models DIR --pipeline wan|wan_i2v`).
+
+`write_tiny_models(outdir, size, seed)` writes a diffusers WanPipeline folder (model_index.json,
+transformer/, vae/, text_encoder/ (UMT5), tokenizer/, scheduler/) that `WanPipeline.from_pretrained`
+loads offline; with `pipeline="wan_i2v"` a WanImageToVideoPipeline folder instead, whose DiT takes the
+conditioning channels (in_channels = 2 z + 4) and CLIP image features (image_dim), plus image_encoder/
+(CLIPVisionModel) and image_processor/. The T5 tokenizer is built offline (a Unigram vocabulary).
+
+Sizes:
+  * ``test``: 32 px, 5 frames: 2 latent frames of 4x4, 8 DiT tokens; a LoRA step in a few ms.
+  * ``demo``: wider and deeper, for clips of 9 frames at 128 px.
+
+The weights are drawn from torch's generator seeded per component: the same seed gives the same files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ...tiny_tokenizers import t5_tokenizer
+from . import SCHEDULER_CONFIG
+
+SIZES: dict[str, dict[str, Any]] = {
+    "test": {
+        "description": "DiT 2 layers x 2 heads x 12, VAE /8 /4 with z_dim 4, UMT5 d_model 32 x 2 layers",
+        "transformer": {"patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 12, "in_channels": 4,
+                        "out_channels": 4, "text_dim": 32, "freq_dim": 32, "ffn_dim": 32, "num_layers": 2,
+                        "rope_max_seq_len": 32},
+        "i2v": {"image_dim": 16, "added_kv_proj_dim": 24},
+        "vae": {"base_dim": 8, "z_dim": 4, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1, "attn_scales": [],
+                "temperal_downsample": [False, True, True], "latents_mean": [0.0] * 4, "latents_std": [1.0] * 4},
+        "umt5": {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4, "relative_attention_num_buckets": 8},
+        "clip_vision": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                        "image_size": 32, "patch_size": 4, "projection_dim": 16},
+    },
+    "demo": {
+        "description": "DiT 4 layers x 4 heads x 24, VAE /8 /4 with z_dim 16, UMT5 d_model 128 x 4 layers",
+        "transformer": {"patch_size": [1, 2, 2], "num_attention_heads": 4, "attention_head_dim": 24, "in_channels": 16,
+                        "out_channels": 16, "text_dim": 128, "freq_dim": 64, "ffn_dim": 256, "num_layers": 4,
+                        "rope_max_seq_len": 64},
+        "i2v": {"image_dim": 64, "added_kv_proj_dim": 96},
+        "vae": {"base_dim": 16, "z_dim": 16, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1, "attn_scales": [],
+                "temperal_downsample": [False, True, True], "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16},
+        "umt5": {"d_model": 128, "d_kv": 32, "d_ff": 256, "num_layers": 4, "num_heads": 4,
+                 "relative_attention_num_buckets": 16},
+        "clip_vision": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                        "image_size": 64, "patch_size": 8, "projection_dim": 32},
+    },
+}
+
+_SEED_OFFSETS = {"transformer": 0, "vae": 1, "text_encoder": 2, "image_encoder": 3}
+
+
+def _seeded(name: str, seed: int, make):
+    import torch
+
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed + _SEED_OFFSETS[name])
+        return make()
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def _definition(pipeline: Any):
+    from . import FAMILY
+
+    if pipeline is None:
+        return FAMILY.pipelines[0]
+    name = str(getattr(pipeline, "name", pipeline))
+    try:
+        return FAMILY.pipeline(name)
+    except KeyError:
+        raise ValueError(f"unknown Wan pipeline {name!r} (pipelines: {', '.join(p.name for p in FAMILY.pipelines)})") from None
+
+
+def build_tiny_components(size: str = "test", seed: int = 0, i2v: bool = False) -> dict[str, Any]:
+    """The pipeline's components in memory (keys: diffusers component names)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
+
+    if size not in SIZES:
+        raise ValueError(f"unknown tiny size {size!r} (sizes: {', '.join(SIZES)})")
+    spec = SIZES[size]
+    tokenizer = t5_tokenizer()
+    te_config = UMT5Config(vocab_size=len(tokenizer), feed_forward_proj="gated-gelu", is_encoder_decoder=False,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **spec["umt5"])
+    dit = dict(spec["transformer"], patch_size=tuple(spec["transformer"]["patch_size"]))
+    if i2v:
+        z = spec["vae"]["z_dim"]
+        dit.update(spec["i2v"], in_channels=2 * z + 4)  # noisy latents, the 4-channel first-frame mask, the image latents
+    components: dict[str, Any] = {
+        "transformer": _seeded("transformer", seed, lambda: WanTransformer3DModel(**dit)),
+        "vae": _seeded("vae", seed, lambda: AutoencoderKLWan(**spec["vae"])),
+        "text_encoder": _seeded("text_encoder", seed, lambda: UMT5EncoderModel(te_config)),
+        "tokenizer": tokenizer,
+        "scheduler": UniPCMultistepScheduler(**SCHEDULER_CONFIG),
+    }
+    if i2v:
+        vision = spec["clip_vision"]
+        components["image_encoder"] = _seeded("image_encoder", seed, lambda: CLIPVisionModel(CLIPVisionConfig(**vision)))
+        side = vision["image_size"]
+        components["image_processor"] = CLIPImageProcessorPil(size={"shortest_edge": side},
+                                                              crop_size={"height": side, "width": side})
+    for name in ("transformer", "vae", "text_encoder", "image_encoder"):
+        if name in components:
+            components[name].eval()
+    return components
+
+
+def write_tiny_models(outdir, size: str = "test", seed: int = 0, pipeline: Any = None) -> Path:
+    """Write a complete random-weight Wan diffusers pipeline folder for `pipeline` (None: wan); return its path."""
+    import diffusers
+
+    from . import FAMILY
+
+    definition = _definition(pipeline)
+    class_name = definition.diffusers_pipeline or FAMILY.diffusers_pipelines[0]
+    out = Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    components = build_tiny_components(size=size, seed=seed, i2v=class_name == "WanImageToVideoPipeline")
+    getattr(diffusers, class_name)(**components).save_pretrained(str(out), safe_serialization=True)
+    info = {"size": size, "seed": int(seed), "config": SIZES[size], "pipeline_class": class_name}
+    (out / "unitgraph_tiny.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return out

@@ -1,0 +1,182 @@
+"""Wan's units: each declaration right above the code that runs it.
+
+Params of the Wan pipelines (one sample; tensors carry a batch dimension of 1), as diffusers' WanPipeline
+and WanImageToVideoPipeline compute them and DiffSynth-Studio's Wan training feeds them:
+
+  dataset    video (a clip: the first --num_frames frames, 4k+1, as PIL frames; a still image is one frame),
+             prompt (str)
+  shape      video becomes a float tensor (1, 3, F, H, W) in [-1, 1], each frame resized to cover the target
+             size and centre-cropped (sides multiples of 16); height, width, num_frames
+  vae        latent_mean, latent_logvar (1, z, (F-1)/4+1, H/8, W/8): the posterior, normalised by the VAE's
+             latents_mean / latents_std
+  text       prompt_emb (1, 512, D): UMT5's last hidden state over the cleaned prompt padded to 512 tokens,
+             zero after the prompt's own tokens
+  fresh      input_latents (a posterior sample), noise, timestep (non-deterministic)
+  wan_i2v    input_image: the clip's first frame (DiffSynth's `input_image`, data["video"][0]);
+             condition (1, 4 + z, T, h, w): the first-frame mask and the VAE mode of [frame, zeros...];
+             image_embeds (1, 257, D_clip): CLIP vision's penultimate hidden states of the first frame, or
+             None for a DiT without image conditioning (its config's image_dim, read without its weights)
+
+Each function is `fn(ctx, **inputs) -> {output: value}` over one sample. torch is imported on first use.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from typing import Any
+
+from ...args import BackendError
+from ...family import lazy_module, unit
+from ...flowmatch import sample_shifted_timestep
+from ...imaging import cover_crop, image_to_pixels
+
+torch = lazy_module("torch")
+
+MULTIPLE = 16  # frame sides are multiples of this (VAE factor 8 x 2x2 patches)
+TEXT_LENGTH = 512  # diffusers' max_sequence_length; the I2V attention splits text from image tokens at 512
+TRAIN_SHIFT = 5.0  # DiffSynth-Studio's Wan training schedule: sigma' = 5 s / (1 + 4 s)
+
+# ------------------------------------------------------------------------------------------------
+# shapes
+
+
+def clip_frames(video: Any) -> list[Any]:
+    """A sample's clip as a list of PIL frames (a single image is a one-frame clip)."""
+    from PIL import Image
+
+    if video is None:
+        raise BackendError("sample has no video (the Wan pipelines need a video column)")
+    frames = list(video) if isinstance(video, (list, tuple)) else [video]
+    if not frames or not all(isinstance(f, Image.Image) for f in frames):
+        raise BackendError("expected a video clip (a list of frames)")
+    return frames
+
+
+@unit("VideoShapeChecker", inputs=("video",), outputs=("video", "height", "width", "num_frames"),
+      settings=("image_size", "dtype", "cache_dtype"))
+def video_shape_checker(ctx, video: Any) -> dict[str, Any]:
+    frames = [image_to_pixels(f, ctx.size, ctx.dtype, MULTIPLE) for f in clip_frames(video)]
+    pixels = torch.stack(frames, dim=2)  # (1, 3, F, H, W)
+    return {"video": pixels, "height": int(pixels.shape[-2]), "width": int(pixels.shape[-1]),
+            "num_frames": int(pixels.shape[2])}
+
+
+@unit("FirstFrame", inputs=("video",), outputs=("input_image",), settings=("image_size",))
+def first_frame(ctx, video: Any) -> dict[str, Any]:
+    """The image the clip starts from, at the clip's size (DiffSynth's `--extra_inputs input_image`)."""
+    return {"input_image": cover_crop(clip_frames(video)[0], ctx.size, MULTIPLE)}
+
+
+# ------------------------------------------------------------------------------------------------
+# VAE
+
+
+def _stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    z = vae.config.z_dim
+    mean = torch.tensor(vae.config.latents_mean, dtype=like.dtype, device=like.device).view(1, z, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, dtype=like.dtype, device=like.device).view(1, z, 1, 1, 1)
+    return mean, std
+
+
+def encode_distribution(ctx, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE posterior of a clip, normalised as the pipelines do ((z - latents_mean) / latents_std)."""
+    raw = ctx.raw("vae")
+    posterior = ctx.model("vae").encode(ctx.tensor(pixels).to(raw.dtype)).latent_dist
+    mean, std = _stats(raw, posterior.mean)
+    return (posterior.mean - mean) / std, posterior.logvar - 2.0 * torch.log(std)
+
+
+@unit("VideoEncoder", inputs=("video",), outputs=("latent_mean", "latent_logvar"), models=("vae",),
+      settings=("dtype", "cache_dtype"))
+def video_encoder(ctx, video: torch.Tensor) -> dict[str, Any]:
+    mean, logvar = encode_distribution(ctx, video)
+    return {"latent_mean": mean, "latent_logvar": logvar}
+
+
+def first_frame_mask(num_frames: int, latent_frames: int, h: int, w: int, factor: int) -> torch.Tensor:
+    """(1, factor, T, h, w): WanImageToVideoPipeline's mask, 1 on the latent frame holding the given image."""
+    mask = torch.ones(1, 1, num_frames, h, w)
+    mask[:, :, 1:] = 0
+    first = torch.repeat_interleave(mask[:, :, 0:1], dim=2, repeats=factor)
+    mask = torch.cat([first, mask[:, :, 1:]], dim=2)
+    return mask.view(1, -1, factor, h, w).transpose(1, 2)[:, :, :latent_frames]
+
+
+@unit("ImageConditioner", inputs=("video", "num_frames"), outputs=("condition",), models=("vae",),
+      settings=("dtype", "cache_dtype"))
+def image_conditioner(ctx, video: torch.Tensor, num_frames: int) -> dict[str, Any]:
+    """The I2V conditioning latents: the VAE mode of [first frame, zeros x (F-1)], normalised, after the mask."""
+    raw = ctx.raw("vae")
+    pixels = ctx.tensor(video).to(raw.dtype)
+    condition = torch.cat([pixels[:, :, :1], torch.zeros_like(pixels[:, :, 1:])], dim=2)
+    latents = ctx.model("vae").encode(condition).latent_dist.mode()
+    mean, std = _stats(raw, latents)
+    latents = (latents - mean) / std
+    factor = int(getattr(raw.config, "scale_factor_temporal", None) or 4)
+    _, _, t, h, w = latents.shape
+    mask = first_frame_mask(int(num_frames), t, h, w, factor).to(latents.device, latents.dtype)
+    return {"condition": torch.cat([mask, latents], dim=1)}
+
+
+@unit("ImageEmbedder", inputs=("input_image",), outputs=("image_embeds",), models=("image_encoder",),
+      configs=("dit",), settings=("dtype", "cache_dtype"))
+def image_embedder(ctx, input_image: Any) -> dict[str, Any]:
+    """CLIP vision's penultimate hidden states of the first frame (WanImageToVideoPipeline.encode_image); None when
+    the DiT takes no image embedding (image_dim None: Wan 2.2), which only the DiT's config says."""
+    if ctx.config("dit").get("image_dim") is None:
+        return {"image_embeds": None}
+    inputs = ctx.model("image_processor")(images=input_image, return_tensors="pt")
+    out = ctx.model("image_encoder")(pixel_values=inputs["pixel_values"].to(ctx.device), output_hidden_states=True)
+    return {"image_embeds": out.hidden_states[-2].to(ctx.dtype)}
+
+
+# ------------------------------------------------------------------------------------------------
+# text
+
+
+def clean_prompt(text: str) -> str:
+    """diffusers' Wan prompt_clean without ftfy: HTML entities undone (twice), whitespace collapsed."""
+    return re.sub(r"\s+", " ", html.unescape(html.unescape(text)).strip()).strip()
+
+
+@unit("PromptEncoder", inputs=("prompt",), outputs=("prompt_emb",), models=("text_encoder",),
+      settings=("dtype", "cache_dtype"))
+def prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
+    """UMT5 over the prompt padded to 512 tokens, zeroed after its own (WanPipeline._get_t5_prompt_embeds)."""
+    if not isinstance(prompt, str):
+        raise BackendError(f"prompt must be a string, got {type(prompt).__name__}")
+    tokens = ctx.model("tokenizer")([clean_prompt(prompt)], padding="max_length", max_length=TEXT_LENGTH,
+                                    truncation=True, add_special_tokens=True, return_attention_mask=True,
+                                    return_tensors="pt")
+    ids, mask = tokens.input_ids.to(ctx.device), tokens.attention_mask.to(ctx.device)
+    hidden = ctx.model("text_encoder")(ids, mask).last_hidden_state[0]
+    length = int(mask.sum())
+    emb = torch.cat([hidden[:length], hidden.new_zeros(TEXT_LENGTH - length, hidden.shape[-1])])
+    return {"prompt_emb": emb[None].to(ctx.dtype)}
+
+
+# ------------------------------------------------------------------------------------------------
+# noise, timesteps
+
+
+@unit("LatentSampler", inputs=("latent_mean", "latent_logvar"), outputs=("input_latents",), deterministic=False,
+      settings=("seed", "cache_dtype"))
+def latent_sampler(ctx, latent_mean: torch.Tensor, latent_logvar: torch.Tensor) -> dict[str, Any]:
+    eps = torch.randn(latent_mean.shape, generator=ctx.rng("latent"), dtype=latent_mean.dtype)
+    mean, logvar = ctx.tensor(latent_mean), ctx.tensor(latent_logvar)
+    return {"input_latents": mean + torch.exp(0.5 * logvar) * eps.to(mean.device)}
+
+
+@unit("NoiseInitializer", inputs=("input_latents",), outputs=("noise",), deterministic=False,
+      settings=("seed", "cache_dtype"))
+def noise_initializer(ctx, input_latents: torch.Tensor) -> dict[str, Any]:
+    noise = torch.randn(input_latents.shape, generator=ctx.rng("noise"), dtype=input_latents.dtype)
+    return {"noise": noise.to(input_latents.device)}
+
+
+@unit("TimestepSampler", inputs=(), outputs=("timestep",), deterministic=False,
+      settings=("seed", "timestep_bounds", "cache_dtype"))
+def timestep_sampler(ctx) -> dict[str, Any]:
+    """A timestep of DiffSynth's Wan training schedule (static shift 5 over 1000 positions)."""
+    return {"timestep": sample_shifted_timestep(ctx, TRAIN_SHIFT)}

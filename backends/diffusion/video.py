@@ -1,0 +1,108 @@
+"""Video clips as DiffSynth-Studio reads them, through PyAV (ffmpeg's libraries in a wheel: no system ffmpeg).
+
+A clip is the first `num_frames` frames of the file (DiffSynth's LoadVideo: frames sampled from the
+video's prefix, at its own frame rate); a file with fewer frames gives the largest 4k+1 it holds, as
+DiffSynth shortens it (`frames_for`). A still image in a video column is a one-frame clip.
+
+Problems are `VideoProblem`s, said as the rest of a sentence ("has no video stream"); the dataset
+adds the row and the file and skips or stops the sample as it does for images. Decoding stops as soon
+as the clip has its frames, so a long video costs only its prefix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["VideoProblem", "frames_for", "probe_clip", "read_clip", "write_clip", "STILL_SUFFIXES"]
+
+STILL_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+TIME_FACTOR, TIME_REMAINDER = 4, 1  # clip lengths are 4k+1 frames (the video VAE's temporal factor)
+
+
+class VideoProblem(Exception):
+    """What is wrong with a video file, as the rest of a sentence."""
+
+
+def frames_for(available: int, wanted: int) -> int:
+    """Frames a clip takes: `wanted`, or when the file has fewer, the largest 4k+1 <= available (at least 1).
+
+    >>> frames_for(100, 81), frames_for(20, 81), frames_for(1, 81)
+    (81, 17, 1)
+    """
+    n = min(int(available), int(wanted))
+    while n > 1 and n % TIME_FACTOR != TIME_REMAINDER:
+        n -= 1
+    return max(1, n)
+
+
+def _open(path: Path) -> Any:
+    import av
+
+    try:
+        container = av.open(str(path))
+    except Exception as exc:  # av.error.InvalidDataError and friends: many types for a damaged file
+        raise VideoProblem(f"is not a readable video ({type(exc).__name__}: {_first_line(exc)})") from None
+    if not container.streams.video:
+        container.close()
+        raise VideoProblem("has no video stream")
+    return container
+
+
+def probe_clip(path: Path) -> tuple[int, int]:
+    """(width, height) of a video file without decoding a frame; VideoProblem when it cannot be one."""
+    container = _open(path)
+    try:
+        stream = container.streams.video[0]
+        return int(stream.codec_context.width or 0), int(stream.codec_context.height or 0)
+    finally:
+        container.close()
+
+
+def read_clip(path: Path, num_frames: int) -> list[Any]:
+    """The clip of a video file: `frames_for(frames in the file, num_frames)` RGB PIL frames from its start."""
+    from PIL import Image
+
+    if Path(path).suffix.lower() in STILL_SUFFIXES:
+        with Image.open(path) as img:
+            return [img.convert("RGB")]
+    container = _open(path)
+    frames: list[Any] = []
+    try:
+        for frame in container.decode(video=0):
+            frames.append(frame.to_image().convert("RGB"))
+            if len(frames) >= num_frames:
+                break
+    except Exception as exc:  # a stream damaged after its first frames
+        if not frames:
+            raise VideoProblem(f"cannot be decoded ({type(exc).__name__}: {_first_line(exc)})") from None
+    finally:
+        container.close()
+    if not frames:
+        raise VideoProblem("has no frames")
+    return frames[: frames_for(len(frames), num_frames)]
+
+
+def write_clip(path: Path, frames: Sequence[Any], fps: int = 8) -> Path:
+    """Write RGB PIL frames (even sides) as an H.264 mp4 (yuv420p): the synthetic datasets' clips."""
+    import av
+    import numpy as np
+
+    path = Path(path)
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height = frames[0].size
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": "12"}
+        for image in frames:
+            frame = av.VideoFrame.from_ndarray(np.asarray(image.convert("RGB")), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
