@@ -52,8 +52,25 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+def bare_resume(argv: list[str]) -> list[str]:
+    """`train --resume` with no value means the newest state in --output_path ("latest"); a value is a state folder.
+
+    >>> bare_resume(["train", "--resume", "--seed", "1"]), bare_resume(["train", "--resume", "out/state/step-4"])
+    (['train', '--resume', 'latest', '--seed', '1'], ['train', '--resume', 'out/state/step-4'])
+    """
+    if not argv or argv[0] != "train":
+        return argv
+    out = []
+    for i, token in enumerate(argv):
+        out.append(token)
+        if token == "--resume" and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+            out.append("latest")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     command = typer.main.get_command(app)
+    argv = bare_resume(list(sys.argv[1:] if argv is None else argv))
     try:
         result = command.main(args=argv, prog_name="unitgraph", standalone_mode=False)
     except UnitgraphError as exc:

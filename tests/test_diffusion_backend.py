@@ -326,22 +326,3 @@ def test_cli_train_errors_are_one_line(tiny, dataset, tmp_path):
     cache = _cli("train", "--task", "sft:train", "--dataset_base_path", str(tmp_path), "--model_paths", str(tiny),
                  "--lora_base_model", "dit")
     assert cache.returncode == 2 and "manifest" in cache.stderr and "Traceback" not in cache.stderr
-
-
-@pytest.mark.slow
-def test_two_process_stage1_one_entry_per_sample(tiny, dataset, tmp_path):
-    env = {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", str(VENV_BIN / "unitgraph"), "train",
-           "--task", "sft:split", "--dataset_base_path", str(dataset), "--dataset_metadata_path", str(dataset / "metadata.csv"),
-           "--dataset_repeat", "3", "--model_paths", str(tiny), "--lora_base_model", "dit", "--lora_rank", "4",
-           "--max_pixels", str(SIZE * SIZE), "--output_path", str(tmp_path / "out"), "--no-progress", "--no-plot"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**os.environ, **env})
-    assert done.returncode == 0, done.stderr[-3000:]
-    entries = sorted((tmp_path / "out" / "cache" / "entries").iterdir())
-    assert len(entries) == 4
-    indices = sorted(read_entry(e)[1]["index"] for e in entries)
-    assert indices == [0, 1, 2, 3]
-    rows = read_loss_csv(tmp_path / "out" / "loss.csv")
-    assert len(rows) == 6  # 12 samples per epoch over 2 processes
-    assert (tmp_path / "out" / "epoch-0.safetensors").is_file()

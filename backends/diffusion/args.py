@@ -70,6 +70,8 @@ class TrainArgs:
     align_to_opensource_format: bool = _f(False, "Accepted for DiffSynth's commands: LoRA files are already in the diffusers format, which diffusers and ComfyUI load (see --lora_format).", "output")
     lora_format: str = _f("diffusers", "Checkpoint key layout: diffusers (a diffusers pipeline's load_lora_weights reads it) or diffsynth (DiffSynth-Studio's pipe.load_lora reads it); 'unitgraph lora convert' turns one into the other.", "output")
     save_steps: Optional[int] = _f(None, "Also save step-N.safetensors every N optimizer steps.", "output")
+    resume: Optional[str] = _f(None, "Continue a killed or finished run exactly: from the newest training state in --output_path (--resume alone), or from a state folder (--resume OUTPUT/state/step-N). A state is written at every checkpoint.", "output")
+    save_total_limit: Optional[int] = _f(None, "Keep only the newest K training states (the checkpoints themselves are all kept).", "output")
     overwrite: bool = _f(False, "Start anew in an --output_path that holds an earlier run: its files are moved aside into OUTPUT/replaced-<time>/ (nothing is deleted; a cache in it is kept and reused).", "output")
     # LoRA
     lora_base_model: Optional[str] = _f(None, "Model that gets LoRA adapters (a model of the pipeline: dit, text_encoder, ...).", "lora")
@@ -129,6 +131,12 @@ class TrainArgs:
         if self.tokenizer_path and self.tokenizer_1_path and self.tokenizer_path != self.tokenizer_1_path:
             raise BackendError("--tokenizer_path and --tokenizer_1_path name the same tokenizer (the first text "
                                "encoder's); give one of them")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise BackendError(f"--save_total_limit must be at least 1, got {self.save_total_limit}")
+        if self.resume is not None and self.overwrite:
+            raise BackendError("--resume continues the run in --output_path and --overwrite moves it aside: give one of them")
+        if self.resume is not None and self.stage == "data_process":
+            raise BackendError("--resume continues training; stage 1 (:data_process) resumes by itself")
         if self.cache_mode not in ("latest", "versioned"):
             raise BackendError(f"--cache_mode must be latest or versioned, got {self.cache_mode!r}")
         for name in ("num_epochs", "gradient_accumulation_steps", "dataset_repeat", "lora_rank", "max_pixels"):

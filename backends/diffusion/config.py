@@ -90,6 +90,8 @@ class OutputConfig:
     progress: bool = True
     overwrite: bool = False
     lora_format: str = "diffusers"
+    resume: Optional[str] = None  # "latest" (the newest state in the output folder) or a state folder
+    save_total_limit: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,7 @@ class RunConfig:
             lora=LoraSpec(args.lora_base_model, targets, args.lora_rank, args.lora_alpha, args.lora_checkpoint,
                           args.preset_lora_path, preset_model if args.preset_lora_path else None),
             output=OutputConfig(args.output_path, args.remove_prefix_in_ckpt, args.save_steps, args.plot, args.progress,
-                                args.overwrite, args.lora_format),
+                                args.overwrite, args.lora_format, args.resume, args.save_total_limit),
             notes=tuple(notes),
         )
 

@@ -29,6 +29,7 @@ from unitgraph.atomic import TEMP_SUFFIX, make_folder, write_text_atomic
 from unitgraph.errors import OutputError
 
 MARKER = "unitgraph-run.json"
+STATE_DIR = "state"  # training states (resume.py), the run's own
 MARKER_FORMAT = "unitgraph.run/v1"
 LOCK = ".unitgraph-run.lock"
 # the files a run writes (moved aside together by --overwrite)
@@ -66,7 +67,8 @@ def foreign_entries(folder: Path) -> list[str]:
         name = entry.name
         if name == LOCK or _is_temp(name):
             continue
-        if entry.is_dir() and not entry.is_symlink() and ((entry / CACHE_MANIFEST).is_file() or name.startswith("replaced-")):
+        if entry.is_dir() and not entry.is_symlink() and ((entry / CACHE_MANIFEST).is_file() or name.startswith("replaced-")
+                                                          or name == STATE_DIR):
             continue
         if entry.is_file() and _is_run_file(name):
             continue
@@ -75,7 +77,8 @@ def foreign_entries(folder: Path) -> list[str]:
 
 
 def move_aside(folder: Path) -> Path:
-    """Move the run files of `folder` into a new `replaced-<UTC time>` folder inside it; return that folder."""
+    """Move the run files of `folder` (and its training states) into a new `replaced-<UTC time>` folder inside it;
+    return that folder."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     aside = folder / f"replaced-{stamp}"
     n = 1
@@ -84,7 +87,7 @@ def move_aside(folder: Path) -> Path:
         aside = folder / f"replaced-{stamp}-{n}"
     make_folder(aside)
     for entry in sorted(folder.iterdir()):
-        if entry.is_file() and _is_run_file(entry.name):
+        if (entry.is_file() and _is_run_file(entry.name)) or (entry.is_dir() and entry.name == STATE_DIR):
             os.replace(entry, aside / entry.name)
     return aside
 
@@ -97,8 +100,9 @@ class RunFolder:
         self._fd: Optional[int] = None
         self.replaced: Optional[Path] = None
 
-    def check(self, overwrite: bool) -> None:
-        """Refuse a folder that is not unitgraph's or holds another run (unless `overwrite`). Writes nothing."""
+    def check(self, overwrite: bool, resume: Optional[dict[str, Any]] = None) -> None:
+        """Refuse a folder that is not unitgraph's or holds another run (unless `overwrite`, or `resume` with
+        the record of the run to continue: then the folder must hold that run). Writes nothing."""
         folder = self.folder
         if folder.is_symlink() and not folder.exists():
             raise OutputError("is a dangling symlink", source=str(folder))
@@ -115,6 +119,12 @@ class RunFolder:
             shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
             raise OutputError(f"is not empty and not a unitgraph run folder (it holds {shown}); unitgraph writes only "
                               "into a new, empty or own folder: choose another --output_path", source=str(folder))
+        if marker is not None and resume is not None:
+            for key in ("task", "pipeline", "plan_fingerprint"):
+                if marker.get(key) != resume.get(key):
+                    raise OutputError(f"--resume: the folder holds another run ({key} {marker.get(key)!r}, this run "
+                                      f"{resume.get(key)!r}); choose its --output_path or start anew", source=str(folder))
+            return
         if marker is not None and not overwrite:
             checkpoints = sorted(p.name for p in folder.glob("*.safetensors"))
             state = "a finished run" if marker.get("status") == "finished" else "the run of a process that stopped"
@@ -123,12 +133,12 @@ class RunFolder:
                               "choose another --output_path", source=str(folder))
 
     @contextlib.contextmanager
-    def claimed(self, overwrite: bool, run: dict[str, Any]) -> Iterator["RunFolder"]:
-        """Check, lock, clean our temp files, move an old run aside (`overwrite`), write the marker; on a
-        normal exit mark the run finished."""
+    def claimed(self, overwrite: bool, run: dict[str, Any], resume: bool = False) -> Iterator["RunFolder"]:
+        """Check, lock, clean our temp files, move an old run aside (`overwrite`; with `resume` the run is
+        continued in place), write the marker; on a normal exit mark the run finished."""
         import fcntl
 
-        self.check(overwrite)
+        self.check(overwrite, run if resume else None)
         created = not self.folder.exists()
         make_folder(self.folder)
         try:
@@ -143,11 +153,11 @@ class RunFolder:
                 raise OutputError("another unitgraph run is writing into this folder; wait for it to finish or "
                                   "choose another --output_path", source=str(self.folder)) from None
             try:
-                self.check(overwrite)  # again, now that no other run can change the folder
+                self.check(overwrite, run if resume else None)  # again, now that no other run can change the folder
                 for entry in self.folder.iterdir():
                     if entry.is_file() and _is_temp(entry.name):
                         entry.unlink(missing_ok=True)
-                if read_marker(self.folder) is not None:
+                if read_marker(self.folder) is not None and not resume:
                     self.replaced = move_aside(self.folder)
                 self._write_marker({**run, "status": "running"})
             except BaseException:

@@ -43,6 +43,7 @@ class RunResult:
     steps: int = 0
     step_times: list[float] = field(default_factory=list)
     replaced: Optional[Path] = None  # where --overwrite moved an earlier run's files
+    resumed_from: Optional[Path] = None  # the training state --resume continued from
     losses: list[float] = field(default_factory=list)
 
     @property

@@ -255,7 +255,9 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, accelerat
     output = Path(cfg.output.path)
     result = RunResult(task=args.task, output_path=output, plan=plan)
     if cfg.stage != "data_process" and accelerator.is_main_process:
-        RunFolder(output).check(cfg.output.overwrite)  # refused before stage 1 spends any time
+        resume = None if cfg.output.resume is None else {"task": args.task, "pipeline": plan.pipeline,
+                                                         "plan_fingerprint": plan.fingerprint}
+        RunFolder(output).check(cfg.output.overwrite, resume)  # refused before stage 1 spends any time
 
     def stage1(cache_dir: Path, before_compute: Optional[Callable[[], None]] = None) -> None:
         s1 = run_data_process(cfg, plan, accelerator, cache_dir, report, before_compute)

@@ -29,6 +29,8 @@ from .checkpoints import checkpoint_state, save_checkpoint
 from .config import RunConfig
 from .randomness import seeded_global_stream
 from .outputs import RunFolder
+from .resume import (latest_state, load_state, must_match, prune_states, remove_partial_states, save_state,
+                     trained_parameters)
 from .session import RunResult, load_models, make_context, progress
 
 
@@ -80,7 +82,8 @@ def save(cfg: RunConfig, output: Path, name: str, models: dict[str, Any], lora_c
 class LossLog:
     """loss.csv, written row by row on the main process (each row flushed as it is written)."""
 
-    def __init__(self, path: Path, main: bool):
+    def __init__(self, path: Path, main: bool, rows: Optional[list[Any]] = None):
+        """A new log, or with `rows` (a resumed run's rows so far) the log rewritten to exactly those rows."""
         self.path, self.rows = path, []
         self._file = None
         if main:
@@ -88,6 +91,8 @@ class LossLog:
                 self._file = path.open("w", encoding="utf-8", newline="")
                 self._file.write("step,epoch,loss,elapsed_s\n")
                 self._file.flush()
+                for step, epoch, loss, elapsed in rows or ():
+                    self.add(int(step), int(epoch), float(loss), float(elapsed))
             except OSError as exc:
                 raise OutputError(f"cannot write the loss log ({exc.strerror or exc})", source=str(path)) from None
 
@@ -148,7 +153,7 @@ def run_training(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerat
     if accelerator.is_main_process:
         folder = RunFolder(output)
         record = {"task": cfg.args.task, "pipeline": plan.pipeline, "plan_fingerprint": plan.fingerprint}
-        with folder.claimed(cfg.output.overwrite, record):
+        with folder.claimed(cfg.output.overwrite, record, resume=cfg.output.resume is not None):
             result.replaced = folder.replaced
             if report is not None:
                 report.flush()  # every check passed: the notes about the flags
@@ -167,17 +172,39 @@ def _train(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: An
     # unsplit and the split run draw the same masks. Without any active dropout there is nothing to seed.
     seeded = draws_dropout(models)
     accum, epochs = cfg.optim.accumulation, cfg.optim.num_epochs
-    log = LossLog(output / "loss.csv", main)
+    params = trained_parameters(models, plan.models_require_backward)
+    match = must_match(cfg, plan, world)
+    if main:
+        remove_partial_states(output)  # a state write a kill interrupted (this run holds the folder's lock)
+    accelerator.wait_for_everyone()
+    start = resume_point(cfg, output, params, optimizer, match, result, accelerator)
+    log = LossLog(output / "loss.csv", main, rows=start.rows if start else None)
     bar = progress(None, len(step_groups(data.batches(0, rank, world), accum)) * epochs, stage_name,
                    cfg.output.progress and accelerator.is_local_main_process)
-    step, t0, last = 0, None, None
+    step, t0, last = (start.step, None, None) if start else (0, None, None)
+    offset = start.elapsed if start else 0.0  # elapsed_s continues where the resumed run stopped
+    bar.update(step)
+
+    def keep_state(epoch: int, position: int) -> None:
+        if main:
+            elapsed = time.perf_counter() - t0 if t0 is not None else offset
+            save_state(output, step, epoch, position, elapsed, log.rows, params, optimizer, match)
+            prune_states(output, cfg.output.save_total_limit)
+        accelerator.wait_for_everyone()
+
     try:
         for epoch in range(epochs):
             order = data.batches(epoch, rank, world)
-            ready = data.iterate(epoch, ctx, rank, world, batches=order, workers=cfg.data.num_workers)
+            groups = step_groups(order, accum)
+            done = (start.position if start and epoch == start.epoch else len(groups) if start and epoch < start.epoch
+                    else 0)
+            if done >= len(groups):
+                continue  # this epoch was finished before the resumed state
+            remaining = [batch for group in groups[done:] for batch in group]
+            ready = data.iterate(epoch, ctx, rank, world, batches=remaining, workers=cfg.data.num_workers)
             try:
-                for group in step_groups(order, accum):
-                    t0 = time.perf_counter() if t0 is None else t0
+                for position, group in enumerate(groups[done:], start=done + 1):
+                    t0 = time.perf_counter() - offset if t0 is None else t0
                     total = sum(len(b) for b in group)
 
                     def check(loss: Any, elements: list[Any]) -> None:
@@ -191,15 +218,18 @@ def _train(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: An
                     step += 1
                     loss, now = step_loss(losses, total, accelerator), time.perf_counter()
                     log.add(step, epoch, loss, now - t0)
-                    result.step_times.append(now - (last if last is not None else t0))
+                    result.step_times.append(now - (last if last is not None else t0 + offset))
                     last = now
                     bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch, refresh=False)
                     bar.update(1)
                     if cfg.output.save_steps and step % cfg.output.save_steps == 0:
                         checkpoint(cfg, output, f"step-{step}.safetensors", models, lora_config, accelerator, result)
+                        if position < len(groups):  # the epoch's end saves its own state just below
+                            keep_state(epoch, position)
             finally:
                 ready.close()
             checkpoint(cfg, output, f"epoch-{epoch}.safetensors", models, lora_config, accelerator, result)
+            keep_state(epoch, len(groups))
     finally:
         log.close()
         bar.close()
@@ -207,6 +237,27 @@ def _train(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: An
     if main and cfg.output.plot:
         result.loss_plot = write_loss_plot(log.rows, output / "loss.png", f"{plan.pipeline} · {cfg.args.task}")
     accelerator.wait_for_everyone()
+
+
+def resume_point(cfg: RunConfig, output: Path, params: dict[str, Any], optimizer: Any, match: dict[str, Any],
+                 result: RunResult, accelerator: Any) -> Any:
+    """--resume: the state to continue from (restored into the weights and the optimizer), or None to start at
+    step 0 (plain --resume in a folder without a state yet, said in one line)."""
+    if cfg.output.resume is None:
+        return None
+    path = latest_state(output) if cfg.output.resume == "latest" else Path(cfg.output.resume)
+    if path is None:
+        if accelerator.is_main_process:
+            print(f"note: --resume: no training state in {output} yet; training starts at step 0")
+        return None
+    if not (path / "state.json").is_file():
+        raise BackendError("--resume: not a training state folder (no state.json); states are OUTPUT/state/step-N",
+                           source=str(path))
+    point = load_state(path, params, optimizer, match)
+    result.resumed_from = point.path
+    if accelerator.is_main_process:
+        print(f"resuming from {point.path} (step {point.step}, epoch {point.epoch})")
+    return point
 
 
 def step_loss(losses: list[tuple[Any, int]], total: int, accelerator: Any) -> float:
