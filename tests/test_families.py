@@ -24,8 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 def test_nothing_outside_a_family_folder_names_the_family():
     """`grep -ril <family> backends/` finds the family's folder and its registry line only."""
     for family in registry.families():
-        # the name (or its underscore-less spelling) not inside a longer word: "Wan" counts, "wanted" does not
-        pattern = re.compile(rf"(?<![a-z])({re.escape(family.name)}|{re.escape(family.name.replace('_', ''))})(?!t)", re.I)
+        # the name (or its underscore-less spelling) in any case, not inside a longer lowercase word: "Wan" and
+        # "WanPipeline" count, "wanted" and "wandb" do not
+        names = f"{re.escape(family.name)}|{re.escape(family.name.replace('_', ''))}"
+        pattern = re.compile(rf"(?<![A-Za-z])(?i:{names})(?![a-z])")
         found = [str(f) for f in (REPO / "backends").rglob("*.py") if pattern.search(f.read_text(encoding="utf-8"))]
         outside = {f for f in found if f"/families/{family.name}/" not in f}
         assert outside <= {str(REPO / "backends" / "diffusion" / "registry.py")}, outside

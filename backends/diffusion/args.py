@@ -26,6 +26,7 @@ TASKS = (
 )
 CACHE_DTYPE_FLAGS = ("bf16", "fp16", "fp32")
 LORA_FORMATS = ("diffusers", "diffsynth")
+REPORT_TO = ("none", "tensorboard", "wandb")
 
 
 def _f(default: Any, help: str, group: str) -> Any:
@@ -71,6 +72,10 @@ class TrainArgs:
     lora_format: str = _f("diffusers", "Checkpoint key layout: diffusers (a diffusers pipeline's load_lora_weights reads it) or diffsynth (DiffSynth-Studio's pipe.load_lora reads it); 'unitgraph lora convert' turns one into the other.", "output")
     save_steps: Optional[int] = _f(None, "Also save step-N.safetensors every N optimizer steps.", "output")
     resume: Optional[str] = _f(None, "Continue a killed or finished run exactly: from the newest training state in --output_path (--resume alone), or from a state folder (--resume OUTPUT/state/step-N). A state is written at every checkpoint.", "output")
+    validation_prompt: Optional[list[str]] = _f(None, "Render this prompt (repeatable) at each checkpoint through the family's diffusers pipeline with the current weights: OUTPUT/samples/<checkpoint>/, a contact sheet per checkpoint and OUTPUT/samples.html. In split training stage 1 encodes the prompts.", "output")
+    validation_steps: Optional[int] = _f(None, "Render the validation prompts every N optimizer steps (default: at each checkpoint).", "output")
+    validation_inference_steps: int = _f(20, "Denoising steps of a validation sample.", "output")
+    report_to: str = _f("none", "Also log loss, learning rate and step time to tensorboard or wandb (through accelerate; OUTPUT/logs), or none.", "output")
     save_total_limit: Optional[int] = _f(None, "Keep only the newest K training states (the checkpoints themselves are all kept).", "output")
     overwrite: bool = _f(False, "Start anew in an --output_path that holds an earlier run: its files are moved aside into OUTPUT/replaced-<time>/ (nothing is deleted; a cache in it is kept and reused).", "output")
     # LoRA
@@ -131,6 +136,22 @@ class TrainArgs:
         if self.tokenizer_path and self.tokenizer_1_path and self.tokenizer_path != self.tokenizer_1_path:
             raise BackendError("--tokenizer_path and --tokenizer_1_path name the same tokenizer (the first text "
                                "encoder's); give one of them")
+        if self.validation_prompt is not None:
+            if isinstance(self.validation_prompt, str):
+                self.validation_prompt = [self.validation_prompt]
+            self.validation_prompt = [str(p) for p in self.validation_prompt] or None
+        if self.validation_steps is not None and self.validation_steps < 1:
+            raise BackendError(f"--validation_steps must be at least 1, got {self.validation_steps}")
+        if self.validation_inference_steps < 1:
+            raise BackendError(f"--validation_inference_steps must be at least 1, got {self.validation_inference_steps}")
+        if self.report_to not in REPORT_TO:
+            raise BackendError(f"--report_to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}")
+        if self.report_to != "none":
+            import importlib.util
+
+            needed = {"tensorboard": "tensorboard", "wandb": "wandb"}[self.report_to]
+            if importlib.util.find_spec(needed) is None:
+                raise BackendError(f"--report_to {self.report_to} needs the {needed} package (pip install {needed})")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise BackendError(f"--save_total_limit must be at least 1, got {self.save_total_limit}")
         if self.resume is not None and self.overwrite:
@@ -196,7 +217,8 @@ def arg_fields() -> list[tuple[str, Any, Any, str]]:
     """(name, type annotation, default, help) of every flag, in declaration order."""
     out = []
     hints = {"int": int, "float": float, "str": str, "bool": bool,
-             "Optional[str]": Optional[str], "Optional[int]": Optional[int], "Optional[float]": Optional[float]}
+             "Optional[str]": Optional[str], "Optional[int]": Optional[int], "Optional[float]": Optional[float],
+             "Optional[list[str]]": Optional[list[str]]}
     for f in fields(TrainArgs):
         default = f.default if f.default is not MISSING else None
         out.append((f.name, hints[f.type] if isinstance(f.type, str) else f.type, default, f.metadata.get("help", "")))

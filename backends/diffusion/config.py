@@ -92,6 +92,14 @@ class OutputConfig:
     lora_format: str = "diffusers"
     resume: Optional[str] = None  # "latest" (the newest state in the output folder) or a state folder
     save_total_limit: Optional[int] = None
+    report_to: str = "none"  # accelerate's trackers: tensorboard, wandb
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    prompts: tuple[str, ...] = ()
+    steps: Optional[int] = None  # every N optimizer steps; None: at each checkpoint
+    inference_steps: int = 20
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,7 @@ class RunConfig:
     lora: LoraSpec
     output: OutputConfig
     notes: tuple[str, ...] = field(default=())
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
     @classmethod
     def from_args(cls, args: TrainArgs, environ: Any = None) -> "RunConfig":
@@ -168,8 +177,10 @@ class RunConfig:
             lora=LoraSpec(args.lora_base_model, targets, args.lora_rank, args.lora_alpha, args.lora_checkpoint,
                           args.preset_lora_path, preset_model if args.preset_lora_path else None),
             output=OutputConfig(args.output_path, args.remove_prefix_in_ckpt, args.save_steps, args.plot, args.progress,
-                                args.overwrite, args.lora_format, args.resume, args.save_total_limit),
+                                args.overwrite, args.lora_format, args.resume, args.save_total_limit, args.report_to),
             notes=tuple(notes),
+            validation=ValidationConfig(tuple(args.validation_prompt or ()), args.validation_steps,
+                                        args.validation_inference_steps),
         )
 
     @property

@@ -254,7 +254,10 @@ class Family:
     denoiser first (a scheduler folder is looked for beside it). tiny: the module (relative to the family's
     package) with `SIZES` and `write_tiny_models(outdir, size, seed, pipeline=None)` (the folder for a
     pipeline's diffusers class; None: the family's first pipeline's). pad: params padded
-    along dim 1 in a batch, each with its 0/1 mask param. demo: flags the demo trains with.
+    along dim 1 in a batch, each with its 0/1 mask param. demo: flags the demo trains with. render: the module
+    (relative to the package) whose `render(pipeline, models, embeds, width, height, steps, generator) -> PIL`
+    draws a validation sample with the family's diffusers pipeline; render_models: the models it needs beyond
+    the stage's (the VAE, for its decoder), loaded only while rendering.
     """
 
     name: str
@@ -266,6 +269,8 @@ class Family:
     tiny: str = ".tiny"
     pad: Mapping[str, str] = field(default_factory=dict)
     demo: Mapping[str, Any] = field(default_factory=dict)
+    render: Optional[str] = None
+    render_models: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         names = [s.name for s in self.slots]

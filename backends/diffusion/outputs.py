@@ -33,7 +33,8 @@ STATE_DIR = "state"  # training states (resume.py), the run's own
 MARKER_FORMAT = "unitgraph.run/v1"
 LOCK = ".unitgraph-run.lock"
 # the files a run writes (moved aside together by --overwrite)
-RUN_FILES = ("plan.json", "training_args.json", "loss.csv", "loss.png", "*.safetensors", MARKER)
+RUN_FILES = ("plan.json", "training_args.json", "loss.csv", "loss.png", "*.safetensors", "samples.html", MARKER)
+RUN_DIRS = ("state", "samples", "logs")  # training states (resume.py), validation samples, tracker logs
 CACHE_MANIFEST = "manifest.json"
 
 
@@ -68,7 +69,7 @@ def foreign_entries(folder: Path) -> list[str]:
         if name == LOCK or _is_temp(name):
             continue
         if entry.is_dir() and not entry.is_symlink() and ((entry / CACHE_MANIFEST).is_file() or name.startswith("replaced-")
-                                                          or name == STATE_DIR):
+                                                          or name in RUN_DIRS):
             continue
         if entry.is_file() and _is_run_file(name):
             continue
@@ -87,7 +88,7 @@ def move_aside(folder: Path) -> Path:
         aside = folder / f"replaced-{stamp}-{n}"
     make_folder(aside)
     for entry in sorted(folder.iterdir()):
-        if (entry.is_file() and _is_run_file(entry.name)) or (entry.is_dir() and entry.name == STATE_DIR):
+        if (entry.is_file() and _is_run_file(entry.name)) or (entry.is_dir() and entry.name in RUN_DIRS):
             os.replace(entry, aside / entry.name)
     return aside
 

@@ -44,6 +44,7 @@ class RunResult:
     step_times: list[float] = field(default_factory=list)
     replaced: Optional[Path] = None  # where --overwrite moved an earlier run's files
     resumed_from: Optional[Path] = None  # the training state --resume continued from
+    sample_images: list[Path] = field(default_factory=list)  # validation samples written
     losses: list[float] = field(default_factory=list)
 
     @property
@@ -107,7 +108,9 @@ def make_accelerator(cfg: RunConfig):
     # parameters without gradients; DDP then needs find_unused_parameters. Multi-process runs turn it on.
     multi = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=cfg.optim.find_unused_parameters or multi)]
-    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no", kwargs_handlers=handlers)
+    trackers = {} if cfg.output.report_to == "none" else {
+        "log_with": cfg.output.report_to, "project_dir": str(Path(cfg.output.path) / "logs")}
+    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no", kwargs_handlers=handlers, **trackers)
 
 
 def make_dataset(cfg: RunConfig) -> DiffusionDataset:

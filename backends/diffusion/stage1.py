@@ -455,6 +455,7 @@ def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: Pa
             report(f"stage 1: computed {count(sum(per_process.values()), 'entry', 'entries')} over {accelerator.num_processes} "
                    f"process{'es' if accelerator.num_processes > 1 else ''} ({shares})")
     accelerator.wait_for_everyone()
+    stage1_validation(cfg, plan, cache.folder, manifest.key_inputs_hash, accelerator, report)
     skipped = list(manifest.skipped)
     if main and skipped:
         report(f"stage 1: skipped {len(skipped)} of {len(skipped) + manifest.num_samples} samples (warnings above); "
@@ -462,6 +463,30 @@ def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: Pa
     unique = len({s["key"] for s in manifest.samples})
     return Stage1Result(seconds=time.perf_counter() - start, samples=manifest.num_samples,
                         computed=computed, reused=unique - len(pending), skipped=skipped, reason=reason)
+
+
+def stage1_validation(cfg: RunConfig, plan: Plan, cache_dir: Path, key_hash: str, accelerator: Any,
+                      report: Reporter) -> None:
+    """--validation_prompt in split training: the prompt units run here, on the prompts, and their outputs are
+    stored beside the cache, so stage 2 renders samples without a text encoder (validation.py)."""
+    from .validation import VALIDATION_FILE, encode_prompts, load_encoded, prompt_units, store_encoded
+
+    prompts = list(cfg.validation.prompts)
+    units = prompt_units(cfg.pipeline)
+    if not prompts or not accelerator.is_main_process or not units \
+            or not all(u.name in plan.data_process_units for u in units):
+        return  # nothing to encode, or the prompt units train (they run at render time)
+    try:
+        load_encoded(cache_dir, prompts, key_hash)
+        return  # already there for these prompts and this cache
+    except BackendError:
+        pass
+    needed = sorted({m for u in units for m in u.models})
+    models = load_models(cfg, needed, training=False, device=accelerator.device)
+    encoded = encode_prompts(make_context(cfg, models, accelerator.device), cfg.pipeline, prompts)
+    store_encoded(cache_dir, prompts, key_hash, encoded)
+    report(f"stage 1: encoded {count(len(prompts), 'validation prompt', 'validation prompts')} for stage 2 ({VALIDATION_FILE}), which "
+           f"renders samples without loading {', '.join(needed)}")
 
 
 def repair_cache(cache_dir: str | Path, overrides: Optional[dict[str, Any]] = None,

@@ -24,6 +24,7 @@ import torch
 from unitgraph.plan import Plan
 from unitgraph.runtime import stage1_dependencies
 
+from .validation import check_supported
 from .args import BackendError, TrainArgs, split_list
 from .cache import Cache, HashMemo, model_files_digest, sample_label
 from .config import RunConfig
@@ -150,6 +151,12 @@ class CacheProvider:
         self._keys = {str(s["sample_id"]): str(s["key"]) for s in samples}
         self._labels = {str(s["sample_id"]): sample_label(s) for s in samples}
         self.records = manifest.entries
+        self.cache_dir, self.key_hash = Path(cache_dir), manifest.key_inputs_hash  # validation prompts beside it
+        if cfg is not None and cfg.validation.prompts:
+            from .validation import load_encoded, prompt_units
+
+            if all(u.name in plan.data_process_units for u in prompt_units(pipeline)):
+                load_encoded(self.cache_dir, list(cfg.validation.prompts), self.key_hash)  # before anything is written
         self.skipped = list(manifest.skipped)
         self.models = list(plan.train_models)
         self.backward = set(plan.models_require_backward)
@@ -248,6 +255,7 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, accelerat
     """Execute `args.task`. Bad input raises BackendError (one line) before anything is written."""
     cfg = RunConfig.from_args(args)
     plan = plan_for(cfg)
+    check_supported(cfg)
     accelerator = accelerator or make_accelerator(cfg)
     report = Reporter(accelerator, echo)
     for note in [*cfg.notes, *flag_notes(cfg, plan, accelerator)]:

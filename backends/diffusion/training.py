@@ -184,6 +184,27 @@ def _train(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: An
     step, t0, last = (start.step, None, None) if start else (0, None, None)
     offset = start.elapsed if start else 0.0  # elapsed_s continues where the resumed run stopped
     bar.update(step)
+    tracking = cfg.output.report_to != "none"
+    if tracking:
+        accelerator.init_trackers(f"{plan.pipeline}-{cfg.args.task.replace(':', '-')}",
+                                  config={k: v for k, v in vars(cfg.args).items() if isinstance(v, (int, float, str, bool))})
+    validator = None
+    if main and cfg.validation.prompts:
+        from .validation import Validator
+
+        validator = Validator(cfg, plan, output, getattr(provider, "cache_dir", None), getattr(provider, "key_hash", None))
+        shown = ", ".join(cfg.family.render_models) or "nothing more"
+        print(f"validation: {len(cfg.validation.prompts)} prompt(s) rendered "
+              f"{'every ' + str(cfg.validation.steps) + ' steps' if cfg.validation.steps else 'at each checkpoint'}; "
+              f"loads {shown} only while rendering")
+
+    def samples(name: str) -> None:
+        """Validation samples now (every process calls it at the same steps; the main process renders)."""
+        if not cfg.validation.prompts:
+            return
+        if validator is not None:
+            result.sample_images.extend(validator.render(name, models, ctx, accelerator))
+        accelerator.wait_for_everyone()
 
     def keep_state(epoch: int, position: int) -> None:
         if main:
@@ -219,6 +240,9 @@ def _train(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: An
                     loss, now = step_loss(losses, total, accelerator), time.perf_counter()
                     log.add(step, epoch, loss, now - t0)
                     result.step_times.append(now - (last if last is not None else t0 + offset))
+                    if tracking:
+                        accelerator.log({"loss": loss, "learning_rate": optimizer.param_groups[0]["lr"],
+                                         "step_time_s": now - (last if last is not None else t0 + offset)}, step=step)
                     last = now
                     bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch, refresh=False)
                     bar.update(1)
@@ -226,13 +250,20 @@ def _train(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: An
                         checkpoint(cfg, output, f"step-{step}.safetensors", models, lora_config, accelerator, result)
                         if position < len(groups):  # the epoch's end saves its own state just below
                             keep_state(epoch, position)
+                    every = cfg.validation.steps or (cfg.output.save_steps if position < len(groups) else None)
+                    if every and step % every == 0:  # --validation_steps, else each --save_steps checkpoint
+                        samples(f"step-{step}")
             finally:
                 ready.close()
             checkpoint(cfg, output, f"epoch-{epoch}.safetensors", models, lora_config, accelerator, result)
             keep_state(epoch, len(groups))
+            if not cfg.validation.steps:  # and at each epoch's checkpoint
+                samples(f"epoch-{epoch}")
     finally:
         log.close()
         bar.close()
+        if tracking:
+            accelerator.end_training()
     result.steps, result.losses, result.loss_csv = step, [r[2] for r in log.rows], log.path
     if main and cfg.output.plot:
         result.loss_plot = write_loss_plot(log.rows, output / "loss.png", f"{plan.pipeline} · {cfg.args.task}")

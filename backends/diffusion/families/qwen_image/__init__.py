@@ -121,4 +121,6 @@ FAMILY = Family(
     # padded along dim 1 to the longest in a batch; the mask marks padding with 0, which the transformer ignores
     pad={"prompt_emb": "prompt_emb_mask", "negative_prompt_emb": "negative_prompt_emb_mask"},
     demo={"lora_target_modules": "to_q,to_k,to_v,to_out.0", "lora_rank": 8, "learning_rate": 1e-3},
+    render=".render",
+    render_models=("vae",),
 )

@@ -1,0 +1,26 @@
+"""Validation samples of Wan text-to-video: diffusers' WanPipeline with the trained DiT and stage 1's UMT5
+embeddings (no text encoder is loaded); the clip's frames side by side as one image."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+PIPELINES = ("wan",)
+FRAMES = 5  # two latent frames: enough to see motion, cheap to render
+
+
+def render(pipeline: Any, models: dict[str, Any], embeds: dict[str, Any], width: int, height: int, steps: int,
+           generator: Any) -> Any:
+    from diffusers import WanPipeline
+    from PIL import Image
+
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=models["vae"], scheduler=copy.deepcopy(models["scheduler"]),
+                       transformer=models["dit"])
+    pipe.set_progress_bar_config(disable=True)
+    frames = pipe(prompt_embeds=embeds["prompt_emb"], width=width, height=height, num_frames=FRAMES,
+                  num_inference_steps=steps, guidance_scale=1.0, generator=generator, output_type="pil").frames[0]
+    strip = Image.new("RGB", (frames[0].width * len(frames), frames[0].height))
+    for i, frame in enumerate(frames):
+        strip.paste(frame, (i * frame.width, 0))
+    return strip

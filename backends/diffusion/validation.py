@@ -1,0 +1,194 @@
+"""Validation samples: images (a strip of frames for video) of fixed prompts, rendered at checkpoints.
+
+`--validation_prompt TEXT` (repeatable) renders each prompt, seeded (`--seed` and the prompt's position),
+through the family's own diffusers pipeline class with the current weights (the LoRA as it is in
+memory), into OUTPUT/samples/<checkpoint>/<k>.png, one contact sheet OUTPUT/samples/<checkpoint>.png
+per checkpoint, and OUTPUT/samples.html, which shows every checkpoint's samples side by side.
+
+Split training keeps its promise that stage 2 never loads a frozen text encoder: the prompt units
+(the pipeline's units that read only `prompt` and call a model) run on the validation prompts in
+stage 1, which stores their outputs beside the cache (`validation.safetensors`, keyed by the
+prompts and the cache's key inputs); stage 2 reads them. A prompt unit that is itself trained
+(a LoRA on the text encoder) runs at render time instead, with its current weights. The models a
+family needs only to render (the VAE's decoder) are loaded while rendering and freed after.
+
+Rendering draws from its own generator, never from torch's global stream, so a run with samples
+trains exactly as one without.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import html
+import importlib
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from unitgraph.atomic import write_bytes_atomic, write_text_atomic
+
+from .args import BackendError
+
+__all__ = ["VALIDATION_FILE", "SAMPLES_DIR", "prompt_units", "encode_prompts", "store_encoded", "load_encoded",
+           "Validator"]
+
+VALIDATION_FILE = "validation.safetensors"
+SAMPLES_DIR = "samples"
+SAMPLES_PAGE = "samples.html"
+
+
+def prompt_units(pipeline: Any) -> list[Any]:
+    """The units that turn a prompt into what the denoiser reads: they read `prompt` only and call a model."""
+    return [u for u in pipeline.units if tuple(u.inputs) == ("prompt",) and u.models]
+
+
+def check_supported(cfg: Any) -> None:
+    """A one-line error before any work when --validation_prompt cannot be rendered for this pipeline."""
+    if not cfg.validation.prompts:
+        return
+    module = importlib.import_module(cfg.family.render, cfg.family.package) if cfg.family.render else None
+    if not prompt_units(cfg.pipeline) or module is None or cfg.pipeline.name not in getattr(module, "PIPELINES", ()):
+        raise BackendError(f"--validation_prompt: pipeline {cfg.pipeline.name} has no validation rendering yet "
+                           "(it needs more than a prompt, e.g. an edit or first-frame image)")
+
+
+def encode_prompts(ctx: Any, pipeline: Any, prompts: list[str]) -> list[dict[str, Any]]:
+    """The prompt units' outputs for each prompt (one sample each, batch dimension 1)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            state: dict[str, Any] = {"prompt": prompt}
+            for unit in prompt_units(pipeline):
+                state.update(unit(ctx, state))
+            out.append({k: v for k, v in state.items() if k != "prompt"})
+    return out
+
+
+def _key(prompts: list[str], key_hash: str) -> str:
+    return hashlib.sha256(json.dumps({"prompts": prompts, "key": key_hash}).encode("utf-8")).hexdigest()
+
+
+def store_encoded(cache_dir: Path, prompts: list[str], key_hash: str, encoded: list[dict[str, Any]]) -> Path:
+    """Write the encoded validation prompts beside the cache's entries (atomically)."""
+    from safetensors.torch import save
+
+    tensors, none = {}, []
+    for i, values in enumerate(encoded):
+        for name, value in values.items():
+            if value is None:
+                none.append(f"{i}.{name}")
+            else:
+                tensors[f"{i}.{name}"] = value.detach().to("cpu").contiguous().clone()
+    meta = {"unitgraph_validation": json.dumps({"prompts": prompts, "key": _key(prompts, key_hash), "none": none})}
+    path = Path(cache_dir) / VALIDATION_FILE
+    write_bytes_atomic(path, save(tensors, metadata=meta))
+    return path
+
+
+def load_encoded(cache_dir: Path, prompts: list[str], key_hash: str) -> list[dict[str, Any]]:
+    """The encoded validation prompts stored by stage 1; a one-line error when they are missing or stale."""
+    from safetensors import safe_open
+
+    path = Path(cache_dir) / VALIDATION_FILE
+    hint = "run stage 1 (--task sft:data_process, or sft:split) with the same --validation_prompt values"
+    if not path.is_file():
+        raise BackendError(f"the cache holds no encoded validation prompts; {hint}", source=str(Path(cache_dir)))
+    with safe_open(str(path), framework="pt") as handle:
+        meta = json.loads((handle.metadata() or {}).get("unitgraph_validation", "{}"))
+        if meta.get("key") != _key(prompts, key_hash):
+            raise BackendError(f"the cache's encoded validation prompts are {meta.get('prompts')!r}, not these; {hint}",
+                               source=str(path))
+        out: list[dict[str, Any]] = [{} for _ in prompts]
+        for name in handle.keys():
+            i, _, param = name.partition(".")
+            out[int(i)][param] = handle.get_tensor(name)
+        for name in meta.get("none", []):
+            i, _, param = name.partition(".")
+            out[int(i)][param] = None
+    return out
+
+
+class Validator:
+    """Renders the validation prompts at checkpoints of one run (main process)."""
+
+    def __init__(self, cfg: Any, plan: Any, output: Path, cache_dir: Optional[Path], key_hash: Optional[str]):
+        self.cfg, self.plan, self.output = cfg, plan, Path(output)
+        self.prompts = list(cfg.validation.prompts)
+        units = prompt_units(cfg.pipeline)
+        live = all(m in plan.train_models for u in units for m in u.models)  # trained text encoders, or unsplit
+        self.encoded = None if live or cache_dir is None else load_encoded(cache_dir, self.prompts, key_hash or "")
+        self.render_module = importlib.import_module(cfg.family.render, cfg.family.package)
+        self.pages: list[str] = []
+
+    def render(self, name: str, models: dict[str, Any], ctx: Any, accelerator: Any) -> list[Path]:
+        """Render every prompt with the current weights; write the PNGs, the contact sheet and the page."""
+        import torch
+
+        raw = {slot: accelerator.unwrap_model(m) if isinstance(m, torch.nn.Module) else m for slot, m in models.items()}
+        extra = [s for s in self.cfg.family.render_models if s not in raw]
+        loaded = self.cfg.models.sources(self.cfg.family).load(extra, torch_dtype=torch.float32) if extra else {}
+        everything = {**raw, **loaded}
+        embeds = self.encoded if self.encoded is not None else encode_prompts(ctx, self.cfg.pipeline, self.prompts)
+        width, height = self.cfg.units.image_size.target(1024, 1024, 16)
+        modes = {slot: m.training for slot, m in everything.items() if isinstance(m, torch.nn.Module)}
+        folder = self.output / SAMPLES_DIR / name
+        paths = []
+        try:
+            for m in everything.values():
+                if isinstance(m, torch.nn.Module):
+                    m.eval()
+            with torch.no_grad():
+                for k, (prompt, values) in enumerate(zip(self.prompts, embeds)):
+                    generator = torch.Generator("cpu").manual_seed(self.cfg.seed * 1000 + k)
+                    image = self.render_module.render(self.cfg.pipeline, everything, values, width, height,
+                                                      self.cfg.validation.inference_steps, generator)
+                    path = folder / f"{k}.png"
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    _save_png(image, path)
+                    paths.append(path)
+        finally:
+            for slot, training in modes.items():
+                everything[slot].train(training)
+            loaded.clear()
+            gc.collect()
+        self._sheet(name, paths)
+        self._page(name)
+        return paths
+
+    def _sheet(self, name: str, paths: list[Path]) -> None:
+        from PIL import Image
+
+        images = [Image.open(p).convert("RGB") for p in paths]
+        width, height = sum(i.width for i in images), max(i.height for i in images)
+        sheet = Image.new("RGB", (width, height), "white")
+        x = 0
+        for image in images:
+            sheet.paste(image, (x, 0))
+            x += image.width
+        _save_png(sheet, self.output / SAMPLES_DIR / f"{name}.png")
+
+    def _page(self, name: str) -> None:
+        self.pages.append(name)
+        head = "".join(f"<th>{html.escape(n)}</th>" for n in self.pages)
+        rows = []
+        for k, prompt in enumerate(self.prompts):
+            cells = "".join(f'<td><img src="{SAMPLES_DIR}/{html.escape(n)}/{k}.png" alt="{html.escape(n)}"></td>'
+                            for n in self.pages)
+            rows.append(f"<tr><th class=p>{html.escape(prompt)}</th>{cells}</tr>")
+        page = ("<!doctype html><meta charset=utf-8><title>unitgraph samples</title>"
+                "<style>body{font-family:sans-serif}td,th{padding:4px;vertical-align:top}th.p{text-align:left;"
+                "max-width:16em}img{image-rendering:pixelated;width:160px}</style>"
+                f"<h1>{html.escape(self.plan.pipeline)}: validation samples</h1>"
+                f"<table><tr><th>prompt</th>{head}</tr>{''.join(rows)}</table>\n")
+        write_text_atomic(self.output / SAMPLES_PAGE, page)
+
+
+def _save_png(image: Any, path: Path) -> None:
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    write_bytes_atomic(path, buffer.getvalue())
