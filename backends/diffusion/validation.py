@@ -121,7 +121,10 @@ class Validator:
         live = all(m in plan.train_models for u in units for m in u.models)  # trained text encoders, or unsplit
         self.encoded = None if live or cache_dir is None else load_encoded(cache_dir, self.prompts, key_hash or "")
         self.render_module = importlib.import_module(cfg.family.render, cfg.family.package)
-        self.pages: list[str] = []
+        # checkpoints rendered before (a resumed run's): the page keeps showing them, oldest first
+        folder = self.output / SAMPLES_DIR
+        self.pages: list[str] = sorted((p.name for p in folder.iterdir() if p.is_dir()),
+                                       key=lambda n: (folder / n).stat().st_mtime) if folder.is_dir() else []
 
     def render(self, name: str, models: dict[str, Any], ctx: Any, accelerator: Any) -> list[Path]:
         """Render every prompt with the current weights; write the PNGs, the contact sheet and the page."""
@@ -171,6 +174,8 @@ class Validator:
         _save_png(sheet, self.output / SAMPLES_DIR / f"{name}.png")
 
     def _page(self, name: str) -> None:
+        if name in self.pages:
+            self.pages.remove(name)
         self.pages.append(name)
         head = "".join(f"<th>{html.escape(n)}</th>" for n in self.pages)
         rows = []
