@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["calculate_shift", "schedule_sigmas", "sample_timestep", "shifted_sigmas", "sample_shifted_timestep"]
+__all__ = ["calculate_shift", "draw_latents", "draw_noise", "schedule_sigmas", "sample_timestep", "shifted_sigmas",
+           "sample_shifted_timestep"]
 
 
 def calculate_shift(seq_len: int, config: Any) -> float:
@@ -87,3 +88,20 @@ def sample_shifted_timestep(ctx: Any, shift: float, num_steps: int = 1000) -> An
         ctx.memo[key] = shifted_sigmas(num_steps, shift)
     sigmas = ctx.memo[key]
     return (sigmas[_draw_index(ctx, num_steps)] * 1000.0).reshape(1).to(ctx.device)
+
+
+def draw_latents(ctx: Any, mean: Any, logvar: Any) -> Any:
+    """A sample of the VAE posterior N(mean, exp(logvar)) from `ctx.rng("latent")`: the cache keeps the posterior,
+    training draws a fresh latent each epoch (honest VAE sampling)."""
+    import torch
+
+    eps = torch.randn(mean.shape, generator=ctx.rng("latent"), dtype=mean.dtype)
+    mean, logvar = ctx.tensor(mean), ctx.tensor(logvar)
+    return mean + torch.exp(0.5 * logvar) * eps.to(mean.device)
+
+
+def draw_noise(ctx: Any, like: Any) -> Any:
+    """Gaussian noise shaped like `like`, from `ctx.rng("noise")`."""
+    import torch
+
+    return torch.randn(like.shape, generator=ctx.rng("noise"), dtype=like.dtype).to(like.device)

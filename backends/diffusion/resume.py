@@ -22,7 +22,6 @@ on the next start). Nothing is pickled: tensors are safetensors, the rest is JSO
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -34,6 +33,7 @@ from typing import Any, Optional
 from unitgraph.atomic import write_bytes_atomic, write_text_atomic
 
 from .args import BackendError
+from .cache import sha256_file
 
 __all__ = ["ResumePoint", "STATE_DIR", "latest_state", "load_state", "must_match", "prune_states", "remove_partial_states",
            "save_state", "states", "trained_parameters"]
@@ -84,14 +84,6 @@ def trained_parameters(models: dict[str, Any], slots: list[str]) -> dict[str, An
     return out
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def save_state(output: Path, step: int, epoch: int, position: int, elapsed: float, rows: list[Any],
                params: dict[str, Any], optimizer: Any, match: dict[str, Any]) -> Path:
     """Write the state after `step` into OUTPUT/state/step-<step>/ (whole or not at all); return the folder."""
@@ -115,7 +107,7 @@ def save_state(output: Path, step: int, epoch: int, position: int, elapsed: floa
         write_bytes_atomic(temp / "trained.safetensors", save(weights))
         record = {"format": STATE_FORMAT, "step": step, "epoch": epoch, "position": position, "elapsed_s": elapsed,
                   "match": match, "param_groups": opt_state["param_groups"], "loss_rows": [list(r) for r in rows],
-                  "files": {name: _sha256(temp / name) for name in ("optimizer.safetensors", "trained.safetensors")}}
+                  "files": {name: sha256_file(temp / name) for name in ("optimizer.safetensors", "trained.safetensors")}}
         write_text_atomic(temp / "state.json", json.dumps(record, indent=1, sort_keys=True) + "\n")
         if final.exists():  # the same step saved again (an epoch that ends on a --save_steps step)
             shutil.rmtree(final)
@@ -182,7 +174,7 @@ def load_state(path: Path, params: dict[str, Any], optimizer: Any, match: dict[s
                                f"resuming would be another training; keep {what} as it was, or start anew with "
                                "--overwrite", source=str(path))
     for name, digest in record["files"].items():
-        if not (path / name).is_file() or _sha256(path / name) != digest:
+        if not (path / name).is_file() or sha256_file(path / name) != digest:
             raise BackendError(f"{name} does not match the digest in state.json (damaged); resume from an older "
                                "state with --resume PATH", source=str(path))
     weights = load_file(str(path / "trained.safetensors"))

@@ -1,4 +1,5 @@
-"""Tokenizers built offline for the families' tiny models: a byte-level BPE CLIP tokenizer and a Unigram T5 one.
+"""What the families' tiny-model builders share: tokenizers built offline (a byte-level BPE CLIP tokenizer and a
+Unigram T5 one) and seeded construction.
 
 Real pipelines download these; the tiny ones are made here from a small vocabulary, with
 `transformers`' own classes, so that the loading code and the pipelines run unchanged on them. Both
@@ -7,9 +8,9 @@ know the words of the synthetic datasets' prompts whole (`WORDS`), so a prompt i
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
-__all__ = ["WORDS", "clip_tokenizer", "t5_tokenizer"]
+__all__ = ["WORDS", "clip_tokenizer", "seeded", "t5_tokenizer"]
 
 WORDS = ("a", "an", "the", "of", "on", "in", "with", "and", "photo", "red", "green", "blue", "yellow", "white",
          "black", "orange", "purple", "circle", "square", "triangle", "background", "cat", "dog", "sitting",
@@ -52,3 +53,13 @@ def t5_tokenizer(words: Iterable[str] = WORDS):
     pieces += [(c, -6.0) for c in chars] + [("\u2581" + c, -5.0) for c in chars]
     pieces += [("\u2581" + w, -1.0) for w in words if len(w) > 1]
     return T5Tokenizer(vocab=pieces, extra_ids=0)
+
+
+def seeded(seed: int, build: Callable[[], Any]) -> Any:
+    """`build()` with torch's global generator seeded by `seed` (and restored after): a component's random weights
+    depend on its own seed only, not on what was built before it."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        return build()

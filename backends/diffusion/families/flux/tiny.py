@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ...tiny_tokenizers import clip_tokenizer, t5_tokenizer
+from ...tiny_tokenizers import clip_tokenizer, seeded, t5_tokenizer
 from . import SCHEDULER_CONFIG
 from .units import CLIP_MAX_LENGTH
 
@@ -73,16 +73,6 @@ def build_t5_tokenizer():
     return t5_tokenizer()
 
 
-def _seeded(name: str, seed: int, make):
-    import torch
-
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed + _SEED_OFFSETS[name])
-        return make()
-    finally:
-        torch.random.set_rng_state(state)
-
 
 def build_tiny_components(size: str = "test", seed: int = 0) -> dict[str, Any]:
     """The seven pipeline components in memory (keys: diffusers component names)."""
@@ -99,10 +89,10 @@ def build_tiny_components(size: str = "test", seed: int = 0) -> dict[str, Any]:
     t5_config = T5Config(vocab_size=len(tokenizer_2), feed_forward_proj="gated-gelu", is_encoder_decoder=False,
                          pad_token_id=tokenizer_2.pad_token_id, eos_token_id=tokenizer_2.eos_token_id, **spec["t5"])
     components = {
-        "transformer": _seeded("transformer", seed, lambda: FluxTransformer2DModel(**spec["transformer"])),
-        "vae": _seeded("vae", seed, lambda: AutoencoderKL(**spec["vae"])),
-        "text_encoder": _seeded("text_encoder", seed, lambda: CLIPTextModel(clip_config)),
-        "text_encoder_2": _seeded("text_encoder_2", seed, lambda: T5EncoderModel(t5_config)),
+        "transformer": seeded(seed + _SEED_OFFSETS["transformer"], lambda: FluxTransformer2DModel(**spec["transformer"])),
+        "vae": seeded(seed + _SEED_OFFSETS["vae"], lambda: AutoencoderKL(**spec["vae"])),
+        "text_encoder": seeded(seed + _SEED_OFFSETS["text_encoder"], lambda: CLIPTextModel(clip_config)),
+        "text_encoder_2": seeded(seed + _SEED_OFFSETS["text_encoder_2"], lambda: T5EncoderModel(t5_config)),
         "tokenizer": tokenizer,
         "tokenizer_2": tokenizer_2,
         "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),

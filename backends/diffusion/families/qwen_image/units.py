@@ -33,7 +33,7 @@ from typing import Any
 
 from ...args import BackendError
 from ...family import lazy_module, unit
-from ...flowmatch import sample_timestep
+from ...flowmatch import draw_latents, draw_noise, sample_timestep
 from ...imaging import image_to_pixels
 
 torch = lazy_module("torch")
@@ -228,9 +228,7 @@ def edit_images_encoder(ctx, edit_pixels: list) -> dict[str, Any]:
 @unit("LatentSampler", inputs=("latent_mean", "latent_logvar"), outputs=("input_latents",), deterministic=False,
       settings=("seed", "cache_dtype"))
 def latent_sampler(ctx, latent_mean: torch.Tensor, latent_logvar: torch.Tensor) -> dict[str, Any]:
-    eps = torch.randn(latent_mean.shape, generator=ctx.rng("latent"), dtype=latent_mean.dtype)
-    mean, logvar = ctx.tensor(latent_mean), ctx.tensor(latent_logvar)
-    return {"input_latents": mean + torch.exp(0.5 * logvar) * eps.to(mean.device)}
+    return {"input_latents": draw_latents(ctx, latent_mean, latent_logvar)}
 
 
 @unit("TargetLatents", inputs=("latent_mean",), outputs=("input_latents",), settings=("cache_dtype",))
@@ -353,8 +351,7 @@ def negative_prompt_encoder(ctx, negative_prompt: Any, cfg_scale: Any) -> dict[s
 @unit("NoiseInitializer", inputs=("input_latents",), outputs=("noise",), deterministic=False,
       settings=("seed", "cache_dtype"))
 def noise_initializer(ctx, input_latents: torch.Tensor) -> dict[str, Any]:
-    noise = torch.randn(input_latents.shape, generator=ctx.rng("noise"), dtype=input_latents.dtype)
-    return {"noise": noise.to(input_latents.device)}
+    return {"noise": draw_noise(ctx, input_latents)}
 
 
 @unit("SeededNoise", inputs=("input_latents", "seed"), outputs=("noise",), settings=("cache_dtype",))

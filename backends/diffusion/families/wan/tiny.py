@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ...tiny_tokenizers import t5_tokenizer
+from ...tiny_tokenizers import seeded, t5_tokenizer
 from . import SCHEDULER_CONFIG
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -53,16 +53,6 @@ SIZES: dict[str, dict[str, Any]] = {
 _SEED_OFFSETS = {"transformer": 0, "vae": 1, "text_encoder": 2, "image_encoder": 3}
 
 
-def _seeded(name: str, seed: int, make):
-    import torch
-
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed + _SEED_OFFSETS[name])
-        return make()
-    finally:
-        torch.random.set_rng_state(state)
-
 
 def _definition(pipeline: Any):
     from . import FAMILY
@@ -92,15 +82,15 @@ def build_tiny_components(size: str = "test", seed: int = 0, i2v: bool = False) 
         z = spec["vae"]["z_dim"]
         dit.update(spec["i2v"], in_channels=2 * z + 4)  # noisy latents, the 4-channel first-frame mask, the image latents
     components: dict[str, Any] = {
-        "transformer": _seeded("transformer", seed, lambda: WanTransformer3DModel(**dit)),
-        "vae": _seeded("vae", seed, lambda: AutoencoderKLWan(**spec["vae"])),
-        "text_encoder": _seeded("text_encoder", seed, lambda: UMT5EncoderModel(te_config)),
+        "transformer": seeded(seed + _SEED_OFFSETS["transformer"], lambda: WanTransformer3DModel(**dit)),
+        "vae": seeded(seed + _SEED_OFFSETS["vae"], lambda: AutoencoderKLWan(**spec["vae"])),
+        "text_encoder": seeded(seed + _SEED_OFFSETS["text_encoder"], lambda: UMT5EncoderModel(te_config)),
         "tokenizer": tokenizer,
         "scheduler": UniPCMultistepScheduler(**SCHEDULER_CONFIG),
     }
     if i2v:
         vision = spec["clip_vision"]
-        components["image_encoder"] = _seeded("image_encoder", seed, lambda: CLIPVisionModel(CLIPVisionConfig(**vision)))
+        components["image_encoder"] = seeded(seed + _SEED_OFFSETS["image_encoder"], lambda: CLIPVisionModel(CLIPVisionConfig(**vision)))
         side = vision["image_size"]
         components["image_processor"] = CLIPImageProcessorPil(size={"shortest_edge": side},
                                                               crop_size={"height": side, "width": side})

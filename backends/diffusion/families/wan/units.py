@@ -28,7 +28,7 @@ from typing import Any
 
 from ...args import BackendError
 from ...family import lazy_module, unit
-from ...flowmatch import sample_shifted_timestep
+from ...flowmatch import draw_latents, draw_noise, sample_shifted_timestep
 from ...imaging import cover_crop, image_to_pixels
 
 torch = lazy_module("torch")
@@ -163,16 +163,13 @@ def prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
 @unit("LatentSampler", inputs=("latent_mean", "latent_logvar"), outputs=("input_latents",), deterministic=False,
       settings=("seed", "cache_dtype"))
 def latent_sampler(ctx, latent_mean: torch.Tensor, latent_logvar: torch.Tensor) -> dict[str, Any]:
-    eps = torch.randn(latent_mean.shape, generator=ctx.rng("latent"), dtype=latent_mean.dtype)
-    mean, logvar = ctx.tensor(latent_mean), ctx.tensor(latent_logvar)
-    return {"input_latents": mean + torch.exp(0.5 * logvar) * eps.to(mean.device)}
+    return {"input_latents": draw_latents(ctx, latent_mean, latent_logvar)}
 
 
 @unit("NoiseInitializer", inputs=("input_latents",), outputs=("noise",), deterministic=False,
       settings=("seed", "cache_dtype"))
 def noise_initializer(ctx, input_latents: torch.Tensor) -> dict[str, Any]:
-    noise = torch.randn(input_latents.shape, generator=ctx.rng("noise"), dtype=input_latents.dtype)
-    return {"noise": noise.to(input_latents.device)}
+    return {"noise": draw_noise(ctx, input_latents)}
 
 
 @unit("TimestepSampler", inputs=(), outputs=("timestep",), deterministic=False,
