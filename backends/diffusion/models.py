@@ -570,16 +570,13 @@ class ModelSources:
 
     def config_files(self, slot: str) -> list[Path]:
         """The file a configuration-only read of a model slot opens: its config.json."""
-        source = self.resolve(slot)
-        if source.path is None or not (source.path / "config.json").is_file():
-            raise ModelLoadError(source.path, f"no config.json for {slot}")
-        return [source.path / "config.json"]
+        return [_config_file(self.resolve(slot))]
 
     def load_config(self, slot: str) -> Any:
         """A model slot's configuration, from its config.json alone (its weights are never opened): a diffusers
         FrozenDict or a transformers PretrainedConfig, as `model.config` would be."""
         source = self.resolve(slot)
-        (folder,) = [p.parent for p in self.config_files(slot)]
+        folder = _config_file(source).parent
         spec = self.table[slot]
         try:
             if spec.library == "diffusers":
@@ -604,6 +601,12 @@ class ModelSources:
 
 # --------------------------------------------------------------------------------------------
 # Files of a slot (for hashing)
+
+
+def _config_file(source: ComponentSource) -> Path:
+    if source.path is None or not (source.path / "config.json").is_file():
+        raise ModelLoadError(source.path, f"no config.json for {source.slot}")
+    return source.path / "config.json"
 
 
 def component_files(source: ComponentSource, kind: str, include_config: bool = True) -> list[Path]:

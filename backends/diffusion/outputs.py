@@ -28,13 +28,15 @@ from typing import Any, Iterator, Optional
 from unitgraph.atomic import TEMP_SUFFIX, make_folder, write_text_atomic
 from unitgraph.errors import OutputError
 
+from .resume import STATE_DIR
+from .validation import SAMPLES_DIR, SAMPLES_PAGE
+
 MARKER = "unitgraph-run.json"
-STATE_DIR = "state"  # training states (resume.py), the run's own
 MARKER_FORMAT = "unitgraph.run/v1"
 LOCK = ".unitgraph-run.lock"
 # the files a run writes (moved aside together by --overwrite)
-RUN_FILES = ("plan.json", "training_args.json", "loss.csv", "loss.png", "*.safetensors", "samples.html", MARKER)
-RUN_DIRS = ("state", "samples", "logs")  # training states (resume.py), validation samples, tracker logs
+RUN_FILES = ("plan.json", "training_args.json", "loss.csv", "loss.png", "*.safetensors", SAMPLES_PAGE, MARKER)
+RUN_DIRS = (STATE_DIR, SAMPLES_DIR, "logs")  # training states, validation samples, tracker logs (--report_to)
 CACHE_MANIFEST = "manifest.json"
 
 

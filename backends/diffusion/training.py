@@ -217,8 +217,7 @@ def _train(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: An
         for epoch in range(epochs):
             order = data.batches(epoch, rank, world)
             groups = step_groups(order, accum)
-            done = (start.position if start and epoch == start.epoch else len(groups) if start and epoch < start.epoch
-                    else 0)
+            done = steps_done(start, epoch, len(groups))
             if done >= len(groups):
                 continue  # this epoch was finished before the resumed state
             remaining = [batch for group in groups[done:] for batch in group]
@@ -238,11 +237,12 @@ def _train(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: An
                     optimizer.zero_grad(set_to_none=True)
                     step += 1
                     loss, now = step_loss(losses, total, accelerator), time.perf_counter()
+                    took = now - (last if last is not None else t0 + offset)
                     log.add(step, epoch, loss, now - t0)
-                    result.step_times.append(now - (last if last is not None else t0 + offset))
+                    result.step_times.append(took)
                     if tracking:
                         accelerator.log({"loss": loss, "learning_rate": optimizer.param_groups[0]["lr"],
-                                         "step_time_s": now - (last if last is not None else t0 + offset)}, step=step)
+                                         "step_time_s": took}, step=step)
                     last = now
                     bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch, refresh=False)
                     bar.update(1)
@@ -268,6 +268,14 @@ def _train(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: An
     if main and cfg.output.plot:
         result.loss_plot = write_loss_plot(log.rows, output / "loss.png", f"{plan.pipeline} · {cfg.args.task}")
     accelerator.wait_for_everyone()
+
+
+def steps_done(start: Any, epoch: int, steps: int) -> int:
+    """Optimizer steps of `epoch` (of `steps`) a resumed state already made: all of an earlier epoch, its
+    position in its own, none of a later one (or without a state)."""
+    if start is None or epoch > start.epoch:
+        return 0
+    return start.position if epoch == start.epoch else steps
 
 
 def resume_point(cfg: RunConfig, output: Path, params: dict[str, Any], optimizer: Any, match: dict[str, Any],
