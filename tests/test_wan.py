@@ -208,3 +208,22 @@ def test_diffsynth_wan_lora_command_ports(models, data, tmp_path, capsys):
     code, _, err = cli(capsys, "train", "--pipeline", "wan", "--num_frames", "6", "--lora_base_model", "dit",
                        "--dataset_base_path", str(data), "--output_path", str(tmp_path / "bad"))
     one_error_line(code, err, "--num_frames must be 4k+1")
+
+
+def test_model_ids_resolve_through_the_offline_modelscope_cache(models, tmp_path, monkeypatch):
+    """`Wan-AI/Wan2.1-T2V-1.3B-Diffusers:transformer/...` through the same offline modelscope resolution."""
+    pytest.importorskip("modelscope")
+    from unitgraph.backends.diffusion.models import ModelSources
+
+    monkeypatch.setenv("UNITGRAPH_OFFLINE", "1")
+    cache = tmp_path / "mscache"
+    snapshot = cache / "models" / "Wan-AI--Wan2.1-T2V-1.3B-Diffusers" / "snapshots" / "master"
+    shutil.copytree(models["wan"], snapshot)
+    spec = ",".join(f"{wan.WAN_MODEL}:{sub}" for sub in ("transformer/*.safetensors", "text_encoder/*.safetensors",
+                                                         "vae/*.safetensors"))
+    sources = ModelSources(wan.SLOTS, model_id_with_origin_paths=spec, cache_dir=cache, offline=True)
+    found = sources.resolve_many(["dit", "text_encoder", "vae", "tokenizer"])
+    assert {slot: s.path for slot, s in found.items()} == {
+        "dit": snapshot / "transformer", "text_encoder": snapshot / "text_encoder", "vae": snapshot / "vae",
+        "tokenizer": snapshot / "tokenizer"}  # the tokenizer from the model id's tokenizer/, as DiffSynth defaults it
+    assert type(sources.load(["vae"])["vae"]).__name__ == "AutoencoderKLWan"
