@@ -98,14 +98,42 @@ def assert_same(a: Path, b: Path) -> None:
     assert not [p for p in b.rglob("*") if p.name.endswith(".tmp") or p.name.startswith(".tmp-")]
 
 
-CASES = [("sft", 1), ("sft:train", 1), ("sft:split", 1), ("sft:split", 2)]
+CASES = [("sft", 1), ("sft:train", 1), ("sft:split", 1), ("sft", 2), ("sft:train", 2), ("sft:split", 2)]
+# the 2-process split run also renders validation samples, so resuming is tested with them too
+VALIDATION = {"validation_prompt": "a red square", "validation_steps": 2, "validation_inference_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def references(setup, tmp_path_factory):
+    """The uninterrupted unsplit run at 1 and at 2 processes, made once: split training equals unsplit
+    training, so it is the reference for every task at that process count."""
+    models, data, _ = setup
+    made: dict[int, Path] = {}
+
+    def reference(processes: int) -> Path:
+        if processes not in made:
+            out = tmp_path_factory.mktemp(f"whole-{processes}proc") / "whole"
+            if processes == 1:  # in this process
+                from unitgraph.cli.app import main
+
+                with pytest.raises(SystemExit) as exc:
+                    main(argv(models, data, out, "sft"))
+                assert not exc.value.code
+            else:
+                done = subprocess.run(command(processes) + argv(models, data, out, "sft"), capture_output=True,
+                                      text=True, env=ENV, timeout=400)
+                assert done.returncode == 0, done.stderr[-3000:]
+            made[processes] = out
+        return made[processes]
+
+    return reference
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("task, processes", CASES, ids=[f"{t}-{n}proc" for t, n in CASES])
-def test_sigkill_and_resume_gives_the_uninterrupted_training(setup, tmp_path, task, processes, capsys):
+def test_sigkill_and_resume_gives_the_uninterrupted_training(setup, references, tmp_path, task, processes, capsys):
     models, data, root = setup
-    extra = {}
+    extra: dict[str, object] = {}
     if task == "sft:train":
         cache = root / "cache"
         if not (cache / "manifest.json").is_file():
@@ -115,22 +143,25 @@ def test_sigkill_and_resume_gives_the_uninterrupted_training(setup, tmp_path, ta
                                str(cache), "--no-progress", "--seed", "3")
             assert code == 0, err
         extra["cache"] = str(cache)
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    if processes == 1:  # the uninterrupted reference, in this process
-        code, _, err = cli(capsys, *argv(models, data, whole, task, **dict(extra)))
-        assert code == 0, err
-    else:
-        done = subprocess.run(command(processes) + argv(models, data, whole, task, **dict(extra)), capture_output=True,
-                              text=True, env=ENV, timeout=400)
-        assert done.returncode == 0, done.stderr[-3000:]
+    validating = (task, processes) == ("sft:split", 2)
+    if validating:
+        extra.update(VALIDATION)
+    whole, resumed = references(processes), tmp_path / "resumed"
     rng = random.Random(f"{task}-{processes}")
     kills, printed = killed_and_resumed(command(processes) + argv(models, data, resumed, task, save_total_limit=2,
-                                                                  **dict(extra)),
+                                                                  **extra),
                                         resumed, kills=2 if (task, processes) == ("sft:split", 1) else 1, rng=rng)
     assert kills >= 1, "the run finished before it could be killed"
     assert "resuming from" in printed and "step 0" not in printed, printed  # it continued, it did not start over
     assert_same(whole, resumed)
     assert len(states(resumed)) <= 2  # --save_total_limit 2
+    if validating:  # every validation point has its sample and contact sheet, across the kills, on the page
+        steps = [r["step"] for r in read_loss_csv(resumed / "loss.csv") if r["step"] % 2 == 0]
+        page = (resumed / "samples.html").read_text()
+        for step in steps:
+            assert [p.name for p in (resumed / "samples" / f"step-{step}").iterdir()] == ["0.png"]
+            assert (resumed / "samples" / f"step-{step}.png").is_file()  # the contact sheet
+            assert f"samples/step-{step}/0.png" in page
 
 
 def test_a_state_of_another_training_is_refused_in_one_line(setup, tmp_path, capsys):

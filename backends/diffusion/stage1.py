@@ -456,6 +456,7 @@ def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: Pa
                    f"process{'es' if accelerator.num_processes > 1 else ''} ({shares})")
     accelerator.wait_for_everyone()
     stage1_validation(cfg, plan, cache.folder, manifest.key_inputs_hash, accelerator, report)
+    accelerator.wait_for_everyone()  # every process reads the encoded prompts the main process stored
     skipped = list(manifest.skipped)
     if main and skipped:
         report(f"stage 1: skipped {len(skipped)} of {len(skipped) + manifest.num_samples} samples (warnings above); "

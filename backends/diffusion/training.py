@@ -157,117 +157,156 @@ def run_training(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerat
             result.replaced = folder.replaced
             if report is not None:
                 report.flush()  # every check passed: the notes about the flags
-            _train(cfg, plan, provider, data, accelerator, output, result, stage_name, models, optimizer, lora_config)
+            _Run(cfg, plan, provider, data, accelerator, output, result, stage_name, models, optimizer, lora_config).run()
     else:
-        _train(cfg, plan, provider, data, accelerator, output, result, stage_name, models, optimizer, lora_config)
+        _Run(cfg, plan, provider, data, accelerator, output, result, stage_name, models, optimizer, lora_config).run()
 
 
-def _train(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: Any, output: Path, result: RunResult,
-           stage_name: str, models: dict[str, Any], optimizer: Any, lora_config: Any) -> None:
-    world, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
-    result.plan_path = write_run_files(cfg, plan, output, accelerator)
-    ctx = make_context(cfg, models, accelerator.device)
-    trained = [models[s] for s in plan.models_require_backward if hasattr(models[s], "no_sync")]
-    # Dropout draws from torch's global stream: each micro-step seeds it from its samples' keys, so the
-    # unsplit and the split run draw the same masks. Without any active dropout there is nothing to seed.
-    seeded = draws_dropout(models)
-    accum, epochs = cfg.optim.accumulation, cfg.optim.num_epochs
-    params = trained_parameters(models, plan.models_require_backward)
-    match = must_match(cfg, plan, world)
-    if main:
-        remove_partial_states(output)  # a state write a kill interrupted (this run holds the folder's lock)
-    accelerator.wait_for_everyone()
-    start = resume_point(cfg, output, params, optimizer, match, result, accelerator)
-    log = LossLog(output / "loss.csv", main, rows=start.rows if start else None)
-    bar = progress(None, len(step_groups(data.batches(0, rank, world), accum)) * epochs, stage_name,
-                   cfg.output.progress and accelerator.is_local_main_process)
-    step, t0, last = (start.step, None, None) if start else (0, None, None)
-    offset = start.elapsed if start else 0.0  # elapsed_s continues where the resumed run stopped
-    bar.update(step)
-    tracking = cfg.output.report_to != "none"
-    if tracking:
-        accelerator.init_trackers(f"{plan.pipeline}-{cfg.args.task.replace(':', '-')}",
-                                  config={k: v for k, v in vars(cfg.args).items() if isinstance(v, (int, float, str, bool))})
-    validator = None
-    if main and cfg.validation.prompts:
+class _Run:
+    """One training run's moving parts, set up once; `run()` is the loop.
+
+    Every process builds one and calls the same methods at the same steps (the collective calls,
+    wait_for_everyone and the loss reduction, line up); only the main process writes files.
+    """
+
+    def __init__(self, cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: Any, output: Path,
+                 result: RunResult, stage_name: str, models: dict[str, Any], optimizer: Any, lora_config: Any):
+        self.cfg, self.plan, self.provider, self.data, self.acc = cfg, plan, provider, data, accelerator
+        self.output, self.result, self.models, self.optimizer, self.lora_config = output, result, models, optimizer, lora_config
+        self.world, self.rank, self.main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
+        result.plan_path = write_run_files(cfg, plan, output, accelerator)
+        self.ctx = make_context(cfg, models, accelerator.device)
+        self.trained = [models[s] for s in plan.models_require_backward if hasattr(models[s], "no_sync")]
+        # Dropout draws from torch's global stream: each micro-step seeds it from its samples' keys, so the
+        # unsplit and the split run draw the same masks. Without any active dropout there is nothing to seed.
+        self.seeded = draws_dropout(models)
+        self.params = trained_parameters(models, plan.models_require_backward)
+        self.match = must_match(cfg, plan, self.world)
+        if self.main:
+            remove_partial_states(output)  # a state write a kill interrupted (this run holds the folder's lock)
+        accelerator.wait_for_everyone()
+        self.start = resume_point(cfg, output, self.params, optimizer, self.match, result, accelerator)
+        self.log = LossLog(output / "loss.csv", self.main, rows=self.start.rows if self.start else None)
+        per_epoch = len(step_groups(data.batches(0, self.rank, self.world), cfg.optim.accumulation))
+        self.bar = progress(None, per_epoch * cfg.optim.num_epochs, stage_name,
+                            cfg.output.progress and accelerator.is_local_main_process)
+        self.step = self.start.step if self.start else 0
+        self.offset = self.start.elapsed if self.start else 0.0  # elapsed_s continues where the resumed run stopped
+        self.t0: Optional[float] = None  # when this process's first step started, less the resumed run's time
+        self.last: Optional[float] = None  # when the previous step ended
+        self.bar.update(self.step)
+        self.tracking = cfg.output.report_to != "none"
+        if self.tracking:
+            accelerator.init_trackers(f"{plan.pipeline}-{cfg.args.task.replace(':', '-')}",
+                                      config={k: v for k, v in vars(cfg.args).items()
+                                              if isinstance(v, (int, float, str, bool))})
+        self.validator = self._validator()
+
+    def run(self) -> None:
+        cfg = self.cfg
+        try:
+            for epoch in range(cfg.optim.num_epochs):
+                groups = step_groups(self.data.batches(epoch, self.rank, self.world), cfg.optim.accumulation)
+                done = steps_done(self.start, epoch, len(groups))
+                if done >= len(groups):
+                    continue  # this epoch was finished before the resumed state
+                remaining = [batch for group in groups[done:] for batch in group]
+                ready = self.data.iterate(epoch, self.ctx, self.rank, self.world, batches=remaining,
+                                          workers=cfg.data.num_workers)
+                try:
+                    for position, group in enumerate(groups[done:], start=done + 1):
+                        self.optimizer_step(epoch, group, ready)
+                        # a state is saved after what it covers (the step's checkpoint and samples): a run
+                        # killed before it redoes them, one killed after it has them all
+                        last_of_epoch = position == len(groups)
+                        saving = bool(cfg.output.save_steps) and self.step % cfg.output.save_steps == 0
+                        if saving:
+                            self.checkpoint(f"step-{self.step}.safetensors")
+                        every = cfg.validation.steps or (cfg.output.save_steps if not last_of_epoch else None)
+                        if every and self.step % every == 0:  # --validation_steps, else each --save_steps checkpoint
+                            self.samples(f"step-{self.step}")
+                        if saving and not last_of_epoch:  # the epoch's end saves its own state just below
+                            self.keep_state(epoch, position)
+                finally:
+                    ready.close()
+                self.checkpoint(f"epoch-{epoch}.safetensors")
+                if not cfg.validation.steps:  # and at each epoch's checkpoint
+                    self.samples(f"epoch-{epoch}")
+                self.keep_state(epoch, len(groups))
+        finally:
+            self.log.close()
+            self.bar.close()
+            if self.tracking:
+                self.acc.end_training()
+        self.finish()
+
+    def optimizer_step(self, epoch: int, group: list[Any], ready: Any) -> None:
+        """The micro-batches of one optimizer step (gradients synchronised on the last), the step, its log row."""
+        cfg, acc = self.cfg, self.acc
+        self.t0 = time.perf_counter() - self.offset if self.t0 is None else self.t0
+        total = sum(len(b) for b in group)
+        step = self.step
+
+        def check(loss: Any, elements: list[Any]) -> None:
+            stop_on_bad_loss(loss, step + 1, epoch, [e.item for e in elements], self.provider, acc, self.result,
+                             self.data.batch_size)
+
+        losses = [(micro_step(cfg, self.ctx, ready, b, epoch, total, k == len(group) - 1, self.trained, acc,
+                              self.seeded, check), len(b)) for k, b in enumerate(group)]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        loss, now = step_loss(losses, total, acc), time.perf_counter()
+        took = now - (self.last if self.last is not None else self.t0 + self.offset)
+        self.log.add(self.step, epoch, loss, now - self.t0)
+        self.result.step_times.append(took)
+        if self.tracking:
+            acc.log({"loss": loss, "learning_rate": self.optimizer.param_groups[0]["lr"], "step_time_s": took},
+                    step=self.step)
+        self.last = now
+        self.bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch, refresh=False)
+        self.bar.update(1)
+
+    def checkpoint(self, name: str) -> None:
+        checkpoint(self.cfg, self.output, name, self.models, self.lora_config, self.acc, self.result)
+
+    def keep_state(self, epoch: int, position: int) -> None:
+        """The resumable state after `position` steps of `epoch` (main process), the oldest beyond --save_total_limit pruned."""
+        if self.main:
+            elapsed = time.perf_counter() - self.t0 if self.t0 is not None else self.offset
+            save_state(self.output, self.step, epoch, position, elapsed, self.log.rows, self.params, self.optimizer,
+                       self.match)
+            prune_states(self.output, self.cfg.output.save_total_limit)
+        self.acc.wait_for_everyone()
+
+    def _validator(self) -> Any:
+        """The validation renderer (main process, with --validation_prompt), announced in one line."""
+        cfg = self.cfg
+        if not (self.main and cfg.validation.prompts):
+            return None
         from .validation import Validator
 
-        validator = Validator(cfg, plan, output, getattr(provider, "cache_dir", None), getattr(provider, "key_hash", None))
+        validator = Validator(cfg, self.plan, self.output, getattr(self.provider, "cache_dir", None),
+                              getattr(self.provider, "key_hash", None))
         shown = ", ".join(cfg.family.render_models) or "nothing more"
-        print(f"validation: {len(cfg.validation.prompts)} prompt(s) rendered "
-              f"{'every ' + str(cfg.validation.steps) + ' steps' if cfg.validation.steps else 'at each checkpoint'}; "
-              f"loads {shown} only while rendering")
+        every = f"every {cfg.validation.steps} steps" if cfg.validation.steps else "at each checkpoint"
+        print(f"validation: {len(cfg.validation.prompts)} prompt(s) rendered {every}; loads {shown} only while rendering")
+        return validator
 
-    def samples(name: str) -> None:
+    def samples(self, name: str) -> None:
         """Validation samples now (every process calls it at the same steps; the main process renders)."""
-        if not cfg.validation.prompts:
+        if not self.cfg.validation.prompts:
             return
-        if validator is not None:
-            result.sample_images.extend(validator.render(name, models, ctx, accelerator))
-        accelerator.wait_for_everyone()
+        if self.validator is not None:
+            self.result.sample_images.extend(self.validator.render(name, self.models, self.ctx, self.acc))
+        self.acc.wait_for_everyone()
 
-    def keep_state(epoch: int, position: int) -> None:
-        if main:
-            elapsed = time.perf_counter() - t0 if t0 is not None else offset
-            save_state(output, step, epoch, position, elapsed, log.rows, params, optimizer, match)
-            prune_states(output, cfg.output.save_total_limit)
-        accelerator.wait_for_everyone()
-
-    try:
-        for epoch in range(epochs):
-            order = data.batches(epoch, rank, world)
-            groups = step_groups(order, accum)
-            done = steps_done(start, epoch, len(groups))
-            if done >= len(groups):
-                continue  # this epoch was finished before the resumed state
-            remaining = [batch for group in groups[done:] for batch in group]
-            ready = data.iterate(epoch, ctx, rank, world, batches=remaining, workers=cfg.data.num_workers)
-            try:
-                for position, group in enumerate(groups[done:], start=done + 1):
-                    t0 = time.perf_counter() - offset if t0 is None else t0
-                    total = sum(len(b) for b in group)
-
-                    def check(loss: Any, elements: list[Any]) -> None:
-                        stop_on_bad_loss(loss, step + 1, epoch, [e.item for e in elements], provider, accelerator,
-                                         result, data.batch_size)
-
-                    losses = [(micro_step(cfg, ctx, ready, b, epoch, total, k == len(group) - 1, trained, accelerator,
-                                          seeded, check), len(b)) for k, b in enumerate(group)]
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    step += 1
-                    loss, now = step_loss(losses, total, accelerator), time.perf_counter()
-                    took = now - (last if last is not None else t0 + offset)
-                    log.add(step, epoch, loss, now - t0)
-                    result.step_times.append(took)
-                    if tracking:
-                        accelerator.log({"loss": loss, "learning_rate": optimizer.param_groups[0]["lr"],
-                                         "step_time_s": took}, step=step)
-                    last = now
-                    bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch, refresh=False)
-                    bar.update(1)
-                    if cfg.output.save_steps and step % cfg.output.save_steps == 0:
-                        checkpoint(cfg, output, f"step-{step}.safetensors", models, lora_config, accelerator, result)
-                        if position < len(groups):  # the epoch's end saves its own state just below
-                            keep_state(epoch, position)
-                    every = cfg.validation.steps or (cfg.output.save_steps if position < len(groups) else None)
-                    if every and step % every == 0:  # --validation_steps, else each --save_steps checkpoint
-                        samples(f"step-{step}")
-            finally:
-                ready.close()
-            checkpoint(cfg, output, f"epoch-{epoch}.safetensors", models, lora_config, accelerator, result)
-            keep_state(epoch, len(groups))
-            if not cfg.validation.steps:  # and at each epoch's checkpoint
-                samples(f"epoch-{epoch}")
-    finally:
-        log.close()
-        bar.close()
-        if tracking:
-            accelerator.end_training()
-    result.steps, result.losses, result.loss_csv = step, [r[2] for r in log.rows], log.path
-    if main and cfg.output.plot:
-        result.loss_plot = write_loss_plot(log.rows, output / "loss.png", f"{plan.pipeline} · {cfg.args.task}")
-    accelerator.wait_for_everyone()
+    def finish(self) -> None:
+        result, rows = self.result, self.log.rows
+        result.steps, result.losses, result.loss_csv = self.step, [r[2] for r in rows], self.log.path
+        if self.main and self.cfg.output.plot:
+            result.loss_plot = write_loss_plot(rows, self.output / "loss.png", f"{self.plan.pipeline} · {self.cfg.args.task}")
+        self.acc.wait_for_everyone()
 
 
 def steps_done(start: Any, epoch: int, steps: int) -> int:
