@@ -36,7 +36,7 @@ def _f(default: Any, help: str, group: str) -> Any:
 @dataclass
 class TrainArgs:
     # dataset
-    dataset_base_path: str = _f("", "Folder of the dataset files; for sft:train / direct_distill:train, the cache folder.", "dataset")
+    dataset_base_path: str = _f("", "Folder of the dataset files; for sft:train / direct_distill:train, the cache folder (or its s3://bucket/prefix URL).", "dataset")
     dataset_metadata_path: Optional[str] = _f(None, "Metadata file (csv, json or jsonl), one row per sample.", "dataset")
     dataset_repeat: int = _f(1, "Times each sample is seen per epoch (ignored by data_process).", "dataset")
     dataset_num_workers: int = _f(0, "Stage 2: DataLoader worker processes that read cache entries and run the model-free train units (0: in the training process).", "dataset")
@@ -66,7 +66,7 @@ class TrainArgs:
     max_timestep_boundary: float = _f(1.0, "End of the sampled range of the training schedule, as a fraction of its positions from the noisiest (DiffSynth's meaning: with a shift-5 schedule 0.358 keeps sigmas 1 to ~0.9, a high-noise expert's range).", "training")
     min_timestep_boundary: float = _f(0.0, "Start of the sampled range, as a fraction of the schedule's positions from the noisiest.", "training")
     # output
-    output_path: str = _f("./models", "Output folder (plan.json, training_args.json, loss.csv, checkpoints).", "output")
+    output_path: str = _f("./models", "Output folder (plan.json, training_args.json, loss.csv, checkpoints); for :data_process, the cache folder (or an s3://bucket/prefix URL).", "output")
     remove_prefix_in_ckpt: Optional[str] = _f(None, "Strip this prefix from checkpoint keys (diffusers format: keys are 'transformer.…'; diffsynth format: 'pipe.dit.…', so DiffSynth's 'pipe.dit.' leaves the model's own module names).", "output")
     align_to_opensource_format: bool = _f(False, "Accepted for DiffSynth's commands: LoRA files are already in the diffusers format, which diffusers and ComfyUI load (see --lora_format).", "output")
     lora_format: str = _f("diffusers", "Checkpoint key layout: diffusers (a diffusers pipeline's load_lora_weights reads it) or diffsynth (DiffSynth-Studio's pipe.load_lora reads it); 'unitgraph lora convert' turns one into the other.", "output")
@@ -93,7 +93,8 @@ class TrainArgs:
     num_frames: int = _f(81, "Frames per video clip (4k+1): the first frames of each video; a shorter video gives the largest 4k+1 it holds.", "image")
     # unitgraph
     seed: int = _f(0, "Seed of every random draw (shuffle, latents, noise, timesteps, LoRA init).", "unitgraph")
-    cache_path: Optional[str] = _f(None, "Cache folder for :split (default OUTPUT/cache) and :data_process (default OUTPUT).", "unitgraph")
+    cache_path: Optional[str] = _f(None, "Cache folder or s3://bucket/prefix URL for :split (default OUTPUT/cache) and :data_process (default OUTPUT).", "unitgraph")
+    cache_layout: str = _f("files", "files (one object per entry) or shards (many entries per object, per process: for caches of millions of samples on an object store).", "unitgraph")
     cache_mode: str = _f("latest", "latest or versioned (see docs/semantics.md, section 'Cache mode versioned').", "unitgraph")
     batch_size: int = _f(1, "Samples per micro-step in stage 2 (:train, :split): cached samples of equal shapes batched together; unsplit sft takes 1.", "unitgraph")
     cache_dtype: Optional[str] = _f(None, "bf16, fp16 or fp32: dtype of the floating tensors stage 1 stores (default: the dtype the model computes in); stage 2 casts them back.", "unitgraph")
@@ -172,6 +173,8 @@ class TrainArgs:
                                "unsplit training takes one sample per micro-step (use --gradient_accumulation_steps)")
         if self.cache_dtype is not None and self.cache_dtype not in CACHE_DTYPE_FLAGS:
             raise BackendError(f"--cache_dtype must be one of {', '.join(CACHE_DTYPE_FLAGS)}, got {self.cache_dtype!r}")
+        if self.cache_layout not in ("files", "shards"):
+            raise BackendError(f"--cache_layout must be files or shards, got {self.cache_layout!r}")
         if self.dataset_num_workers < 0:
             raise BackendError(f"--dataset_num_workers must be 0 or more, got {self.dataset_num_workers}")
         if (self.height is None) != (self.width is None):

@@ -137,9 +137,10 @@ def _padded_params(pad: Mapping[str, str]) -> set[str]:
     return set(pad) | set(pad.values())
 
 
-def entry_signature(path: str | Path, sink_keys: Iterable[str] = (), pad: Mapping[str, str] = {}) -> Hashable:
-    """The bucket key of one cache entry, from its header: samples with equal keys batch together."""
-    header = read_safetensors_header(path)
+def entry_signature(path: "str | Path | dict[str, Any]", sink_keys: Iterable[str] = (), pad: Mapping[str, str] = {}) -> Hashable:
+    """The bucket key of one cache entry, from its header (read from the file at `path`, or given as the parsed
+    header itself): samples with equal keys batch together."""
+    header = path if isinstance(path, dict) else read_safetensors_header(path)
     padded = _padded_params(pad)
     sink_keys = set(sink_keys)
     tensors: dict[str, tuple] = {}

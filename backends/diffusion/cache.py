@@ -1,15 +1,18 @@
 """The stage-1 cache: content-addressed safetensors entries, a manifest with checksums, per-process journals.
 
-Layout of a cache folder (docs/cache.md has the full story):
+A cache lives in a local folder or under an `s3://bucket/prefix` (store.py gives both the same few
+operations). Its layout (docs/cache.md has the full story):
 
     manifest.json                       format, status, the plan and its fingerprint, what the entry keys
                                         were derived from (`key_inputs`), the arguments stage 1 ran with
                                         (`made_with`), the samples (index, sample_id, key), one record per
-                                        entry (file, size, sha256) and the samples stage 1 skipped
-    entries/<key>.safetensors           one file per distinct entry key
+                                        entry (file, size, sha256; offset in a shard) and the skipped samples
+    entries/<key>.safetensors           one file per distinct entry key (layout `files`, the default)
+    shards/rank-<r>-<run>-<n>.ugshard   or many entries back to back in one object (layout `shards`)
     journal/rank-<r>.jsonl              while stage 1 runs: one line per entry process r finished
+    journal/rank-<r>/<run>-<n>.jsonl    (on an object store, which has no append: one object per batch)
     hashes.json                         sha256 of model weights and data files, keyed by path, size, mtime
-    .lock                               held by the process that fills the cache
+    .lock                               held by the process that fills the cache (a lease on an object store)
 
 An entry's key is the sha256 of everything its values depend on, read off the plan: the unit list,
 the settings those units read, the weights of the models they call, and the sample's dataset
@@ -21,11 +24,11 @@ An entry file holds the sample's cached values under their entry keys (`param` i
 strings, lists, tuples) is JSON in the safetensors header (key `unitgraph`), where a tensor nested
 in a list is a reference to a stored tensor. Never pickle.
 
-Crash safety: an entry is written to a temporary file, fsynced and renamed into place, then
-recorded (size and sha256) in its process's journal, fsynced. The main process merges journals
-into the manifest before and after the work, under the lock, so no two processes ever write the
-manifest and an interrupted run leaves only complete, recorded entries (an entry renamed but not
-yet recorded is recomputed).
+Crash safety: an entry (or a shard) is written whole (locally: a temporary file, fsynced and
+renamed; on an object store: one PUT, which S3 shows only once complete), then recorded (size and
+sha256) in its process's journal. The main process merges journals into the manifest before and
+after the work, under the lock, so no two processes ever write the manifest and an interrupted run
+leaves only complete, recorded entries (an entry written but not yet recorded is recomputed).
 """
 
 from __future__ import annotations
@@ -36,16 +39,18 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from unitgraph.atomic import write_bytes_atomic, write_text_atomic
+from unitgraph.atomic import write_bytes_atomic
 from unitgraph.userfiles import parse_user_json, read_user_json
 
 from .args import BackendError
-from .manifest import FORMAT, Manifest, describe_plan_change
+from .manifest import ENTRY_FIELDS, FORMAT, Manifest, describe_plan_change
 
 if TYPE_CHECKING:  # torch is imported where tensors are handled: `cache verify` and `cache info` start without it
     import torch
+
+    from .store import Journal, Store
 
 HASHES_FORMAT = "unitgraph.hashes/v1"
 MANIFEST = "manifest.json"
@@ -53,6 +58,10 @@ ENTRIES = "entries"
 JOURNAL = "journal"
 HASHES = "hashes.json"
 LOCK = ".lock"
+SHARDS = "shards"
+SHARD_SUFFIX = ".ugshard"  # not .bin: a cache never holds a file of a pickle-able suffix
+SHARD_ENTRIES = 256  # entries per shard ...
+SHARD_BYTES = 64 << 20  # ... or bytes, whichever comes first
 HEADER_KEY = "unitgraph"
 ENTRY_SUFFIX = ".safetensors"
 # Files that can run code when loaded (pickle and formats built on it). A cache never contains
@@ -191,10 +200,14 @@ def entry_key_sizes(path: str | Path) -> dict[str, int]:
         head = handle.read(8)
         size = int.from_bytes(head, "little") if len(head) == 8 else 0
         data = head + handle.read(size)
-    header = _safetensors_header(data, str(path))
-    content = parse_user_json(str((header.get("__metadata__") or {}).get(HEADER_KEY, "{}")), str(path), BackendError)
+    return header_key_sizes(_safetensors_header(data, str(path)), str(path))
+
+
+def header_key_sizes(header: dict[str, Any], source: str) -> dict[str, int]:
+    """Bytes of tensor data under each entry key, from an entry's safetensors header."""
+    content = parse_user_json(str((header.get("__metadata__") or {}).get(HEADER_KEY, "{}")), source, BackendError)
     if not isinstance(content, dict):
-        raise BackendError("not a unitgraph cache entry (its header is not an object)", source=str(path))
+        raise BackendError("not a unitgraph cache entry (its header is not an object)", source=source)
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     out = {}
     for key, value in (content.get("values") or {}).items():
@@ -234,25 +247,27 @@ def entry_key(static_hash: str, sample_inputs: dict[str, Any]) -> str:
 
 
 class HashMemo:
-    """sha256 of files, remembered in `path` (JSON) keyed by path, size, mtime (and inode, ctime).
+    """sha256 of files, remembered in the cache (`hashes.json`, JSON) keyed by path, size, mtime (and inode, ctime).
 
     Weights are hashed once per file version: a later run only stats them. `hashed` lists the
-    files this memo actually read.
+    files this memo actually read. A memo made on another machine never matches (its inodes differ):
+    it only costs hashing again.
     """
 
-    def __init__(self, path: Optional[Path]):
-        self.path = path
+    def __init__(self, store: Optional["Store"], rel: str = HASHES):
+        self.store, self.rel = store, rel
         self.files: dict[str, dict[str, Any]] = {}
         self.hashed: list[Path] = []
         self.touched: set[str] = set()
         self.dirty = False
-        if path is not None and path.is_file():
-            try:
-                data = read_user_json(path, BackendError, "a hash memo", max_bytes=1 << 30)
-                if isinstance(data, dict) and data.get("format") == HASHES_FORMAT and isinstance(data.get("files"), dict):
-                    self.files = data["files"]
-            except BackendError:
-                self.files = {}  # a damaged memo only costs re-hashing
+        if store is None:
+            return
+        try:
+            data = parse_user_json(store.read(rel).decode("utf-8", errors="replace"), store.describe(rel), BackendError)
+            if isinstance(data, dict) and data.get("format") == HASHES_FORMAT and isinstance(data.get("files"), dict):
+                self.files = data["files"]
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError, BackendError):
+            self.files = {}  # none yet, or a damaged memo: that only costs re-hashing
 
     def digest(self, path: Path) -> str:
         path = Path(path)
@@ -274,49 +289,15 @@ class HashMemo:
         if prune and set(self.files) - self.touched:
             self.files = {k: v for k, v in self.files.items() if k in self.touched}
             self.dirty = True
-        if self.path is None or not self.dirty or not self.path.parent.is_dir():
+        if self.store is None or not self.dirty or not self.store.exists():
             return
-        write_text_atomic(self.path, json.dumps({"format": HASHES_FORMAT, "files": self.files}, sort_keys=True) + "\n")
+        text = json.dumps({"format": HASHES_FORMAT, "files": self.files}, sort_keys=True) + "\n"
+        self.store.write(self.rel, text.encode("utf-8"))
         self.dirty = False
 
 
 # ------------------------------------------------------------------------------------------------
-# journals: one append-only file per process
-
-
-class Journal:
-    """Append-only JSON lines, each fsynced: what one process has finished."""
-
-    def __init__(self, path: Path):
-        self.path, self.fd = path, -1
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        except OSError as exc:
-            raise BackendError(f"cannot write the stage-1 journal ({exc.strerror or exc})", source=str(path)) from None
-
-    def append(self, record: dict[str, Any]) -> None:
-        try:
-            os.write(self.fd, (json.dumps(record, sort_keys=True) + "\n").encode("utf-8"))
-            os.fsync(self.fd)
-        except OSError as exc:
-            raise BackendError(f"cannot write the stage-1 journal ({exc.strerror or exc}); the entries recorded so far "
-                               "are kept and the next run computes only the rest", source=str(self.path)) from None
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __enter__(self) -> "Journal":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-# ------------------------------------------------------------------------------------------------
-# the cache folder
+# the cache
 
 
 def sample_label(sample: dict[str, Any]) -> str:
@@ -325,31 +306,48 @@ def sample_label(sample: dict[str, Any]) -> str:
     return f"sample {index} (metadata row {index + 1}{', id ' + sid if sid else ''})"
 
 
+def entry_record(record: Any) -> Optional[dict[str, Any]]:
+    """The manifest record ({key, file, size, sha256} and a shard entry's offset) of a journal record, or None."""
+    if not isinstance(record, dict) or not all(k in record for k in ENTRY_FIELDS):
+        return None
+    out = {k: record[k] for k in ENTRY_FIELDS}
+    if record.get("offset") is not None:  # an entry in a shard (at 0 too)
+        out["offset"] = int(record["offset"])
+    return out
+
+
 class Cache:
-    """One cache folder (see the module docstring)."""
+    """One cache: a local folder or an object-store prefix (store.py; see the module docstring for the layout)."""
 
-    def __init__(self, folder: str | Path):
-        self.folder = Path(folder)
+    def __init__(self, location: "str | Path | Store"):
+        from .store import Store, open_store
 
-    # --- paths -----------------------------------------------------------------------------------
+        self.store = location if isinstance(location, Store) else open_store(location)
+        self.location = self.store.location  # as given, for messages and commands to copy
+        self.local = self.store.local
+
+    # --- names -----------------------------------------------------------------------------------
     @property
-    def manifest_path(self) -> Path:
-        return self.folder / MANIFEST
+    def folder(self) -> Path:
+        """The cache folder of a local cache (object-store caches have none)."""
+        if not self.local:
+            raise AttributeError("an object-store cache has no local folder")
+        return self.store.root  # type: ignore[attr-defined]
+
+    def describe(self, rel: str = "") -> str:
+        return self.store.describe(rel)
 
     @property
-    def entries_dir(self) -> Path:
-        return self.folder / ENTRIES
+    def manifest_path(self) -> str:
+        return self.describe(MANIFEST)
 
-    @property
-    def journal_dir(self) -> Path:
-        return self.folder / JOURNAL
-
-    @property
-    def hashes_path(self) -> Path:
-        return self.folder / HASHES
+    @staticmethod
+    def entry_name(key: str) -> str:
+        return f"{ENTRIES}/{key}{ENTRY_SUFFIX}"
 
     def entry_file(self, key: str) -> Path:
-        return self.entries_dir / f"{key}{ENTRY_SUFFIX}"
+        """The entry file of a local cache's one-file entry `key`."""
+        return self.folder / self.entry_name(key)
 
     def entry_path(self, sample_id: str) -> Path:
         """The entry file of the sample with this id, looked up in the manifest (for readers keyed by sample id).
@@ -362,181 +360,296 @@ class Cache:
             self._by_sample_id = {str(s["sample_id"]): str(s["key"]) for s in samples}
         key = self._by_sample_id.get(str(sample_id))
         if key is None:
-            raise BackendError(f"no cache entry for sample id {str(sample_id)[:12]} in the manifest", source=str(self.folder))
+            raise BackendError(f"no cache entry for sample id {str(sample_id)[:12]} in the manifest", source=self.location)
         return self.entry_file(key)
 
-    @property
-    def lock_path(self) -> Path:
-        return self.folder / LOCK
+    def memo(self) -> HashMemo:
+        return HashMemo(self.store)
 
     def check_owned(self) -> None:
-        """Stage 1 writes only into a new or empty folder or a unitgraph cache; anything else is refused.
+        """Stage 1 writes only into a new or empty folder (or prefix) or a unitgraph cache; anything else is refused.
 
         (A folder holding only the lock is a first run that stopped before its manifest.)
         """
-        if self.folder.is_symlink() and not self.folder.exists():
-            raise BackendError("is a dangling symlink", source=str(self.folder))
-        if not self.folder.exists():
-            return
-        if not self.folder.is_dir():
-            raise BackendError("is a file, not a cache folder; choose another --output_path/--cache_path", source=str(self.folder))
+        if self.local:
+            if self.folder.is_symlink() and not self.folder.exists():
+                raise BackendError("is a dangling symlink", source=self.location)
+            if not self.folder.exists():
+                return
+            if not self.folder.is_dir():
+                raise BackendError("is a file, not a cache folder; choose another --output_path/--cache_path",
+                                   source=self.location)
         if self.read_manifest() is not None:
             return
-        foreign = sorted(p.name for p in self.folder.iterdir() if p.name != LOCK and not (p.name.startswith(".")
-                                                                                          and p.name.endswith(".tmp")))
+        if self.local:
+            foreign = sorted(p.name for p in self.folder.iterdir() if p.name != LOCK and not (p.name.startswith(".")
+                                                                                              and p.name.endswith(".tmp")))
+        else:
+            foreign = sorted({rel.split("/", 1)[0] for rel in self.store.list() if rel != LOCK})
         if foreign:
             shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            where = "folder" if self.local else "prefix"
             raise BackendError(f"is not empty and not a unitgraph cache (it holds {shown}, no manifest.json); unitgraph "
-                               "writes only into a new, empty or own folder: choose another --output_path/--cache_path",
-                               source=str(self.folder))
-
-    def journal_path(self, rank: int) -> Path:
-        return self.journal_dir / f"rank-{rank}.jsonl"
+                               f"writes only into a new, empty or own {where}: choose another --output_path/--cache_path",
+                               source=self.location)
 
     # --- manifest --------------------------------------------------------------------------------
     def read_manifest(self) -> Optional[Manifest]:
-        """The folder's manifest (None when it has none), checked against its schema."""
-        if self.folder.exists() and not self.folder.is_dir():
-            raise BackendError("is a file, not a cache folder", source=str(self.folder))
-        if not self.manifest_path.is_file():
-            return None
-        try:
-            data = read_user_json(self.manifest_path, BackendError, "a cache manifest", max_bytes=1 << 30)
-        except BackendError as exc:
-            raise BackendError(f"unreadable cache manifest ({exc.message}); delete the cache folder and run the "
-                               "data_process stage again", source=str(self.manifest_path)) from None
+        """The cache's manifest (None when it has none), checked against its schema."""
+        if self.local:
+            if self.folder.exists() and not self.folder.is_dir():
+                raise BackendError("is a file, not a cache folder", source=self.location)
+            if not (self.folder / MANIFEST).is_file():
+                return None
+            try:
+                data = read_user_json(self.folder / MANIFEST, BackendError, "a cache manifest", max_bytes=1 << 30)
+            except BackendError as exc:
+                raise BackendError(f"unreadable cache manifest ({exc.message}); delete the cache folder and run the "
+                                   "data_process stage again", source=self.manifest_path) from None
+        else:
+            try:
+                raw = self.store.read(MANIFEST)
+            except FileNotFoundError:
+                return None
+            try:
+                data = parse_user_json(raw.decode("utf-8"), self.manifest_path, BackendError)
+            except (UnicodeDecodeError, BackendError) as exc:
+                reason = exc.message if isinstance(exc, BackendError) else "not UTF-8"
+                raise BackendError(f"unreadable cache manifest ({reason}); delete the cache prefix and run the "
+                                   "data_process stage again", source=self.manifest_path) from None
         if isinstance(data, dict) and isinstance(data.get("format"), str) and data["format"] != FORMAT \
                 and data["format"].startswith("unitgraph.cache/"):
-            return Manifest.from_dict(data, str(self.folder))  # raises: another version's cache
-        return Manifest.from_dict(data, str(self.manifest_path))
+            return Manifest.from_dict(data, self.location)  # raises: another version's cache
+        return Manifest.from_dict(data, self.manifest_path)
 
     def write_manifest(self, manifest: Manifest) -> None:
-        write_text_atomic(self.manifest_path, json.dumps(manifest.to_dict(), indent=1, sort_keys=True) + "\n")
+        self.store.write(MANIFEST, (json.dumps(manifest.to_dict(), indent=1, sort_keys=True) + "\n").encode("utf-8"))
 
     def open_for_training(self, plan: Any, task: str = "sft") -> Manifest:
         """The manifest of a complete cache made under `plan`; a one-line BackendError otherwise.
 
         `task` (the --task family) only shapes the advice in the message.
         """
-        if not self.folder.is_dir():
-            raise BackendError("cache folder does not exist (run the data_process stage first)", source=str(self.folder))
+        if self.local and not self.folder.is_dir():
+            raise BackendError("cache folder does not exist (run the data_process stage first)", source=self.location)
         manifest = self.read_manifest()
         if manifest is None:
-            raise BackendError("no manifest.json: not a cache folder (run the data_process stage first)", source=str(self.folder))
+            where = "a cache folder" if self.local else "a cache (no manifest.json under this prefix)"
+            raise BackendError(f"no manifest.json: not {where} (run the data_process stage first)", source=self.location)
         if manifest.plan_fingerprint != plan.fingerprint:
             raise BackendError(
                 f"cache was made under another plan ({describe_plan_change(manifest, plan)}); train with the "
                 "--trainable_models/--lora_base_model/--cache_mode it was made with, or build this plan's cache in another "
                 f"folder (--task {task}:data_process, or --task {task}:split)",
-                source=str(self.folder))
+                source=self.location)
         if not manifest.complete:
             raise BackendError(f"cache is incomplete ({len(manifest.entries)} entries; its data_process stage did not finish): "
-                               "re-run the data_process stage to complete it", source=str(self.folder))
+                               "re-run the data_process stage to complete it", source=self.location)
         return manifest
 
-    # --- folder hygiene --------------------------------------------------------------------------
-    def unsafe_files(self) -> list[Path]:
-        """Pickle-like files in the folder: never loaded, reported so the user knows."""
-        if not self.folder.is_dir():
+    # --- hygiene ---------------------------------------------------------------------------------
+    def unsafe_files(self) -> list[str]:
+        """Pickle-like files in the cache: never loaded, reported so the user knows."""
+        if self.local and not self.folder.is_dir():
             return []
-        return sorted(p for p in self.folder.rglob("*") if p.is_file() and p.suffix.lower() in UNSAFE_SUFFIXES)
+        return sorted(self.describe(rel) for rel in self.store.list() if Path(rel).suffix.lower() in UNSAFE_SUFFIXES)
 
     def warn_unsafe(self, warn: Callable[[str], None]) -> None:
         for path in self.unsafe_files():
-            warn(f"warning: ignoring {path}: unitgraph never loads {path.suffix} files (they can run code); "
+            warn(f"warning: ignoring {path}: unitgraph never loads {Path(path).suffix} files (they can run code); "
                  "caches hold only safetensors and JSON")
 
     def clean_temp_files(self) -> int:
-        """Temporary files left by an interrupted atomic write (main process, under the lock)."""
+        """Temporary files left by an interrupted atomic write (main process, under the lock; local folders)."""
         removed = 0
-        for folder in (self.folder, self.entries_dir):
+        if not self.local:
+            return removed  # an object store has no temporary objects: a PUT is whole or absent
+        for folder in (self.folder, self.folder / ENTRIES, self.folder / SHARDS):
             if folder.is_dir():
                 for path in folder.glob(".*.tmp"):
                     path.unlink(missing_ok=True)
                     removed += 1
         return removed
 
-    def entry_files(self) -> list[Path]:
-        return sorted(self.entries_dir.glob(f"*{ENTRY_SUFFIX}")) if self.entries_dir.is_dir() else []
+    def locked(self) -> contextlib.AbstractContextManager:
+        """Exclusive right to fill this cache (see store.py: flock locally, a lease on an object store)."""
+        return self.store.locked("another unitgraph process is filling this cache; wait for it to finish or choose "
+                                 "another cache folder")
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        """Exclusive right to fill this cache (released by the kernel if the process dies)."""
-        import fcntl
-
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise BackendError("another unitgraph process is filling this cache; wait for it to finish "
-                                   "or choose another cache folder", source=str(self.folder)) from None
-            yield
-        finally:
-            os.close(fd)
+    def prune(self, keep: set[str], records: dict[str, dict[str, Any]]) -> int:
+        """Remove entry files and shards that no record of a key in `keep` points to; how many were removed."""
+        used = {records[k]["file"] for k in keep if k in records}
+        removed = 0
+        for rel in list(self.store.list(ENTRIES)) + list(self.store.list(SHARDS)):
+            if rel.endswith((ENTRY_SUFFIX, SHARD_SUFFIX)) and rel not in used:
+                self.store.delete(rel)
+                removed += 1
+        return removed
 
     # --- journals --------------------------------------------------------------------------------
+    def journal(self, rank: int) -> "Journal":
+        return self.store.journal(f"{JOURNAL}/rank-{rank}")
+
     def read_journals(self) -> list[dict[str, Any]]:
         """Every complete record of every process's journal (a line cut short by a crash is ignored)."""
-        records = []
-        if not self.journal_dir.is_dir():
-            return records
-        for path in sorted(self.journal_dir.glob("*.jsonl")):
-            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-                try:
-                    record = parse_user_json(line, str(path), BackendError)
-                except BackendError:
-                    continue  # a line cut short by a crash
-                if isinstance(record, dict):
-                    records.append(record)
-        return records
+        return self.store.journal_records(JOURNAL)
 
     def clear_journals(self) -> None:
-        if self.journal_dir.is_dir():
-            for path in self.journal_dir.glob("*.jsonl"):
-                path.unlink(missing_ok=True)
+        for rel in self.store.list(JOURNAL):
+            self.store.delete(rel)
+        if self.local:
+            for folder in sorted((p for p in (self.folder / JOURNAL).rglob("*") if p.is_dir()), reverse=True):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
             with contextlib.suppress(OSError):
-                self.journal_dir.rmdir()
+                (self.folder / JOURNAL).rmdir()
 
     # --- entries ---------------------------------------------------------------------------------
+    def writer(self, rank: int, layout: str = "files") -> "EntryWriter":
+        """Where process `rank` stores the entries it computes, each recorded in its journal once it is in place."""
+        return ShardWriter(self, rank) if layout == "shards" else EntryWriter(self, rank)
+
     def store_entry(self, key: str, values: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-        """Write one entry atomically; its record (file, size, sha256) for the manifest."""
+        """Write one entry as its own file, atomically; its record (file, size, sha256) for the manifest."""
         data = entry_bytes(values, meta)
-        path = self.entry_file(key)
-        write_bytes_atomic(path, data)
-        return {"key": key, "file": f"{ENTRIES}/{path.name}", "size": len(data), "sha256": sha256_bytes(data)}
+        rel = self.entry_name(key)
+        self.store.write(rel, data)
+        return {"key": key, "file": rel, "size": len(data), "sha256": sha256_bytes(data)}
+
+    def entry_data(self, record: dict[str, Any]) -> bytes:
+        """The bytes of one entry (a shard entry: a ranged read); FileNotFoundError when it is gone."""
+        offset = int(record.get("offset", 0))
+        if "offset" in record:
+            data = self.store.read_range(record["file"], offset, offset + int(record["size"]))
+        else:
+            data = self.store.read(record["file"])
+        return data
+
+    def entry_header(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The safetensors header of one entry, read alone (two small ranged reads)."""
+        offset = int(record.get("offset", 0))
+        head = self.store.read_range(record["file"], offset, offset + 8)
+        size = int.from_bytes(head, "little") if len(head) == 8 else 0
+        if size <= 0 or size > min(int(record["size"]) - 8, 100 << 20):
+            raise ValueError("bad safetensors header length")
+        data = head + self.store.read_range(record["file"], offset + 8, offset + 8 + size)
+        return _safetensors_header(data, self.describe(record["file"]))
 
     def check_entry(self, record: dict[str, Any]) -> Optional[str]:
-        """None when the entry file has the recorded size and checksum; the problem otherwise."""
-        path = self.folder / record["file"]
+        """None when the entry has the recorded size and checksum; the problem otherwise."""
+        size = self.store.size(record["file"])
+        if size is None:
+            return "entry file is missing"
+        end = int(record.get("offset", 0)) + int(record["size"])
+        if ("offset" in record and size < end) or ("offset" not in record and size != record["size"]):
+            return f"entry file has {size} bytes, expected {end} (truncated or overwritten)"
         try:
-            size = path.stat().st_size
+            data = self.entry_data(record) if "offset" in record or not self.local else None
         except FileNotFoundError:
             return "entry file is missing"
-        if size != record["size"]:
-            return f"entry file has {size} bytes, expected {record['size']} (truncated or overwritten)"
-        if sha256_file(path) != record["sha256"]:
+        digest = sha256_bytes(data) if data is not None else sha256_file(self.folder / record["file"])
+        if digest != record["sha256"]:
             return "entry file does not match its checksum (corrupted)"
         return None
 
-    def load_entry(self, record: dict[str, Any], label: str, verify: bool = True) -> dict[str, Any]:
-        """The values of one entry, checked against its record (size always, checksum when `verify`)."""
-        path = self.folder / record["file"]
-        hint = f"run 'unitgraph cache repair {self.folder}' or the data_process stage again"
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise BackendError(f"cache entry of {label} is missing; {hint}", source=str(path)) from None
-        except OSError as exc:
-            raise BackendError(f"cache entry of {label} is unreadable ({exc.strerror or exc}); {hint}", source=str(path)) from None
+    def check_entries(self, records: list[dict[str, Any]]) -> list[Optional[str]]:
+        """`check_entry` of each record, concurrently on an object store (one GET each, READ_THREADS at a time)."""
+        if self.local or len(records) <= 1:
+            return [self.check_entry(r) for r in records]
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .store import READ_THREADS
+
+        with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+            return list(pool.map(self.check_entry, records))
+
+    def load_entry(self, record: dict[str, Any], label: str, verify: bool = True,
+                   data: Optional[bytes] = None) -> dict[str, Any]:
+        """The values of one entry, checked against its record (size always, checksum when `verify`).
+
+        `data`: the entry's bytes when they were read already (read-ahead)."""
+        shown = self.describe(record["file"])
+        hint = f"run 'unitgraph cache repair {self.location}' or the data_process stage again"
+        if data is None:
+            try:
+                data = self.entry_data(record)
+            except FileNotFoundError:
+                raise BackendError(f"cache entry of {label} is missing; {hint}", source=shown) from None
+            except OSError as exc:
+                raise BackendError(f"cache entry of {label} is unreadable ({exc.strerror or exc}); {hint}",
+                                   source=shown) from None
         if len(data) != record["size"]:
             raise BackendError(f"cache entry of {label} has {len(data)} bytes, expected {record['size']} "
-                               f"(truncated or overwritten); {hint}", source=str(path))
+                               f"(truncated or overwritten); {hint}", source=shown)
         if verify and sha256_bytes(data) != record["sha256"]:
-            raise BackendError(f"cache entry of {label} does not match its checksum (corrupted); {hint}", source=str(path))
-        values, _ = parse_entry(data, str(path))
+            raise BackendError(f"cache entry of {label} does not match its checksum (corrupted); {hint}", source=shown)
+        values, _ = parse_entry(data, shown)
         return values
+
+
+class EntryWriter:
+    """One file per entry: written whole (rename or one PUT), then recorded in the process's journal."""
+
+    def __init__(self, cache: Cache, rank: int):
+        self.cache, self.rank = cache, rank
+        self.journal = cache.journal(rank)
+
+    def add(self, key: str, values: dict[str, Any], meta: dict[str, Any]) -> None:
+        record = self.cache.store_entry(key, values, meta)
+        self.journal.append({**record, "index": meta.get("index"), "rank": self.rank})
+
+    def close(self) -> None:
+        self.journal.close()
+
+    def __enter__(self) -> "EntryWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class ShardWriter(EntryWriter):
+    """Entries packed into shard objects (`shards/rank-<r>-<run>-<n>.ugshard`): the bytes of whole entries back to
+    back, each entry recorded with its offset.
+
+    A shard is written once, whole and only if absent, when it holds SHARD_ENTRIES entries or SHARD_BYTES
+    (and at close); its entries' records go to the journal right after, in one flush. A kill before that
+    leaves a shard no record points to: its entries are computed again and the unreferenced shard is
+    removed when the cache is next completed. Keys stay per entry: content-keyed reuse and invalidation
+    work exactly as with one file per entry.
+    """
+
+    def __init__(self, cache: Cache, rank: int):
+        super().__init__(cache, rank)
+        self.run = f"{int(time.time()):x}-{os.urandom(4).hex()}"
+        self.count = 0
+        self.parts: list[bytes] = []
+        self.pending: list[dict[str, Any]] = []
+        self.size = 0
+
+    def add(self, key: str, values: dict[str, Any], meta: dict[str, Any]) -> None:
+        data = entry_bytes(values, meta)
+        self.pending.append({"key": key, "offset": self.size, "size": len(data), "sha256": sha256_bytes(data),
+                             "index": meta.get("index"), "rank": self.rank})
+        self.parts.append(data)
+        self.size += len(data)
+        if len(self.pending) >= SHARD_ENTRIES or self.size >= SHARD_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        rel = f"{SHARDS}/rank-{self.rank}-{self.run}-{self.count:05d}{SHARD_SUFFIX}"
+        if not self.cache.store.create(rel, b"".join(self.parts)):  # pragma: no cover - names are unique per run
+            raise BackendError("a shard of this name exists already", source=self.cache.describe(rel))
+        for record in self.pending:
+            self.journal.append({**record, "file": rel})
+        self.journal.flush()
+        self.count, self.parts, self.pending, self.size = self.count + 1, [], [], 0
+
+    def close(self) -> None:
+        self.flush()
+        super().close()
 
 
 def model_files_digest(files_by_slot: dict[str, list[Path]], digest: Callable[[Path], str] = sha256_file) -> dict[str, dict[str, str]]:
@@ -548,56 +661,50 @@ def model_files_digest(files_by_slot: dict[str, list[Path]], digest: Callable[[P
 # `unitgraph cache verify` and `unitgraph cache info` (no torch needed)
 
 
-def open_cache(folder: str | Path) -> tuple[Cache, Manifest]:
-    cache = Cache(folder)
-    if not cache.folder.is_dir():
-        raise BackendError("no such cache folder", source=str(cache.folder))
+def open_cache(location: str | Path) -> tuple[Cache, Manifest]:
+    cache = Cache(location)
+    if cache.local and not cache.folder.is_dir():
+        raise BackendError("no such cache folder", source=cache.location)
     manifest = cache.read_manifest()
     if manifest is None:
-        raise BackendError("no manifest.json: not a cache folder", source=str(cache.folder))
+        raise BackendError("no manifest.json: not a cache folder" if cache.local
+                           else "no manifest.json under this prefix: not a cache", source=cache.location)
     return cache, manifest
 
 
-def verify_cache(folder: str | Path) -> tuple[list[str], dict[str, Any]]:
+def verify_cache(location: str | Path) -> tuple[list[str], dict[str, Any]]:
     """Check every entry a cache's manifest lists (size and sha256). Returns (problems, statistics)."""
     start = time.perf_counter()
-    cache, manifest = open_cache(folder)
+    cache, manifest = open_cache(location)
     records, samples = manifest.entries, manifest.samples
     problems: list[str] = []
-    results: dict[str, Optional[str]] = {}
     unrecorded = [s for s in samples if s.get("key") not in records]
     if not manifest.complete:
-        problems.append(f"{cache.folder}: cache is incomplete ({len(unrecorded)} of {len(samples)} samples have no entry "
+        problems.append(f"{cache.location}: cache is incomplete ({len(unrecorded)} of {len(samples)} samples have no entry "
                         "yet: its data_process stage did not finish); run it again to complete the cache")
     else:
         for s in unrecorded:
             problems.append(f"{cache.manifest_path}: {sample_label(s)} has no entry record")
-    total = 0
+    keys = sorted({s["key"] for s in samples if s.get("key") in records})
+    results = dict(zip(keys, cache.check_entries([records[k] for k in keys])))
+    total = sum(int(records[k]["size"]) for k, problem in results.items() if problem is None)
     for s in samples:
         record = records.get(s.get("key"))
-        if record is None:
-            continue
-        key = record["key"]
-        if key not in results:
-            results[key] = cache.check_entry(record)
-            if results[key] is None:
-                total += int(record["size"])
-        if results[key] is not None:
-            problems.append(f"{cache.folder / record['file']}: {sample_label(s)}: {results[key]}")
+        if record is not None and results[record["key"]] is not None:
+            problems.append(f"{cache.describe(record['file'])}: {sample_label(s)}: {results[record['key']]}")
     stats = {"samples": len(samples), "entries": len(results), "bytes": total,
              "seconds": time.perf_counter() - start, "skipped": len(manifest.skipped)}
     return problems, stats
 
 
-def cache_info(folder: str | Path) -> dict[str, Any]:
+def cache_info(location: str | Path) -> dict[str, Any]:
     """What `unitgraph cache info` prints: samples, bytes (per entry key too), plan, models, settings."""
-    cache, manifest = open_cache(folder)
+    cache, manifest = open_cache(location)
     records, samples, plan = manifest.entries, manifest.samples, manifest.plan
     key_sizes: dict[str, dict[str, int]] = {}
     for key, record in records.items():
-        path = cache.folder / record["file"]
         try:
-            key_sizes[key] = entry_key_sizes(path)
+            key_sizes[key] = header_key_sizes(cache.entry_header(record), cache.describe(record["file"]))
         except (OSError, BackendError, ValueError, KeyError):
             key_sizes[key] = {}
     per_key: dict[str, int] = {}
@@ -607,8 +714,9 @@ def cache_info(folder: str | Path) -> dict[str, Any]:
     n = max(1, len(samples))
     total = sum(int(r["size"]) for r in records.values())
     return {
-        "folder": str(cache.folder),
+        "folder": cache.location,
         "format": manifest.format,
+        "layout": manifest.layout,
         "status": manifest.status,
         "pipeline": manifest.pipeline,
         "plan_fingerprint": manifest.plan_fingerprint,
@@ -625,7 +733,7 @@ def cache_info(folder: str | Path) -> dict[str, Any]:
         "models": manifest.model_digests,
         "settings": manifest.settings,
         "made_with": manifest.made_with,
-        "unsafe_files": [str(p) for p in cache.unsafe_files()],
+        "unsafe_files": cache.unsafe_files(),
     }
 
 

@@ -74,8 +74,9 @@ class Stage2Data:
     pipeline: the family's `PipelineDef` (its units' code); pad: the family's padded params.
     items: the cache's samples (objects with .index and .sample_id, e.g. `stages.CacheSource.items`).
     read(item) -> the entry's values by entry key (e.g. `stages.CacheSource.entry(item.sample_id)`).
-    entry_path(item) -> the entry's safetensors file, when there is one: bucket keys then come from
-    its header alone; without it they come from the loaded values.
+    entry_path(item) -> the entry's safetensors file (or its parsed header), when there is one: bucket
+    keys then come from its header alone; without it they come from the loaded values.
+    ahead(items): told each epoch's reading order before it starts (a read-ahead of entries).
     dtype: when given, floating cached tensors are cast to it as they are read (a cache stored in
     bf16/fp16 by `--cache_dtype`, trained in the model's dtype).
     """
@@ -83,7 +84,8 @@ class Stage2Data:
     def __init__(self, pipeline: Any, plan: Any, items: Sequence[Any], read: Callable[[Any], dict[str, Any]], *,
                  seed: int, entry_path: Optional[Callable[[Any], Path]] = None, batch_size: int = 1,
                  dataset_repeat: int = 1, drop_last: bool = False, pad: Mapping[str, str] = {},
-                 keep_in_memory: bool = False, backward: Optional[Iterable[str]] = None, dtype: Any = None):
+                 keep_in_memory: bool = False, backward: Optional[Iterable[str]] = None, dtype: Any = None,
+                 ahead: Optional[Callable[[list[Any]], None]] = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         self.pipeline = pipeline
@@ -92,6 +94,7 @@ class Stage2Data:
         self.items = list(items)
         self.reader = read
         self.entry_path = entry_path
+        self.ahead = ahead
         self.seed = int(seed)
         self.batch_size = int(batch_size)
         self.drop_last = drop_last
@@ -261,6 +264,8 @@ class Stage2Data:
         import torch
 
         batches = list(self.batches(epoch, rank, world) if batches is None else batches)
+        if self.ahead is not None:
+            self.ahead([e.item for b in batches for e in b])
         cuda = torch.cuda.is_available() and str(getattr(ctx, "device", "cpu")).startswith("cuda")
         if prefetch is None:
             prefetch = 2 if cuda else 0

@@ -15,7 +15,8 @@ from typing import Any, Optional
 from .args import BackendError
 
 FORMAT = "unitgraph.cache/v2"
-ENTRY_FIELDS = ("key", "file", "size", "sha256")
+ENTRY_FIELDS = ("key", "file", "size", "sha256")  # and "offset" for an entry packed in a shard
+LAYOUTS = ("files", "shards")
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Manifest:
     entries: dict[str, dict[str, Any]]  # key -> {"key", "file", "size", "sha256"}
     skipped: list[dict[str, Any]] = field(default_factory=list)  # {"index", "reason"}
     pending: Optional[list[dict[str, Any]]] = None  # while filling: {"key", "index", "sample_id"}
+    layout: str = "files"  # how new entries are written: a file each, or packed in per-process shards
     format: str = FORMAT
 
     @property
@@ -54,6 +56,8 @@ class Manifest:
         data = asdict(self)
         if data["pending"] is None:
             del data["pending"]
+        if data["layout"] == "files":  # the manifests of one-file-per-entry caches stay as they were
+            del data["layout"]
         return data
 
     @classmethod
@@ -92,12 +96,19 @@ class Manifest:
                                    "{key, file, size, sha256}", source=source)
             if record["file"].startswith(("/", "..")) or ".." in record["file"].split("/"):
                 raise BackendError(f"damaged cache manifest: entry file {record['file']!r} is outside the cache", source=source)
+            offset = record.get("offset", 0)
+            if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+                raise BackendError(f"damaged cache manifest: the offset of entry {key[:16]} is not a byte position",
+                                   source=source)
         skipped = need("skipped", list, [])
         for n, item in enumerate(skipped):
             if not (isinstance(item, dict) and isinstance(item.get("index"), int)):
                 raise BackendError(f"damaged cache manifest: skipped[{n}] is not {{index, reason}}", source=source)
         pending = need("pending", list, None)
         status = need("status", str)
+        layout = need("layout", str, "files")
+        if layout not in LAYOUTS:
+            raise BackendError(f"damaged cache manifest: layout {layout!r} is neither files nor shards", source=source)
         if status not in ("filling", "complete"):
             raise BackendError(f"damaged cache manifest: status {status!r} is neither filling nor complete", source=source)
         return cls(status=status, pipeline=need("pipeline", str), plan_fingerprint=need("plan_fingerprint", str),
@@ -105,7 +116,7 @@ class Manifest:
                    key_inputs=need("key_inputs", dict), key_inputs_hash=need("key_inputs_hash", str, ""),
                    settings=need("settings", dict, {}), settings_hash=need("settings_hash", str, ""),
                    made_with=need("made_with", dict, {}), num_samples=need("num_samples", int, len(samples)),
-                   samples=samples, entries=entries, skipped=skipped, pending=pending)
+                   samples=samples, entries=entries, skipped=skipped, pending=pending, layout=layout)
 
 
 def _kind_name(kind: Any) -> str:

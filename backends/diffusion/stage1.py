@@ -28,7 +28,8 @@ from unitgraph.runtime import stage1_dependencies, stage1_schedule
 
 from .args import BackendError
 from .batching import _cast
-from .cache import Cache, HashMemo, Journal, canonical_hash, entry_key, model_files_digest, sample_label, settings_hash
+from .cache import (ENTRIES, LOCK, SHARDS, Cache, HashMemo, canonical_hash, entry_key, entry_record, model_files_digest,
+                    sample_label, settings_hash)
 from .config import RunConfig
 from .context import describe_setting
 from .data import DiffusionDataset, SampleError
@@ -132,6 +133,7 @@ def made_with(cfg: RunConfig) -> dict[str, Any]:
         "lora_base_model": args.lora_base_model, "cache_mode": args.cache_mode,
         "height": args.height, "width": args.width, "max_pixels": args.max_pixels, "cache_dtype": args.cache_dtype,
         **({"num_frames": args.num_frames} if cfg.pipeline.video_params else {}),
+        **({"cache_layout": args.cache_layout} if args.cache_layout != "files" else {}),
     }
 
 
@@ -192,9 +194,9 @@ def prepare_stage1(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache:
     existing = cache.read_manifest()
     if existing is not None and existing.plan_fingerprint != plan.fingerprint:
         raise BackendError(f"holds the cache of another plan ({describe_plan_change(existing, plan)}); choose another "
-                           "cache folder (--cache_path or --output_path) or delete this one", source=str(cache.folder))
+                           "cache folder (--cache_path or --output_path) or delete this one", source=cache.location)
     cache.warn_unsafe(report)
-    memo = HashMemo(cache.hashes_path)
+    memo = cache.memo()
     inputs = key_inputs(cfg, plan, memo)
     static = canonical_hash(inputs)
     params = inputs["dataset_params"]
@@ -211,9 +213,9 @@ def prepare_stage1(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache:
 
     # what is already there: the manifest's records and those of an interrupted run's journals
     records: dict[str, dict[str, Any]] = dict(existing.entries if existing is not None else {})
-    for record in cache.read_journals():
-        if all(k in record for k in ("key", "file", "size", "sha256")):
-            records[record["key"]] = {k: record[k] for k in ("key", "file", "size", "sha256")}
+    for record in map(entry_record, cache.read_journals()):
+        if record is not None:
+            records[record["key"]] = record
     first: dict[str, dict[str, Any]] = {}
     by_key: dict[str, list[dict[str, Any]]] = {}
     for s in samples:
@@ -221,11 +223,9 @@ def prepare_stage1(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache:
         by_key.setdefault(s["key"], []).append(s)
     valid: dict[str, dict[str, Any]] = {}
     damaged = 0
-    for key in first:
-        record = records.get(key)
-        if record is None:
-            continue
-        problem = cache.check_entry(record)
+    known = [key for key in first if key in records]
+    for key, problem in zip(known, cache.check_entries([records[key] for key in known])):  # every entry verified
+        record = records[key]
         if problem is None:
             valid[key] = record
         else:
@@ -260,18 +260,19 @@ def prepare_stage1(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache:
         key_inputs_hash="sha256:" + static, settings=settings, settings_hash=settings_hash(settings),
         made_with=made_with(cfg), num_samples=len(samples), samples=samples,
         # while filling, records of other entries still on disk are kept (a changed setting may be reverted)
-        entries={**{k: r for k, r in records.items() if k not in first and cache.folder.joinpath(r["file"]).is_file()},
+        entries={**{k: r for k, r in records.items() if k not in first and r["file"] in present(cache)},
                  **valid} if pending else valid,
-        skipped=skipped, pending=pending or None)
+        skipped=skipped, pending=pending or None, layout=cfg.args.cache_layout)
     return Stage1Work(manifest, reason, memo, existing is None or manifest.to_dict() != existing.to_dict())
 
 
 def commit_stage1(cache: Cache, work: Stage1Work) -> None:
     """Main process, under the lock, once every whole-run check passed: the manifest and the folder's hygiene."""
-    cache.entries_dir.mkdir(parents=True, exist_ok=True)
+    if cache.local:
+        (cache.folder / ENTRIES).mkdir(parents=True, exist_ok=True)
     cache.clean_temp_files()
     if work.manifest.pending is None:
-        _prune_orphans(cache, set(work.manifest.entries))
+        cache.prune(set(work.manifest.entries), work.manifest.entries)
     if work.changed:
         cache.write_manifest(work.manifest)
     cache.clear_journals()
@@ -293,13 +294,9 @@ def _work_reason(existing: Optional[Manifest], inputs: dict[str, Any], pending: 
     return f"all {count(len(valid), 'entry', 'entries')} valid: nothing to compute"
 
 
-def _prune_orphans(cache: Cache, keep: set[str]) -> int:
-    removed = 0
-    for path in cache.entry_files():
-        if path.name[: -len(".safetensors")] not in keep:
-            path.unlink(missing_ok=True)
-            removed += 1
-    return removed
+def present(cache: Cache) -> set[str]:
+    """The entry files and shards the cache holds (one listing)."""
+    return set(cache.store.list(ENTRIES)) | set(cache.store.list(SHARDS))
 
 
 def finish_stage1(cache: Cache, manifest: Manifest) -> tuple[list[int], dict[int, int]]:
@@ -310,20 +307,22 @@ def finish_stage1(cache: Cache, manifest: Manifest) -> tuple[list[int], dict[int
     entries = dict(manifest.entries)
     computed = []
     per_process: dict[int, int] = {}
-    for record in cache.read_journals():
-        if all(k in record for k in ("key", "file", "size", "sha256")):
-            entries[record["key"]] = {k: record[k] for k in ("key", "file", "size", "sha256")}
-            if "index" in record:
-                computed.append(int(record["index"]))
-            rank = int(record.get("rank", 0))
+    for raw in cache.read_journals():
+        record = entry_record(raw)
+        if record is not None:
+            entries[record["key"]] = record
+            if raw.get("index") is not None:
+                computed.append(int(raw["index"]))
+            rank = int(raw.get("rank", 0))
             per_process[rank] = per_process.get(rank, 0) + 1
     needed = {s["key"] for s in manifest.samples}
-    missing = [s for s in manifest.samples if s["key"] not in entries or not cache.entry_file(s["key"]).is_file()]
+    files = present(cache)
+    missing = [s for s in manifest.samples if s["key"] not in entries or entries[s["key"]]["file"] not in files]
     if missing:  # pragma: no cover - every process computes its share or stops with an error
         raise RuntimeError(f"stage 1 left {len(missing)} samples without a cache entry (e.g. index {missing[0]['index']})")
     manifest.status, manifest.pending = "complete", None
     manifest.entries = {k: entries[k] for k in sorted(needed)}
-    _prune_orphans(cache, needed)
+    cache.prune(needed, manifest.entries)
     cache.write_manifest(manifest)
     cache.clear_journals()
     return sorted(set(computed)), dict(sorted(per_process.items()))
@@ -340,7 +339,7 @@ def compute_entries(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache
     store_dtype = None if cfg.units.cache_dtype == cfg.units.dtype else getattr(torch, cfg.units.cache_dtype)
     done = 0
     bar = progress(work, len(work), "stage 1 (data_process)", cfg.output.progress and accelerator.is_local_main_process)
-    with torch.no_grad(), Journal(cache.journal_path(accelerator.process_index)) as journal, \
+    with torch.no_grad(), cache.writer(accelerator.process_index, cfg.args.cache_layout) as writer, \
             decoded_ahead(dataset, [int(item["index"]) for item in work], cfg.data.num_workers) as samples:
         for item in bar:
             index = int(item["index"])
@@ -359,8 +358,7 @@ def compute_entries(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache
                 raise BackendError(f"stage 1 stopped at sample {index} (metadata row {index + 1}): {exc.one_line()}; "
                                    f"the entries finished so far ({done} in this process) are kept: fix the input "
                                    "and run the same command again") from None
-            record = cache.store_entry(item["key"], values, {"key": item["key"], "index": index, "sample_id": item["sample_id"]})
-            journal.append({**record, "index": index, "rank": accelerator.process_index})
+            writer.add(item["key"], values, {"key": item["key"], "index": index, "sample_id": item["sample_id"]})
             done += 1
     del models, ctx
     gc.collect()
@@ -400,7 +398,7 @@ def decoded_ahead(dataset: DiffusionDataset, indices: list[int], workers: int):
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: Path, report: Reporter,
+def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: "str | Path", report: Reporter,
                      before_compute: Optional[Callable[[], None]] = None) -> Stage1Result:
     """Fill `cache_dir` for `plan`: each missing or damaged entry once, sharded over processes.
 
@@ -420,18 +418,18 @@ def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: Pa
     with contextlib.ExitStack() as stack:
         if main:
             cache.check_owned()
-            created = not cache.folder.exists()
-            had_lock = cache.lock_path.exists()
+            created = not cache.store.exists()
+            had_lock = cache.local and (cache.folder / LOCK).exists()
             stack.enter_context(cache.locked())
             try:
                 work = prepare_stage1(cfg, plan, dataset, cache, report)
                 if work.manifest.pending:  # a model that cannot load stops here, before anything is written
                     models = load_models(cfg, plan.data_process_models, training=False, device=accelerator.device)
             except BaseException:
-                if created:  # nothing of value was written: leave no trace
+                if created and cache.local:  # nothing of value was written: leave no trace
                     shutil.rmtree(cache.folder, ignore_errors=True)
-                elif not had_lock:
-                    cache.lock_path.unlink(missing_ok=True)
+                elif not had_lock and cache.local:
+                    (cache.folder / LOCK).unlink(missing_ok=True)
                 raise
             commit_stage1(cache, work)
             manifest, reason = work.manifest, work.reason
@@ -442,7 +440,7 @@ def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: Pa
         if not main:
             manifest = cache.read_manifest()
         if manifest is None:  # pragma: no cover - the main process wrote it before the barrier
-            raise BackendError("stage 1: the cache manifest vanished while starting", source=str(cache.folder))
+            raise BackendError("stage 1: the cache manifest vanished while starting", source=cache.location)
         pending = manifest.pending or []
         mine = pending[accelerator.process_index::accelerator.num_processes]
         if mine:
@@ -455,7 +453,7 @@ def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: Pa
             report(f"stage 1: computed {count(sum(per_process.values()), 'entry', 'entries')} over {accelerator.num_processes} "
                    f"process{'es' if accelerator.num_processes > 1 else ''} ({shares})")
     accelerator.wait_for_everyone()
-    stage1_validation(cfg, plan, cache.folder, manifest.key_inputs_hash, accelerator, report)
+    stage1_validation(cfg, plan, cache, manifest.key_inputs_hash, accelerator, report)
     accelerator.wait_for_everyone()  # every process reads the encoded prompts the main process stored
     skipped = list(manifest.skipped)
     if main and skipped:
@@ -466,7 +464,7 @@ def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: Pa
                         computed=computed, reused=unique - len(pending), skipped=skipped, reason=reason)
 
 
-def stage1_validation(cfg: RunConfig, plan: Plan, cache_dir: Path, key_hash: str, accelerator: Any,
+def stage1_validation(cfg: RunConfig, plan: Plan, cache: Cache, key_hash: str, accelerator: Any,
                       report: Reporter) -> None:
     """--validation_prompt in split training: the prompt units run here, on the prompts, and their outputs are
     stored beside the cache, so stage 2 renders samples without a text encoder (validation.py)."""
@@ -478,14 +476,14 @@ def stage1_validation(cfg: RunConfig, plan: Plan, cache_dir: Path, key_hash: str
             or not all(u.name in plan.data_process_units for u in units):
         return  # nothing to encode, or the prompt units train (they run at render time)
     try:
-        load_encoded(cache_dir, prompts, key_hash)
+        load_encoded(cache, prompts, key_hash)
         return  # already there for these prompts and this cache
     except BackendError:
         pass
     needed = sorted({m for u in units for m in u.models})
     models = load_models(cfg, needed, training=False, device=accelerator.device)
     encoded = encode_prompts(make_context(cfg, models, accelerator.device), cfg.pipeline, prompts)
-    store_encoded(cache_dir, prompts, key_hash, encoded)
+    store_encoded(cache, prompts, key_hash, encoded)
     report(f"stage 1: encoded {count(len(prompts), 'validation prompt', 'validation prompts')} for stage 2 ({VALIDATION_FILE}), which "
            f"renders samples without loading {', '.join(needed)}")
 
@@ -500,24 +498,24 @@ def repair_cache(cache_dir: str | Path, overrides: Optional[dict[str, Any]] = No
     cache = Cache(cache_dir)
     manifest = cache.read_manifest()
     if manifest is None:
-        raise BackendError("no manifest.json: not a cache folder", source=str(cache.folder))
+        raise BackendError("no manifest.json: not a cache folder", source=cache.location)
     recorded = dict(manifest.made_with)
     if not recorded.get("task"):
         raise BackendError("the manifest does not record how stage 1 ran (made_with); re-run the data_process stage",
-                           source=str(cache.manifest_path))
+                           source=cache.manifest_path)
     task = recorded.pop("task")
     recorded.setdefault("pipeline", manifest.pipeline)
     recorded.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
-        args = make_args(task=f"{task}:data_process", output_path=str(cache.folder), cache_path=str(cache.folder),
+        args = make_args(task=f"{task}:data_process", output_path=cache.location, cache_path=cache.location,
                          progress=progress, plot=False, **recorded)
     except TypeError as exc:  # a hand-edited made_with of the wrong shape
         raise BackendError(f"damaged cache manifest: made_with does not hold training arguments ({exc})",
-                           source=str(cache.manifest_path)) from None
+                           source=cache.manifest_path) from None
     cfg = RunConfig.from_args(args)
     plan = plan_for(cfg)
     if plan.fingerprint != manifest.plan_fingerprint:
         raise BackendError(f"the recorded arguments give another plan ({describe_plan_change(manifest, plan)})",
-                           source=str(cache.folder))
+                           source=cache.location)
     accelerator = make_accelerator(cfg)
-    return run_data_process(cfg, plan, accelerator, cache.folder, Reporter(accelerator, echo))
+    return run_data_process(cfg, plan, accelerator, cache.location, Reporter(accelerator, echo))

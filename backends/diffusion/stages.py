@@ -26,7 +26,7 @@ from unitgraph.runtime import stage1_dependencies
 
 from .validation import check_supported
 from .args import BackendError, TrainArgs, split_list
-from .cache import Cache, HashMemo, model_files_digest, sample_label
+from .cache import ENTRIES, SHARDS, Cache, model_files_digest, sample_label
 from .config import RunConfig
 from .context import DTYPE, UnitContext, describe_setting
 from .executor import LiveData, Stage2Data
@@ -36,9 +36,68 @@ from .outputs import RunFolder
 from .session import Reporter, RunResult, make_accelerator, make_dataset, plan_for, unit_grad
 from .data import SampleError
 from .stage1 import key_settings, model_files, run_data_process
+from .store import is_url, open_store
 from .training import run_training
 
 KEEP_IN_MEMORY_BYTES = 1 << 30  # stage 2 reads (and checks) a cache this small before its first step and keeps it
+READ_AHEAD = 32  # entries fetched ahead of the step from an object store
+READ_THREADS = 8  # ... by this many concurrent GETs
+
+
+def location(text: "str | Path") -> "str | Path":
+    """A cache location as given: an object-store URL stays a string, anything else is a local path."""
+    return str(text) if is_url(text) else Path(text)
+
+
+def present_sizes(cache: Cache) -> dict[str, int]:
+    """{file: size} of the entry files and shards a cache holds (one listing of each folder or prefix)."""
+    return {**cache.store.list(ENTRIES), **cache.store.list(SHARDS)}
+
+
+class ReadAhead:
+    """Entries fetched from an object store ahead of the step that needs them, READ_THREADS GETs at a time.
+
+    `schedule(keys)` gives the order entries will be asked for (an epoch's); at most READ_AHEAD of them
+    are in flight or waiting. `take(key)` hands over the bytes of a fetched entry (and tops the window
+    up), or None when that entry was not fetched ahead or its fetch failed: the caller then reads it
+    itself, and that read names what is wrong. Checksums are checked by the caller, as for any read.
+    """
+
+    def __init__(self, cache: Cache, records: dict[str, dict[str, Any]], depth: int = READ_AHEAD,
+                 threads: int = READ_THREADS):
+        import threading
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.cache, self.records, self.depth = cache, records, depth
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="unitgraph-read-ahead")
+        self.order: Any = deque()
+        self.futures: dict[str, Any] = {}
+        self.lock = threading.Lock()
+
+    def schedule(self, keys: list[str]) -> None:
+        from collections import deque
+
+        with self.lock:
+            self.order = deque(keys)
+            self._fill()
+
+    def take(self, key: str) -> Optional[bytes]:
+        with self.lock:
+            future = self.futures.pop(key, None)
+            self._fill()
+        if future is None:
+            return None
+        try:
+            return future.result()
+        except Exception:
+            return None
+
+    def _fill(self) -> None:
+        while len(self.futures) < self.depth and self.order:
+            key = self.order.popleft()
+            if key not in self.futures:
+                self.futures[key] = self.pool.submit(self.cache.entry_data, self.records[key])
 
 
 @dataclass(frozen=True)
@@ -111,7 +170,7 @@ def check_cache_matches(cfg: RunConfig, plan: Plan, cache: Cache, manifest: Mani
     except BackendError:
         files = None  # stage 2 need not have the stage-1 models at all; then there is nothing to compare
     if files is not None:
-        memo = HashMemo(cache.hashes_path)
+        memo = cache.memo()
         digests = model_files_digest(files, memo.digest)
         if save_memo:
             with contextlib.suppress(OSError):
@@ -124,7 +183,7 @@ def check_cache_matches(cfg: RunConfig, plan: Plan, cache: Cache, manifest: Mani
                 changes.append(f"{slot} weights differ from the cache's ({', '.join(changed[:3])})")
     if changes:
         raise BackendError(f"cache entries do not match this run: {'; '.join(changes)}; rebuild them with --task "
-                           f"{cfg.task}:data_process (same flags) or train with --task {cfg.task}:split", source=str(cache.folder))
+                           f"{cfg.task}:data_process (same flags) or train with --task {cfg.task}:split", source=cache.location)
 
 
 class CacheProvider:
@@ -136,7 +195,7 @@ class CacheProvider:
     checked) entirely up front. A damaged entry stops training with one line naming the sample.
     """
 
-    def __init__(self, pipeline: PipelineDef, plan: Plan, cache_dir: Path, cfg: Optional[RunConfig] = None,
+    def __init__(self, pipeline: PipelineDef, plan: Plan, cache_dir: "str | Path", cfg: Optional[RunConfig] = None,
                  report: Optional[Callable[[str], None]] = None, main: bool = True):
         report = report or (lambda _text: None)
         self.pipeline = pipeline
@@ -151,7 +210,7 @@ class CacheProvider:
         self._keys = {str(s["sample_id"]): str(s["key"]) for s in samples}
         self._labels = {str(s["sample_id"]): sample_label(s) for s in samples}
         self.records = manifest.entries
-        self.cache_dir, self.key_hash = Path(cache_dir), manifest.key_inputs_hash  # validation prompts beside it
+        self.cache_dir, self.key_hash = self.cache, manifest.key_inputs_hash  # validation prompts beside it
         if cfg is not None and cfg.validation.prompts:
             from .validation import load_encoded, prompt_units
 
@@ -166,46 +225,68 @@ class CacheProvider:
         stored = manifest.key_settings.get("cache_dtype") or DTYPE
         self.dtype = None if stored == DTYPE else getattr(torch, DTYPE)
         total = 0
-        hint = f"run 'unitgraph cache repair {self.cache.folder}' or the data_process stage again"
+        hint = f"run 'unitgraph cache repair {self.cache.location}' or the data_process stage again"
+        sizes = present_sizes(self.cache)  # one listing, not a request per entry
         for s in samples:
             record = self.records.get(str(s["key"]))
             if record is None:
-                raise BackendError(f"{sample_label(s)} has no entry record; {hint}", source=str(self.cache.manifest_path))
-            path = self.cache.folder / record["file"]
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                raise BackendError(f"cache entry of {sample_label(s)} is missing; {hint}", source=str(path)) from None
-            if size != record["size"]:
-                raise BackendError(f"cache entry of {sample_label(s)} has {size} bytes, expected {record['size']} "
-                                   f"(truncated or overwritten); {hint}", source=str(path))
-            total += size
+                raise BackendError(f"{sample_label(s)} has no entry record; {hint}", source=self.cache.manifest_path)
+            shown, size = self.cache.describe(record["file"]), sizes.get(record["file"])
+            end = int(record.get("offset", 0)) + int(record["size"])
+            if size is None:
+                raise BackendError(f"cache entry of {sample_label(s)} is missing; {hint}", source=shown)
+            if size < end or ("offset" not in record and size != end):
+                raise BackendError(f"cache entry of {sample_label(s)} has {size} bytes, expected {end} "
+                                   f"(truncated or overwritten); {hint}", source=shown)
+            total += int(record["size"])
         self.keep_in_memory = total <= KEEP_IN_MEMORY_BYTES
+        self.ahead: Optional[ReadAhead] = None if self.cache.local else ReadAhead(self.cache, self.records)
         if self.skipped:
             report(f"note: the cache leaves out {len(self.skipped)} samples that stage 1 skipped "
-                   f"('unitgraph cache info {self.cache.folder}' lists them)")
+                   f"('unitgraph cache info {self.cache.location}' lists them)")
         if self.keep_in_memory:
+            if self.ahead is not None:  # fetched concurrently, checked as each is parsed
+                self.ahead.schedule([self._keys[item.sample_id] for item in self.items])
             for item in self.items:
                 self.entry(item.sample_id)
 
     def label(self, item: Item) -> str:
         return self._labels.get(item.sample_id) or sample_label({"index": item.index, "sample_id": item.sample_id})
 
-    def entry_file(self, item: Item) -> Path:
-        """The entry file of a sample (its header gives the shapes stage 2 batches by; reading its values goes
-        through `entry`, which checks the checksum)."""
-        return self.cache.folder / self.records[self._keys[item.sample_id]]["file"]
+    def entry_file(self, item: Item) -> "Path | dict[str, Any]":
+        """The entry file of a sample, or its header where the entry is not a local file of its own (the header
+        gives the shapes stage 2 batches by; reading its values goes through `entry`, which checks the checksum)."""
+        record = self.records[self._keys[item.sample_id]]
+        if self.cache.local and "offset" not in record:
+            return self.cache.folder / record["file"]
+        return self.cache.entry_header(record)
+
+    def read_ahead(self, items: list[Item]) -> None:
+        """An epoch's reading order: on an object store its entries are fetched ahead, concurrently."""
+        if self.ahead is not None and not self.keep_in_memory:
+            self.ahead.schedule([self._keys[item.sample_id] for item in items])
 
     def entry(self, sample_id: str) -> dict[str, Any]:
         """The values of a sample's entry as stored, checked against its size and (on first read) its checksum."""
         key = self._keys[sample_id]
         if key in self._entries:
             return self._entries[key]
-        values = self.cache.load_entry(self.records[key], self._labels[sample_id], verify=key not in self._verified)
+        data = self.ahead.take(key) if self.ahead is not None else None
+        values = self.cache.load_entry(self.records[key], self._labels[sample_id], verify=key not in self._verified,
+                                       data=data)
         self._verified.add(key)
         if self.keep_in_memory:
             self._entries[key] = values
         return values
+
+
+def write_cache_run_files(cfg: RunConfig, plan: Plan, cache_dir: "str | Path", accelerator: Any) -> "str | Path":
+    """plan.json and training_args.json beside a data_process stage's cache (main process), local or not."""
+    store = open_store(cache_dir)
+    if accelerator.is_main_process:
+        store.write("plan.json", plan.to_json().encode("utf-8"))
+        store.write("training_args.json", cfg.args.to_json().encode("utf-8"))
+    return Path(store.describe("plan.json")) if store.local else store.describe("plan.json")
 
 
 def stage2_data(cfg: RunConfig, provider: CacheProvider) -> Stage2Data:
@@ -214,7 +295,8 @@ def stage2_data(cfg: RunConfig, provider: CacheProvider) -> Stage2Data:
     dtype when --cache_dtype stored them in another."""
     return Stage2Data(provider.pipeline, provider.plan, provider.items, read=lambda it: provider.entry(it.sample_id),
                       entry_path=provider.entry_file, seed=cfg.seed, batch_size=cfg.optim.batch_size,
-                      dataset_repeat=cfg.data.repeat, pad=cfg.family.pad, backward=provider.backward, dtype=provider.dtype)
+                      dataset_repeat=cfg.data.repeat, pad=cfg.family.pad, backward=provider.backward, dtype=provider.dtype,
+                      ahead=provider.read_ahead)
 
 
 def flag_notes(cfg: RunConfig, plan: Plan, accelerator: Any) -> list[str]:
@@ -260,14 +342,14 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, accelerat
     report = Reporter(accelerator, echo)
     for note in [*cfg.notes, *flag_notes(cfg, plan, accelerator)]:
         report.note(note)
-    output = Path(cfg.output.path)
+    output = location(cfg.output.path)
     result = RunResult(task=args.task, output_path=output, plan=plan)
     if cfg.stage != "data_process" and accelerator.is_main_process:
         resume = None if cfg.output.resume is None else {"task": args.task, "pipeline": plan.pipeline,
                                                          "plan_fingerprint": plan.fingerprint}
         RunFolder(output).check(cfg.output.overwrite, resume)  # refused before stage 1 spends any time
 
-    def stage1(cache_dir: Path, before_compute: Optional[Callable[[], None]] = None) -> None:
+    def stage1(cache_dir: "str | Path", before_compute: Optional[Callable[[], None]] = None) -> None:
         s1 = run_data_process(cfg, plan, accelerator, cache_dir, report, before_compute)
         result.cache_path, result.cache_reused = cache_dir, s1.reused_all
         result.entries_computed, result.entries_reused = len(s1.computed), s1.reused
@@ -276,18 +358,19 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, accelerat
         result.samples = s1.samples
 
     if cfg.stage == "data_process":
-        from .training import write_run_files
-
-        cache_dir = Path(cfg.cache_path) if cfg.cache_path else output
-        stage1(cache_dir, lambda: setattr(result, "plan_path", write_run_files(cfg, plan, cache_dir, accelerator)))
+        cache_dir = location(cfg.cache_path) if cfg.cache_path else output
+        stage1(cache_dir, lambda: setattr(result, "plan_path", write_cache_run_files(cfg, plan, cache_dir, accelerator)))
         return result
 
     if cfg.stage == "train":
         if not cfg.data.base_path:
             raise BackendError("--dataset_base_path must be the cache folder written by the data_process stage")
-        cache_dir = Path(cfg.data.base_path)
+        cache_dir = location(cfg.data.base_path)
     elif cfg.stage == "split":
-        cache_dir = Path(cfg.cache_path) if cfg.cache_path else output / "cache"
+        if is_url(cfg.output.path):
+            raise BackendError("--output_path of a training run is a local folder (the cache may be on an object "
+                               "store: --cache_path s3://...)", source=cfg.output.path)
+        cache_dir = location(cfg.cache_path) if cfg.cache_path else output / "cache"
         stage1(cache_dir)
     if cfg.stage in ("train", "split"):
         provider: Any = CacheProvider(cfg.pipeline, plan, cache_dir, cfg=cfg, report=report, main=accelerator.is_main_process)

@@ -71,8 +71,14 @@ def _key(prompts: list[str], key_hash: str) -> str:
     return hashlib.sha256(json.dumps({"prompts": prompts, "key": key_hash}).encode("utf-8")).hexdigest()
 
 
-def store_encoded(cache_dir: Path, prompts: list[str], key_hash: str, encoded: list[dict[str, Any]]) -> Path:
-    """Write the encoded validation prompts beside the cache's entries (atomically)."""
+def _cache(location: Any) -> Any:
+    from .cache import Cache
+
+    return location if isinstance(location, Cache) else Cache(location)
+
+
+def store_encoded(cache_dir: Any, prompts: list[str], key_hash: str, encoded: list[dict[str, Any]]) -> str:
+    """Write the encoded validation prompts beside the cache's entries (whole: a rename or one PUT); where."""
     from safetensors.torch import save
 
     tensors, none = {}, []
@@ -83,31 +89,40 @@ def store_encoded(cache_dir: Path, prompts: list[str], key_hash: str, encoded: l
             else:
                 tensors[f"{i}.{name}"] = value.detach().to("cpu").contiguous().clone()
     meta = {"unitgraph_validation": json.dumps({"prompts": prompts, "key": _key(prompts, key_hash), "none": none})}
-    path = Path(cache_dir) / VALIDATION_FILE
-    write_bytes_atomic(path, save(tensors, metadata=meta))
-    return path
+    cache = _cache(cache_dir)
+    cache.store.write(VALIDATION_FILE, save(tensors, metadata=meta))
+    return cache.describe(VALIDATION_FILE)
 
 
-def load_encoded(cache_dir: Path, prompts: list[str], key_hash: str) -> list[dict[str, Any]]:
+def load_encoded(cache_dir: Any, prompts: list[str], key_hash: str) -> list[dict[str, Any]]:
     """The encoded validation prompts stored by stage 1; a one-line error when they are missing or stale."""
-    from safetensors import safe_open
+    from safetensors.torch import load
 
-    path = Path(cache_dir) / VALIDATION_FILE
+    from .cache import _safetensors_header
+
+    cache = _cache(cache_dir)
+    shown = cache.describe(VALIDATION_FILE)
     hint = "run stage 1 (--task sft:data_process, or sft:split) with the same --validation_prompt values"
-    if not path.is_file():
-        raise BackendError(f"the cache holds no encoded validation prompts; {hint}", source=str(Path(cache_dir)))
-    with safe_open(str(path), framework="pt") as handle:
-        meta = json.loads((handle.metadata() or {}).get("unitgraph_validation", "{}"))
-        if meta.get("key") != _key(prompts, key_hash):
-            raise BackendError(f"the cache's encoded validation prompts are {meta.get('prompts')!r}, not these; {hint}",
-                               source=str(path))
-        out: list[dict[str, Any]] = [{} for _ in prompts]
-        for name in handle.keys():
-            i, _, param = name.partition(".")
-            out[int(i)][param] = handle.get_tensor(name)
-        for name in meta.get("none", []):
-            i, _, param = name.partition(".")
-            out[int(i)][param] = None
+    try:
+        data = cache.store.read(VALIDATION_FILE)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise BackendError(f"the cache holds no encoded validation prompts; {hint}", source=cache.location) from None
+    header = _safetensors_header(data, shown)
+    try:
+        meta = json.loads((header.get("__metadata__") or {}).get("unitgraph_validation", "{}"))
+        tensors = load(data)
+    except Exception as exc:  # safetensors raises its own error types for damaged files
+        raise BackendError(f"unreadable encoded validation prompts ({type(exc).__name__}); {hint}", source=shown) from None
+    if not isinstance(meta, dict) or meta.get("key") != _key(prompts, key_hash):
+        shown_prompts = meta.get("prompts") if isinstance(meta, dict) else None
+        raise BackendError(f"the cache's encoded validation prompts are {shown_prompts!r}, not these; {hint}", source=shown)
+    out: list[dict[str, Any]] = [{} for _ in prompts]
+    for name, tensor in tensors.items():
+        i, _, param = name.partition(".")
+        out[int(i)][param] = tensor
+    for name in meta.get("none", []):
+        i, _, param = name.partition(".")
+        out[int(i)][param] = None
     return out
 
 
