@@ -56,8 +56,10 @@ def repair_command(
     result = repair_cache(folder, overrides, echo=_warn, progress=progress)
     if result.computed:
         shown = ", ".join(str(i) for i in result.computed[:10]) + (", ..." if len(result.computed) > 10 else "")
-        typer.echo(f"repaired {folder}: recomputed {len(result.computed)} entries (samples {shown}); "
-                   f"{result.reused} valid entries kept")
+        entries = "1 entry" if len(result.computed) == 1 else f"{len(result.computed)} entries"
+        kept = "1 valid entry" if result.reused == 1 else f"{result.reused} valid entries"
+        typer.echo(f"repaired {folder}: recomputed {entries} (sample{'s' if len(result.computed) > 1 else ''} {shown}); "
+                   f"{kept} kept")
     else:
         typer.echo(f"nothing to repair in {folder}: all {result.reused} entries are valid")
 

@@ -151,10 +151,12 @@ class S3Server:
         return f"S3Server({self.endpoint!r})"
 
 
-def start_server() -> S3Server:
+def start_server(in_process: bool = True) -> S3Server:
     """Start moto's standalone server on 127.0.0.1 with a free port and return it.
 
-    Skips the calling test (``pytest.skip``) when moto's server is not installed.
+    `in_process=False` runs it as a `moto_server` process of its own (the benchmark's choice: the
+    server then does not share the measured process's interpreter lock). Skips the calling test
+    (``pytest.skip``) when moto's server is not installed.
     """
     try:
         import moto  # noqa: F401
@@ -165,7 +167,7 @@ def start_server() -> S3Server:
     except ImportError:  # an older moto, or one installed without the [server] extra
         ThreadedMotoServer = None
 
-    if ThreadedMotoServer is not None:
+    if ThreadedMotoServer is not None and in_process:
         _quiet_request_log()
         server = ThreadedMotoServer(ip_address=HOST, port=0, verbose=False)
         server.start()
