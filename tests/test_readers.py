@@ -631,3 +631,27 @@ def test_random_bytes_as_images_are_skipped_or_read(tmp_path_factory, data):
         assert sampled["image"].mode == "RGB" and sampled["prompt"] == "a picture"
     if isinstance(checked, SampleError):
         assert checked.index == 0
+
+
+# --- cache locations (store.py): a path, a file:// URL or s3://bucket/prefix; anything else is one line ---
+
+@given(scheme=st.sampled_from(["", "file://", "s3://", "s3a://", "gs://", "http://", "s3://AKIA:Sup3rS3cret@"]),
+       rest=st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40))
+@example(scheme="s3://AKIA:Sup3rS3cret@", rest="bucket/prefix")
+@example(scheme="s3://", rest="")
+@example(scheme="s3://", rest="bucket/a?versionId=1")
+def test_a_cache_location_is_a_store_or_one_line_that_never_shows_a_secret(scheme, rest):
+    from unitgraph.backends.diffusion.store import LocalStore, ObjectStore, open_store
+
+    text = scheme + rest
+    try:
+        store = open_store(text)
+    except UnitgraphError as exc:
+        line = exc.one_line()
+        assert "\n" not in line.strip() and "Sup3rS3cret" not in line
+        return
+    if isinstance(store, ObjectStore):
+        assert scheme in ("s3://", "s3a://") and store.bucket and "@" not in store.bucket
+        assert store.describe("manifest.json").startswith(f"s3://{store.bucket}/") and "Sup3rS3cret" not in store.location
+    else:
+        assert isinstance(store, LocalStore) and scheme in ("", "file://") or "://" not in text

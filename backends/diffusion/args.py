@@ -97,6 +97,7 @@ class TrainArgs:
     cache_layout: str = _f("files", "files (one object per entry) or shards (many entries per object, per process: for caches of millions of samples on an object store).", "unitgraph")
     cache_mode: str = _f("latest", "latest or versioned (see docs/semantics.md, section 'Cache mode versioned').", "unitgraph")
     batch_size: int = _f(1, "Samples per micro-step in stage 2 (:train, :split): cached samples of equal shapes batched together; unsplit sft takes 1.", "unitgraph")
+    data_process_batch_size: Optional[int] = _f(None, "Samples per model call in stage 1: samples of equal shapes go through the VAE and text encoders together (entries stay per sample; the VAE's batched kernels round differently, within 1e-6, so split training then matches unsplit within that, not bit for bit). Default: the family's (1).", "unitgraph")
     cache_dtype: Optional[str] = _f(None, "bf16, fp16 or fp32: dtype of the floating tensors stage 1 stores (default: the dtype the model computes in); stage 2 casts them back.", "unitgraph")
     plot: bool = _f(True, "Write loss.png at the end.", "unitgraph")
     progress: bool = _f(True, "Show progress bars.", "unitgraph")
@@ -173,6 +174,8 @@ class TrainArgs:
                                "unsplit training takes one sample per micro-step (use --gradient_accumulation_steps)")
         if self.cache_dtype is not None and self.cache_dtype not in CACHE_DTYPE_FLAGS:
             raise BackendError(f"--cache_dtype must be one of {', '.join(CACHE_DTYPE_FLAGS)}, got {self.cache_dtype!r}")
+        if self.data_process_batch_size is not None and self.data_process_batch_size < 1:
+            raise BackendError(f"--data_process_batch_size must be at least 1, got {self.data_process_batch_size}")
         if self.cache_layout not in ("files", "shards"):
             raise BackendError(f"--cache_layout must be files or shards, got {self.cache_layout!r}")
         if self.dataset_num_workers < 0:

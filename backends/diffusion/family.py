@@ -37,6 +37,7 @@ __all__ = [
     "UnitCode",
     "lazy_module",
     "sink",
+    "stacked",
     "unit",
 ]
 
@@ -67,17 +68,33 @@ def lazy_module(name: str) -> ModuleType:
 # units and sinks
 
 
+BatchFn = Callable[[Any, list[dict[str, Any]]], list[dict[str, Any]]]
+
+
 @dataclass(frozen=True)
 class UnitCode:
     """A unit's declaration together with the function that runs it and the settings it reads.
 
     `fn(ctx, **inputs) -> {output: value}` works on one sample (batch dimension 1); `ctx.model(slot)`
     is the only way to a model, so a stage that did not load a model can never run a unit needing it.
+    `batch(ctx, [inputs, ...]) -> [outputs, ...]`, when the unit has one, computes several samples in
+    one model call (stage 1's --data_process_batch_size); it must give each sample what `fn` gives it.
     """
 
     declaration: Unit
     fn: Callable[..., dict[str, Any]] = field(compare=False)
     settings: tuple[str, ...] = ()
+    batch: Optional[BatchFn] = field(default=None, compare=False)
+
+    def run_batch(self, ctx: Any, samples: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Outputs of each of `samples` (mappings holding at least the declared inputs): one batched call where
+        the unit has a batch form, else one call per sample."""
+        if self.batch is None or len(samples) < 2:
+            return [self(ctx, s) for s in samples]
+        outs = self.batch(ctx, [{p: s[p] for p in self.declaration.inputs} for s in samples])
+        if len(outs) != len(samples) or any(set(o) != set(self.declaration.outputs) for o in outs):
+            raise RuntimeError(f"unit {self.name}: its batch form did not give each sample its declared outputs")
+        return outs
 
     @property
     def name(self) -> str:
@@ -104,13 +121,17 @@ class UnitCode:
 
 
 def unit(name: str, *, inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = (), models: tuple[str, ...] = (),
-         deterministic: bool = True, settings: tuple[str, ...] = (),
-         configs: tuple[str, ...] = ()) -> Callable[[Callable[..., dict[str, Any]]], UnitCode]:
+         deterministic: bool = True, settings: tuple[str, ...] = (), configs: tuple[str, ...] = (),
+         batch: "str | BatchFn | None" = None) -> Callable[[Callable[..., dict[str, Any]]], UnitCode]:
     """Declare the decorated function as unit `name` (see the module docstring).
 
     `configs` are models whose configuration the unit reads (`ctx.config(slot)`) without calling them:
     they do not pull the unit into training when the model needs backward, and a stage that runs it
     reads the model's config.json only.
+
+    `batch`: how the unit computes several samples at once: "stack" (`stacked`: samples whose inputs
+    have equal shapes go through `fn` together, concatenated along dim 0, its outputs split again), or a
+    function `batch(ctx, [inputs, ...]) -> [outputs, ...]`. None: one sample at a time.
 
     Raises ValueError at import time for a setting outside SETTINGS, so a typo cannot make a cache
     key miss what a unit reads.
@@ -122,9 +143,61 @@ def unit(name: str, *, inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = 
     def wrap(fn: Callable[..., dict[str, Any]]) -> UnitCode:
         extra = {"configs": tuple(configs)} if configs else {}
         declaration = Unit(name, inputs=inputs, outputs=outputs, models=models, deterministic=deterministic, **extra)
-        return UnitCode(declaration, fn, tuple(settings))
+        batched = stacked(fn, tuple(outputs)) if batch == "stack" else batch
+        if batched is not None and not callable(batched):
+            raise ValueError(f"unit {name}: batch must be 'stack', a function or None, got {batch!r}")
+        return UnitCode(declaration, fn, tuple(settings), batched)
 
     return wrap
+
+
+def _signature(value: Any) -> Any:
+    """What must be equal for two samples' input to be stacked: a tensor's shape and dtype, a plain value itself."""
+    shape = getattr(value, "shape", None)
+    if shape is not None and hasattr(value, "dtype"):
+        return ("tensor", tuple(shape), str(value.dtype), str(getattr(value, "device", "")))
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return ("value", value)
+    return ("solo", id(value))  # anything else is never stacked
+
+
+def stacked(fn: Callable[..., dict[str, Any]], outputs: tuple[str, ...]) -> BatchFn:
+    """The batch form of a unit whose tensors carry a batch dimension of 1: samples whose inputs have equal
+    signatures (`_signature`) are concatenated along dim 0 and go through `fn` in one call; each tensor output
+    (of batch size n) is split back into n samples, a None output stays None. A group whose outputs do not
+    split so runs one sample at a time. Exact as long as the model's kernels compute each row of a batch as
+    they compute it alone: the VAEs' batched convolutions round differently, within 1e-6 (docs/benchmarks.md;
+    the conformance suite checks every pipeline)."""
+
+    def batch(ctx: Any, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        import torch
+
+        groups: dict[Any, list[int]] = {}
+        for k, inputs in enumerate(samples):
+            key = tuple((p, _signature(v)) for p, v in sorted(inputs.items()))
+            groups.setdefault(key, []).append(k)
+        out: list[Optional[dict[str, Any]]] = [None] * len(samples)
+        for members in groups.values():
+            first = samples[members[0]]
+            if len(members) == 1 or not all(getattr(v, "shape", (1,))[:1] == (1,) for v in first.values()
+                                              if _signature(v)[0] == "tensor"):
+                for k in members:
+                    out[k] = fn(ctx, **samples[k])
+                continue
+            joined = {p: torch.cat([samples[k][p] for k in members]) if _signature(v)[0] == "tensor" else v
+                      for p, v in first.items()}
+            result = fn(ctx, **joined)
+            n = len(members)
+            if all(result[o] is None or (isinstance(result[o], torch.Tensor) and result[o].shape[:1] == (n,))
+                   for o in outputs):
+                for j, k in enumerate(members):
+                    out[k] = {o: None if result[o] is None else result[o][j:j + 1] for o in outputs}
+            else:
+                for k in members:
+                    out[k] = fn(ctx, **samples[k])
+        return [o for o in out if o is not None]
+
+    return batch
 
 
 @dataclass(frozen=True)
@@ -268,6 +341,10 @@ class Family:
     diffusers_pipelines: tuple[str, ...]
     tiny: str = ".tiny"
     pad: Mapping[str, str] = field(default_factory=dict)
+    # stage 1's samples per model call unless --data_process_batch_size says. 1: a convolution's batched CPU
+    # kernels round differently (docs/benchmarks.md), and only unbatched entries keep split training bit for bit
+    # the unsplit run
+    data_process_batch_size: int = 1
     demo: Mapping[str, Any] = field(default_factory=dict)
     render: Optional[str] = None
     render_models: tuple[str, ...] = ()

@@ -330,38 +330,79 @@ def finish_stage1(cache: Cache, manifest: Manifest) -> tuple[list[int], dict[int
 
 def compute_entries(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache: Cache, work: list[dict[str, Any]],
                     accelerator: Any, models: Optional[dict[str, Any]] = None) -> None:
-    """Compute and store the given entries, recording each in this process's journal once it is in place."""
+    """Compute and store the given entries, recording each in this process's journal once it is in place.
+
+    Samples go through the units `batch_size` at a time (--data_process_batch_size): a unit with a batch form
+    (family.UnitCode.batch) computes the samples of equal shapes in one model call, every other unit one
+    sample at a time. Entries stay one per sample, written (and journaled) as each batch finishes.
+    """
     if models is None:
         models = load_models(cfg, plan.data_process_models, training=False, device=accelerator.device)
     ctx = make_context(cfg, models, accelerator.device)
     schedule = stage1_schedule(plan)
     code = cfg.pipeline.unit_code()
     store_dtype = None if cfg.units.cache_dtype == cfg.units.dtype else getattr(torch, cfg.units.cache_dtype)
+    size = data_process_batch_size(cfg)
     done = 0
-    bar = progress(work, len(work), "stage 1 (data_process)", cfg.output.progress and accelerator.is_local_main_process)
+    bar = progress(None, len(work), "stage 1 (data_process)", cfg.output.progress and accelerator.is_local_main_process)
     with torch.no_grad(), cache.writer(accelerator.process_index, cfg.args.cache_layout) as writer, \
             decoded_ahead(dataset, [int(item["index"]) for item in work], cfg.data.num_workers) as samples:
-        for item in bar:
-            index = int(item["index"])
-            try:
-                state = samples(index)
-                values = {key: state.get(param) for param, key in schedule.snapshots_after.get(None, [])}
-                for name in schedule.units:
-                    state.update(code[name](ctx, state))
-                    for param, key in schedule.snapshots_after.get(name, []):
-                        values[key] = state[param]
+        for first in range(0, len(work), size):
+            chunk = work[first:first + size]
+            indices = [int(item["index"]) for item in chunk]
+            states = []
+            for index in indices:
+                with _naming(index, done):
+                    states.append(samples(index))
+            values = [{key: state.get(param) for param, key in schedule.snapshots_after.get(None, [])} for state in states]
+            for name in schedule.units:
+                for state, out in zip(states, run_unit(code[name], ctx, states, indices, done)):
+                    state.update(out)
+                for param, key in schedule.snapshots_after.get(name, []):
+                    for state, kept in zip(states, values):
+                        kept[key] = state[param]
+            for item, index, state, kept in zip(chunk, indices, states, values):
                 for param, key in schedule.final:
-                    values[key] = state.get(param)
+                    kept[key] = state.get(param)
                 if store_dtype is not None:  # --cache_dtype: floating tensors stored in another dtype
-                    values = {key: _cast(value, store_dtype) for key, value in values.items()}
-            except BackendError as exc:
-                raise BackendError(f"stage 1 stopped at sample {index} (metadata row {index + 1}): {exc.one_line()}; "
-                                   f"the entries finished so far ({done} in this process) are kept: fix the input "
-                                   "and run the same command again") from None
-            writer.add(item["key"], values, {"key": item["key"], "index": index, "sample_id": item["sample_id"]})
-            done += 1
+                    kept = {key: _cast(value, store_dtype) for key, value in kept.items()}
+                writer.add(item["key"], kept, {"key": item["key"], "index": index, "sample_id": item["sample_id"]})
+                done += 1
+            bar.update(len(chunk))
+    bar.close()
     del models, ctx
     gc.collect()
+
+
+def data_process_batch_size(cfg: RunConfig) -> int:
+    """--data_process_batch_size, else the family's default."""
+    return int(cfg.args.data_process_batch_size or cfg.family.data_process_batch_size)
+
+
+@contextlib.contextmanager
+def _naming(index: int, done: int):
+    """A BackendError about one sample becomes stage 1's one line naming it (and what is kept)."""
+    try:
+        yield
+    except BackendError as exc:
+        raise BackendError(f"stage 1 stopped at sample {index} (metadata row {index + 1}): {exc.one_line()}; "
+                           f"the entries finished so far ({done} in this process) are kept: fix the input "
+                           "and run the same command again") from None
+
+
+def run_unit(unit: Any, ctx: Any, states: list[dict[str, Any]], indices: list[int], done: int) -> list[dict[str, Any]]:
+    """One unit over a batch of samples: batched where the unit can (a bad sample then runs alone, so the error
+    names it), else sample by sample."""
+    if len(states) > 1 and unit.batch is not None:
+        try:
+            return unit.run_batch(ctx, states)
+        except BackendError:
+            pass  # one of them is bad: run one by one below, which names it
+    outs = []
+    for state, index in zip(states, indices):
+        with _naming(index, done):
+            outs.append(unit(ctx, state))
+    return outs
 
 
 @contextlib.contextmanager

@@ -72,11 +72,11 @@ def open_store(location: str | Path) -> "Store":
     if isinstance(location, Path):
         return LocalStore(location)
     text = str(location)
-    if text.startswith("file://"):
-        return LocalStore(Path(urlsplit(text).path))
     if "://" not in text:
         return LocalStore(Path(text))
-    parts = urlsplit(text)
+    parts = _split(text)
+    if parts.scheme == "file":
+        return LocalStore(Path(parts.path))
     if parts.scheme not in ("s3", "s3a"):
         raise BackendError(f"unsupported storage scheme {parts.scheme}:// (caches live in a local folder or at "
                            "s3://bucket/prefix)", source=_safe(text))
@@ -90,9 +90,19 @@ def open_store(location: str | Path) -> "Store":
     return ObjectStore(parts.netloc, parts.path.strip("/"))
 
 
+def _split(text: str) -> Any:
+    try:
+        return urlsplit(text)
+    except ValueError as exc:  # e.g. an unclosed '[' (urllib reads it as an IPv6 host)
+        raise BackendError(f"not a valid URL ({exc})", source=_safe(text)) from None
+
+
 def _safe(text: str) -> str:
     """A URL for messages, with anything before '@' in its host part removed."""
-    parts = urlsplit(text)
+    try:
+        parts = urlsplit(text)
+    except ValueError:
+        return text.split("://", 1)[0] + "://..." if "@" in text else text
     if "@" not in parts.netloc:
         return text
     return f"{parts.scheme}://***@{parts.netloc.rsplit('@', 1)[1]}{parts.path}"

@@ -32,7 +32,7 @@ def predict(ctx, latents: torch.Tensor, sigma: torch.Tensor, prompt_emb: Any, po
             latent_grid: Any, kontext_latents: Any = None, kontext_grids: Any = None) -> torch.Tensor:
     """The transformer's velocity for packed latents at noise level sigma (reference tokens appended, then cut off)."""
     dit, raw = ctx.model("dit"), ctx.raw("dit")
-    dtype = raw.dtype
+    dtype = ctx.model_dtype("dit")
     tokens = latents.shape[1]
     hidden = latents
     img_ids = grid_ids(latent_grid[0], 0.0, latents)

@@ -85,7 +85,7 @@ def encode_distribution(ctx, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 @unit("ImageEncoder", inputs=("image",), outputs=("latent_mean", "latent_logvar"), models=("vae_encoder",),
-      settings=("dtype", "cache_dtype"))
+      settings=("dtype", "cache_dtype"), batch="stack")
 def image_encoder(ctx, image: torch.Tensor) -> dict[str, Any]:
     mean, logvar = encode_distribution(ctx, image)
     return {"latent_mean": mean, "latent_logvar": logvar}
@@ -126,26 +126,44 @@ def _prompt(prompt: Any) -> str:
     return prompt
 
 
-@unit("ClipPromptEncoder", inputs=("prompt",), outputs=("pooled_prompt_emb",), models=("text_encoder_1",),
-      settings=("dtype", "cache_dtype"))
-def clip_prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
-    """CLIP's pooled output over the prompt padded to 77 tokens (FluxPipeline._get_clip_prompt_embeds)."""
+def clip_pooled(ctx, prompts: list[Any]) -> torch.Tensor:
+    """CLIP's pooled output over each prompt padded to 77 tokens (FluxPipeline._get_clip_prompt_embeds): (n, D)."""
     tokenizer = ctx.model("tokenizer_1")
-    ids = tokenizer([_prompt(prompt)], padding="max_length", max_length=CLIP_MAX_LENGTH, truncation=True,
+    ids = tokenizer([_prompt(p) for p in prompts], padding="max_length", max_length=CLIP_MAX_LENGTH, truncation=True,
                     return_tensors="pt").input_ids
     out = ctx.model("text_encoder_1")(ids.to(ctx.device), output_hidden_states=False)
-    return {"pooled_prompt_emb": out.pooler_output.to(ctx.dtype)}
+    return out.pooler_output.to(ctx.dtype)
+
+
+def _clip_batch(ctx, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    pooled = clip_pooled(ctx, [s["prompt"] for s in samples])  # every prompt padded to 77: one batch
+    return [{"pooled_prompt_emb": pooled[k:k + 1]} for k in range(len(samples))]
+
+
+@unit("ClipPromptEncoder", inputs=("prompt",), outputs=("pooled_prompt_emb",), models=("text_encoder_1",),
+      settings=("dtype", "cache_dtype"), batch=_clip_batch)
+def clip_prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
+    return {"pooled_prompt_emb": clip_pooled(ctx, [prompt])}
+
+
+def t5_hidden(ctx, prompts: list[Any]) -> torch.Tensor:
+    """T5's last hidden state over each prompt padded to 512 tokens (FluxPipeline._get_t5_prompt_embeds): (n, 512, D)."""
+    tokenizer = ctx.model("tokenizer_2")
+    ids = tokenizer([_prompt(p) for p in prompts], padding="max_length", max_length=T5_SEQUENCE_LENGTH,
+                    truncation=True, return_tensors="pt").input_ids
+    out = ctx.model("text_encoder_2")(ids.to(ctx.device), output_hidden_states=False)
+    return out[0].to(ctx.dtype)
+
+
+def _t5_batch(ctx, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    hidden = t5_hidden(ctx, [s["prompt"] for s in samples])  # every prompt padded to 512: one batch
+    return [{"prompt_emb": hidden[k:k + 1]} for k in range(len(samples))]
 
 
 @unit("T5PromptEncoder", inputs=("prompt",), outputs=("prompt_emb",), models=("text_encoder_2",),
-      settings=("dtype", "cache_dtype"))
+      settings=("dtype", "cache_dtype"), batch=_t5_batch)
 def t5_prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
-    """T5's last hidden state over the prompt padded to 512 tokens (FluxPipeline._get_t5_prompt_embeds)."""
-    tokenizer = ctx.model("tokenizer_2")
-    ids = tokenizer([_prompt(prompt)], padding="max_length", max_length=T5_SEQUENCE_LENGTH, truncation=True,
-                    return_tensors="pt").input_ids
-    out = ctx.model("text_encoder_2")(ids.to(ctx.device), output_hidden_states=False)
-    return {"prompt_emb": out[0].to(ctx.dtype)}
+    return {"prompt_emb": t5_hidden(ctx, [prompt])}
 
 
 @unit("GuidanceEmbedder", inputs=("embedded_guidance",), outputs=("guidance",), settings=("cache_dtype",))

@@ -20,15 +20,15 @@ def predict(ctx, latents: torch.Tensor, sigma: torch.Tensor, prompt_emb: torch.T
             prompt_emb_mask: Any, edit_latents: Any, img_shapes: Any) -> torch.Tensor:
     """The transformer's velocity for packed latents at noise level sigma (edit tokens appended, then cut off)."""
     dit = ctx.model("dit")
-    raw = ctx.raw("dit")
+    dtype = ctx.model_dtype("dit")
     tokens = latents.shape[1]
     hidden = latents if edit_latents is None else torch.cat([latents, ctx.tensor(edit_latents)], dim=1)
     mask = ctx.tensor(prompt_emb_mask)
     out = dit(
-        hidden_states=hidden.to(raw.dtype),
-        encoder_hidden_states=ctx.tensor(prompt_emb).to(raw.dtype),
+        hidden_states=hidden.to(dtype),
+        encoder_hidden_states=ctx.tensor(prompt_emb).to(dtype),
         encoder_hidden_states_mask=mask,
-        timestep=sigma.to(raw.dtype).reshape(-1).expand(latents.shape[0]),
+        timestep=sigma.to(dtype).reshape(-1).expand(latents.shape[0]),
         img_shapes=[[tuple(s) for s in shapes] for shapes in img_shapes],
         return_dict=False,
     )[0]

@@ -202,7 +202,7 @@ def encode_distribution(ctx, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 @unit("ImageEncoder", inputs=("image",), outputs=("latent_mean", "latent_logvar"), models=("vae",),
-      settings=("dtype", "cache_dtype"))
+      settings=("dtype", "cache_dtype"), batch="stack")
 def image_encoder(ctx, image: torch.Tensor) -> dict[str, Any]:
     mean, logvar = encode_distribution(ctx, image)
     return {"latent_mean": mean, "latent_logvar": logvar}
@@ -261,12 +261,33 @@ def encode_prompts(ctx, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]
     return emb.to(ctx.dtype), emb_mask
 
 
-@unit("PromptEncoder", inputs=("prompt",), outputs=("prompt_emb", "prompt_emb_mask"), models=("text_encoder",),
-      settings=("dtype", "cache_dtype"))
-def prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
+def _prompt(prompt: Any) -> str:
     if not isinstance(prompt, str):
         raise BackendError(f"prompt must be a string, got {type(prompt).__name__}")
-    emb, mask = encode_prompts(ctx, [prompt])
+    return prompt
+
+
+def _prompt_batch(ctx, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Prompts of equal token length encoded together: no padding, so each gets what it gets alone."""
+    prompts = [_prompt(s["prompt"]) for s in samples]
+    tokenizer = ctx.model("tokenizer")
+    lengths = [len(ids) for ids in tokenizer([PROMPT_TEMPLATE.format(p) for p in prompts], truncation=True,
+                                             max_length=TOKENIZER_MAX_LENGTH + PROMPT_TEMPLATE_DROP).input_ids]
+    groups: dict[int, list[int]] = {}
+    for k, length in enumerate(lengths):
+        groups.setdefault(length, []).append(k)
+    out: list[dict[str, Any]] = [{} for _ in prompts]
+    for members in groups.values():
+        emb, mask = encode_prompts(ctx, [prompts[k] for k in members])
+        for j, k in enumerate(members):
+            out[k] = {"prompt_emb": emb[j:j + 1], "prompt_emb_mask": mask[j:j + 1]}
+    return out
+
+
+@unit("PromptEncoder", inputs=("prompt",), outputs=("prompt_emb", "prompt_emb_mask"), models=("text_encoder",),
+      settings=("dtype", "cache_dtype"), batch=_prompt_batch)
+def prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
+    emb, mask = encode_prompts(ctx, [_prompt(prompt)])
     return {"prompt_emb": emb, "prompt_emb_mask": mask}
 
 

@@ -20,8 +20,8 @@ F = lazy_module("torch.nn.functional")
 def predict(ctx, latents: torch.Tensor, timestep: torch.Tensor, prompt_emb: Any, condition: Any = None,
             image_embeds: Any = None) -> torch.Tensor:
     """The transformer's velocity for latents (B, z, T, h, w) at `timestep` (B,), on the 0..1000 scale."""
-    dit, raw = ctx.model("dit"), ctx.raw("dit")
-    dtype = raw.dtype
+    dit = ctx.model("dit")
+    dtype = ctx.model_dtype("dit")
     hidden = latents if condition is None else torch.cat([latents, ctx.tensor(condition).to(latents.dtype)], dim=1)
     return dit(
         hidden_states=hidden.to(dtype),

@@ -88,7 +88,7 @@ def encode_distribution(ctx, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 @unit("VideoEncoder", inputs=("video",), outputs=("latent_mean", "latent_logvar"), models=("vae",),
-      settings=("dtype", "cache_dtype"))
+      settings=("dtype", "cache_dtype"), batch="stack")
 def video_encoder(ctx, video: torch.Tensor) -> dict[str, Any]:
     mean, logvar = encode_distribution(ctx, video)
     return {"latent_mean": mean, "latent_logvar": logvar}
@@ -140,20 +140,28 @@ def clean_prompt(text: str) -> str:
     return re.sub(r"\s+", " ", html.unescape(html.unescape(text)).strip()).strip()
 
 
-@unit("PromptEncoder", inputs=("prompt",), outputs=("prompt_emb",), models=("text_encoder",),
-      settings=("dtype", "cache_dtype"))
-def prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
-    """UMT5 over the prompt padded to 512 tokens, zeroed after its own (WanPipeline._get_t5_prompt_embeds)."""
-    if not isinstance(prompt, str):
-        raise BackendError(f"prompt must be a string, got {type(prompt).__name__}")
-    tokens = ctx.model("tokenizer")([clean_prompt(prompt)], padding="max_length", max_length=TEXT_LENGTH,
+def encode_prompts(ctx, prompts: list[Any]) -> torch.Tensor:
+    """UMT5 over each prompt padded to 512 tokens, zeroed after its own (WanPipeline._get_t5_prompt_embeds): (n, 512, D)."""
+    for prompt in prompts:
+        if not isinstance(prompt, str):
+            raise BackendError(f"prompt must be a string, got {type(prompt).__name__}")
+    tokens = ctx.model("tokenizer")([clean_prompt(p) for p in prompts], padding="max_length", max_length=TEXT_LENGTH,
                                     truncation=True, add_special_tokens=True, return_attention_mask=True,
                                     return_tensors="pt")
     ids, mask = tokens.input_ids.to(ctx.device), tokens.attention_mask.to(ctx.device)
-    hidden = ctx.model("text_encoder")(ids, mask).last_hidden_state[0]
-    length = int(mask.sum())
-    emb = torch.cat([hidden[:length], hidden.new_zeros(TEXT_LENGTH - length, hidden.shape[-1])])
-    return {"prompt_emb": emb[None].to(ctx.dtype)}
+    hidden = ctx.model("text_encoder")(ids, mask).last_hidden_state
+    return torch.where(mask[..., None].bool(), hidden, hidden.new_zeros(())).to(ctx.dtype)  # exact zeros after
+
+
+def _prompt_batch(ctx, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    emb = encode_prompts(ctx, [s["prompt"] for s in samples])  # every prompt padded to 512: one batch
+    return [{"prompt_emb": emb[k:k + 1]} for k in range(len(samples))]
+
+
+@unit("PromptEncoder", inputs=("prompt",), outputs=("prompt_emb",), models=("text_encoder",),
+      settings=("dtype", "cache_dtype"), batch=_prompt_batch)
+def prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
+    return {"prompt_emb": encode_prompts(ctx, [prompt])}
 
 
 # ------------------------------------------------------------------------------------------------
