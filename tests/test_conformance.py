@@ -45,7 +45,7 @@ from unitgraph.backends.diffusion.training import read_loss_csv  # noqa: E402
 
 SIZE = 32
 SAMPLES = 3
-BATCH_ATOL = 1e-5  # measured: at most 4.4e-7 (the VAEs' batched convolutions; the text encoders are exact)
+BATCH_ATOL = 1e-5  # measured: up to 2.7e-6 (the VAEs' batched convolutions; the text encoders are exact)
 VENV_BIN = Path(sys.executable).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
 
@@ -336,17 +336,22 @@ def test_two_process_and_batched_stage1_give_the_same_entries(family, pipeline, 
                       dataset_metadata_path=str(metadata), model_paths=str(models), lora_base_model=family.model_slots[0],
                       max_pixels=SIZE * SIZE, output_path=str(tmp_path / name), progress=False, data_process_batch_size=batch,
                       **({"extra_inputs": ",".join(extra_columns(pipeline))} if extra_columns(pipeline) else {})), echo=quiet)
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no", str(VENV_BIN / "unitgraph")]
-    two = subprocess.run([*launch, *argv, "--output_path", str(tmp_path / "two")], capture_output=True, text=True, env=ENV,
-                         timeout=400)
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert "computed 5 entries over 2 processes (3, 2)" in two.stdout, two.stdout
-    for cache in ("one", "two"):
-        problems, stats = verify_cache(tmp_path / cache)
-        assert problems == [] and stats["entries"] == 5
     entries = lambda c: {p.name: p.read_bytes() for p in (tmp_path / c / "entries").iterdir()}  # noqa: E731
-    assert entries("one") == entries("two")  # same keys, same bytes
+    # two processes: once per family (the sharding is the family-agnostic stage 1; ~20 s a launch)
+    if pipeline.name == family.pipelines[0].name:
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(VENV_BIN / "unitgraph")]
+        two = subprocess.run([*launch, *argv, "--output_path", str(tmp_path / "two")], capture_output=True, text=True,
+                             env=ENV, timeout=400)
+        assert two.returncode == 0, two.stderr[-3000:]
+        assert "computed 5 entries over 2 processes (3, 2)" in two.stdout, two.stdout
+        problems, stats = verify_cache(tmp_path / "two")
+        assert problems == [] and stats["entries"] == 5
+        assert entries("one") == entries("two")  # same keys, same bytes
+        manifest = lambda c: json.loads((tmp_path / c / "manifest.json").read_text())  # noqa: E731
+        assert manifest("one") == manifest("two")
+    problems, stats = verify_cache(tmp_path / "one")
+    assert problems == [] and stats["entries"] == 5
     # batched encoder calls: the same entries, each value within the batched kernels' rounding of its unbatched one
     one, batched = entries("one"), entries("batched")
     assert set(one) == set(batched)
@@ -355,8 +360,6 @@ def test_two_process_and_batched_stage1_give_the_same_entries(family, pipeline, 
         assert set(a) == set(b)
         for key in a:
             assert a[key].shape == b[key].shape and torch.allclose(a[key], b[key], atol=BATCH_ATOL, rtol=0), (name, key)
-    manifest = lambda c: json.loads((tmp_path / c / "manifest.json").read_text())  # noqa: E731
-    assert manifest("one") == manifest("two")
 
 
 def test_every_family_is_complete():

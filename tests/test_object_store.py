@@ -167,6 +167,20 @@ def test_shards_layout_packs_the_same_entries_and_stage2_streams_them(tiny, loca
     assert losses(tmp_path / "run") == losses(tmp_path / "local")
 
 
+def test_shards_layout_on_a_local_disk_too(tiny, local_run, tmp_path, capsys):
+    models, data = tiny
+    cache = tmp_path / "packed"
+    code, _, err = cli(capsys, *stage1(models, data, str(cache), "--cache_layout", "shards"))
+    assert code == 0, err
+    assert not (cache / "entries").exists() or not any((cache / "entries").iterdir())
+    assert len(list((cache / "shards").iterdir())) == 1
+    code, _, err = cli(capsys, "cache", "verify", str(cache))
+    assert code == 0, err
+    code, _, err = cli(capsys, *stage2(models, str(cache), tmp_path / "run"))
+    assert code == 0, err
+    assert losses(tmp_path / "run") == losses(local_run / "run")
+
+
 def test_damaged_foreign_and_unreachable_caches_are_one_line(tiny, s3, tmp_path, capsys, monkeypatch):
     models, data = tiny
     url = f"s3://{BUCKET}/b"

@@ -254,13 +254,14 @@ def prepare_stage1(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache:
                for key, s in first.items() if key not in valid and key not in bad_keys]
     reason = _work_reason(existing, inputs, pending, valid, len(first) - len(bad_keys), damaged)
     settings = recorded_settings(cfg, plan)
+    on_store = present(cache) if pending and len(records) > len(valid) else set()  # one listing, only if needed
     manifest = Manifest(
         status="filling" if pending else "complete", pipeline=plan.pipeline, plan_fingerprint=plan.fingerprint,
         cache_mode=plan.cache_mode, keys=inputs["entries"], plan=plan.to_dict(), key_inputs=inputs,
         key_inputs_hash="sha256:" + static, settings=settings, settings_hash=settings_hash(settings),
         made_with=made_with(cfg), num_samples=len(samples), samples=samples,
         # while filling, records of other entries still on disk are kept (a changed setting may be reverted)
-        entries={**{k: r for k, r in records.items() if k not in first and r["file"] in present(cache)},
+        entries={**{k: r for k, r in records.items() if k not in first and r["file"] in on_store},
                  **valid} if pending else valid,
         skipped=skipped, pending=pending or None, layout=cfg.args.cache_layout)
     return Stage1Work(manifest, reason, memo, existing is None or manifest.to_dict() != existing.to_dict())

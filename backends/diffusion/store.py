@@ -236,12 +236,27 @@ class LocalStore(Store):
         path = self.path(rel)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-        tmp.write_bytes(data)
         try:
-            os.link(tmp, path)  # fails when `path` exists: create-if-absent, and whole when it appears
+            with tmp.open("wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            try:
+                os.link(tmp, path)  # fails when `path` exists: create-if-absent, and whole when it appears
+            except FileExistsError:
+                return False
+            except OSError:  # a file system without hard links: exclusive create (seen only once recorded)
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileExistsError:
+                    return False
+                with os.fdopen(fd, "wb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
             return True
-        except FileExistsError:
-            return False
+        except OSError as exc:
+            raise OutputError(f"cannot write ({exc.strerror or exc})", source=str(path)) from None
         finally:
             tmp.unlink(missing_ok=True)
 
