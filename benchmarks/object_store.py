@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from docsection import write_section  # noqa: E402
+
 DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- object-store:begin -->", "<!-- object-store:end -->"
 TITLE = "## Caches on an object store (S3-compatible, local server)"
@@ -202,13 +204,7 @@ def _read_threads() -> int:
 
 
 def write_doc(text: str, doc: Path = DOC) -> None:
-    section = f"{BEGIN}\n{text}\n{END}"
-    content = doc.read_text() if doc.exists() else "# Benchmarks\n\n"
-    if BEGIN in content:
-        content = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, content, flags=re.S)
-    else:
-        content = content.rstrip("\n") + f"\n\n\n{TITLE}\n\n{section}\n"
-    doc.write_text(content)
+    write_section(doc, BEGIN, END, TITLE, text)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -28,7 +28,6 @@ import copy
 import json
 import os
 import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -39,6 +38,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from docsection import write_section  # noqa: E402
+
 DOC = ROOT / "docs" / "benchmarks.md"
 PLOT = ROOT / "docs" / "img" / "benchmark_split_vs_unsplit.png"
 BEGIN, END = "<!-- split-vs-unsplit:begin -->", "<!-- split-vs-unsplit:end -->"
@@ -835,14 +837,7 @@ def plot(summary: dict[str, Any], path: Path) -> Path:
 
 def write_doc(text: str, doc: Path = DOC, pipeline: str = DEFAULT_PIPELINE) -> None:
     begin, end, title, _ = section_names(pipeline)
-    section = f"{begin}\n{text}\n{end}"
-    content = doc.read_text() if doc.exists() else "# Benchmarks\n\n"
-    if begin in content:
-        content = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: section, content, flags=re.S)
-    else:
-        content = content.rstrip("\n") + f"\n\n\n{title}\n\n{section}\n"
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(content)
+    write_section(doc, begin, end, title, text)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

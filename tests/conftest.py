@@ -14,3 +14,27 @@ def tiny(tmp_path_factory) -> Path:
     from unitgraph.backends.diffusion.families.qwen_image.tiny import write_tiny_models
 
     return write_tiny_models(tmp_path_factory.mktemp("tiny") / "qwen", size="test", seed=0)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's standalone S3 server on 127.0.0.1 (tests/s3server.py), one for the session; the tests that use it
+    are skipped with the reason when moto's server is not installed."""
+    from s3server import start_server
+
+    server = start_server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """The server, emptied, with an empty bucket `cache`, reached through the AWS_* variables alone."""
+    s3fs = pytest.importorskip("s3fs")
+    s3_server.reset()
+    s3_server.apply(monkeypatch)
+    s3_server.make_bucket("cache")
+    # s3fs reuses one instance per argument set, with its listing cache: start each test afresh.
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield s3_server
+    s3fs.S3FileSystem.clear_instance_cache()

@@ -26,7 +26,6 @@ pytest.importorskip("diffusers")
 pytest.importorskip("s3fs")
 
 from clitools import cli, one_error_line  # noqa: E402
-from s3server import start_server  # noqa: E402
 from unitgraph.backends.diffusion.data import write_synthetic_dataset  # noqa: E402
 from unitgraph.backends.diffusion.families.qwen_image.tiny import write_tiny_models  # noqa: E402
 from unitgraph.backends.diffusion.training import read_loss_csv  # noqa: E402
@@ -36,21 +35,6 @@ SIZE = 32
 VENV_BIN = Path(sys.executable).parent
 LAUNCH2 = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
            "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    server = start_server()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def s3(s3_server, monkeypatch):
-    s3_server.reset()
-    s3_server.apply(monkeypatch)
-    s3_server.make_bucket(BUCKET)
-    return s3_server
 
 
 @pytest.fixture(scope="module")

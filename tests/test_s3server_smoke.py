@@ -10,28 +10,8 @@ import textwrap
 
 import pytest
 
-from s3server import start_server
 
 BUCKET = "cache"
-
-
-@pytest.fixture(scope="session")
-def s3_server():
-    server = start_server()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def s3(s3_server, monkeypatch):
-    s3fs = pytest.importorskip("s3fs")
-    s3_server.reset()
-    s3_server.apply(monkeypatch)
-    s3_server.make_bucket(BUCKET)
-    # s3fs reuses one instance per argument set, with its listing cache: start each test afresh.
-    s3fs.S3FileSystem.clear_instance_cache()
-    yield s3_server
-    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def test_fsspec_round_trip_with_only_environment_variables(s3):
