@@ -28,6 +28,7 @@ function `unitgraph.split` (plan.py), and a submodule of the same name would be 
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -103,14 +104,20 @@ def seeds(vg: VersionGraph, backward: frozenset[str]) -> dict[int, Reason]:
     Only `unit.models` count: reading the config of a model of B (`unit.configs`) does not seed a
     unit, since the config is fixed for the run (see the module docstring).
     """
+    key = frozenset(backward)
+    memo = vg.__dict__.setdefault("_seeds_memo", {})  # planning and verifying both ask, with the same B
+    if key in memo:
+        return dict(memo[key])
     found: dict[int, Reason] = {}
     for i, unit in enumerate(vg.pipeline.units):
-        hit = tuple(m for m in dict.fromkeys(unit.models) if m in backward)
+        # most units call no model: skip building an empty tuple for each of them
+        hit = tuple(m for m in dict.fromkeys(unit.models) if m in backward) if unit.models else ()
         if hit:
             found[i] = Reason("model", models=hit)
         elif not unit.deterministic:
             found[i] = Reason("nondeterministic")
-    return found
+    memo[key] = found
+    return dict(found)
 
 
 # --- the set operators of DESIGN §3, as written there --------------------------------------------
@@ -199,23 +206,29 @@ def train_set(vg: VersionGraph, backward: frozenset[str], cache_mode: str = LATE
     latest = cache_mode == LATEST
     first_access: set[str] = set()
     units = vg.pipeline.units
+    readers_of = vg.readers_of
+    writers = vg.writers
     for u in range(vg.n):
         if reasons[u] is None:
             continue
-        for reader, params in vg.readers_of[u].items():
+        for reader, params in readers_of[u].items():
             if reasons[reader] is None:
                 reasons[reader] = Reason("F", via=u, param=params[0])
         if not latest:
             continue
         unit = units[u]
-        for p in (*unit.inputs, *unit.outputs):
+        inputs, outputs = unit.inputs, unit.outputs
+        for p in (*inputs, *outputs):
             if p in first_access:
                 continue
             first_access.add(p)
-            reads, writes = p in unit.inputs, p in unit.outputs
+            chain = writers.get(p)
+            if not chain or chain[-1] <= u:  # no writer of p after u (vg.writers_after(p, u) is empty)
+                continue
+            reads, writes = p in inputs, p in outputs
             access = "reads and writes" if reads and writes else ("reads" if reads else "writes")
             rule = "U" if reads and writes else "W"
-            for w in vg.writers_after(p, u):
+            for w in chain[bisect_right(chain, u):]:
                 if reasons[w] is None:
                     reasons[w] = Reason(rule, via=u, param=p, access=access)
     return {i: r for i, r in enumerate(reasons) if r is not None}

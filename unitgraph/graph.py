@@ -30,28 +30,41 @@ class VersionGraph:
 
     def __init__(self, pipeline: Pipeline):
         self.pipeline = pipeline
-        self.n = len(pipeline.units)
-        self.names = [u.name for u in pipeline.units]
-        self.position = {name: i for i, name in enumerate(self.names)}
+        units = pipeline.units
+        self.n = n = len(units)
+        self.names = names = [u.name for u in units]
+        self.position = {name: i for i, name in enumerate(names)}
         # update chain: every writer of p, in pipeline order
         self.writers: dict[str, list[int]] = {}
         # reaching[i] = {param: writer or None} for each input of unit i
         self.reaching: list[dict[str, int | None]] = []
+        # readers_of[j] = units that read a version written by j (with the params), the F edges
+        self.readers_of: list[dict[int, list[str]]] = [{} for _ in range(n)]
+        # One pass: unit i's reaching writes are complete when it is visited, and readers_of[j] gets
+        # its readers in increasing order, as a second pass over `reaching` would add them.
         latest: dict[str, int] = {}
         get = latest.get
-        for i, unit in enumerate(pipeline.units):
-            self.reaching.append({p: get(p) for p in unit.inputs})
-            for p in unit.outputs:
-                if latest.get(p) != i:  # a param listed twice is one write
-                    self.writers.setdefault(p, []).append(i)
-                    latest[p] = i
-        self.last_writer: dict[str, int] = latest
-        # readers_of[j] = units that read a version written by j (with the params), the F edges
-        self.readers_of: list[dict[int, list[str]]] = [{} for _ in range(self.n)]
-        for i, table in enumerate(self.reaching):
+        writers = self.writers
+        readers_of = self.readers_of
+        append_reaching = self.reaching.append
+        for i, unit in enumerate(units):
+            table = {p: get(p) for p in unit.inputs}
+            append_reaching(table)
             for p, j in table.items():
                 if j is not None:
-                    self.readers_of[j].setdefault(i, []).append(p)
+                    edges = readers_of[j]
+                    if i in edges:
+                        edges[i].append(p)
+                    else:
+                        edges[i] = [p]
+            for p in unit.outputs:
+                if get(p) != i:  # a param listed twice is one write
+                    if p in writers:
+                        writers[p].append(i)
+                    else:
+                        writers[p] = [i]
+                    latest[p] = i
+        self.last_writer: dict[str, int] = latest
 
     @classmethod
     def of(cls, pipeline: Pipeline) -> VersionGraph:
@@ -87,9 +100,21 @@ class VersionGraph:
 
     def sink_inputs(self) -> list[str]:
         """Params the sink reads: declared, or every param when the pipeline declares no sink."""
+        return list(self._sink_inputs)
+
+    @cached_property
+    def _sink_inputs(self) -> tuple[str, ...]:
+        """sink_inputs() computed once: without a declared sink it is every param of the pipeline, a
+        pass over every unit, which planning and verifying would otherwise repeat four times."""
         if self.pipeline.sink is not None:
-            return list(dict.fromkeys(self.pipeline.sink.inputs))
-        return self.pipeline.params
+            return tuple(dict.fromkeys(self.pipeline.sink.inputs))
+        return tuple(self.pipeline.params)
+
+    @cached_property
+    def _sink_writers(self) -> tuple[int | None, ...]:
+        """The last writer of each param of `_sink_inputs` (None: the dataset value), in that order."""
+        get = self.last_writer.get
+        return tuple(map(get, self._sink_inputs))
 
     def sink_models(self, backward_models: set[str] | frozenset[str]) -> list[str]:
         """Models the sink calls: declared, or only those that need backward."""
@@ -99,7 +124,7 @@ class VersionGraph:
 
     def sink_reads(self) -> list[Read]:
         sink = self.n
-        return [Read(sink, p, self.last_writer.get(p)) for p in self.sink_inputs()]
+        return [Read(sink, p, w) for p, w in zip(self._sink_inputs, self._sink_writers)]
 
     # --- networkx view ------------------------------------------------------------------------
 

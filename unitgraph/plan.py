@@ -99,10 +99,10 @@ def plan_from_train_set(
     names = vg.names
     dp = [i for i in range(vg.n) if i not in train]
     tr = sorted(train)
+    described, details = reason_tables(reasons or {}, names)
     dp_models = {m for i in dp for m in units[i].models}
     train_models = {m for i in tr for m in units[i].models} | set(backward) | set(vg.sink_models(backward))
     entries = [(p, None if w is None else names[w]) for p, w in cache_entries(vg, train, cache_mode)]
-    reasons = reasons or {}
     return Plan(
         pipeline=vg.pipeline.name,
         models_require_backward=sorted(backward),
@@ -115,9 +115,29 @@ def plan_from_train_set(
         fingerprint=fingerprint(vg.pipeline, backward, cache_mode),
         data_process_configs=stage_configs(units, dp, dp_models),
         train_configs=stage_configs(units, tr, train_models),
-        reasons={names[i]: r.describe(names) for i, r in reasons.items()},
-        reason_details={names[i]: r.to_dict(names) for i, r in reasons.items()},
+        reasons=described,
+        reason_details=details,
     )
+
+
+def reason_tables(reasons: dict[int, Reason], names: list[str]) -> tuple[dict[str, str], dict[str, dict]]:
+    """The plan's `reasons` and `reason_details`: Reason.describe and Reason.to_dict of every unit.
+
+    On big pipelines nearly every TRAIN unit is there for rule F; its sentence and dict are written
+    out here directly (the same text and keys as those methods give), the other rules call them.
+    """
+    described: dict[str, str] = {}
+    details: dict[str, dict] = {}
+    for i, r in reasons.items():
+        name = names[i]
+        if r.rule == "F" and r.via is not None and r.param is not None and not r.models and r.access is None:
+            via = names[r.via]
+            described[name] = f"reads {r.param} written by {via} (F)"
+            details[name] = {"rule": "F", "unit": via, "param": r.param}
+        else:
+            described[name] = r.describe(names)
+            details[name] = r.to_dict(names)
+    return described, details
 
 
 def stage_configs(units, positions: Iterable[int], loaded: Iterable[str]) -> list[str]:

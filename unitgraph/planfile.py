@@ -112,8 +112,11 @@ def fingerprint(pipeline: Pipeline, backward: Iterable[str], cache_mode: str) ->
         {"format": FORMAT, "models_require_backward": sorted(set(backward)), "cache_mode": cache_mode},
         sort_keys=True, separators=(",", ":"),
     )
-    text = f'{header[:-1]},"spec":{pipeline.canonical_json}}}'
-    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+    # the hash of f'{header[:-1]},"spec":{canonical_json}}}', fed in pieces: no copy of a big spec's text
+    digest = hashlib.sha256(f'{header[:-1]},"spec":'.encode("utf-8"))
+    digest.update(pipeline.canonical_json.encode("utf-8"))
+    digest.update(b"}")
+    return "sha256:" + digest.hexdigest()
 
 
 def active_pipeline(pipeline: Pipeline, plan: Plan) -> Pipeline:

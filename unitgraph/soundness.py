@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .closure import LATEST, backward_models, seeds, train_set, update_chain_closure, write_hazard_closure
-from .entries import bind_inputs, cache_entries
+from .entries import bind_inputs, cache_entry_set, iter_bindings, latest_entries
 from .graph import VersionGraph
 from .planfile import Plan, active_pipeline, fingerprint
 from .spec import Pipeline
@@ -67,8 +67,7 @@ def find_violations(pipeline: Pipeline, plan: Plan) -> list[Violation]:
     out += _check_seeds(vg, train, backward)
     out += _check_c1(vg, train)
     if plan.cache_mode == LATEST:
-        out += _check_c2(vg, train)
-        out += _check_c3(vg, train)
+        out += _check_c2_c3(vg, train)
     entries, entry_problems = _plan_entries(vg, plan)
     out += entry_problems
     out += _check_cache(vg, plan, train, entries)
@@ -104,6 +103,32 @@ def _check_header(pipeline: Pipeline, plan: Plan) -> list[Violation]:
 
 
 def _check_partition(vg: VersionGraph, plan: Plan) -> list[Violation]:
+    """Every unit placed exactly once, each stage in pipeline order.
+
+    A sound plan passes the quick test below, which allocates nothing per unit; only a plan that
+    fails it is examined by `_check_partition_reference`, which words the violations.
+    """
+    n, position = vg.n, vg.position
+    if len(plan.data_process_units) + len(plan.train_units) == n:
+        placed = bytearray(n)
+        ok = True
+        for names in (plan.data_process_units, plan.train_units):
+            previous = -1
+            for name in names:
+                i = position.get(name)
+                if i is None or placed[i] or i < previous:
+                    ok = False
+                    break
+                placed[i] = 1
+                previous = i
+            if not ok:
+                break
+        if ok:  # n names, all known, none twice: every unit once; each stage strictly increasing: in order
+            return []
+    return _check_partition_reference(vg, plan)
+
+
+def _check_partition_reference(vg: VersionGraph, plan: Plan) -> list[Violation]:
     out = []
     placed = plan.data_process_units + plan.train_units
     for name in sorted(set(placed) - set(vg.names)):
@@ -140,19 +165,58 @@ def _check_c1(vg: VersionGraph, train: set[int]) -> list[Violation]:
     return out
 
 
-def _check_c2(vg: VersionGraph, train: set[int]) -> list[Violation]:
-    missing = sorted(update_chain_closure(vg, train) - train)
-    return [Violation("C2", f"{vg.names[i]} continues an update chain begun in train but is in data_process") for i in missing]
+def _check_c2_c3(vg: VersionGraph, train: set[int]) -> list[Violation]:
+    """C2, then C3, as `_check_c2_reference` and `_check_c3_reference` give them, from the writes of
+    the data_process units instead of the closures U(TRAIN) and W(TRAIN).
 
-
-def _check_c3(vg: VersionGraph, train: set[int]) -> list[Violation]:
-    out = []
+    A data_process unit w violates C2 when it writes a param p after the first TRAIN unit reading
+    p, and that unit writes p too (so w is in U(TRAIN)); it violates C3 when it writes p after the
+    first TRAIN unit reading or writing p (w is in W(TRAIN)). Only the params data_process units
+    write need their first TRAIN access: when TRAIN is most of the pipeline, those are few, and the
+    closures, which list every later writer of every param TRAIN touches, are large.
+    """
+    units = vg.pipeline.units
+    train_order: list[int] = []
+    data_process: list[int] = []
+    for i in range(vg.n):
+        (train_order if i in train else data_process).append(i)
+    written: set[str] = set()
+    for w in data_process:
+        written.update(units[w].outputs)
+    first_reader: dict[str, int] = {}
     first_access: dict[str, int] = {}
-    for t in sorted(train):
-        unit = vg.pipeline.units[t]
-        for p in (*unit.inputs, *unit.outputs):
-            first_access.setdefault(p, t)
-    for w in sorted(write_hazard_closure(vg, train) - train):
+    if written:
+        for t in train_order:
+            unit = units[t]
+            for p in unit.inputs:
+                if p in written and p not in first_reader:
+                    first_reader[p] = t
+                    if p not in first_access:
+                        first_access[p] = t
+            for p in unit.outputs:
+                if p in written and p not in first_access:
+                    first_access[p] = t
+    c2: list[int] = []
+    hazards: list[int] = []
+    for w in data_process:
+        outputs = units[w].outputs
+        for p in outputs:
+            a = first_reader.get(p)
+            if a is not None and a < w and p in units[a].outputs:
+                c2.append(w)
+                break
+        for p in outputs:
+            a = first_access.get(p)
+            if a is not None and a < w:
+                hazards.append(w)
+                break
+    out = [Violation("C2", f"{vg.names[i]} continues an update chain begun in train but is in data_process") for i in c2]
+    return out + _c3_violations(vg, first_access, hazards)
+
+
+def _c3_violations(vg: VersionGraph, first_access: dict[str, int], hazards: list[int]) -> list[Violation]:
+    out = []
+    for w in hazards:
         unit = vg.pipeline.units[w]
         for p in unit.outputs:
             a = first_access.get(p)
@@ -162,33 +226,66 @@ def _check_c3(vg: VersionGraph, train: set[int]) -> list[Violation]:
     return out
 
 
+def _check_c2_reference(vg: VersionGraph, train: set[int]) -> list[Violation]:
+    """C2 with the set operator of DESIGN §3 as written (closure.update_chain_closure), for the tests."""
+    missing = sorted(update_chain_closure(vg, train) - train)
+    return [Violation("C2", f"{vg.names[i]} continues an update chain begun in train but is in data_process") for i in missing]
+
+
+def _check_c3_reference(vg: VersionGraph, train: set[int]) -> list[Violation]:
+    """C3 with the set operator of DESIGN §3 as written (closure.write_hazard_closure), for the tests."""
+    first_access: dict[str, int] = {}
+    for t in sorted(train):
+        unit = vg.pipeline.units[t]
+        for p in (*unit.inputs, *unit.outputs):
+            first_access.setdefault(p, t)
+    return _c3_violations(vg, first_access, sorted(write_hazard_closure(vg, train) - train))
+
+
 def _plan_entries(vg: VersionGraph, plan: Plan) -> tuple[list[tuple[str, int | None]], list[Violation]]:
     """The plan's entries with writer positions; entries naming unknown or TRAIN writers are reported."""
     entries, out = [], []
+    append = entries.append
     train = set(plan.train_units)
+    position = vg.position
+    units = vg.pipeline.units
     for p, writer in plan.cache_entries:
         if writer is None:
-            entries.append((p, None))
+            append((p, None))
             continue
-        if writer not in vg.position:
+        i = position.get(writer)
+        if i is None:
             out.append(Violation("cache", f"entry ({p}, {writer}) names a unit that is not in the pipeline"))
         elif writer in train:
             out.append(Violation("cache", f"entry ({p}, {writer}) names a train unit; stage 1 never runs it"))
-        elif p not in vg.pipeline.units[vg.position[writer]].outputs:
+        elif p not in units[i].outputs:
             out.append(Violation("cache", f"entry ({p}, {writer}): {writer} does not write {p}"))
         else:
-            entries.append((p, vg.position[writer]))
+            append((p, i))
     return entries, out
 
 
 def _check_cache(vg: VersionGraph, plan: Plan, train: set[int], entries: list) -> list[Violation]:
+    """The entries are exactly those stage 2 reads (and, in latest mode, one per param).
+
+    In latest mode the expected entries are a map param -> writer, and a plan whose entries are that
+    map, each param once, passes without building a set of pairs; any other plan is examined by the
+    comparison of sets below, which words the violations.
+    """
+    if plan.cache_mode == LATEST:
+        expected_map = latest_entries(vg, train)
+        # the same map, each param once (a repeated param would make the dict shorter than the list)
+        if len(entries) == len(plan.cache_entries) == len(expected_map) and dict(entries) == expected_map:
+            return _check_cache_params(plan)
+        expected = set(expected_map.items())
+    else:
+        expected = cache_entry_set(vg, train, plan.cache_mode)
     out = []
 
     def show(entry: tuple[str, int | None]) -> str:
         p, w = entry
         return f"({p}, {'dataset' if w is None else vg.names[w]})"
 
-    expected = set(cache_entries(vg, train, plan.cache_mode))
     declared = set(entries)
     if len(declared) != len(plan.cache_entries):
         out.append(Violation("cache", "an entry is listed twice"))
@@ -200,9 +297,14 @@ def _check_cache(vg: VersionGraph, plan: Plan, train: set[int], entries: list) -
         per_param = Counter(p for p, _ in plan.cache_entries)
         for p in sorted(p for p, c in per_param.items() if c > 1):
             out.append(Violation("cache", f"latest mode stores one entry per param, {p} has several"))
-    if plan.declared_cache_params is not None and sorted(set(plan.declared_cache_params)) != plan.cache_params:
-        out.append(Violation("cache", "cache.params is not the set of params named by cache.entries"))
-    return out
+    return out + _check_cache_params(plan)
+
+
+def _check_cache_params(plan: Plan) -> list[Violation]:
+    """A plan read from a file lists `cache.params`: it must be the set of params its entries name."""
+    if plan.declared_cache_params is not None and set(plan.declared_cache_params) != {p for p, _ in plan.cache_entries}:
+        return [Violation("cache", "cache.params is not the set of params named by cache.entries")]
+    return []
 
 
 def _check_models(vg: VersionGraph, plan: Plan, train: set[int], backward: frozenset[str]) -> list[Violation]:
@@ -297,9 +399,110 @@ def split_reads(vg: VersionGraph, train: set[int], entries: list[tuple[str, int 
 
 
 def _check_equivalence(vg: VersionGraph, plan: Plan, train: set[int], entries: list) -> list[Violation]:
+    """Every read of the split run sees the version it sees unsplit; `_check_equivalence_reference`
+    compares the two runs of `unsplit_reads` and `split_reads`, this streams them (`equivalence_errors`)."""
+    return _equivalence_violations(vg, equivalence_errors(vg, train, entries, plan.cache_mode))
+
+
+def _check_equivalence_reference(vg: VersionGraph, plan: Plan, train: set[int], entries: list) -> list[Violation]:
+    """The equivalence check over the full tables of both runs, as first written; kept for the tests."""
     expected = unsplit_reads(vg)
     actual = split_reads(vg, train, entries, plan.cache_mode)
+    wrong = []
+    for key, want in expected.items():
+        got = actual.get(key, MISSING)
+        if got != want:
+            reader, p = key
+            wrong.append((reader, p, got, want))
+    return _equivalence_violations(vg, wrong)
 
+
+def equivalence_errors(vg: VersionGraph, train: set[int], entries: list[tuple[str, int | None]], cache_mode: str):
+    """The reads on which `split_reads` and `unsplit_reads` differ, as (reader, param, got, want) in
+    the order of `unsplit_reads`, computed without building either table.
+
+    Both runs are simulated exactly as there: one walk over the pipeline carries the unsplit state
+    and stage 1's (data_process units only, with the versioned snapshots); stage 2 then binds each
+    input by the rule of `iter_bindings`, the stream behind `bind_inputs` (in latest mode written
+    out here). On big pipelines the tables, a tuple key for every read of each run and of the
+    bindings, were most of what verification built.
+    """
+    units = vg.pipeline.units
+    reaching = vg.reaching
+    latest = cache_mode == LATEST
+    unsplit: dict[str, int] = {}
+    stage1: dict[str, int] = {}
+    snapshots_after: dict[int | None, list[str]] = {}
+    stored: dict[tuple[str, int | None], object] = {}
+    if not latest:
+        for p, w in entries:
+            snapshots_after.setdefault(w, []).append(p)
+        stored = {(p, None): None for p in snapshots_after.get(None, [])}
+    unsplit_get, stage1_get = unsplit.get, stage1.get
+    wrong: list[tuple[int, str, object, int | None]] = []
+    train_wants: list[int | None] = []  # unsplit versions of TRAIN reads, in iter_bindings' order
+    keep_wants = train_wants.extend
+    for i, unit in enumerate(units):
+        inputs = reaching[i]  # the unit's inputs, each once, in declared order
+        if i in train:
+            keep_wants(map(unsplit_get, inputs))
+        else:
+            wants = list(map(unsplit_get, inputs))
+            if wants != list(map(stage1_get, inputs)):
+                for p, want in zip(inputs, wants):
+                    got = stage1_get(p)
+                    if got != want:
+                        wrong.append((i, p, got, want))
+            for p in unit.outputs:
+                stage1[p] = i
+            if snapshots_after:
+                for p in snapshots_after.get(i, ()):
+                    stored[(p, i)] = stage1_get(p)
+        for p in unit.outputs:
+            unsplit[p] = i
+    # stage 2, reader by reader, by the rule of entries.iter_bindings (the stream behind bind_inputs,
+    # which the backend executes) written out here: tests check both agree on any plan
+    wants = iter(train_wants)
+    stage2_wrong = []
+    live: dict[str, int] = {}
+    live_get = live.get
+    if latest:
+        cached = {p for p, _ in entries}
+        for reader, inputs, outputs in [(t, reaching[t], units[t].outputs) for t in sorted(train)]:
+            for p in inputs:
+                want = next(wants)
+                got = live_get(p)
+                if got is None:
+                    # a cached read gets stage 1's final value of p (split_reads stores every entry so)
+                    got = stage1_get(p) if p in cached else MISSING
+                if got != want:
+                    stage2_wrong.append((reader, p, got, want))
+            for p in outputs:
+                live[p] = reader
+        sink = vg.n
+        sink_inputs = vg._sink_inputs
+        for p, want, got in zip(sink_inputs, map(unsplit_get, sink_inputs), map(live_get, sink_inputs)):
+            if got is None:
+                got = stage1_get(p) if p in cached else MISSING
+            if got != want:
+                stage2_wrong.append((sink, p, got, want))
+    else:
+        for reader, p, source, writer in iter_bindings(vg, train, entries, cache_mode):
+            want = unsplit_get(p) if reader == vg.n else next(wants)
+            if source == "live":
+                got = writer
+            elif source == "cache":
+                got = stored.get((p, writer), MISSING)
+            else:
+                got = MISSING
+            if got != want:
+                stage2_wrong.append((reader, p, got, want))
+    if stage2_wrong:  # merge the two runs' reads back into pipeline order (a unit is in one stage)
+        wrong = sorted(wrong + stage2_wrong, key=lambda read: read[0])
+    return wrong
+
+
+def _equivalence_violations(vg: VersionGraph, wrong) -> list[Violation]:
     def show(reader: int) -> str:
         return "the sink" if reader == vg.n else vg.names[reader]
 
@@ -308,13 +511,8 @@ def _check_equivalence(vg: VersionGraph, plan: Plan, train: set[int], entries: l
             return "nothing (neither cached nor computed in its stage)"
         return "the dataset value" if tag is None else f"the version written by {vg.names[tag]}"
 
-    out = []
-    for key, want in expected.items():
-        got = actual.get(key, MISSING)
-        if got != want:
-            reader, p = key
-            out.append(Violation("equivalence", f"{show(reader)} reads {p} as {version(got)}; unsplit it reads {version(want)}"))
-    return out
+    return [Violation("equivalence", f"{show(reader)} reads {p} as {version(got)}; unsplit it reads {version(want)}")
+            for reader, p, got, want in wrong]
 
 
 __all__ = ["verify", "find_violations", "check_results", "checks_from", "minimality_note", "unsplit_reads", "split_reads", "Violation"]

@@ -7,6 +7,7 @@ the planner never needs torch or a model to decide a split.
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring_ascii as _json_string  # what json.dumps uses (ensure_ascii)
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -140,7 +141,16 @@ class Pipeline:
 
     @cached_property
     def canonical_json(self) -> str:
-        """canonical_dict() as compact JSON, computed once: fingerprints of big pipelines reuse it."""
+        """canonical_dict() as compact JSON, computed once: fingerprints of big pipelines reuse it.
+
+        The text is `canonical_json_reference()`, json.dumps of canonical_dict() with sorted keys,
+        written out directly (tests check they agree): on a big pipeline the dict of lists of the
+        reference, built only to be printed, cost more than the printing.
+        """
+        return _canonical_json(self)
+
+    def canonical_json_reference(self) -> str:
+        """canonical_json as first defined: the canonical dict printed by json.dumps."""
         return json.dumps(self.canonical_dict(), sort_keys=True, separators=(",", ":"))
 
     def derived(self, build: Callable[[Pipeline], T]) -> T:
@@ -166,9 +176,9 @@ class Pipeline:
         for u in self.units:
             unit = {
                 "name": u.name,
-                "inputs": sorted(set(u.inputs)),
-                "outputs": sorted(set(u.outputs)),
-                "models": sorted(set(u.models)),
+                "inputs": _sorted_set(u.inputs),
+                "outputs": _sorted_set(u.outputs),
+                "models": _sorted_set(u.models),
                 "deterministic": u.deterministic,
             }
             if u.requires:  # absent when empty, so specs without `requires` keep their fingerprints
@@ -180,6 +190,42 @@ class Pipeline:
         if self.sink is not None:
             sink = {"inputs": sorted(set(self.sink.inputs)), "models": sorted(set(self.sink.models))}
         return {"name": self.name, "units": units, "sink": sink}
+
+
+def _json_names(values: tuple[str, ...]) -> str:
+    """json.dumps(sorted(set(values))) in the compact separators."""
+    if not values:
+        return "[]"
+    if len(values) == 1:
+        return f"[{_json_string(values[0])}]"
+    return "[" + ",".join(map(_json_string, sorted(set(values)))) + "]"
+
+
+def _canonical_json(pipeline: Pipeline) -> str:
+    """json.dumps(pipeline.canonical_dict(), sort_keys=True, separators=(",", ":")), printed unit by unit.
+
+    The keys are written in sorted order (configs < deterministic < inputs < models < name < outputs
+    < requires; name < sink < units; inputs < models), strings by the encoder json.dumps uses, and
+    `deterministic` is a bool (validate() sees to that).
+    """
+    names = _json_names
+    string = _json_string
+    parts = []
+    for u in pipeline.units:
+        head = f'{{"configs":{names(u.configs)},' if u.configs else "{"
+        tail = f',"requires":{names(u.requires)}}}' if u.requires else "}"
+        parts.append(
+            f'{head}"deterministic":{"true" if u.deterministic else "false"},"inputs":{names(u.inputs)},'
+            f'"models":{names(u.models)},"name":{string(u.name)},"outputs":{names(u.outputs)}{tail}'
+        )
+    sink = pipeline.sink
+    sink_text = "null" if sink is None else f'{{"inputs":{names(sink.inputs)},"models":{names(sink.models)}}}'
+    return f'{{"name":{string(pipeline.name)},"sink":{sink_text},"units":[{",".join(parts)}]}}'
+
+
+def _sorted_set(values: tuple[str, ...]) -> list[str]:
+    """sorted(set(values)), without building a set for the common none or one."""
+    return list(values) if len(values) < 2 else sorted(set(values))
 
 
 def validate(pipeline: Pipeline) -> None:
@@ -198,14 +244,18 @@ def validate(pipeline: Pipeline) -> None:
             raise SpecError("duplicate unit name", source=src, unit=unit.name)
         seen.add(unit.name)
         for attr in ("inputs", "outputs", "models", "requires", "configs"):
-            _check_names(getattr(unit, attr), f"'{attr}'", src, unit.name)
-        both = [m for m in dict.fromkeys(unit.configs) if m in unit.models]
-        if both:
-            raise SpecError(f"{both[0]!r} is in both 'models' and 'configs'; a unit that calls a model reads its config "
-                            f"anyway, so list it only in 'models'", source=src, unit=unit.name)
-        stray = [p for p in unit.requires if p not in unit.inputs]
-        if stray:
-            raise SpecError(f"'requires' names {stray[0]!r}, which is not one of the unit's inputs", source=src, unit=unit.name)
+            values = getattr(unit, attr)
+            if values:  # empty lists, most of them, have nothing to check
+                _check_names(values, f"'{attr}'", src, unit.name)
+        if unit.configs:
+            both = [m for m in dict.fromkeys(unit.configs) if m in unit.models]
+            if both:
+                raise SpecError(f"{both[0]!r} is in both 'models' and 'configs'; a unit that calls a model reads its config "
+                                f"anyway, so list it only in 'models'", source=src, unit=unit.name)
+        if unit.requires:
+            stray = [p for p in unit.requires if p not in unit.inputs]
+            if stray:
+                raise SpecError(f"'requires' names {stray[0]!r}, which is not one of the unit's inputs", source=src, unit=unit.name)
         if not isinstance(unit.deterministic, bool):
             raise SpecError("'deterministic' must be true or false", source=src, unit=unit.name)
     if pipeline.sink is not None:
