@@ -518,12 +518,10 @@ class Cache:
 
     def entry_data(self, record: dict[str, Any]) -> bytes:
         """The bytes of one entry (a shard entry: a ranged read); FileNotFoundError when it is gone."""
-        offset = int(record.get("offset", 0))
-        if "offset" in record:
-            data = self.store.read_range(record["file"], offset, offset + int(record["size"]))
-        else:
-            data = self.store.read(record["file"])
-        return data
+        if "offset" not in record:
+            return self.store.read(record["file"])
+        offset = int(record["offset"])
+        return self.store.read_range(record["file"], offset, offset + int(record["size"]))
 
     def entry_header(self, record: dict[str, Any]) -> dict[str, Any]:
         """The safetensors header of one entry, read alone (two small ranged reads)."""

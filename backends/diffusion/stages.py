@@ -76,10 +76,8 @@ class ReadAhead:
         self.lock = threading.Lock()
 
     def schedule(self, keys: list[str]) -> None:
-        from collections import deque
-
         with self.lock:
-            self.order = deque(keys)
+            self.order = self.order.__class__(keys)  # a fresh deque: the new epoch's order replaces the old
             self._fill()
 
     def take(self, key: str) -> Optional[bytes]:
