@@ -108,3 +108,47 @@ def test_each_pipeline_has_its_own_section(tmp_path):
     assert content.count(begin) == 1 and content.count(bench.BEGIN) == 1 and title in content
     assert "| test | 64 px | 41.0 |" in content.split(begin)[1] and "| test | 64 px | 40.0 |" in content.split(begin)[0]
     assert plot.name == "benchmark_split_vs_unsplit_flux.png" and bench.section_names("qwen_image")[3] == bench.PLOT
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_run_all_names_every_benchmark_and_refuses_unknown_ones(capsys):
+    run_all = _module("run_all")
+    scripts = {c[0] for c in run_all.COMMANDS.values()}
+    assert scripts == {f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.py")
+                       if p.name not in ("run_all.py", "docsection.py")}
+    text = run_all.summary("2026-12-01 10:00", "2026-12-01 11:00", {"planner": 120.0, "flux": 300.0}, ["flux"])
+    assert "| `python benchmarks/planner_scaling.py --write` | 2.0 |" in text and "earlier run): flux." in text
+    with pytest.raises(SystemExit):
+        run_all.main(["--only", "planner,nope"])
+    assert "unknown benchmark(s): nope" in capsys.readouterr().err
+
+
+def test_stage1_timing_leaves_out_model_loading_inside_compute_entries(monkeypatch):
+    """stage1_batching.timed_stage1 counts compute_entries' own time, not a load of the encoders inside it."""
+    import time
+
+    stage1_batching = _module("stage1_batching")
+    from unitgraph.backends.diffusion import stage1, stages
+
+    monkeypatch.setattr(stage1, "load_models", lambda *a, **k: time.sleep(0.3))
+
+    def compute(*a, **k):
+        stage1.load_models()
+        time.sleep(0.05)
+
+    monkeypatch.setattr(stage1, "compute_entries", compute)
+
+    def run(args, echo):
+        stage1.load_models()  # a load outside compute_entries is not counted either
+        stage1.compute_entries()
+        return type("R", (), {"samples": 4})()
+
+    monkeypatch.setattr(stages, "run", run)
+    seconds, samples = stage1_batching.timed_stage1(None)
+    assert samples == 4 and 0.04 < seconds < 0.2

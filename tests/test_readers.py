@@ -655,3 +655,32 @@ def test_a_cache_location_is_a_store_or_one_line_that_never_shows_a_secret(schem
         assert store.describe("manifest.json").startswith(f"s3://{store.bucket}/") and "Sup3rS3cret" not in store.location
     else:
         assert isinstance(store, LocalStore) and scheme in ("", "file://") or "://" not in text
+
+
+# --- cache entries (cache.parse_entry): stage 2 reads every entry at every step, with the C JSON parser on the
+# safetensors header; a damaged entry is still its values or one line naming the file ---
+
+@needs_backend
+@FUZZ
+@given(data=st.data())
+def test_a_damaged_cache_entry_is_its_values_or_one_line(data):
+    import torch
+
+    from unitgraph.backends.diffusion.cache import entry_bytes, parse_entry
+
+    values = {"latent_mean": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+              "prompt_emb_mask": torch.ones(1, 5, dtype=torch.int64), "img_shapes": [[(1, 4, 4)]], "size": 7}
+    raw = bytearray(entry_bytes(values, {"index": 0}))
+    header_end = 8 + int.from_bytes(raw[:8], "little")
+    # damage aimed at the header half the time (where parsing decides), anywhere otherwise
+    limit = header_end - 1 if data.draw(st.booleans()) else len(raw) - 1
+    for at, value in data.draw(st.lists(st.tuples(st.integers(0, limit), st.integers(0, 255)), max_size=6)):
+        raw[at] = value
+    raw = bytes(raw[:data.draw(st.integers(0, len(raw)))]) + data.draw(st.binary(max_size=8))
+    try:
+        got, meta = parse_entry(raw, "cache/entries/ab.safetensors")
+    except BackendError as exc:
+        line = exc.one_line()
+        assert "\n" not in line.strip() and "cache/entries/ab.safetensors" in line
+        return
+    assert isinstance(got, dict) and isinstance(meta, dict)

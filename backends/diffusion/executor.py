@@ -340,11 +340,17 @@ class _EntryPath:
 
     def __init__(self, cache_dir: str | Path):
         self.cache_dir = Path(cache_dir)
+        self._cache: Any = None  # one Cache, its manifest read once (made in the process that reads)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"cache_dir": self.cache_dir, "_cache": None}
 
     def __call__(self, item: Any) -> Path:
-        from .cache import Cache
+        if self._cache is None:
+            from .cache import Cache
 
-        return Cache(self.cache_dir).entry_path(item.sample_id)
+            self._cache = Cache(self.cache_dir)
+        return self._cache.entry_path(item.sample_id)
 
 
 class _EntryReader(_EntryPath):

@@ -371,8 +371,6 @@ def compute_entries(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache
                 done += 1
             bar.update(len(chunk))
     bar.close()
-    del models, ctx
-    gc.collect()
 
 
 def data_process_batch_size(cfg: RunConfig) -> int:
@@ -488,6 +486,7 @@ def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: "s
         if mine:
             compute_entries(cfg, plan, dataset, cache, mine, accelerator, models)
         models = None
+        gc.collect()  # the encoders' memory back (cycles too) before what follows: validation, sft's stage 2
         accelerator.wait_for_everyone()
         if main and pending:
             computed, per_process = finish_stage1(cache, manifest)
