@@ -97,7 +97,7 @@ class TrainArgs:
     cache_layout: str = _f("files", "files (one object per entry) or shards (many entries per object, per process: for caches of millions of samples on an object store).", "unitgraph")
     cache_mode: str = _f("latest", "latest or versioned (see docs/semantics.md, section 'Cache mode versioned').", "unitgraph")
     batch_size: int = _f(1, "Samples per micro-step in stage 2 (:train, :split): cached samples of equal shapes batched together; unsplit sft takes 1.", "unitgraph")
-    data_process_batch_size: Optional[int] = _f(None, "Samples per model call in stage 1: samples of equal shapes go through the VAE and text encoders together (entries stay per sample; the VAE's batched kernels round differently, within 1e-6, so split training then matches unsplit within that, not bit for bit). Default: the family's (1).", "unitgraph")
+    data_process_batch_size: Optional[int] = _f(None, "Samples per model call in stage 1: samples of equal shapes go through the VAE and text encoders together (entries stay per sample; the VAE's batched kernels round differently, by a few 1e-6 at most here, so split training then matches unsplit within that, not bit for bit). Default: the family's (1).", "unitgraph")
     cache_dtype: Optional[str] = _f(None, "bf16, fp16 or fp32: dtype of the floating tensors stage 1 stores (default: the dtype the model computes in); stage 2 casts them back.", "unitgraph")
     plot: bool = _f(True, "Write loss.png at the end.", "unitgraph")
     progress: bool = _f(True, "Show progress bars.", "unitgraph")

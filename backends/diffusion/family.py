@@ -166,7 +166,7 @@ def stacked(fn: Callable[..., dict[str, Any]], outputs: tuple[str, ...]) -> Batc
     signatures (`_signature`) are concatenated along dim 0 and go through `fn` in one call; each tensor output
     (of batch size n) is split back into n samples, a None output stays None. A group whose outputs do not
     split so runs one sample at a time. Exact as long as the model's kernels compute each row of a batch as
-    they compute it alone: the VAEs' batched convolutions round differently, within 1e-6 (docs/benchmarks.md;
+    they compute it alone: the VAEs' batched convolutions round differently, by a few 1e-6 (docs/benchmarks.md;
     the conformance suite checks every pipeline)."""
 
     def batch(ctx: Any, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
