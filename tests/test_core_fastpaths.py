@@ -25,7 +25,11 @@ from unitgraph.entries import (
     cache_entries_reference,
     entry_sort_key,
     latest_entries,
+    needed_params,
+    needed_versions,
+    needed_versions_ordered,
     sort_entries,
+    train_flags,
 )
 from unitgraph.graph import VersionGraph
 from unitgraph.plan import plan_from_train_set, reason_tables
@@ -233,6 +237,13 @@ def test_cache_entries_and_bindings_agree_with_the_references(case):
         assert cache_entries(vg, train, m) == cache_entries_reference(vg, train, m)
     assert sort_entries(set(entries)) == sorted(set(entries), key=entry_sort_key)
     assert list(bind_inputs(vg, train, entries, mode).items()) == list(reference_bind_inputs(vg, train, entries, mode).items())
+    # the ordered forms are the set of the reference, in pipeline order: TRAIN units, then the sink
+    reads = [(p, w) for t in sorted(train) for p, w in vg.reaching[t].items()] + list(zip(vg._sink_inputs, vg._sink_writers))
+    outside = [(p, w) for p, w in reads if w is None or w not in train]
+    assert list(needed_versions_ordered(vg, train)) == list(dict.fromkeys(outside))
+    assert set(needed_versions_ordered(vg, train)) == needed_versions(vg, train)  # again: from the memo
+    assert list(needed_params(vg, train)) == list(dict.fromkeys(p for p, _ in outside))
+    assert [i for i, flag in enumerate(train_flags(vg, train)) if flag] == sorted(train)
 
 
 def test_memos_hand_out_copies_and_follow_their_arguments():
@@ -250,6 +261,38 @@ def test_memos_hand_out_copies_and_follow_their_arguments():
     smaller = set(sorted(train)[: len(train) // 2])
     assert latest_entries(vg, smaller) == latest_entries(VersionGraph(pipeline), smaller)
     assert cache_entries(vg, train, LATEST) == cache_entries_reference(vg, train, LATEST)
+    versions = needed_versions_ordered(vg, train)
+    versions.clear()
+    assert set(needed_versions_ordered(vg, train)) == needed_versions(VersionGraph(pipeline), train) != set()
+    assert set(needed_versions_ordered(vg, smaller)) == needed_versions(VersionGraph(pipeline), smaller)
+
+
+def test_gc_paused_moves_survivors_to_the_oldest_generation_and_respects_a_frozen_host():
+    import gc
+
+    from unitgraph.plan import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        kept = [[i] for i in range(1000)]
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert gc.is_tracked(kept[0]) and gc.get_count()[0] < 1000  # not left in the youngest generation
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a collector the caller had off stays off
+    finally:
+        gc.enable()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with gc_paused():
+            more = [[i] for i in range(10)]
+        assert gc.get_freeze_count() == frozen and gc.isenabled() and more  # the host's frozen objects stay frozen
+    finally:
+        gc.unfreeze()
 
 
 # --- the verifier ------------------------------------------------------------------------------------

@@ -11,11 +11,12 @@ version (a config is not a param), so configs have no part in soundness and none
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass
 
 from .closure import LATEST, backward_models, seeds, train_set, update_chain_closure, write_hazard_closure
-from .entries import bind_inputs, cache_entry_set, iter_bindings, latest_entries
+from .entries import bind_inputs, cache_entry_set, latest_entries
 from .graph import VersionGraph
 from .planfile import Plan, active_pipeline, fingerprint
 from .spec import Pipeline
@@ -421,82 +422,122 @@ def equivalence_errors(vg: VersionGraph, train: set[int], entries: list[tuple[st
     """The reads on which `split_reads` and `unsplit_reads` differ, as (reader, param, got, want) in
     the order of `unsplit_reads`, computed without building either table.
 
-    Both runs are simulated exactly as there: one walk over the pipeline carries the unsplit state
-    and stage 1's (data_process units only, with the versioned snapshots); stage 2 then binds each
-    input by the rule of `iter_bindings`, the stream behind `bind_inputs` (in latest mode written
-    out here). On big pipelines the tables, a tuple key for every read of each run and of the
-    bindings, were most of what verification built.
+    The unsplit run is not simulated again: the version it makes a unit read is the unit's reaching
+    write, `vg.reaching` (graph.py computes it by that very walk: the latest earlier write, None for
+    the dataset), and the sink reads each param's last write (`vg._sink_writers`). Stage 1 and stage 2
+    are simulated as in `split_reads`: one walk over the data_process units carries stage 1's state
+    (with the versioned snapshots), then stage 2 binds each TRAIN input and each sink input by the
+    rule of `entries.iter_bindings` (the stream behind `bind_inputs`, which the backend executes),
+    written out here. Reads that cannot differ are skipped, each for a reason stated where it is.
+    Tests check the result against `_check_equivalence_reference` on arbitrary splits and entries.
     """
     units = vg.pipeline.units
     reaching = vg.reaching
     latest = cache_mode == LATEST
-    unsplit: dict[str, int] = {}
     stage1: dict[str, int] = {}
-    snapshots_after: dict[int | None, list[str]] = {}
-    stored: dict[tuple[str, int | None], object] = {}
+    stage1_get = stage1.get
+    # versioned: each param's cached writer positions, sorted (-1: the dataset value), and beside
+    # them the value stage 1 stored for each: split_reads' `stored[(p, writer)]`, kept by index in
+    # the param's list so a stage-2 read finds it by the index bisect gives, without a pair key.
+    # None for the dataset value, stage 1's state right after a data_process writer runs, and
+    # MISSING for an entry no stage-1 unit writes (split_reads never stores those).
+    by_param: dict[str, list[int]] = {}
+    stored: dict[str, list[object]] = {}
+    snapshots_after: dict[int, list[tuple[str, int]]] = {}
     if not latest:
         for p, w in entries:
-            snapshots_after.setdefault(w, []).append(p)
-        stored = {(p, None): None for p in snapshots_after.get(None, [])}
-    unsplit_get, stage1_get = unsplit.get, stage1.get
+            if p in by_param:
+                by_param[p].append(-1 if w is None else w)
+            else:
+                by_param[p] = [-1 if w is None else w]
+        for p, positions in by_param.items():
+            positions.sort()
+            stored[p] = [None if w == -1 else MISSING for w in positions]
+            for k, w in enumerate(positions):
+                if w >= 0:
+                    snapshots_after.setdefault(w, []).append((p, k))
+    isdisjoint = train.isdisjoint
     wrong: list[tuple[int, str, object, int | None]] = []
-    train_wants: list[int | None] = []  # unsplit versions of TRAIN reads, in iter_bindings' order
-    keep_wants = train_wants.extend
+    train_order: list[int] = []
     for i, unit in enumerate(units):
-        inputs = reaching[i]  # the unit's inputs, each once, in declared order
         if i in train:
-            keep_wants(map(unsplit_get, inputs))
-        else:
-            wants = list(map(unsplit_get, inputs))
-            if wants != list(map(stage1_get, inputs)):
-                for p, want in zip(inputs, wants):
-                    got = stage1_get(p)
-                    if got != want:
-                        wrong.append((i, p, got, want))
-            for p in unit.outputs:
-                stage1[p] = i
-            if snapshots_after:
-                for p in snapshots_after.get(i, ()):
-                    stored[(p, i)] = stage1_get(p)
+            train_order.append(i)
+            continue
+        table = reaching[i]
+        # A data_process read of version w (the latest write before i) gets stage 1's latest write
+        # before i. When w is a data_process unit, no write of the param lies between w and i, so
+        # that is w; when w is None nothing wrote it, in neither run. Only a w in TRAIN differs.
+        if table and not isdisjoint(table.values()):
+            for p, want in table.items():
+                if want is not None and want in train:
+                    wrong.append((i, p, stage1_get(p), want))
         for p in unit.outputs:
-            unsplit[p] = i
-    # stage 2, reader by reader, by the rule of entries.iter_bindings (the stream behind bind_inputs,
-    # which the backend executes) written out here: tests check both agree on any plan
-    wants = iter(train_wants)
-    stage2_wrong = []
+            stage1[p] = i
+        if snapshots_after:
+            for p, k in snapshots_after.get(i, ()):
+                stored[p][k] = stage1_get(p)
+    stage2_wrong: list[tuple[int, str, object, int | None]] = []
+    append = stage2_wrong.append
     live: dict[str, int] = {}
     live_get = live.get
+    sink = vg.n
+    sink_inputs, sink_wants = vg._sink_inputs, vg._sink_writers
     if latest:
         cached = {p for p, _ in entries}
-        for reader, inputs, outputs in [(t, reaching[t], units[t].outputs) for t in sorted(train)]:
-            for p in inputs:
-                want = next(wants)
+        for t in train_order:
+            for p, want in reaching[t].items():
+                # want in TRAIN: it is the latest write before t, so the latest TRAIN write, `live`'s
+                if want is None or want not in train:
+                    got = live_get(p)
+                    if got is None:  # a cached read gets stage 1's final value (split_reads stores so)
+                        got = stage1_get(p) if p in cached else MISSING
+                    if got != want:
+                        append((t, p, got, want))
+            for p in units[t].outputs:
+                live[p] = t
+        # The sink reads each param's last write. One in TRAIN is live. One outside TRAIN (or none)
+        # is read right iff no TRAIN unit wrote the param (else live shadows it) and it is cached:
+        # stage 1's final value is then that last write, as no write follows it. Checked as sets.
+        outside = [p for p, want in zip(sink_inputs, sink_wants) if want is None or want not in train]
+        if not (live.keys().isdisjoint(outside) and cached.issuperset(outside)):
+            for p, want in zip(sink_inputs, sink_wants):
                 got = live_get(p)
                 if got is None:
-                    # a cached read gets stage 1's final value of p (split_reads stores every entry so)
                     got = stage1_get(p) if p in cached else MISSING
                 if got != want:
-                    stage2_wrong.append((reader, p, got, want))
-            for p in outputs:
-                live[p] = reader
-        sink = vg.n
-        sink_inputs = vg._sink_inputs
-        for p, want, got in zip(sink_inputs, map(unsplit_get, sink_inputs), map(live_get, sink_inputs)):
-            if got is None:
-                got = stage1_get(p) if p in cached else MISSING
-            if got != want:
-                stage2_wrong.append((sink, p, got, want))
+                    append((sink, p, got, want))
     else:
-        for reader, p, source, writer in iter_bindings(vg, train, entries, cache_mode):
-            want = unsplit_get(p) if reader == vg.n else next(wants)
-            if source == "live":
-                got = writer
-            elif source == "cache":
-                got = stored.get((p, writer), MISSING)
+        cached_get = by_param.get
+        # iter_bindings' rule: a read takes the newest version before its reader, live or cached
+        for t in train_order:
+            for p, want in reaching[t].items():
+                live_writer = live_get(p)
+                cached = cached_get(p)
+                if cached is None:  # no entry for p: only a live version can be read
+                    got = MISSING if live_writer is None else live_writer
+                else:
+                    k = bisect_left(cached, t) - 1  # the newest entry before t, if any
+                    if live_writer is not None and (k < 0 or live_writer > cached[k]):
+                        got = live_writer
+                    elif k >= 0:
+                        got = stored[p][k]
+                    else:
+                        got = MISSING
+                if got != want:
+                    append((t, p, got, want))
+            for p in units[t].outputs:
+                live[p] = t
+        for p, want in zip(sink_inputs, sink_wants):  # every entry stands before the sink: the newest is the last
+            live_writer = live_get(p)
+            cached = cached_get(p)
+            if cached is None:
+                got = MISSING if live_writer is None else live_writer
+            elif live_writer is not None and live_writer > cached[-1]:
+                got = live_writer
             else:
-                got = MISSING
+                got = stored[p][-1]
             if got != want:
-                stage2_wrong.append((reader, p, got, want))
+                append((sink, p, got, want))
     if stage2_wrong:  # merge the two runs' reads back into pipeline order (a unit is in one stage)
         wrong = sorted(wrong + stage2_wrong, key=lambda read: read[0])
     return wrong
