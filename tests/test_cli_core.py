@@ -164,3 +164,19 @@ def test_planning_and_viewing_never_import_torch(spec_file):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ.copy())
     assert "HEAVY []" in result.stderr, result.stderr
     assert result.stderr.count("EXIT 0 ") == 5, result.stderr
+
+
+def test_planning_imports_no_networkx(tmp_path):
+    """`unitgraph plan` builds no networkx graph (the planner keeps its own tables; networkx is the view that
+    drawings and the reference operators build), so it does not pay networkx's ~0.3 s import at start-up."""
+    code = textwrap.dedent(f"""
+        import sys
+        from unitgraph.cli.app import main
+        try:
+            main(["plan", "diffusion:qwen_image", "--lora-base-model", "dit", "-o", {str(tmp_path / "p.json")!r}])
+        except SystemExit as exc:
+            print("EXIT", exc.code, file=sys.stderr)
+        print("NX", "networkx" in sys.modules, file=sys.stderr)
+        """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    assert "EXIT 0" in result.stderr and "NX False" in result.stderr, result.stderr

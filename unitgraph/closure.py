@@ -32,8 +32,6 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Iterable
 
-import networkx as nx
-
 from .graph import VersionGraph
 
 LATEST = "latest"
@@ -125,6 +123,8 @@ def seeds(vg: VersionGraph, backward: frozenset[str]) -> dict[int, Reason]:
 
 def forward_closure(vg: VersionGraph, units: Iterable[int]) -> set[int]:
     """F(X): every unit that reads a version written by a unit of X, transitively."""
+    import networkx as nx  # a reference operator: the planner's fast path needs no networkx
+
     dag = vg.data_dag()
     found: set[int] = set()
     for u in units:

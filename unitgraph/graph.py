@@ -10,10 +10,12 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 from functools import cached_property
-
-import networkx as nx
+from typing import TYPE_CHECKING
 
 from .spec import Pipeline
+
+if TYPE_CHECKING:  # networkx is imported by the views that build its graphs: planning needs none (0.3 s of start-up)
+    import networkx as nx
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,8 @@ class VersionGraph:
         Update-chain edges between successive writers of a param are added with kind="chain" so
         drawings can show them distinctly; data edges have kind="data".
         """
+        import networkx as nx
+
         g = nx.DiGraph(name=self.pipeline.name)
         for i, unit in enumerate(self.pipeline.units):
             g.add_node(i, name=unit.name, models=list(unit.models), deterministic=unit.deterministic)
@@ -150,6 +154,8 @@ class VersionGraph:
 
     def data_dag(self) -> nx.DiGraph:
         """Only the reaching-write edges: the graph whose descendants are the forward closure F."""
+        import networkx as nx
+
         g = nx.DiGraph()
         g.add_nodes_from(range(self.n))
         g.add_edges_from((j, i) for j, readers in enumerate(self.readers_of) for i in readers)
