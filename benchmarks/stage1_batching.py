@@ -10,7 +10,7 @@ For every family, on its tiny random-weight models and one synthetic data set:
 
 All in one process, one family after the other, each configuration run `--repeats` times (median).
 
-    python benchmarks/stage1_batching.py [--size demo] [--samples 16] [--repeats 3] [--write]
+    python benchmarks/stage1_batching.py [--size demo] [--samples 32] [--repeats 3] [--write]
 """
 
 from __future__ import annotations
@@ -187,8 +187,8 @@ def write_doc(text: str, doc: Path = DOC) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="demo", choices=["demo", "test"])
-    parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=2, help="measured rounds after one warm-up round")
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="measured rounds after one warm-up round")
     parser.add_argument("--families", help="comma-separated family names (default: every family)")
     parser.add_argument("--write", action="store_true", help=f"replace the section in {DOC.relative_to(ROOT)}")
     args = parser.parse_args(argv)
