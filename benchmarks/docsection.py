@@ -17,3 +17,16 @@ def write_section(doc: Path, begin: str, end: str, title: str, text: str) -> Non
         content = content.rstrip("\n") + f"\n\n\n{title}\n\n{section}\n"
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(content)
+
+
+def installed_versions(names: tuple[str, ...]) -> str:
+    """`name version, ...` of the installed distributions among `names` (for the machine line of a section)."""
+    import importlib.metadata as md
+
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            pass
+    return ", ".join(found)

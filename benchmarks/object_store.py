@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from docsection import write_section  # noqa: E402
+from docsection import installed_versions, write_section  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- object-store:begin -->", "<!-- object-store:end -->"
@@ -140,16 +140,8 @@ def layout_rates(work: Path, entries: int, kib: int) -> dict[str, Any]:
 
 
 def environment() -> str:
-    import importlib.metadata as md
-
-    names = ("torch", "s3fs", "fsspec", "botocore", "moto")
-    versions = []
-    for name in names:
-        try:
-            versions.append(f"{name} {md.version(name)}")
-        except md.PackageNotFoundError:
-            pass
-    return f"Python {platform.python_version()}, {os.cpu_count()} CPUs; {', '.join(versions)}"
+    versions = installed_versions(("torch", "s3fs", "fsspec", "botocore", "moto"))
+    return f"Python {platform.python_version()}, {os.cpu_count()} CPUs; {versions}"
 
 
 def report(steps: dict[str, Any], rates: dict[str, Any]) -> str:

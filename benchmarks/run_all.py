@@ -11,7 +11,6 @@ times) replaces the `run` section at the top of the file; without it, nothing is
 from __future__ import annotations
 
 import argparse
-import importlib.metadata as md
 import os
 import platform
 import subprocess
@@ -22,10 +21,11 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from docsection import write_section  # noqa: E402
+from docsection import installed_versions, write_section  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- benchmark-run:begin -->", "<!-- benchmark-run:end -->"
+VERSIONED = ("torch", "diffusers", "transformers", "peft", "accelerate", "safetensors", "networkx")
 
 # name -> the benchmark's command line (each writes its own section with --write)
 COMMANDS: dict[str, list[str]] = {
@@ -38,23 +38,12 @@ COMMANDS: dict[str, list[str]] = {
 }
 
 
-def _versions() -> str:
-    names = ("torch", "diffusers", "transformers", "peft", "accelerate", "safetensors", "networkx")
-    found = []
-    for name in names:
-        try:
-            found.append(f"{name} {md.version(name)}")
-        except md.PackageNotFoundError:
-            pass
-    return ", ".join(found)
-
-
 def summary(started: str, ended: str, walls: dict[str, float], failed: list[str]) -> str:
     rows = "\n".join(f"| `python {' '.join(COMMANDS[name])} --write` | {walls[name] / 60:.1f} |" for name in walls)
     lines = [
         f"Every table below comes from one run of `python benchmarks/run_all.py --write`, from {started} to {ended} "
         f"(UTC), the benchmarks one after the other with nothing else running, on {os.cpu_count()} CPU cores "
-        f"({platform.machine()}), Python {platform.python_version()}, {_versions()}.",
+        f"({platform.machine()}), Python {platform.python_version()}, {installed_versions(VERSIONED)}.",
         "",
         "| benchmark | minutes |",
         "|---|---:|",

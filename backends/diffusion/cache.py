@@ -146,14 +146,20 @@ def entry_bytes(values: dict[str, Any], meta: dict[str, Any]) -> bytes:
     return save(tensors, metadata={HEADER_KEY: header})
 
 
-def _safetensors_header(data: bytes, source: str) -> dict[str, Any]:
+def _header_bytes(data: bytes, source: str) -> bytes:
+    """The JSON header of a safetensors file's bytes (its length checked against the data)."""
     if len(data) < 8:
         raise BackendError(f"not a safetensors file ({len(data)} bytes)", source=source)
     size = int.from_bytes(data[:8], "little")
     if size <= 0 or 8 + size > len(data):
         raise BackendError("not a safetensors file (bad header length)", source=source)
+    return data[8:8 + size]
+
+
+def _safetensors_header(data: bytes, source: str) -> dict[str, Any]:
+    raw = _header_bytes(data, source)
     try:
-        header = parse_user_json(data[8:8 + size].decode("utf-8"), source, BackendError)
+        header = parse_user_json(raw.decode("utf-8"), source, BackendError)
     except (UnicodeDecodeError, BackendError):
         raise BackendError("not a safetensors file (unreadable header)", source=source) from None
     if not isinstance(header, dict):
@@ -166,13 +172,9 @@ def _entry_metadata(data: bytes, source: str) -> dict[str, Any]:
     entry at every step, and the strict user-file parser of `_safetensors_header` costs ~30 us an entry at
     test size. Nothing is lost: safetensors' own loader re-reads this header strictly (and refuses a damaged
     one) right after, and the values come from the unitgraph header inside it, parsed as before."""
-    if len(data) < 8:
-        raise BackendError(f"not a safetensors file ({len(data)} bytes)", source=source)
-    size = int.from_bytes(data[:8], "little")
-    if size <= 0 or 8 + size > len(data):
-        raise BackendError("not a safetensors file (bad header length)", source=source)
+    raw = _header_bytes(data, source)
     try:
-        header = json.loads(data[8:8 + size])
+        header = json.loads(raw)
     except (ValueError, RecursionError):
         raise BackendError("not a safetensors file (unreadable header)", source=source) from None
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
