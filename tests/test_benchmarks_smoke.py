@@ -152,3 +152,34 @@ def test_stage1_timing_leaves_out_model_loading_inside_compute_entries(monkeypat
     monkeypatch.setattr(stages, "run", run)
     seconds, samples = stage1_batching.timed_stage1(None)
     assert samples == 4 and 0.04 < seconds < 0.2
+
+
+def test_stage1_report_judges_the_paired_ratio_not_the_ratio_of_medians(monkeypatch, tmp_path):
+    """Each round's stage 1 is divided by the limit measured right after it; the table shows the median of
+    those ratios. Here the paired ratios are 1.0, 1.0 and 0.5 (median 1.0), while the ratio of the two
+    medians (20 / 30) would say 0.67."""
+    stage1_batching = _module("stage1_batching")
+    # per round (a warm-up, then 3), the same rate at every B; round 3 is a slow moment for the limit alone
+    rates = {"b": iter([10.0] * 3 + [10.0] * 3 + [30.0] * 3 + [20.0] * 3),
+             "limit": iter([10.0] * 3 + [10.0] * 3 + [30.0] * 3 + [40.0] * 3)}
+    monkeypatch.setattr(stage1_batching, "timed_stage1", lambda args: (1.0 / next(rates["b"]), 1))
+    monkeypatch.setattr(stage1_batching, "limit", lambda args, batch: (1.0 / next(rates["limit"]), 1))
+    monkeypatch.setattr(stage1_batching, "_args", lambda *a: None)
+    monkeypatch.setattr(stage1_batching, "entry_distance", lambda a, b: 0.0)
+
+    class Family:
+        name = "fam"
+        pipelines = [type("P", (), {"name": "p", "video_params": (), "required": ()})()]
+
+        @staticmethod
+        def tiny_module():
+            return type("T", (), {"write_tiny_models": staticmethod(lambda *a, **k: tmp_path)})()
+
+    from unitgraph.backends.diffusion import data, registry
+
+    monkeypatch.setattr(registry, "families", lambda: [Family])
+    monkeypatch.setattr(data, "write_synthetic_dataset", lambda *a, **k: None)
+    (row,) = stage1_batching.measure("test", 1, 3, tmp_path)
+    assert all(row[f"ratio{b}"] == 1.0 for b in stage1_batching.BATCHES)
+    assert row["b1"] / row["limit1"] == pytest.approx(2 / 3)
+    assert "(1.00)" in stage1_batching.report([row], "test", 3)
