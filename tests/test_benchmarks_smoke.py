@@ -183,3 +183,14 @@ def test_stage1_report_judges_the_paired_ratio_not_the_ratio_of_medians(monkeypa
     assert all(row[f"ratio{b}"] == 1.0 for b in stage1_batching.BATCHES)
     assert row["b1"] / row["limit1"] == pytest.approx(2 / 3)
     assert "(1.00)" in stage1_batching.report([row], "test", 3)
+
+
+def test_planner_scaling_measures_the_floor_pass_beside_the_planner():
+    """Each row carries the bare pass's time, its growth is a column, and the summary names both."""
+    planner = _module("planner_scaling")
+    rows = planner.measure([100, 1000], 1, ["chain"], [])
+    assert all(r["floor_s"] > 0 and r["checks"] for r in rows)
+    text = planner.table(rows)
+    assert "floor pass growth" in text.splitlines()[0]
+    factor = planner.growth(rows, "floor_s")[("chain", "latest", 1000)]
+    assert f"{factor:.1f}x" in text
