@@ -39,7 +39,7 @@ class TrainArgs:
     dataset_base_path: str = _f("", "Folder of the dataset files; for sft:train / direct_distill:train, the cache folder (or its s3://bucket/prefix URL).", "dataset")
     dataset_metadata_path: Optional[str] = _f(None, "Metadata file (csv, json or jsonl), one row per sample.", "dataset")
     dataset_repeat: int = _f(1, "Times each sample is seen per epoch (ignored by data_process).", "dataset")
-    dataset_num_workers: int = _f(0, "Stage 2: DataLoader worker processes that read cache entries and run the model-free train units (0: in the training process).", "dataset")
+    dataset_num_workers: int = _f(0, "Stage 2: DataLoader worker processes that read cache entries and run the model-free train units; stage 1: threads that read and decode the samples' image and video files ahead of the encoders (0: in the main process).", "dataset")
     data_file_keys: str = _f("image", "Comma-separated metadata columns that name files to load.", "dataset")
     extra_inputs: Optional[str] = _f(None, "Comma-separated metadata columns handed to the pipeline (e.g. edit_image).", "dataset")
     # models
