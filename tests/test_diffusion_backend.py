@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
@@ -326,3 +328,16 @@ def test_cli_train_errors_are_one_line(tiny, dataset, tmp_path):
     cache = _cli("train", "--task", "sft:train", "--dataset_base_path", str(tmp_path), "--model_paths", str(tiny),
                  "--lora_base_model", "dit")
     assert cache.returncode == 2 and "manifest" in cache.stderr and "Traceback" not in cache.stderr
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=-(2**70), max_value=2**70),
+       st.lists(st.one_of(st.text(), st.integers(), st.floats(allow_nan=False), st.booleans(), st.none()), max_size=4))
+def test_derive_seed_hashes_the_purpose_path_as_json_dumps_prints_it(seed, purpose):
+    """The kept encoder prints what json.dumps with compact separators prints: seeds never change with it."""
+    import hashlib
+    import json
+
+    text = json.dumps([int(seed), [str(p) for p in purpose]], separators=(",", ":"))
+    want = int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") & ((1 << 63) - 1)
+    assert derive_seed(seed, *purpose) == want

@@ -15,9 +15,14 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 
+# json.dumps(..., separators=(",", ":")) builds a new encoder on every call; stage 2 derives three seeds
+# per sample (latent, noise, timestep), so one encoder is kept. Same text, so the same seeds.
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def derive_seed(seed: int, *purpose: Any) -> int:
     """A 63-bit seed from the run seed and a purpose path (JSON-serialisable parts)."""
-    text = json.dumps([int(seed), [str(p) for p in purpose]], separators=(",", ":"))
+    text = _ENCODE([int(seed), [str(p) for p in purpose]])
     return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") & ((1 << 63) - 1)
 
 
