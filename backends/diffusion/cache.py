@@ -205,9 +205,9 @@ def write_entry(path: str | Path, values: dict[str, Any], meta: dict[str, Any]) 
 
 def read_entry(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(values by entry key, meta) of one entry file."""
-    path = Path(path)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as handle:  # not Path.read_bytes: stage 2 reads an entry per sample per step
+            data = handle.read()
     except FileNotFoundError:
         raise BackendError("cache entry is missing; run the data_process stage again", source=str(path)) from None
     except OSError as exc:

@@ -116,6 +116,10 @@ class Stage2Data:
                 early.add(unit.name)
         self.early_units = [u for u in self.units if u.name in early]
         self.step_units = [u for u in self.units if u.name not in early]
+        # Each reader's inputs as (param, live key or None, cache key): `_value`'s look-ups done once, not per
+        # sample and param (at test size a step is a few milliseconds, and this runs for every input of every unit)
+        self._sources = {reader: [self._source(reader, p) for p in params]
+                         for reader, params in [(u.name, u.inputs) for u in self.units] + [(SINK, self.sink_params)]}
         self._entries: dict[str, dict[str, Any]] = {}
         self._keys: dict[str, Hashable] = {}
         self._lock = threading.Lock()
@@ -188,18 +192,30 @@ class Stage2Data:
             return state.live[(binding.writer, param)]
         return state.cached[binding.key]
 
+    def _source(self, reader: str, param: str) -> tuple[str, Optional[tuple[str, str]], Optional[str]]:
+        """(param, the live key it is read from or None, its cache key): where `_value` finds it."""
+        binding = self.bindings[(reader, param)]
+        if binding.source == "live":
+            return param, (binding.writer, param), None
+        return param, None, binding.key
+
+    def _inputs(self, state: _State, reader: str) -> dict[str, Any]:
+        """{param: `_value(state, reader, param)`} for every input of `reader`, through the precomputed sources."""
+        live, cached = state.live, state.cached
+        return {p: live[lk] if lk is not None else cached[ck] for p, lk, ck in self._sources[reader]}
+
     def _run(self, units: Sequence[Any], state: _State, ctx: Any, grad: bool) -> None:
         import torch
 
         if not grad:  # one no_grad around all of them (the early units, per sample: every microsecond shows at test size)
             with torch.no_grad():
                 for unit in units:
-                    out = unit(ctx, {p: self._value(state, unit.name, p) for p in unit.inputs})
+                    out = unit(ctx, self._inputs(state, unit.name))
                     for p in unit.outputs:
                         state.live[(unit.name, p)] = out[p]
             return
         for unit in units:
-            inputs = {p: self._value(state, unit.name, p) for p in unit.inputs}
+            inputs = self._inputs(state, unit.name)
             needs = bool(set(unit.models) & self.backward) or any(_is_tensor(v) and v.requires_grad for v in inputs.values())
             with contextlib.nullcontext() if needs else torch.no_grad():
                 out = unit(ctx, inputs)
@@ -226,7 +242,7 @@ class Stage2Data:
         return state
 
     def sink_inputs(self, state: _State) -> dict[str, Any]:
-        return {p: self._value(state, SINK, p) for p in self.sink_params}
+        return self._inputs(state, SINK)
 
     def produce(self, elements: list[Element], epoch: int, early_ctx: Any, pin: bool = False) -> Batch:
         """A batch with its early work done: collated inputs when no unit is left for the step."""
@@ -341,16 +357,20 @@ class _EntryPath:
     def __init__(self, cache_dir: str | Path):
         self.cache_dir = Path(cache_dir)
         self._cache: Any = None  # one Cache, its manifest read once (made in the process that reads)
+        self._paths: dict[str, Path] = {}  # sample id -> its entry file, found once (every epoch asks again)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"cache_dir": self.cache_dir, "_cache": None}
+        return {"cache_dir": self.cache_dir, "_cache": None, "_paths": {}}
 
     def __call__(self, item: Any) -> Path:
-        if self._cache is None:
-            from .cache import Cache
+        path = self._paths.get(item.sample_id)
+        if path is None:
+            if self._cache is None:
+                from .cache import Cache
 
-            self._cache = Cache(self.cache_dir)
-        return self._cache.entry_path(item.sample_id)
+                self._cache = Cache(self.cache_dir)
+            path = self._paths[item.sample_id] = self._cache.entry_path(item.sample_id)
+        return path
 
 
 class _EntryReader(_EntryPath):

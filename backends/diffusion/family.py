@@ -100,6 +100,11 @@ class UnitCode:
     def name(self) -> str:
         return self.declaration.name
 
+    @cached_property
+    def _output_set(self) -> frozenset[str]:
+        """The declared outputs as a set, made once: `__call__` compares every result's keys with it."""
+        return frozenset(self.declaration.outputs)
+
     @property
     def inputs(self) -> tuple[str, ...]:
         return self.declaration.inputs
@@ -115,7 +120,7 @@ class UnitCode:
     def __call__(self, ctx: Any, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """Run on `inputs` (a mapping holding at least the declared inputs); check the declared outputs."""
         out = self.fn(ctx, **{p: inputs[p] for p in self.declaration.inputs})
-        if set(out) != set(self.declaration.outputs):
+        if out.keys() != self._output_set:
             raise RuntimeError(f"unit {self.name} wrote {sorted(out)}, declared {sorted(self.declaration.outputs)}")
         return out
 
