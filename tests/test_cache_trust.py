@@ -405,6 +405,34 @@ def test_a_stop_while_computing_keeps_finished_entries(tiny, tmp_path, capsys):
     assert code == 0, err
 
 
+def test_a_failed_entry_write_is_one_line_and_the_entries_written_before_it_stay(tiny, tmp_path, capsys, monkeypatch):
+    """A write that fails (here the third, as on a full disk) stops stage 1 with one line; every entry written
+    before it is journaled and whole, the failed one is not there, and the next run computes only the rest."""
+    from unitgraph.atomic import OutputError
+
+    data = make_data(tmp_path / "data", count=6, seed=8)
+    cache = tmp_path / "cache"
+    real = cache_module.Cache.store_entry
+    calls = []
+
+    def store_entry(self, key, values, meta):
+        calls.append(meta["index"])
+        if len(calls) == 3:
+            raise OutputError("cannot write (No space left on device)", source=str(self.folder / "entries" / key))
+        return real(self, key, values, meta)
+
+    monkeypatch.setattr(cache_module.Cache, "store_entry", store_entry)
+    code, _, err = cli(capsys, *cli_args(tiny, data, "sft:data_process", cache, "--data_process_batch_size", "2"))
+    one_error_line(code, err, "No space left on device")
+    done = Cache(cache).read_journals()
+    kept = sorted(r["index"] for r in done)
+    assert kept == calls[:2], (kept, calls)
+    assert all(Cache(cache).check_entry(record) is None for record in done)
+    monkeypatch.setattr(cache_module.Cache, "store_entry", real)
+    code, out, err = cli(capsys, *cli_args(tiny, data, "sft:data_process", cache, "--data_process_batch_size", "2"))
+    assert code == 0 and f"{6 - len(kept)} entries computed, {len(kept)} reused" in out, (err, out)
+
+
 # ------------------------------------------------------------------------------------------------
 # 7. loss sanity
 
