@@ -108,6 +108,25 @@ def test_stage1_to_s3_then_verify_info_and_stage2_give_the_local_losses(tiny, lo
     assert code == 0, err
     assert losses(tmp_path / "run") == losses(local_run / "run")  # exactly: the same bytes were read
 
+    # stage 2's start-up lists the prefix once (hygiene check and entry sizes from the same listing)
+    from unitgraph.backends.diffusion import stages, store
+    from unitgraph.backends.diffusion.registry import families
+    from unitgraph.plan import Plan
+
+    listed = []
+    real_list = store.ObjectStore.list
+
+    def counted(self, prefix=""):
+        listed.append(prefix)
+        return real_list(self, prefix)
+
+    store.ObjectStore.list = counted
+    try:
+        stages.CacheProvider(families()[0].pipeline("qwen_image"), Plan.from_dict(json.loads(stored["plan.json"])), url)
+    finally:
+        store.ObjectStore.list = real_list
+    assert listed == [""], listed
+
     # a second stage 1 finds every entry valid; a changed caption recomputes exactly that sample's entry
     code, out, err = cli(capsys, *stage1(models, data, url))
     assert code == 0 and "all 6 entries valid: nothing to compute" in out + err, out + err

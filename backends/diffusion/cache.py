@@ -470,14 +470,19 @@ class Cache:
         return manifest
 
     # --- hygiene ---------------------------------------------------------------------------------
-    def unsafe_files(self) -> list[str]:
-        """Pickle-like files in the cache: never loaded, reported so the user knows."""
-        if self.local and not self.folder.is_dir():
-            return []
-        return sorted(self.describe(rel) for rel in self.store.list() if Path(rel).suffix.lower() in UNSAFE_SUFFIXES)
+    def unsafe_files(self, listing: Optional[dict[str, int]] = None) -> list[str]:
+        """Pickle-like files in the cache: never loaded, reported so the user knows.
 
-    def warn_unsafe(self, warn: Callable[[str], None]) -> None:
-        for path in self.unsafe_files():
+        `listing`: the cache's `store.list()` when the caller has it already (on an object store each
+        listing is a request, paged by a thousand objects)."""
+        if listing is None:
+            if self.local and not self.folder.is_dir():
+                return []
+            listing = self.store.list()
+        return sorted(self.describe(rel) for rel in listing if Path(rel).suffix.lower() in UNSAFE_SUFFIXES)
+
+    def warn_unsafe(self, warn: Callable[[str], None], listing: Optional[dict[str, int]] = None) -> None:
+        for path in self.unsafe_files(listing):
             warn(f"warning: ignoring {path}: unitgraph never loads {Path(path).suffix} files (they can run code); "
                  "caches hold only safetensors and JSON")
 

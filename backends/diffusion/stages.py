@@ -49,9 +49,12 @@ def location(text: "str | Path") -> "str | Path":
     return str(text) if is_url(text) else Path(text)
 
 
-def present_sizes(cache: Cache) -> dict[str, int]:
-    """{file: size} of the entry files and shards a cache holds (one listing of each folder or prefix)."""
-    return {**cache.store.list(ENTRIES), **cache.store.list(SHARDS)}
+def present_sizes(cache: Cache, listing: Optional[dict[str, int]] = None) -> dict[str, int]:
+    """{file: size} of the entry files and shards a cache holds: from `listing` (the whole cache's
+    `store.list()`) when given, else one listing of each folder or prefix."""
+    if listing is None:
+        return {**cache.store.list(ENTRIES), **cache.store.list(SHARDS)}
+    return {rel: size for rel, size in listing.items() if rel.startswith((f"{ENTRIES}/", f"{SHARDS}/"))}
 
 
 class ReadAhead:
@@ -200,7 +203,8 @@ class CacheProvider:
         self.plan = plan
         self.cache = Cache(cache_dir)
         manifest = self.cache.open_for_training(plan, pipeline.task)
-        self.cache.warn_unsafe(report)
+        listing = self.cache.store.list()  # one listing for the hygiene check and the entries' sizes below
+        self.cache.warn_unsafe(report, listing)
         if cfg is not None:
             check_cache_matches(cfg, plan, self.cache, manifest, save_memo=main)
         samples = sorted(manifest.samples, key=lambda s: int(s["index"]))
@@ -224,7 +228,7 @@ class CacheProvider:
         self.dtype = None if stored == DTYPE else getattr(torch, DTYPE)
         total = 0
         hint = f"run 'unitgraph cache repair {self.cache.location}' or the data_process stage again"
-        sizes = present_sizes(self.cache)  # one listing, not a request per entry
+        sizes = present_sizes(self.cache, listing)  # not a request per entry
         for s in samples:
             record = self.records.get(str(s["key"]))
             if record is None:
