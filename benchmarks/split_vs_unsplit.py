@@ -13,7 +13,8 @@ alternating the configurations and repeating them, each configuration in its own
            the loss and size of the cache with floating tensors stored as bf16 / fp16 / fp32
 
 plus the whole-process time of `unitgraph plan diffusion:<pipeline> --lora-base-model dit`.
-Timings are medians over steps (the first step of a process is left out) and over repeats; peak RSS
+Timings are medians over windows of executor.SYNC_RUN steps of each window's mean (the first window of a
+process left out; see step_median) and over repeats; peak RSS
 is the process's VmHWM. With --write the results replace the pipeline's split-vs-unsplit section of
 docs/benchmarks.md and its plot (docs/img/benchmark_split_vs_unsplit[_<pipeline>].png).
 
@@ -39,7 +40,8 @@ from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from docsection import write_section  # noqa: E402
+from docsection import step_median, write_section  # noqa: E402
+from unitgraph.backends.diffusion.executor import SYNC_RUN  # noqa: E402  (no torch import: a constant)
 
 DOC = ROOT / "docs" / "benchmarks.md"
 PLOT = ROOT / "docs" / "img" / "benchmark_split_vs_unsplit.png"
@@ -64,7 +66,7 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 # Video pipelines (Wan): clips of 17 frames (5 latent frames), at smaller sides than the image sizes.
 VIDEO_SIZES = {"test": {"px": 64, "frames": 17}, "demo": {"px": 128, "frames": 17}}
-CHUNK = 8  # the loader configuration alternates with in-memory steps every CHUNK steps
+CHUNK = 8  # the loader configuration alternates with in-memory steps every CHUNK steps (a multiple of SYNC_RUN)
 CONFIGS = ("stage1", "unsplit", "train", "loader", "limit")
 BATCH_SIZES = (1, 4, 8)
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
@@ -91,11 +93,6 @@ def peak_rss_bytes() -> int:
 def median(values: list[float]) -> Optional[float]:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
-
-
-def step_median(times: list[float]) -> Optional[float]:
-    """Median step time, leaving out the first step (one-off set-up costs)."""
-    return median(times[1:] or times)
 
 
 def paths(workdir: Path, size: str) -> dict[str, Path]:
@@ -341,11 +338,13 @@ def child_loader(workdir: Path, size: str, out: Path, rep: int) -> dict[str, Any
     for n, start in enumerate(range(0, len(batches), CHUNK)):
         chunk = batches[start:start + CHUNK]
         for mode in modes[n % 3:] + modes[:n % 3]:
-            # each chunk starts cold (a new iterator) and its first step is left out: steady state only
+            # each chunk starts cold (a new iterator); the mean of all its steps, every configuration alike
+            # (with prefetch=0 the chunk's batches are prepared SYNC_RUN at a time, CHUNK being a multiple)
             if mode == "limit":
-                times[mode] += stage.timed_memory(inputs[start:start + CHUNK])[1:]
+                steps = stage.timed_memory(inputs[start:start + CHUNK])
             else:
-                times[mode] += stage.timed_epoch(data, 0, batches=chunk, prefetch=0 if mode == "sync" else 2)[1:]
+                steps = stage.timed_epoch(data, 0, batches=chunk, prefetch=0 if mode == "sync" else 2)
+            times[mode].append(statistics.fmean(steps))
     rss = peak_rss_bytes()  # before the batch-size sweep: B = 1 is the configuration compared
     t = {mode: median(values) for mode, values in times.items()}
     # samples/s at B = 1, 4, 8 (order rotated per repeat); enough repeats of the data for 1 + steps batches of 8
@@ -661,17 +660,20 @@ def markdown(summary: dict[str, Any], plot_name: Optional[str] = None) -> str:
     rows = summary["rows"]
     out = []
     threads = summary.get("threads")
-    out.append("Step times in ms: median over the steps of a process (its first step left out), then over repeats. "
+    out.append(f"Step times in ms: per process, the median over windows of {SYNC_RUN} consecutive steps of each window's "
+               "mean (the first window left out: with batches prepared that many at a time, each window holds one "
+               "run of the data work), then the median over repeats. "
                "`train` is `sft:train` through `stages.run` (whose stage 2 takes its batches from "
                "`backends/diffusion/executor.py`), every cache entry read from disk and parsed at its step (its checksum "
                "checked on its first read); "
-               "`loader` is the same data path in a bare loop of the benchmark's own, each batch read and its "
-               "model-free train units run when it is asked for (the CPU default); `thread` prepares up to two batches "
+               "`loader` is the same data path in a bare loop of the benchmark's own, the batches read and their "
+               f"model-free train units run in the loop when asked for, {SYNC_RUN} at a time (the CPU default); "
+               "`thread` prepares up to two batches "
                "ahead in a background thread instead; `limit` is the same denoiser step (LoRA forward, backward, AdamW) "
                "on sink inputs already in memory, in a process of its own. The ratios to the limit are paired: each "
                "`train` process runs the same steps from memory right after `stages.run`, each `loader` process "
-               f"alternates its modes and the in-memory steps every {CHUNK} steps; the table gives the median of the "
-               "per-process ratios. "
+               f"alternates its modes and the in-memory steps every {CHUNK} steps (each chunk timed whole: the mean of "
+               "its steps); the table gives the median of the per-process ratios. "
                + (f"torch uses {threads} intra-op thread{'s' if threads != 1 else ''} in every configuration "
                   "(on this shared 2-core machine two threads slow down 5-10x whenever another process runs). " if threads else "")
                + "\n")
@@ -700,7 +702,8 @@ def markdown(summary: dict[str, Any], plot_name: Optional[str] = None) -> str:
             "draw each sample's latent, noise and timestep, the loop's own bookkeeping) is CPU time that a CPU-only "
             "machine cannot hide: running it ahead in a thread costs the same CPU time plus GIL hand-offs (the "
             "`thread / limit` column). Right after a denoiser step that Python work also runs from cold CPU caches, "
-            "several times slower than in a tight loop. The seeded dropout stream is already skipped when no trained "
+            f"several times slower than in a tight loop, which is why the loop prepares {SYNC_RUN} batches at a time "
+            "(the later ones find the caches warm). The seeded dropout stream is already skipped when no trained "
             "model has dropout (these have none). On a GPU the host CPU is idle during the step and `iterate()` "
             "prepares batches ahead in a thread (its default there); on the CPU, `--batch_size` spreads the per-step "
             "work over several samples (the batch-size table below).")

@@ -194,3 +194,14 @@ def test_planner_scaling_measures_the_floor_pass_beside_the_planner():
     assert "floor pass growth" in text.splitlines()[0]
     factor = planner.growth(rows, "floor_s")[("chain", "latest", 1000)]
     assert f"{factor:.1f}x" in text
+
+
+def test_step_times_are_window_means_so_a_run_of_data_work_is_counted():
+    """With batches prepared SYNC_RUN at a time, one step in each run is heavy: the median of single steps
+    would drop that work, the median of window means keeps it (the first window, set-up, left out)."""
+    bench = _bench()
+    run = [5.0, 1.0, 1.0, 1.0]
+    times = [50.0, 1.0, 1.0, 1.0] + run * 3
+    assert bench.step_median(times, window=4) == pytest.approx(2.0)
+    assert bench.step_median([9.0, 1.0, 2.0, 3.0], window=4) == 2.0  # too few for windows: median of the rest
+    assert bench.step_median(times) == bench.step_median(times, window=bench.SYNC_RUN)

@@ -8,6 +8,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
@@ -424,3 +426,32 @@ def test_units_that_call_models_run_per_sample_at_step_time(tiny, mixed_dataset,
     assert worst <= 1e-5
     te = sum(float(g.abs().sum()) for g, p in zip(grad_batch, params) if any(p is q for q in models["text_encoder"].parameters()))
     assert te > 0  # the text encoder does get a gradient through the padded batch
+
+
+@given(st.integers(min_value=0, max_value=12), st.integers(min_value=1, max_value=5),
+       st.one_of(st.none(), st.integers(min_value=0, max_value=11)))
+def test_batches_made_in_runs_come_in_order_and_an_error_at_its_own_turn(n, run, failing):
+    """executor._in_runs: the results of prefetch=0, in order; jobs are called at most `run` ahead of the
+    result asked for; a failing job's error comes after every result before it, and no later job is called."""
+    called: list[int] = []
+    handed: list[int] = []
+
+    def job(k):
+        def call():
+            assert len(called) < len(handed) + run  # never more than a run ahead of what was taken
+            called.append(k)
+            if k == failing:
+                raise ValueError(f"job {k}")
+            return k
+        return call
+
+    results = E._in_runs((job(k) for k in range(n)), run)
+    if failing is not None and failing < n:
+        with pytest.raises(ValueError, match=f"job {failing}"):
+            for value in results:
+                handed.append(value)
+        assert handed == list(range(failing)) and called == list(range(failing + 1))
+    else:
+        for value in results:
+            handed.append(value)
+        assert handed == called == list(range(n))

@@ -12,9 +12,11 @@ what was proved equal to the unsplit run.
   collation, before the step, on the CPU, and can run ahead of it: in a background thread
   (`prefetch=k`) or in DataLoader worker processes (`workers>0`, pinned memory with CUDA). On a
   GPU that hides them behind the step. On a CPU-only machine they cost the same CPU time wherever
-  they run, and a thread adds GIL hand-offs, so the default there is to prepare each batch when it
-  is asked for (measured in docs/benchmarks.md). Units that call a model (a trainable text
-  encoder, say) run in the training process, per sample, at step time.
+  they run, and a thread adds GIL hand-offs, so the default there is to prepare batches in the
+  caller when they are asked for, SYNC_RUN at a time (`_in_runs`): right after a step the data path
+  runs from cold CPU caches, and the batches after the first of a run find them warm (measured in
+  docs/benchmarks.md). Units that call a model (a trainable text encoder, say) run in the training
+  process, per sample, at step time.
 * **Reading entries.** An entry is read whole (its checksum covers every byte) and parsed from
   memory (`cache.read_entry`); a small cache may be kept in memory after its first read.
 """
@@ -33,6 +35,8 @@ from unitgraph.runtime import SINK, stage2_bindings
 
 from .batching import (CachedItem, Element, _cast, _is_tensor, _pin, bucket_batches, collate, entry_signature, expand,
                        shard_batches, to_device, value_signature)
+
+SYNC_RUN = 4  # batches prepared together in the caller (prefetch=0): an A/B at test size, 1.06x the limit -> ~1.04x
 
 
 # ------------------------------------------------------------------------------------------------
@@ -270,7 +274,8 @@ class Stage2Data:
                 workers: int = 0, batches: Optional[Sequence[list[Element]]] = None) -> Iterator[Batch]:
         """Ready batches of one epoch (inputs on ctx.device).
 
-        prefetch=0 prepares each batch in the caller, when it is asked for; prefetch=k > 0 prepares up
+        prefetch=0 prepares batches in the caller when they are asked for, SYNC_RUN at a time (see the
+        module docstring; an error is raised when its own batch is asked for); prefetch=k > 0 prepares up
         to k batches ahead in a background thread; workers > 0 uses a torch DataLoader with that many
         processes (and prefetch_factor k). The default (None) is a thread with k = 2 when training on
         CUDA, where the host CPU is otherwise idle, and 0 on the CPU, where preparing a batch competes
@@ -291,7 +296,7 @@ class Stage2Data:
         elif prefetch > 0:
             source = _Prefetched(((lambda b=b: self.produce(b, epoch, early_ctx, cuda)) for b in batches), prefetch)
         else:
-            source = (self.produce(b, epoch, early_ctx) for b in batches)
+            source = _in_runs(((lambda b=b: self.produce(b, epoch, early_ctx)) for b in batches), SYNC_RUN)
         try:
             for batch in source:
                 inputs = self.finish(batch, ctx)
@@ -301,6 +306,32 @@ class Stage2Data:
             close = getattr(source, "close", None)
             if close is not None:
                 close()
+
+
+def _in_runs(jobs: Iterable[Callable[[], Any]], run: int) -> Iterator[Any]:
+    """Each job's result in order, the jobs called `run` at a time when the first of a run is asked for.
+
+    Nothing but the timing changes: the same calls in the same order, in the caller. A job's error is
+    kept and raised when its own result would have been (the results before it are handed out first),
+    and no job after it is called; so a stop happens at the batch it always happened at.
+    """
+    jobs = iter(jobs)
+    while True:
+        results: list[tuple[bool, Any]] = []
+        for job in jobs:
+            try:
+                results.append((True, job()))
+            except Exception as exc:  # raised at its turn, below
+                results.append((False, exc))
+                break
+            if len(results) >= run:
+                break
+        if not results:
+            return
+        for ok, value in results:
+            if not ok:
+                raise value
+            yield value
 
 
 class _Prefetched:
