@@ -57,16 +57,18 @@ BALANCED_EXTRA = {
              "num_key_value_heads": 4, "mrope_section": [8, 12, 12]},
 }
 
-# Per size: tiny model size, image side, dataset samples, dataset_repeat of the unsplit and stage-2 runs,
-# steps of the batch-size sweep for B = 1, 4, 8.
+# Per size: tiny model size, image side, dataset samples, dataset_repeat of the unsplit and stage-2 runs
+# (stage 2: enough steps for several windows of SYNC_RUN steps after the first), steps of the batch-size
+# sweep for B = 1, 4, 8.
 SIZES: dict[str, dict[str, Any]] = {
     "test": {"tiny": "test", "px": 64, "samples": 16, "unsplit_repeat": 2, "train_repeat": 4, "sweep_steps": [24, 10, 6]},
-    "demo": {"tiny": "demo", "px": 256, "samples": 8, "unsplit_repeat": 1, "train_repeat": 2, "sweep_steps": [6, 3, 2]},
-    "balanced": {"tiny": "balanced", "px": 256, "samples": 6, "unsplit_repeat": 1, "train_repeat": 2, "sweep_steps": [4, 2, 1]},
+    "demo": {"tiny": "demo", "px": 256, "samples": 8, "unsplit_repeat": 1, "train_repeat": 4, "sweep_steps": [6, 3, 2]},
+    "balanced": {"tiny": "balanced", "px": 256, "samples": 6, "unsplit_repeat": 1, "train_repeat": 4, "sweep_steps": [4, 2, 1]},
 }
 # Video pipelines (Wan): clips of 17 frames (5 latent frames), at smaller sides than the image sizes.
 VIDEO_SIZES = {"test": {"px": 64, "frames": 17}, "demo": {"px": 128, "frames": 17}}
 CHUNK = 8  # the loader configuration alternates with in-memory steps every CHUNK steps (a multiple of SYNC_RUN)
+LOADER_CHUNKS = 4  # ... over at least this many chunks of each
 CONFIGS = ("stage1", "unsplit", "train", "loader", "limit")
 BATCH_SIZES = (1, 4, 8)
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
@@ -329,12 +331,19 @@ def child_loader(workdir: Path, size: str, out: Path, rep: int) -> dict[str, Any
     default) and up to two batches ahead in a thread (`thread`), alternating every CHUNK steps with the
     same steps from memory; then samples/s at B = 1, 4, 8."""
     stage = Stage2(workdir, size, out)
-    data = stage.data(batch_size=1)
+    # at least LOADER_CHUNKS chunks of each mode (a few samples at the larger sizes: repeat them)
+    repeat = max(stage.settings["train_repeat"], -(-LOADER_CHUNKS * CHUNK // stage.settings["samples"]))
+    data = stage.data(batch_size=1, repeat=repeat)
     batches = data.batches(0)
-    memory = stage.data(batch_size=1, keep_in_memory=True)
+    memory = stage.data(batch_size=1, keep_in_memory=True, repeat=repeat)
     inputs = [b.inputs for b in memory.iterate(0, stage.ctx, prefetch=0)]
     times: dict[str, list[float]] = {"sync": [], "thread": [], "limit": []}
     modes = list(times)
+    # untimed warm-up of every mode: a process's first steps carry one-off costs (allocations, kernel set-up,
+    # the first thread) that would otherwise land on whichever mode happens to go first
+    stage.timed_memory(inputs[:2])
+    stage.timed_epoch(data, 0, batches=batches[:2], prefetch=0)
+    stage.timed_epoch(data, 0, batches=batches[:2], prefetch=2)
     for n, start in enumerate(range(0, len(batches), CHUNK)):
         chunk = batches[start:start + CHUNK]
         for mode in modes[n % 3:] + modes[:n % 3]:
@@ -672,8 +681,9 @@ def markdown(summary: dict[str, Any], plot_name: Optional[str] = None) -> str:
                "ahead in a background thread instead; `limit` is the same denoiser step (LoRA forward, backward, AdamW) "
                "on sink inputs already in memory, in a process of its own. The ratios to the limit are paired: each "
                "`train` process runs the same steps from memory right after `stages.run`, each `loader` process "
-               f"alternates its modes and the in-memory steps every {CHUNK} steps (each chunk timed whole: the mean of "
-               "its steps); the table gives the median of the per-process ratios. "
+               f"alternates its modes and the in-memory steps every {CHUNK} steps, at least {LOADER_CHUNKS} chunks of "
+               "each after an untimed warm-up of every mode (each chunk timed whole: the mean of its steps); the "
+               "table gives the median of the per-process ratios. "
                + (f"torch uses {threads} intra-op thread{'s' if threads != 1 else ''} in every configuration "
                   "(on this shared 2-core machine two threads slow down 5-10x whenever another process runs). " if threads else "")
                + "\n")
