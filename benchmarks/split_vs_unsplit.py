@@ -7,8 +7,9 @@ alternating the configurations and repeating them, each configuration in its own
   stage1   `sft:data_process` (stages.run): seconds per sample, peak RSS
   unsplit  one `sft` step (stages.run): encoders + denoiser + backward + AdamW, images read each step
   train    one `sft:train` step (stages.run) from the cache, every entry read from disk
-  loader   the same step fed by backends/diffusion/executor.py (entries read and train units run
-           ahead in a prefetch thread); then samples/s at --batch_size 1, 4, 8
+  loader   the same step fed by backends/diffusion/executor.py in a bare loop (entries read and the
+           model-free train units run in the loop, and in a prefetch thread); then samples/s at
+           --batch_size 1, 4, 8
   limit    the same denoiser step on sink inputs already in memory: the floor for stage 2; then
            the loss and size of the cache with floating tensors stored as bf16 / fp16 / fp32
 
@@ -327,9 +328,9 @@ class Stage2:
 
 
 def child_loader(workdir: Path, size: str, out: Path, rep: int) -> dict[str, Any]:
-    """Stage 2 through executor.py (Stage2Data), each batch prepared when asked for (`sync`, the CPU
-    default) and up to two batches ahead in a thread (`thread`), alternating every CHUNK steps with the
-    same steps from memory; then samples/s at B = 1, 4, 8."""
+    """Stage 2 through executor.py (Stage2Data), the batches prepared in the loop when asked for, SYNC_RUN at
+    a time (`sync`, the CPU default), and up to two batches ahead in a thread (`thread`), alternating every
+    CHUNK steps with the same steps from memory; then samples/s at B = 1, 4, 8."""
     stage = Stage2(workdir, size, out)
     # at least LOADER_CHUNKS chunks of each mode (a few samples at the larger sizes: repeat them)
     repeat = max(stage.settings["train_repeat"], -(-LOADER_CHUNKS * CHUNK // stage.settings["samples"]))
