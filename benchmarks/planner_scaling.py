@@ -16,8 +16,8 @@ Four shapes of 1k, 10k and 100k units, both cache modes:
 For each size we time `split` (graph, fixed point, cache entries, models and the full verification it
 records) and, separately, the fixed point alone, and `floor_pass`: one bare pass over every read and write
 of the same pipeline, whose growth per 10x is what this machine's cache hierarchy alone adds to any
-Python code that resolves a pipeline's param names (the planner's growth is read against it). Prints a table and the growth factor per 10x; with
---write it replaces the planner section of docs/benchmarks.md.
+Python code that resolves a pipeline's param names (the planner's growth is read against it). Prints a
+table and the growth factor per 10x; with --write it replaces the planner section of docs/benchmarks.md.
 
     python benchmarks/planner_scaling.py [--sizes 1000,10000,100000] [--repeats 3] [--shapes random,chain] [--write]
 """

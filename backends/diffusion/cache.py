@@ -376,14 +376,14 @@ class Cache:
 
         Reading through this path skips the checksum; `load_entry` checks it.
         """
-        if getattr(self, "_by_sample_id", None) is None:
+        if getattr(self, "_by_sample_id", None) is None:  # sample id -> entry file, made once (stage 2 asks every step)
             manifest = self.read_manifest()
             samples = manifest.samples if manifest is not None else []
-            self._by_sample_id = {str(s["sample_id"]): str(s["key"]) for s in samples}
-        key = self._by_sample_id.get(str(sample_id))
-        if key is None:
+            self._by_sample_id = {str(s["sample_id"]): self.entry_file(str(s["key"])) for s in samples}
+        path = self._by_sample_id.get(str(sample_id))
+        if path is None:
             raise BackendError(f"no cache entry for sample id {str(sample_id)[:12]} in the manifest", source=self.location)
-        return self.entry_file(key)
+        return path
 
     def memo(self) -> HashMemo:
         return HashMemo(self.store)

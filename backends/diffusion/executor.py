@@ -120,7 +120,7 @@ class Stage2Data:
                 early.add(unit.name)
         self.early_units = [u for u in self.units if u.name in early]
         self.step_units = [u for u in self.units if u.name not in early]
-        # Each reader's inputs as (param, live key or None, cache key): `_value`'s look-ups done once, not per
+        # Each reader's inputs as (param, live key or None, cache key): the bindings looked up once, not per
         # sample and param (at test size a step is a few milliseconds, and this runs for every input of every unit)
         self._sources = {reader: [self._source(reader, p) for p in params]
                          for reader, params in [(u.name, u.inputs) for u in self.units] + [(SINK, self.sink_params)]}
@@ -190,21 +190,16 @@ class Stage2Data:
                 self._entries[sample_id] = values
         return values
 
-    def _value(self, state: _State, reader: str, param: str) -> Any:
-        binding = self.bindings[(reader, param)]
-        if binding.source == "live":
-            return state.live[(binding.writer, param)]
-        return state.cached[binding.key]
-
     def _source(self, reader: str, param: str) -> tuple[str, Optional[tuple[str, str]], Optional[str]]:
-        """(param, the live key it is read from or None, its cache key): where `_value` finds it."""
+        """(param, the live key it is read from or None, its cache key): where `reader` takes `param` from, by
+        the plan's binding (a live train output, or a cache entry)."""
         binding = self.bindings[(reader, param)]
         if binding.source == "live":
             return param, (binding.writer, param), None
         return param, None, binding.key
 
     def _inputs(self, state: _State, reader: str) -> dict[str, Any]:
-        """{param: `_value(state, reader, param)`} for every input of `reader`, through the precomputed sources."""
+        """{param: value} for every input of `reader`, each from the live output or the cache entry `_source` names."""
         live, cached = state.live, state.cached
         return {p: live[lk] if lk is not None else cached[ck] for p, lk, ck in self._sources[reader]}
 
@@ -388,20 +383,16 @@ class _EntryPath:
     def __init__(self, cache_dir: str | Path):
         self.cache_dir = Path(cache_dir)
         self._cache: Any = None  # one Cache, its manifest read once (made in the process that reads)
-        self._paths: dict[str, Path] = {}  # sample id -> its entry file, found once (every epoch asks again)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"cache_dir": self.cache_dir, "_cache": None, "_paths": {}}
+        return {"cache_dir": self.cache_dir, "_cache": None}
 
     def __call__(self, item: Any) -> Path:
-        path = self._paths.get(item.sample_id)
-        if path is None:
-            if self._cache is None:
-                from .cache import Cache
+        if self._cache is None:
+            from .cache import Cache
 
-                self._cache = Cache(self.cache_dir)
-            path = self._paths[item.sample_id] = self._cache.entry_path(item.sample_id)
-        return path
+            self._cache = Cache(self.cache_dir)
+        return self._cache.entry_path(item.sample_id)
 
 
 class _EntryReader(_EntryPath):

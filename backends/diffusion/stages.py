@@ -49,11 +49,8 @@ def location(text: "str | Path") -> "str | Path":
     return str(text) if is_url(text) else Path(text)
 
 
-def present_sizes(cache: Cache, listing: Optional[dict[str, int]] = None) -> dict[str, int]:
-    """{file: size} of the entry files and shards a cache holds: from `listing` (the whole cache's
-    `store.list()`) when given, else one listing of each folder or prefix."""
-    if listing is None:
-        return {**cache.store.list(ENTRIES), **cache.store.list(SHARDS)}
+def present_sizes(listing: dict[str, int]) -> dict[str, int]:
+    """{file: size} of the entry files and shards in `listing` (a whole cache's `store.list()`)."""
     return {rel: size for rel, size in listing.items() if rel.startswith((f"{ENTRIES}/", f"{SHARDS}/"))}
 
 
@@ -228,7 +225,7 @@ class CacheProvider:
         self.dtype = None if stored == DTYPE else getattr(torch, DTYPE)
         total = 0
         hint = f"run 'unitgraph cache repair {self.cache.location}' or the data_process stage again"
-        sizes = present_sizes(self.cache, listing)  # not a request per entry
+        sizes = present_sizes(listing)  # not a request per entry
         for s in samples:
             record = self.records.get(str(s["key"]))
             if record is None:
