@@ -5,7 +5,7 @@ second heavy job makes every figure 2-4x slower). With --write, each benchmark r
 as it finishes, and the run's summary (start, end, machine, versions, the commands and their wall
 times) replaces the `run` section at the top of the file; without it, nothing is written.
 
-    python benchmarks/run_all.py [--write] [--only planner,stage1,qwen_image,flux,wan,object_store]
+    python benchmarks/run_all.py [--write] [--only planner,stage1,qwen_image,flux,wan,object_store,thread_overlap]
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ COMMANDS: dict[str, list[str]] = {
     "flux": ["benchmarks/split_vs_unsplit.py", "--pipeline", "flux"],
     "wan": ["benchmarks/split_vs_unsplit.py", "--pipeline", "wan"],
     "object_store": ["benchmarks/object_store.py"],
+    "thread_overlap": ["benchmarks/thread_overlap.py"],
 }
 
 

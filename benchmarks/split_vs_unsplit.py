@@ -62,7 +62,8 @@ BALANCED_EXTRA = {
 # (stage 2: enough steps for several windows of SYNC_RUN steps after the first), steps of the batch-size
 # sweep for B = 1, 4, 8.
 SIZES: dict[str, dict[str, Any]] = {
-    "test": {"tiny": "test", "px": 64, "samples": 16, "unsplit_repeat": 2, "train_repeat": 4, "sweep_steps": [24, 10, 6]},
+    "test": {"tiny": "test", "px": 64, "samples": 16, "unsplit_repeat": 2, "train_repeat": 4, "sweep_steps": [24, 10, 6],
+             "train_rounds": 4},
     "demo": {"tiny": "demo", "px": 256, "samples": 8, "unsplit_repeat": 1, "train_repeat": 4, "sweep_steps": [6, 3, 2]},
     "balanced": {"tiny": "balanced", "px": 256, "samples": 6, "unsplit_repeat": 1, "train_repeat": 4, "sweep_steps": [4, 2, 1]},
 }
@@ -217,7 +218,15 @@ def child_unsplit(workdir: Path, size: str, out: Path, rep: int) -> dict[str, An
 
 
 def child_train(workdir: Path, size: str, out: Path, rep: int) -> dict[str, Any]:
-    """stages.run on `sft:train`, then (same process, right after) the same steps on inputs in memory."""
+    """stages.run on `sft:train`, paired with the same steps on inputs in memory in the same process.
+
+    At sizes with a `train_rounds` setting (`test`, whose whole run lasts about half a second, as short
+    as a burst of another process's work) the first run only warms the process up (and gives the peak
+    RSS); then the in-memory steps and `train_rounds` more runs alternate, L T L T ... L, and each run
+    is compared with the mean of the in-memory passes on either side of it (which cancels a slow drift
+    of the machine's speed); the ratio is the median of those. Without the setting: one run, then one
+    in-memory pass.
+    """
     from unitgraph.backends.diffusion import stages
 
     s = load_settings(workdir)["sizes"][size]
@@ -225,15 +234,30 @@ def child_train(workdir: Path, size: str, out: Path, rep: int) -> dict[str, Any]
     stages.KEEP_IN_MEMORY_BYTES = 0
     args = train_args(workdir, size, "sft:train", out, dataset_base_path=str(paths(workdir, size)["cache"]),
                       dataset_metadata_path=None, dataset_repeat=s["train_repeat"])
-    result = stages.run(args, echo=_quiet)
-    rss = peak_rss_bytes()
-    t_train = step_median(result.step_times)
+    steps: list[int] = []
+
+    def train() -> float:
+        shutil.rmtree(out, ignore_errors=True)  # each run trains afresh into the same folder
+        result = stages.run(args, echo=_quiet)
+        steps.append(result.steps)
+        return step_median(result.step_times)
+
+    first = train()
+    rss = peak_rss_bytes()  # stages.run alone: before the in-memory stage below loads its own copy
     stage = Stage2(workdir, size, out)
     data = stage.data(batch_size=1, keep_in_memory=True)
     inputs = [b.inputs for b in data.iterate(0, stage.ctx, prefetch=0)]
-    t_limit = step_median(stage.timed_memory(inputs))
-    return {"step_s": t_train, "steps": result.steps, "rss": rss, "paired_limit_s": t_limit,
-            "paired_ratio": t_train / t_limit, "threads": _threads()}
+    limits = [step_median(stage.timed_memory(inputs))]
+    rounds = s.get("train_rounds", 0)
+    trained = [] if rounds else [first]
+    for _ in range(rounds):
+        trained.append(train())
+        limits.append(step_median(stage.timed_memory(inputs)))
+    paired = [statistics.fmean(limits[k:k + 2]) for k in range(len(trained))] if rounds else limits
+    ratios = [a / b for a, b in zip(trained, paired)]
+    return {"step_s": median(trained), "steps": steps[0], "rss": rss, "paired_limit_s": median(paired),
+            "paired_ratio": median(ratios), "round_ratios": ratios, "first_run_ratio": first / limits[0],
+            "threads": _threads()}
 
 
 def _threads() -> int:
@@ -681,7 +705,10 @@ def markdown(summary: dict[str, Any], plot_name: Optional[str] = None) -> str:
                "`thread` prepares up to two batches "
                "ahead in a background thread instead; `limit` is the same denoiser step (LoRA forward, backward, AdamW) "
                "on sink inputs already in memory, in a process of its own. The ratios to the limit are paired: each "
-               "`train` process runs the same steps from memory right after `stages.run`, each `loader` process "
+               "`train` process runs the same steps from memory right after `stages.run` (at `test` size, where a whole run "
+               f"lasts about half a second, a warm-up run and then {SIZES['test']['train_rounds']} runs between in-memory "
+               "passes, L T L T ... L, each run divided by the mean of the passes on either side of it, the median of "
+               "those), each `loader` process "
                f"alternates its modes and the in-memory steps every {CHUNK} steps, at least {LOADER_CHUNKS} chunks of "
                "each after an untimed warm-up of every mode (each chunk timed whole: the mean of its steps); the "
                "table gives the median of the per-process ratios. "

@@ -163,7 +163,11 @@ def test_stage1_report_judges_the_paired_ratio_not_the_ratio_of_medians(monkeypa
     rates = {"b": iter([10.0] * 3 + [10.0] * 3 + [30.0] * 3 + [20.0] * 3),
              "limit": iter([10.0] * 3 + [10.0] * 3 + [30.0] * 3 + [40.0] * 3)}
     monkeypatch.setattr(stage1_batching, "timed_stage1", lambda args: (1.0 / next(rates["b"]), 1))
-    monkeypatch.setattr(stage1_batching, "limit", lambda args, batch: (1.0 / next(rates["limit"]), 1))
+    def limit(args, batch):  # decoding takes half the model calls' time
+        seconds = 1.0 / next(rates["limit"])
+        return seconds, 1, seconds / 2
+
+    monkeypatch.setattr(stage1_batching, "limit", limit)
     monkeypatch.setattr(stage1_batching, "_args", lambda *a: None)
     monkeypatch.setattr(stage1_batching, "entry_distance", lambda a, b: 0.0)
 
@@ -182,7 +186,9 @@ def test_stage1_report_judges_the_paired_ratio_not_the_ratio_of_medians(monkeypa
     (row,) = stage1_batching.measure("test", 1, 3, tmp_path)
     assert all(row[f"ratio{b}"] == 1.0 for b in stage1_batching.BATCHES)
     assert row["b1"] / row["limit1"] == pytest.approx(2 / 3)
-    assert "(1.00)" in stage1_batching.report([row], "test", 3)
+    # against the calls plus decoding, each round's ratio is 1.5x: 1.5, 1.5, 0.75 (median 1.5)
+    assert row["decoded1"] == pytest.approx(1.5) and row["decode_share4"] == pytest.approx(0.5)
+    assert "(1.00; 1.50)" in stage1_batching.report([row], "test", 3) and "| 50% |" in stage1_batching.report([row], "test", 3)
 
 
 def test_planner_scaling_measures_the_floor_pass_beside_the_planner():
@@ -205,3 +211,19 @@ def test_step_times_are_window_means_so_a_run_of_data_work_is_counted():
     assert bench.step_median(times, window=4) == pytest.approx(2.0)
     assert bench.step_median([9.0, 1.0, 2.0, 3.0], window=4) == 2.0  # too few for windows: median of the rest
     assert bench.step_median(times) == bench.step_median(times, window=bench.SYNC_RUN)
+
+
+def test_thread_overlap_calibrates_its_job_and_reports_the_hidden_share():
+    """The stand-in job lasts about what it is asked for; the report carries every configuration and the share."""
+    import time
+
+    bench = _module("thread_overlap")
+    job = bench.python_job(2000)
+    start = time.perf_counter()
+    job()
+    assert 0.0005 < time.perf_counter() - start < 0.05
+    result = bench.measure(layers=2, job_us=50, repeats=3)
+    assert all(result[k] > 0 for k in ("alone", "busy", "job", "serial", "job_only"))
+    assert result["overlap"] == pytest.approx((result["serial"] - result["job"]) / result["job_only"])
+    text = bench.report(result)
+    assert f"{result['overlap']:.0%} |" in text and "2 linear layers" in text

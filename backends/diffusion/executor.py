@@ -11,11 +11,12 @@ what was proved equal to the unsplit run.
   whose inputs come only from the cache are "early": they run with the entry read and the
   collation, before the step, on the CPU, and can run ahead of it: in a background thread
   (`prefetch=k`) or in DataLoader worker processes (`workers>0`, pinned memory with CUDA). On a
-  GPU that hides them behind the step. On a CPU-only machine they cost the same CPU time wherever
-  they run, and a thread adds GIL hand-offs, so the default there is to prepare batches in the
-  caller when they are asked for, SYNC_RUN at a time (`_in_runs`): right after a step the data path
-  runs from cold CPU caches, and the batches after the first of a run find them warm (measured in
-  docs/benchmarks.md). Units that call a model (a trainable text encoder, say) run in the training
+  GPU that hides them behind the step. On a CPU-only machine a thread cannot hide them even behind
+  backward on a spare core: torch's CPU backward needs the GIL again between its kernels, so a
+  thread's Python work delays it by as much as it does (benchmarks/thread_overlap.py), and the
+  default there is to prepare batches in the caller when they are asked for, SYNC_RUN at a time
+  (`_in_runs`): right after a step the data path runs from cold CPU caches, and the batches after
+  the first of a run find them warm (measured in docs/benchmarks.md). Units that call a model (a trainable text encoder, say) run in the training
   process, per sample, at step time.
 * **Reading entries.** An entry is read whole (its checksum covers every byte) and parsed from
   memory (`cache.read_entry`); a small cache may be kept in memory after its first read.

@@ -85,10 +85,11 @@ class LossLog:
     def __init__(self, path: Path, main: bool, rows: Optional[list[Any]] = None):
         """A new log, or with `rows` (a resumed run's rows so far) the log rewritten to exactly those rows."""
         self.path, self.rows = path, []
-        self._file = None
+        self._file = self._writer = None
         if main:
             try:
                 self._file = path.open("w", encoding="utf-8", newline="")
+                self._writer = csv.writer(self._file)
                 self._file.write("step,epoch,loss,elapsed_s\n")
                 self._file.flush()
                 for step, epoch, loss, elapsed in rows or ():
@@ -98,9 +99,9 @@ class LossLog:
 
     def add(self, step: int, epoch: int, loss: float, elapsed: float) -> None:
         self.rows.append((step, epoch, loss, elapsed))
-        if self._file is not None:
+        if self._writer is not None:
             try:
-                csv.writer(self._file).writerow([step, epoch, repr(loss), f"{elapsed:.6f}"])
+                self._writer.writerow([step, epoch, repr(loss), f"{elapsed:.6f}"])
                 self._file.flush()
             except OSError as exc:
                 raise OutputError(f"cannot write the loss log ({exc.strerror or exc}) at step {step}; the rows and "
@@ -264,7 +265,8 @@ class _Run:
             acc.log({"loss": loss, "learning_rate": self.optimizer.param_groups[0]["lr"], "step_time_s": took},
                     step=self.step)
         self.last = now
-        self.bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch, refresh=False)
+        if not self.bar.disable:  # a plain string: set_postfix's formatting of keyword pairs shows at test size
+            self.bar.set_postfix_str(f"loss={loss:.4f}, epoch={epoch}", refresh=False)
         self.bar.update(1)
 
     def checkpoint(self, name: str) -> None:
@@ -340,6 +342,8 @@ def resume_point(cfg: RunConfig, output: Path, params: dict[str, Any], optimizer
 
 def step_loss(losses: list[tuple[Any, int]], total: int, accelerator: Any) -> float:
     """The optimizer step's loss: the mean over its samples (over every process)."""
+    if len(losses) == 1 and accelerator.num_processes == 1:  # one micro-batch (the usual step): its loss as it is
+        return float(losses[0][0])
     value = (torch.stack([v for v, _ in losses]).mean() if all(n == 1 for _, n in losses)
              else sum(v * n for v, n in losses) / total)
     if accelerator.num_processes > 1:
