@@ -63,7 +63,7 @@ BALANCED_EXTRA = {
 # sweep for B = 1, 4, 8.
 SIZES: dict[str, dict[str, Any]] = {
     "test": {"tiny": "test", "px": 64, "samples": 16, "unsplit_repeat": 2, "train_repeat": 4, "sweep_steps": [24, 10, 6],
-             "train_rounds": 4},
+             "train_rounds": 6},
     "demo": {"tiny": "demo", "px": 256, "samples": 8, "unsplit_repeat": 1, "train_repeat": 4, "sweep_steps": [6, 3, 2]},
     "balanced": {"tiny": "balanced", "px": 256, "samples": 6, "unsplit_repeat": 1, "train_repeat": 4, "sweep_steps": [4, 2, 1]},
 }
@@ -72,6 +72,7 @@ VIDEO_SIZES = {"test": {"px": 64, "frames": 17}, "demo": {"px": 128, "frames": 1
 CHUNK = 8  # the loader configuration alternates with in-memory steps every CHUNK steps (a multiple of SYNC_RUN)
 LOADER_CHUNKS = 4  # ... over at least this many chunks of each
 CONFIGS = ("stage1", "unsplit", "train", "loader", "limit")
+ROUNDED = tuple(size for size, s in SIZES.items() if s.get("train_rounds"))  # sizes whose train runs come in rounds
 BATCH_SIZES = (1, 4, 8)
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
 # LoRA on the family's default DiT targets (family.slot("dit").lora_targets, DiffSynth's)
@@ -628,6 +629,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
 
         # against the limit: paired in one process (measured right after / alternating), median over repeats
         row["train_vs_limit"] = med("train", "paired_ratio")
+        row["train_first_vs_limit"] = med("train", "first_run_ratio")  # with rounds: the warm-up run, not judged
         row["loader_vs_limit"] = med("loader", "paired_ratio")
         row["thread_vs_limit"] = med("loader", "thread_paired_ratio")
         row["loader_overhead_s"] = median([r["step_s"] - r["paired_limit_s"] for r in runs["loader"]
@@ -739,12 +741,19 @@ def markdown(summary: dict[str, Any], plot_name: Optional[str] = None) -> str:
             f"({'' if over is None else f'{1000 * over:.2f} ms: '}reading the entry, the four model-free train units that "
             "draw each sample's latent, noise and timestep, the loop's own bookkeeping) is CPU time that a CPU-only "
             "machine cannot hide: running it ahead in a thread costs the same CPU time plus GIL hand-offs (the "
-            "`thread / limit` column). Right after a denoiser step that Python work also runs from cold CPU caches, "
+            "`thread / limit` column; torch's CPU backward needs the GIL between its kernels, see the section on a "
+            "batch prepared during backward). Right after a denoiser step that Python work also runs from cold CPU caches, "
             f"several times slower than in a tight loop, which is why the loop prepares {SYNC_RUN} batches at a time "
             "(the later ones find the caches warm). The seeded dropout stream is already skipped when no trained "
             "model has dropout (these have none). On a GPU the host CPU is idle during the step and `iterate()` "
             "prepares batches ahead in a thread (its default there); on the CPU, `--batch_size` spreads the per-step "
             "work over several samples (the batch-size table below).")
+    first = [r for r in rows if r.get("train_first_vs_limit") is not None and r["size"] in ROUNDED]
+    if first:
+        findings.append("A process's first `stages.run` (the warm-up run of the rounds, judged on nothing) is slower "
+                        "than the later ones: " + ", ".join(f"`{r['size']}` {r['train_first_vs_limit']:.3f}" for r in first)
+                        + " of the in-memory steps measured right after it (a fresh process's one-off set-up, "
+                        "allocations and kernels made on first use, falls in a run of about half a second).")
     if findings:
         out.append(" ".join(findings) + "\n")
     out.append("Sizes: " + "; ".join(f"`{r['size']}`: {r['description']}" for r in rows) + ". "
