@@ -200,6 +200,19 @@ def test_planner_scaling_measures_the_floor_pass_beside_the_planner():
     assert "floor pass growth" in text.splitlines()[0]
     factor = planner.growth(rows, "floor_s")[("chain", "latest", 1000)]
     assert f"{factor:.1f}x" in text
+    # the call count: deterministic, and linear for the chain (10x the units, about 10x the calls)
+    assert "calls growth" in text.splitlines()[0]
+    assert 9.0 < planner.growth(rows, "calls")[("chain", "latest", 1000)] < 11.0
+
+
+def test_planner_call_count_counts_python_and_c_calls():
+    planner = _module("planner_scaling")
+
+    def work():
+        for i in range(10):
+            len([i])  # one C call each
+    assert planner.count_calls(work) == 1 + 10
+    assert planner.count_calls(lambda: None) == 1
 
 
 def test_step_times_are_window_means_so_a_run_of_data_work_is_counted():
