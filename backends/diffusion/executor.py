@@ -16,8 +16,8 @@ what was proved equal to the unsplit run.
   thread's Python work delays it by as much as it does (benchmarks/thread_overlap.py), and the
   default there is to prepare batches in the caller when they are asked for, SYNC_RUN at a time
   (`_in_runs`): right after a step the data path runs from cold CPU caches, and the batches after
-  the first of a run find them warm (measured in docs/benchmarks.md). Units that call a model (a trainable text encoder, say) run in the training
-  process, per sample, at step time.
+  the first of a run find them warm (measured in docs/benchmarks.md). Units that call a model (a
+  trainable text encoder, say) run in the training process, per sample, at step time.
 * **Reading entries.** An entry is read whole (its checksum covers every byte) and parsed from
   memory (`cache.read_entry`); a small cache may be kept in memory after its first read.
 """
