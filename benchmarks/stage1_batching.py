@@ -45,13 +45,23 @@ def _args(family: Any, pipeline: Any, models: Path, data: Path, out: Path, batch
                      progress=False, data_process_batch_size=batch)
 
 
-def timed_stage1(args: Any) -> tuple[float, int]:
-    """(seconds spent in compute_entries after its models are loaded, samples) of one stage-1 run: loading the
-    encoders is paid once per run, whatever the data set's size, and the limit does not count it either."""
-    from unitgraph.backends.diffusion import stage1, stages
+PHASES = ("model", "free", "decode", "write")  # where compute_entries' time goes (see timed_stage1)
+
+
+def timed_stage1(args: Any) -> tuple[float, int, dict[str, float]]:
+    """(seconds spent in compute_entries after its models are loaded, samples, seconds by phase) of one stage-1
+    run: loading the encoders is paid once per run, whatever the data set's size, and the limit does not count
+    it either. The phases: the units that call a model (`model`), the others (`free`), reading and decoding the
+    samples (`decode`), and storing the entries (`write`: encoding, checksum, the file written and fsynced, its
+    journal line); what is left is the loop's own work."""
+    import contextlib
+
+    from unitgraph.backends.diffusion import cache, stage1, stages
 
     spent: list[float] = []
+    phases = dict.fromkeys(PHASES, 0.0)
     original, original_load = stage1.compute_entries, stage1.load_models
+    original_unit, original_decoded, original_add = stage1.run_unit, stage1.decoded_ahead, cache.EntryWriter.add
 
     inside: list[bool] = []
 
@@ -72,12 +82,39 @@ def timed_stage1(args: Any) -> tuple[float, int]:
             if inside:  # a load inside compute_entries: taken back out of its time
                 spent.append(start - time.perf_counter())
 
+    def timed_unit(unit: Any, *a: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original_unit(unit, *a)
+        finally:
+            phases["model" if unit.models else "free"] += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def timed_decoded(*a: Any) -> Any:
+        with original_decoded(*a) as sample:
+            def timed_sample(index: int) -> Any:
+                start = time.perf_counter()
+                try:
+                    return sample(index)
+                finally:
+                    phases["decode"] += time.perf_counter() - start
+            yield timed_sample
+
+    def timed_add(writer: Any, *a: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original_add(writer, *a)
+        finally:
+            phases["write"] += time.perf_counter() - start
+
     stage1.compute_entries, stage1.load_models = timed, timed_load
+    stage1.run_unit, stage1.decoded_ahead, cache.EntryWriter.add = timed_unit, timed_decoded, timed_add
     try:
         result = stages.run(args, echo=lambda _t: None)
     finally:
         stage1.compute_entries, stage1.load_models = original, original_load
-    return sum(spent), result.samples
+        stage1.run_unit, stage1.decoded_ahead, cache.EntryWriter.add = original_unit, original_decoded, original_add
+    return sum(spent), result.samples, phases
 
 
 def limit(args: Any, batch: int = 8) -> tuple[float, int, float]:
@@ -149,10 +186,10 @@ def measure(size: str, samples: int, repeats: int, work: Path, only: Optional[li
                 # same work tends to be the faster one: the order must not favour either side)
                 first = rep % 2 == 0
                 if first:
-                    seconds, n = timed_stage1(_args(family, pipeline, models, data, out, batch, side))
+                    seconds, n, phases = timed_stage1(_args(family, pipeline, models, data, out, batch, side))
                 l_seconds, l_n, decode = limit(_args(family, pipeline, models, data, work / "unused", batch, side), batch)
                 if not first:
-                    seconds, n = timed_stage1(_args(family, pipeline, models, data, out, batch, side))
+                    seconds, n, phases = timed_stage1(_args(family, pipeline, models, data, out, batch, side))
                 if rep:
                     stage1_rate, limit_rate = n / seconds, l_n / l_seconds
                     rates.setdefault(f"b{batch}", []).append(stage1_rate)
@@ -163,6 +200,12 @@ def measure(size: str, samples: int, repeats: int, work: Path, only: Optional[li
                     # and against the model calls plus decoding the same samples (what stage 1 cannot skip)
                     rates.setdefault(f"decoded{batch}", []).append(stage1_rate / (l_n / (l_seconds + decode)))
                     rates.setdefault(f"decode_share{batch}", []).append(decode / l_seconds)
+                    # ms per sample of each phase of stage 1, and the model calls' against the limit's
+                    for phase in PHASES:
+                        rates.setdefault(f"{phase}_ms{batch}", []).append(1e3 * phases[phase] / n)
+                    rates.setdefault(f"rest_ms{batch}", []).append(1e3 * (seconds - sum(phases.values())) / n)
+                    rates.setdefault(f"limit_ms{batch}", []).append(1e3 * l_seconds / l_n)
+                    rates.setdefault(f"model_vs_limit{batch}", []).append(phases["model"] / n / (l_seconds / l_n))
         row.update({k: statistics.median(v) for k, v in rates.items()})
         row["distance"] = max(entry_distance(work / family.name / "cache-1-0", work / family.name / f"cache-{b}-0")
                               for b in BATCHES[1:])
@@ -195,6 +238,20 @@ def report(rows: list[dict[str, Any]], size: str, repeats: int) -> str:
         best = max(r[f"b{b}"] for b in BATCHES) / r["b1"]
         lines.append(f"| {r['family']} | {r['samples']} x {r['side']}px | {cells} | {r['decode_share4']:.0%} | "
                      f"{best:.2f}x | {r['distance']:.1e} |")
+    lines += ["", "Where stage 1's time goes, in ms per sample (median over the rounds): its units that call a model "
+              "(and that time against the limit's model calls on the same samples), its model-free units, reading "
+              "and decoding the samples, storing the entries (encoding, checksum, each file written, fsynced and "
+              "renamed, its journal line appended and fsynced: an entry is durable before it counts as done) and "
+              "the loop's own rest:", "",
+              "| family | B | model calls (vs limit) | model-free units | decoding | entry writes | rest |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        for b in BATCHES:
+            if f"model_ms{b}" not in r:
+                continue
+            lines.append(f"| {r['family']} | {b} | {r[f'model_ms{b}']:.2f} ({r[f'model_vs_limit{b}']:.2f}) | "
+                         f"{r[f'free_ms{b}']:.2f} | {r[f'decode_ms{b}']:.2f} | {r[f'write_ms{b}']:.2f} | "
+                         f"{r[f'rest_ms{b}']:.2f} |")
     lines += ["", "The prompt encoders' batched entries are bit for bit the unbatched ones (prompts of one token "
               "length, or all padded to a fixed length, go together); the VAEs' batched convolutions round "
               "differently, which the last column measures. So the default stays 1: only unbatched entries keep "

@@ -150,8 +150,9 @@ def test_stage1_timing_leaves_out_model_loading_inside_compute_entries(monkeypat
         return type("R", (), {"samples": 4})()
 
     monkeypatch.setattr(stages, "run", run)
-    seconds, samples = stage1_batching.timed_stage1(None)
+    seconds, samples, phases = stage1_batching.timed_stage1(None)
     assert samples == 4 and 0.04 < seconds < 0.2
+    assert set(phases) == set(stage1_batching.PHASES) and all(v == 0.0 for v in phases.values())
 
 
 def test_stage1_report_judges_the_paired_ratio_not_the_ratio_of_medians(monkeypatch, tmp_path):
@@ -162,7 +163,11 @@ def test_stage1_report_judges_the_paired_ratio_not_the_ratio_of_medians(monkeypa
     # per round (a warm-up, then 3), the same rate at every B; round 3 is a slow moment for the limit alone
     rates = {"b": iter([10.0] * 3 + [10.0] * 3 + [30.0] * 3 + [20.0] * 3),
              "limit": iter([10.0] * 3 + [10.0] * 3 + [30.0] * 3 + [40.0] * 3)}
-    monkeypatch.setattr(stage1_batching, "timed_stage1", lambda args: (1.0 / next(rates["b"]), 1))
+    def timed_stage1(args):  # model calls take 0.6 of stage 1, writes 0.2, decoding 0.1, the rest 0.1
+        seconds = 1.0 / next(rates["b"])
+        return seconds, 1, {"model": 0.6 * seconds, "free": 0.0, "decode": 0.1 * seconds, "write": 0.2 * seconds}
+
+    monkeypatch.setattr(stage1_batching, "timed_stage1", timed_stage1)
     def limit(args, batch):  # decoding takes half the model calls' time
         seconds = 1.0 / next(rates["limit"])
         return seconds, 1, seconds / 2
@@ -188,6 +193,8 @@ def test_stage1_report_judges_the_paired_ratio_not_the_ratio_of_medians(monkeypa
     assert row["b1"] / row["limit1"] == pytest.approx(2 / 3)
     # against the calls plus decoding, each round's ratio is 1.5x: 1.5, 1.5, 0.75 (median 1.5)
     assert row["decoded1"] == pytest.approx(1.5) and row["decode_share4"] == pytest.approx(0.5)
+    assert row["rest_ms1"] == pytest.approx(0.1 * 1e3 / 20.0)  # the median round: 1/20 s a sample
+    assert row["model_vs_limit1"] == pytest.approx(0.6)  # 0.6 of stage 1, whose rate equals the limit's
     assert "(1.00; 1.50)" in stage1_batching.report([row], "test", 3) and "| 50% |" in stage1_batching.report([row], "test", 3)
 
 
