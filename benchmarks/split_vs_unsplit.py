@@ -750,10 +750,10 @@ def markdown(summary: dict[str, Any], plot_name: Optional[str] = None) -> str:
             "work over several samples (the batch-size table below).")
     first = [r for r in rows if r.get("train_first_vs_limit") is not None and r["size"] in ROUNDED]
     if first:
-        findings.append("A process's first `stages.run` (the warm-up run of the rounds, judged on nothing) is slower "
-                        "than the later ones: " + ", ".join(f"`{r['size']}` {r['train_first_vs_limit']:.3f}" for r in first)
-                        + " of the in-memory steps measured right after it (a fresh process's one-off set-up, "
-                        "allocations and kernels made on first use, falls in a run of about half a second).")
+        findings.append("The warm-up run of each process (its first `stages.run`, judged on nothing: a fresh process's "
+                        "one-off set-up falls in it) gave " + ", ".join(f"`{r['size']}` {r['train_first_vs_limit']:.3f}"
+                                                                        for r in first)
+                        + " of the in-memory steps measured right after it.")
     if findings:
         out.append(" ".join(findings) + "\n")
     out.append("Sizes: " + "; ".join(f"`{r['size']}`: {r['description']}" for r in rows) + ". "

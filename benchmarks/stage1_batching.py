@@ -8,7 +8,8 @@ For every family, on its tiny random-weight models and one synthetic data set:
   forms at B = 8, on inputs prepared beforehand), samples per second;
 - how far batched entries are from unbatched ones (max |a - b| over every tensor).
 
-All in one process, one family after the other, each configuration run `--repeats` times (median), stage 1 and its limit back to back in alternating order.
+All in one process, one family after the other, each configuration run `--repeats` times (median), stage 1
+and its limit back to back in alternating order.
 
     python benchmarks/stage1_batching.py [--size demo] [--samples 32] [--repeats 8] [--write]
 """

@@ -164,8 +164,11 @@ def report(r: dict[str, Any]) -> str:
         "",
         "torch's CPU backward releases the GIL for its kernels but, as measured here, needs it again between "
         "them, so a thread running Python beside it makes each hand-off wait for that thread to yield (up to "
-        "a switch interval each): the backward runs many times slower, and a job handed to a thread during backward "
-        "is not hidden behind it. This is why stage 2 prepares its batches in the training thread on a CPU "
+        f"a switch interval each): the backward runs {r['busy'] / r['alone']:.0f}x slower, and "
+        + (f"a job handed to a thread during backward is not hidden behind it (it costs {-r['overlap']:.0%} of its own "
+           "time more than in the caller)" if r["overlap"] <= 0 else
+           f"a job handed to a thread during backward is only {r['overlap']:.0%} hidden behind it")
+        + ". This is why stage 2 prepares its batches in the training thread on a CPU "
         "(SYNC_RUN at a time) and uses a prefetch thread only with CUDA, where the step runs on the device.",
     ]
     return "\n".join(lines)
