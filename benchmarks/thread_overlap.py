@@ -70,10 +70,15 @@ def measure(layers: int, job_us: float, repeats: int) -> dict[str, Any]:
     x = torch.randn(64, 256)
     job = python_job(job_us)
 
-    def backward() -> float:
+    def backward(before: Optional[Callable[[], Any]] = None, after: Optional[Callable[[], Any]] = None) -> float:
+        """Seconds of one backward, with `before` and `after` (run right around it) inside the timing."""
         loss = model(x).square().mean()
         start = time.perf_counter()
+        if before is not None:
+            before()
         loss.backward()
+        if after is not None:
+            after()
         return time.perf_counter() - start
 
     stop = threading.Event()
@@ -99,26 +104,14 @@ def measure(layers: int, job_us: float, repeats: int) -> dict[str, Any]:
                 job()
                 self.done.set()
 
-    def run_alone() -> float:
-        return backward()
-
-    def run_serial() -> float:
-        loss = model(x).square().mean()
-        start = time.perf_counter()
-        loss.backward()
-        job()
-        return time.perf_counter() - start
+        def hand_over(self) -> None:
+            self.done.clear()
+            self.go.set()
 
     helper = Helper()
-
-    def run_job() -> float:
-        loss = model(x).square().mean()
-        start = time.perf_counter()
-        helper.done.clear()
-        helper.go.set()
-        loss.backward()
-        helper.done.wait()
-        return time.perf_counter() - start
+    run_alone = backward
+    run_serial = lambda: backward(after=job)  # noqa: E731
+    run_job = lambda: backward(before=helper.hand_over, after=helper.done.wait)  # noqa: E731
 
     for _ in range(20):  # warm-up
         run_alone(), run_serial(), run_job()
