@@ -43,7 +43,7 @@ def step_median(times: list[float], window: Optional[int] = None) -> Optional[fl
     work of the whole run: the median of single steps would leave that work out, a window of SYNC_RUN
     steps holds exactly one run. Every configuration is timed the same way, the in-memory limit too."""
     if window is None:
-        from unitgraph.backends.diffusion.executor import SYNC_RUN as window  # a constant: no torch import
+        from unitgraph.backends.diffusion.train.executor import SYNC_RUN as window  # a constant: no torch import
     if not times:
         return None
     if len(times) < 2 * window:  # too few steps for windows: the median of single steps, the first left out

@@ -60,7 +60,7 @@ def _cli(*argv: str) -> None:
 
 
 def _median_step(out: Path) -> float:
-    from unitgraph.backends.diffusion.training import read_loss_csv
+    from unitgraph.backends.diffusion.train.loop import read_loss_csv
 
     rows = read_loss_csv(out / "loss.csv")
     steps = [rows[0]["elapsed_s"]] + [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rows, rows[1:])]
@@ -72,7 +72,7 @@ def stage2_steps(work: Path, samples: int, size: int, epochs: int, repeats: int)
     import torch
 
     from unitgraph.backends.diffusion import stages
-    from unitgraph.backends.diffusion.data import write_synthetic_dataset
+    from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset
     from unitgraph.backends.diffusion.families.qwen_image.tiny import write_tiny_models
 
     torch.set_num_threads(1)
@@ -110,7 +110,7 @@ def layout_rates(work: Path, entries: int, kib: int) -> dict[str, Any]:
     """Entries/s written (through the cache's writers, journals included) and read back, per layout and store."""
     import torch
 
-    from unitgraph.backends.diffusion.cache import Cache, entry_record
+    from unitgraph.backends.diffusion.cache.cache import Cache, entry_record
 
     values = {"latents": torch.randn(kib * 256)}  # kib KiB of float32
     out: dict[str, Any] = {"entries": entries, "kib": kib}

@@ -57,7 +57,8 @@ def timed_stage1(args: Any) -> tuple[float, int, dict[str, float]]:
     journal line); what is left is the loop's own work."""
     import contextlib
 
-    from unitgraph.backends.diffusion import cache, stage1, stages
+    from unitgraph.backends.diffusion import stage1, stages
+    from unitgraph.backends.diffusion.cache import cache
 
     spent: list[float] = []
     phases = dict.fromkeys(PHASES, 0.0)
@@ -125,7 +126,8 @@ def limit(args: Any, batch: int = 8) -> tuple[float, int, float]:
     import torch
 
     from unitgraph.backends.diffusion.config import RunConfig
-    from unitgraph.backends.diffusion.session import load_models, make_context, make_dataset, plan_for
+    from unitgraph.backends.diffusion.models.stage import load_models, make_context
+    from unitgraph.backends.diffusion.session import make_dataset, plan_for
 
     cfg = RunConfig.from_args(args)
     plan = plan_for(cfg)
@@ -164,7 +166,7 @@ def entry_distance(a: Path, b: Path) -> float:
 
 
 def measure(size: str, samples: int, repeats: int, work: Path, only: Optional[list[str]] = None) -> list[dict[str, Any]]:
-    from unitgraph.backends.diffusion.data import write_synthetic_dataset
+    from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset
     from unitgraph.backends.diffusion.registry import families
 
     rows = []

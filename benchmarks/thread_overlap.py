@@ -1,6 +1,6 @@
 """Can a Python thread prepare stage 2's next batch while the training thread is inside backward, on a CPU?
 
-On a GPU the answer is yes and stage 2 does it (executor.py: a prefetch thread by default with CUDA).
+On a GPU the answer is yes and stage 2 does it (backends/diffusion/train/executor.py: a prefetch thread by default with CUDA).
 On a CPU-only machine torch trains with one intra-op thread per core it is given, and the second core
 of this machine sits idle during a step at `test` size; a thread that prepares the next batch there
 during backward would take the data path off the step. This measures whether it can, with a LoRA-sized

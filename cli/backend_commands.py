@@ -109,7 +109,7 @@ def tiny_models_command(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
 ) -> None:
     """Write a random-weight diffusers pipeline folder of a family (it loads with the family's diffusers pipeline class)."""
-    from unitgraph.backends.diffusion.args import BackendError
+    from unitgraph.backends.diffusion.errors import BackendError
 
     family, chosen = _choice(pipeline)
     tiny = family.tiny_module()
@@ -172,8 +172,9 @@ def demo_command(
     from rich.console import Console
     from rich.table import Table
 
-    from unitgraph.backends.diffusion.args import BackendError, make_args
-    from unitgraph.backends.diffusion.data import write_synthetic_dataset
+    from unitgraph.backends.diffusion.errors import BackendError
+    from unitgraph.backends.diffusion.args import make_args
+    from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset
 
     if resolution < 16 or resolution % 16:
         raise BackendError(f"--resolution must be a positive multiple of 16, got {resolution}")

@@ -21,7 +21,8 @@ def _warn(text: str) -> None:
 
 def verify_command(folder: CacheDir) -> None:
     """Check every entry of the cache in DIR against its recorded size and sha256: exit 0 when all hold, 1 with one line per problem."""
-    from unitgraph.backends.diffusion.cache import Cache, human_bytes, verify_cache
+    from unitgraph.backends.diffusion.cache.cache import Cache
+    from unitgraph.backends.diffusion.cache.verify import human_bytes, verify_cache
 
     problems, stats = verify_cache(folder)
     Cache(folder).warn_unsafe(_warn)
@@ -69,7 +70,7 @@ def info_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the information as JSON.")] = False,
 ) -> None:
     """Describe the cache in DIR: samples, bytes (per sample and per entry key), plan, models and settings."""
-    from unitgraph.backends.diffusion.cache import cache_info
+    from unitgraph.backends.diffusion.cache.verify import cache_info
 
     info = cache_info(folder)
     if as_json:
@@ -80,7 +81,7 @@ def info_command(
 
 
 def info_lines(info: dict[str, Any]) -> list[str]:
-    from unitgraph.backends.diffusion.cache import human_bytes
+    from unitgraph.backends.diffusion.cache.verify import human_bytes
 
     dp = info.get("data_process") or {}
     tr = info.get("train") or {}

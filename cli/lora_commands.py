@@ -2,7 +2,7 @@
 
 diffusers' `load_lora_weights` reads `transformer.<module>.lora_A.weight` with the LoRA config in the
 header; DiffSynth-Studio's `pipe.load_lora(pipe.dit, path)` fuses `<module>.lora_A.default.weight`
-with the scale folded into A (backends/diffusion/checkpoints.py). Either layout is read.
+with the scale folded into A (backends/diffusion/train/checkpoints.py). Either layout is read.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ def convert_command(
 ) -> None:
     """Rewrite a LoRA file in diffusers' or DiffSynth-Studio's key layout (the in-memory model is the same)."""
     from unitgraph.backends.diffusion import registry
-    from unitgraph.backends.diffusion.args import BackendError
-    from unitgraph.backends.diffusion.checkpoints import convert
+    from unitgraph.backends.diffusion.errors import BackendError
+    from unitgraph.backends.diffusion.train.checkpoints import convert
 
     if to not in ("diffusers", "diffsynth"):
         raise BackendError(f"--to must be diffusers or diffsynth, got {to!r}")

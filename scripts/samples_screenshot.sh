@@ -8,7 +8,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 .venv/bin/python - "$work" <<'PY'
 import sys
-from unitgraph.backends.diffusion.data import write_synthetic_dataset
+from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset
 from unitgraph.backends.diffusion.families.qwen_image.tiny import write_tiny_models
 write_tiny_models(f"{sys.argv[1]}/models", size="demo", seed=0)
 write_synthetic_dataset(f"{sys.argv[1]}/data", count=8, size=64, seed=7)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from unitgraph.backends.diffusion.config import offline_from_env
-from unitgraph.backends.diffusion.models import ModelSources
+from unitgraph.backends.diffusion.models.sources import ModelSources
 from unitgraph.backends.diffusion.registry import family
 
 QWEN = family("qwen_image")

@@ -20,14 +20,17 @@ pytest.importorskip("peft")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from unitgraph.backends.diffusion import stages, training  # noqa: E402
-from unitgraph.backends.diffusion.args import BackendError, make_args  # noqa: E402
-from unitgraph.backends.diffusion.cache import cache_info, read_entry  # noqa: E402
-from unitgraph.backends.diffusion.data import write_synthetic_dataset  # noqa: E402
+from unitgraph.backends.diffusion import stages  # noqa: E402
+from unitgraph.backends.diffusion.train import loop as training  # noqa: E402
+from unitgraph.backends.diffusion.errors import BackendError  # noqa: E402
+from unitgraph.backends.diffusion.args import make_args
+from unitgraph.backends.diffusion.cache.verify import cache_info  # noqa: E402
+from unitgraph.backends.diffusion.cache.entries import read_entry
+from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
 from unitgraph.backends.diffusion.family import SinkCode  # noqa: E402
 from unitgraph.backends.diffusion.registry import families  # noqa: E402
 from unitgraph.backends.diffusion.stages import run  # noqa: E402
-from unitgraph.backends.diffusion.training import draws_dropout, read_loss_csv  # noqa: E402
+from unitgraph.backends.diffusion.train.loop import draws_dropout, read_loss_csv  # noqa: E402
 
 SIZE = 64
 PROMPTS = ["a dog", "a red circle on a blue background", "a cat", "a small white dog running on green grass",

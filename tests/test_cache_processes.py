@@ -1,5 +1,6 @@
-"""A cache you can trust across processes (issue 5): SIGKILL and resume. (Exact-once sharding over 2 processes is
-checked per pipeline by the conformance suite, 2-process training by test_diffusion_backend.)
+"""A cache you can trust across processes (docs/cache.md, 'Crash safety and resume'): SIGKILL and resume.
+(Exact-once sharding over 2 processes is checked per pipeline by the conformance suite, 2-process training by
+test_diffusion_backend.)
 
 Each test runs the real `unitgraph train` command in subprocesses, so they are marked slow (they run in CI too).
 """
@@ -21,9 +22,11 @@ pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 pytest.importorskip("accelerate")
 
-from unitgraph.backends.diffusion.cache import Cache, read_entry, verify_cache  # noqa: E402
+from unitgraph.backends.diffusion.cache.cache import Cache  # noqa: E402
+from unitgraph.backends.diffusion.cache.entries import read_entry
+from unitgraph.backends.diffusion.cache.verify import verify_cache
 from unitgraph.backends.diffusion.args import make_args  # noqa: E402
-from unitgraph.backends.diffusion.data import write_synthetic_dataset  # noqa: E402
+from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
 from unitgraph.backends.diffusion.stages import run  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent

@@ -1,4 +1,4 @@
-"""A cache you can trust (issue 5), in process on test-size models: precise invalidation, integrity,
+"""A cache you can trust (docs/cache.md), in process on test-size models: precise invalidation, integrity,
 no code execution from data, clear errors for bad input, loss sanity.
 
 The multi-process and SIGKILL tests are in test_cache_processes.py.
@@ -24,13 +24,15 @@ from clitools import cli, one_error_line  # noqa: E402
 from PIL import Image  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from unitgraph.backends.diffusion import cache as cache_module  # noqa: E402
-from unitgraph.backends.diffusion.args import BackendError, make_args  # noqa: E402
-from unitgraph.backends.diffusion.cache import Cache, read_entry  # noqa: E402
-from unitgraph.backends.diffusion.data import write_synthetic_dataset  # noqa: E402
+from unitgraph.backends.diffusion.cache import cache as cache_module, keys as cache_keys  # noqa: E402
+from unitgraph.backends.diffusion.errors import BackendError  # noqa: E402
+from unitgraph.backends.diffusion.args import make_args
+from unitgraph.backends.diffusion.cache.cache import Cache  # noqa: E402
+from unitgraph.backends.diffusion.cache.entries import read_entry
+from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
 from unitgraph.backends.diffusion.family import SinkCode, UnitCode, unit  # noqa: E402
 from unitgraph.backends.diffusion.stages import run  # noqa: E402
-from unitgraph.backends.diffusion.training import read_loss_csv  # noqa: E402
+from unitgraph.backends.diffusion.train.loop import read_loss_csv  # noqa: E402
 
 SIZE = 64
 REPO = Path(__file__).resolve().parents[1]
@@ -104,13 +106,14 @@ def test_invalidation_recomputes_exactly_what_changed(tiny, tmp_path, monkeypatc
 
     monkeypatch.setattr(UnitCode, "__call__", counting_call)
     hashed: list[Path] = []
-    real_sha = cache_module.sha256_file
+    real_sha = cache_keys.sha256_file
 
     def counting_sha(path):
         hashed.append(Path(path))
         return real_sha(path)
 
-    monkeypatch.setattr(cache_module, "sha256_file", counting_sha)
+    monkeypatch.setattr(cache_keys, "sha256_file", counting_sha)  # the weights' digests (HashMemo)
+    monkeypatch.setattr(cache_module, "sha256_file", counting_sha)  # the entries' checksums
     old = time.time() - 3600  # a weights file written a moment ago may still change unseen: its hash is trusted later
     for path in tiny.rglob("*"):
         os.utime(path, (old, old))

@@ -36,12 +36,13 @@ pytest.importorskip("accelerate")
 
 from safetensors.torch import load, load_file  # noqa: E402
 
-from unitgraph.backends.diffusion.args import BackendError, make_args  # noqa: E402
-from unitgraph.backends.diffusion.cache import verify_cache  # noqa: E402
-from unitgraph.backends.diffusion.data import write_synthetic_dataset  # noqa: E402
+from unitgraph.backends.diffusion.errors import BackendError  # noqa: E402
+from unitgraph.backends.diffusion.args import make_args
+from unitgraph.backends.diffusion.cache.verify import verify_cache  # noqa: E402
+from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
 from unitgraph.backends.diffusion.registry import families  # noqa: E402
 from unitgraph.backends.diffusion.stages import run  # noqa: E402
-from unitgraph.backends.diffusion.training import read_loss_csv  # noqa: E402
+from unitgraph.backends.diffusion.train.loop import read_loss_csv  # noqa: E402
 
 SIZE = 32
 SAMPLES = 3

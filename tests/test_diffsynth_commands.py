@@ -25,7 +25,7 @@ diffusers = pytest.importorskip("diffusers")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from unitgraph.backends.diffusion.data import write_synthetic_dataset  # noqa: E402
+from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 UNITGRAPH = str(Path(sys.executable).parent / "unitgraph")
@@ -128,8 +128,8 @@ def test_with_the_diffsynth_layout_diffsynths_loader_fuses_the_checkpoint(workdi
 
 
 def test_model_ids_resolve_as_diffsynth_resolves_them(tmp_path):
-    from unitgraph.backends.diffusion.hub import OFFLINE_VARIABLES, Hub
-    from unitgraph.backends.diffusion.models import ModelLoadError
+    from unitgraph.backends.diffusion.models.hub import OFFLINE_VARIABLES, Hub
+    from unitgraph.backends.diffusion.models.folders import ModelLoadError
 
     for name in OFFLINE_VARIABLES:
         hub = Hub.from_env(environ={name: "True"})

@@ -21,13 +21,15 @@ pytest.importorskip("peft")
 from safetensors.torch import load_file  # noqa: E402
 
 import unitgraph  # noqa: E402
-from unitgraph.backends.diffusion.args import BackendError, make_args  # noqa: E402
-from unitgraph.backends.diffusion.cache import Cache, read_entry, write_entry  # noqa: E402
-from unitgraph.backends.diffusion.data import DiffusionDataset, read_metadata, write_synthetic_dataset  # noqa: E402
+from unitgraph.backends.diffusion.errors import BackendError  # noqa: E402
+from unitgraph.backends.diffusion.args import make_args
+from unitgraph.backends.diffusion.cache.cache import Cache  # noqa: E402
+from unitgraph.backends.diffusion.cache.entries import read_entry, write_entry
+from unitgraph.backends.diffusion.data.dataset import DiffusionDataset, read_metadata, write_synthetic_dataset  # noqa: E402
 from unitgraph.backends.diffusion.randomness import derive_seed, permutation  # noqa: E402
 from unitgraph.backends.diffusion.registry import PIPELINES  # noqa: E402
 from unitgraph.backends.diffusion.stages import run  # noqa: E402
-from unitgraph.backends.diffusion.training import read_loss_csv  # noqa: E402
+from unitgraph.backends.diffusion.train.loop import read_loss_csv  # noqa: E402
 
 SIZE = 64
 VENV_BIN = Path(sys.executable).parent
@@ -247,7 +249,7 @@ def test_split_reuses_cache_and_lora_loads_in_diffusers(tiny, dataset, tmp_path)
     from diffusers import QwenImagePipeline
 
     from qwen_family import load_components
-    from unitgraph.backends.diffusion.lora import add_lora, load_lora_checkpoint
+    from unitgraph.backends.diffusion.models.lora import add_lora, load_lora_checkpoint
 
     args = common(tiny, dataset, lora_alpha=8.0, remove_prefix_in_ckpt="pipe.dit.")
     first = run(make_args(task="sft:split", output_path=str(tmp_path / "out"), **args), echo=quiet)

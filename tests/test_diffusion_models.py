@@ -1,4 +1,4 @@
-"""Tiny Qwen-Image models and slot-by-slot model loading (families/qwen_image/tiny.py, backends/diffusion/models.py)."""
+"""Tiny Qwen-Image models and slot-by-slot model loading (families/qwen_image/tiny.py, backends/diffusion/models/)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from qwen_family import ALL_SLOTS, load_components, model_weight_files, resolve_components  # noqa: E402
-from unitgraph.backends.diffusion import models as M  # noqa: E402
+from unitgraph.backends.diffusion.models import folders, sources  # noqa: E402
 from unitgraph.backends.diffusion.families import qwen_image as Q  # noqa: E402
 from unitgraph.backends.diffusion.families.qwen_image import tiny as T  # noqa: E402
-from unitgraph.backends.diffusion.models import ModelLoadError  # noqa: E402
+from unitgraph.backends.diffusion.models.folders import ModelLoadError  # noqa: E402
 
 SUBS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 
@@ -275,22 +275,22 @@ def test_model_weight_files(tiny_root, tmp_path):
 
 def test_error_bad_model_paths_strings():
     with pytest.raises(ModelLoadError) as err:
-        M.parse_model_paths('["a", "b"')
+        sources.parse_model_paths('["a", "b"')
     _assert_one_line(err.value, "not valid JSON")
     with pytest.raises(ModelLoadError) as err:
-        M.parse_model_paths('{"dit": "a"}')
+        sources.parse_model_paths('{"dit": "a"}')
     _assert_one_line(err.value, "JSON list")
     with pytest.raises(ModelLoadError) as err:
-        M.parse_model_paths("[1, 2]")
+        sources.parse_model_paths("[1, 2]")
     _assert_one_line(err.value, "path strings")
     with pytest.raises(ModelLoadError) as err:
         load_components(["dit"], model_paths="[not json\n at all")
     _assert_one_line(err.value, "not valid JSON")
     with pytest.raises(ModelLoadError) as err:
-        M.parse_model_id_with_origin_paths("Qwen-Image-without-colon")
+        sources.parse_model_id_with_origin_paths("Qwen-Image-without-colon")
     _assert_one_line(err.value, "Qwen-Image-without-colon", "org/name:sub/pattern")
-    assert M.parse_model_paths(None) == [] and M.parse_model_paths("  ") == []
-    assert M.parse_model_paths('"/a/b"') == ["/a/b"]
+    assert sources.parse_model_paths(None) == [] and sources.parse_model_paths("  ") == []
+    assert sources.parse_model_paths('"/a/b"') == ["/a/b"]
 
 
 def test_error_path_does_not_exist(tmp_path):
@@ -376,7 +376,7 @@ def test_error_duplicate_and_missing_weights(tiny_root, tmp_path):
 @pytest.fixture
 def ms_cache(tiny_root, tmp_path, monkeypatch) -> Path:
     pytest.importorskip("modelscope")
-    monkeypatch.setenv(M.OFFLINE_ENV, "1")
+    monkeypatch.setenv(folders.OFFLINE_ENV, "1")
     cache = tmp_path / "mscache"
     # The current layout: C/models/<org>--<name>/snapshots/master/
     shutil.copytree(tiny_root, cache / "models" / "Qwen--Qwen-Image" / "snapshots" / "master")

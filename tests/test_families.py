@@ -16,7 +16,8 @@ import pytest
 
 from clitools import cli
 from unitgraph.backends.diffusion import registry
-from unitgraph.backends.diffusion.args import BackendError, make_args
+from unitgraph.backends.diffusion.errors import BackendError
+from unitgraph.backends.diffusion.args import make_args
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -116,7 +117,7 @@ def test_lora_errors_say_what_is_wrong():
     """Unknown target names are "no such modules"; a module peft cannot adapt is peft's own reason."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("peft")
-    from unitgraph.backends.diffusion.lora import add_lora
+    from unitgraph.backends.diffusion.models.lora import add_lora
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     with pytest.raises(BackendError, match="--lora_target_modules nope: no such modules in m"):

@@ -18,10 +18,10 @@ from safetensors.torch import load_file  # noqa: E402
 from clitools import cli, one_error_line  # noqa: E402
 from unitgraph.backends.diffusion.args import make_args  # noqa: E402
 from unitgraph.backends.diffusion.context import ImageSize, UnitContext, UnitSettings  # noqa: E402
-from unitgraph.backends.diffusion.data import write_synthetic_dataset  # noqa: E402
+from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
 from unitgraph.backends.diffusion.families import flux  # noqa: E402
 from unitgraph.backends.diffusion.families.flux import losses, tiny, units as u  # noqa: E402
-from unitgraph.backends.diffusion.models import ModelSources  # noqa: E402
+from unitgraph.backends.diffusion.models.sources import ModelSources  # noqa: E402
 from unitgraph.backends.diffusion.stages import run  # noqa: E402
 
 SIZE = 32
@@ -281,8 +281,8 @@ def test_a_clip_lora_loads_with_the_pipelines_load_lora_weights(models, data, tm
 
 def test_embedded_guidance_is_a_typed_metadata_column(data, tmp_path):
     """csv carries strings: the flux pipeline reads embedded_guidance as a float, and says which row is bad."""
-    from unitgraph.backends.diffusion.args import BackendError
-    from unitgraph.backends.diffusion.data import DiffusionDataset
+    from unitgraph.backends.diffusion.errors import BackendError
+    from unitgraph.backends.diffusion.data.dataset import DiffusionDataset
 
     pipeline = flux.FLUX
     rows = (data / "metadata.csv").read_text().splitlines()

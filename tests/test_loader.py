@@ -1,4 +1,4 @@
-"""Stage 2's batching data path (backends/diffusion/batching.py, executor.py): buckets, seeded order, collation,
+"""Stage 2's batching data path (backends/diffusion/data/batching.py, train/executor.py): buckets, seeded order, collation,
 prefetch, and a batch of B giving the gradient of B accumulated steps."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ pytest.importorskip("diffusers")
 pytest.importorskip("safetensors")
 
 from qwen_family import QWEN, load_components  # noqa: E402
-from unitgraph.backends.diffusion import batching as B  # noqa: E402
-from unitgraph.backends.diffusion import executor as E  # noqa: E402
-from unitgraph.backends.diffusion.cache import write_entry  # noqa: E402
+from unitgraph.backends.diffusion.data import batching as B  # noqa: E402
+from unitgraph.backends.diffusion.train import executor as E  # noqa: E402
+from unitgraph.backends.diffusion.cache.entries import write_entry  # noqa: E402
 from unitgraph.backends.diffusion.randomness import permutation  # noqa: E402
 
 SEED = 11
@@ -162,7 +162,7 @@ def test_entry_signature_reads_shapes_from_the_header(tmp_path):
     assert sig(entry("d", 16, 16, 5, steps=4)) != base  # a plain value the sink reads does
     assert B.read_safetensors_header(tmp_path / "a")["latent_mean"]["shape"] == [1, 4, 1, 16, 16]
     # the same grouping from loaded values (a stage without entry files at hand)
-    from unitgraph.backends.diffusion.cache import read_entry
+    from unitgraph.backends.diffusion.cache.entries import read_entry
 
     vsig = lambda p: B.value_signature(read_entry(p)[0], sink_keys=sink, pad=QWEN.pad)  # noqa: E731
     assert vsig(tmp_path / "a") == vsig(tmp_path / "b") != vsig(tmp_path / "c")

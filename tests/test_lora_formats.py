@@ -17,8 +17,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from qwen_family import QWEN, load_components  # noqa: E402
 from unitgraph.backends.diffusion.args import make_args  # noqa: E402
-from unitgraph.backends.diffusion.data import write_synthetic_dataset  # noqa: E402
-from unitgraph.backends.diffusion.lora import add_lora, load_lora_checkpoint  # noqa: E402
+from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
+from unitgraph.backends.diffusion.models.lora import add_lora, load_lora_checkpoint  # noqa: E402
 from unitgraph.backends.diffusion.stages import run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

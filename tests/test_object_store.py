@@ -1,4 +1,4 @@
-"""Caches on an S3-compatible object store (store.py), against a real local server: moto's standalone
+"""Caches on an S3-compatible object store (backends/diffusion/cache/object_store.py), against a real local server: moto's standalone
 server on 127.0.0.1 (tests/s3server.py), configured through the AWS_* variables only.
 
 What a local cache guarantees must hold on the bucket too: stage 1 writes there, `cache verify|info`
@@ -26,9 +26,9 @@ pytest.importorskip("diffusers")
 pytest.importorskip("s3fs")
 
 from clitools import cli, one_error_line  # noqa: E402
-from unitgraph.backends.diffusion.data import write_synthetic_dataset  # noqa: E402
+from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
 from unitgraph.backends.diffusion.families.qwen_image.tiny import write_tiny_models  # noqa: E402
-from unitgraph.backends.diffusion.training import read_loss_csv  # noqa: E402
+from unitgraph.backends.diffusion.train.loop import read_loss_csv  # noqa: E402
 
 BUCKET = "cache"
 SIZE = 32
@@ -109,7 +109,8 @@ def test_stage1_to_s3_then_verify_info_and_stage2_give_the_local_losses(tiny, lo
     assert losses(tmp_path / "run") == losses(local_run / "run")  # exactly: the same bytes were read
 
     # stage 2's start-up lists the prefix once (hygiene check and entry sizes from the same listing)
-    from unitgraph.backends.diffusion import stages, store
+    from unitgraph.backends.diffusion import stages
+    from unitgraph.backends.diffusion.cache import object_store as store
     from unitgraph.backends.diffusion.registry import families
     from unitgraph.plan import Plan
 

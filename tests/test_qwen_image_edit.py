@@ -22,13 +22,16 @@ pytest.importorskip("peft")
 pytest.importorskip("accelerate")
 
 import unitgraph  # noqa: E402
-from unitgraph.backends.diffusion.args import BackendError, make_args  # noqa: E402
+from unitgraph.backends.diffusion.errors import BackendError  # noqa: E402
+from unitgraph.backends.diffusion.args import make_args
 from unitgraph.backends.diffusion.config import RunConfig  # noqa: E402
 from unitgraph.backends.diffusion.context import ImageSize, UnitContext, UnitSettings  # noqa: E402
 from unitgraph.backends.diffusion.families.qwen_image import units as U  # noqa: E402
-from unitgraph.backends.diffusion.models import ModelLoadError, ModelSources, ProcessorParts  # noqa: E402
+from unitgraph.backends.diffusion.models.folders import ModelLoadError  # noqa: E402
+from unitgraph.backends.diffusion.models.sources import ModelSources
+from unitgraph.backends.diffusion.models.loading import ProcessorParts
 from unitgraph.backends.diffusion.registry import family  # noqa: E402
-from unitgraph.backends.diffusion.session import stage_slots  # noqa: E402
+from unitgraph.backends.diffusion.models.stage import stage_slots  # noqa: E402
 from unitgraph.backends.diffusion.stages import run  # noqa: E402
 
 from test_conformance import load_diffusers_pipeline, write_dataset  # noqa: E402

@@ -1,5 +1,5 @@
 """The readers of user files (unitgraph/userfiles.py, the dataset's metadata and images): whatever the input,
-a correct result or one UnitgraphError whose line names the file (issue 11).
+a correct result or one UnitgraphError whose line names the file (docs/safety.md, 'Input files').
 
 Most tests are properties over generated input: mutations of valid spec and plan files, random nesting
 depths and integer sizes, random CSV grids with ragged rows, random bytes as metadata and image files.
@@ -41,13 +41,8 @@ try:
     import numpy as np
     from PIL import Image
 
-    from unitgraph.backends.diffusion.args import BackendError
-    from unitgraph.backends.diffusion.data import (
-        DiffusionDataset,
-        SampleError,
-        image_to_rgb,
-        read_metadata,
-    )
+    from unitgraph.backends.diffusion.errors import BackendError
+    from unitgraph.backends.diffusion.data.dataset import DiffusionDataset, SampleError, image_to_rgb, read_metadata
 except ImportError:  # the planner core without the diffusion extra: only the core readers are tested
     Image = None
 
@@ -633,7 +628,7 @@ def test_random_bytes_as_images_are_skipped_or_read(tmp_path_factory, data):
         assert checked.index == 0
 
 
-# --- cache locations (store.py): a path, a file:// URL or s3://bucket/prefix; anything else is one line ---
+# --- cache locations (cache/location.py): a path, a file:// URL or s3://bucket/prefix; anything else is one line ---
 
 @given(scheme=st.sampled_from(["", "file://", "s3://", "s3a://", "gs://", "http://", "s3://AKIA:Sup3rS3cret@"]),
        rest=st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40))
@@ -641,7 +636,9 @@ def test_random_bytes_as_images_are_skipped_or_read(tmp_path_factory, data):
 @example(scheme="s3://", rest="")
 @example(scheme="s3://", rest="bucket/a?versionId=1")
 def test_a_cache_location_is_a_store_or_one_line_that_never_shows_a_secret(scheme, rest):
-    from unitgraph.backends.diffusion.store import LocalStore, ObjectStore, open_store
+    from unitgraph.backends.diffusion.cache.store import LocalStore
+    from unitgraph.backends.diffusion.cache.object_store import ObjectStore
+    from unitgraph.backends.diffusion.cache.location import open_store
 
     text = scheme + rest
     try:
@@ -666,7 +663,7 @@ def test_a_cache_location_is_a_store_or_one_line_that_never_shows_a_secret(schem
 def test_a_damaged_cache_entry_is_its_values_or_one_line(data):
     import torch
 
-    from unitgraph.backends.diffusion.cache import entry_bytes, parse_entry
+    from unitgraph.backends.diffusion.cache.entries import entry_bytes, parse_entry
 
     values = {"latent_mean": torch.arange(12, dtype=torch.float32).reshape(3, 4),
               "prompt_emb_mask": torch.ones(1, 5, dtype=torch.int64), "img_shapes": [[(1, 4, 4)]], "size": 7}

@@ -24,10 +24,10 @@ pytest.importorskip("diffusers")
 from safetensors.torch import load_file  # noqa: E402
 
 from clitools import cli, one_error_line  # noqa: E402
-from unitgraph.backends.diffusion.data import write_synthetic_dataset  # noqa: E402
+from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
 from unitgraph.backends.diffusion.families.qwen_image.tiny import write_tiny_models  # noqa: E402
-from unitgraph.backends.diffusion.resume import STATE_DIR, states  # noqa: E402
-from unitgraph.backends.diffusion.training import read_loss_csv  # noqa: E402
+from unitgraph.backends.diffusion.train.resume import STATE_DIR, states  # noqa: E402
+from unitgraph.backends.diffusion.train.loop import read_loss_csv  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}

@@ -108,7 +108,7 @@ SIZE = 32
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    from unitgraph.backends.diffusion.data import write_synthetic_dataset
+    from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset
 
     folder = tmp_path_factory.mktemp("data")
     write_synthetic_dataset(folder, count=3, size=SIZE, seed=2)
@@ -199,7 +199,7 @@ def test_the_output_folder_is_claimed_locked_and_never_mixed(tiny, data, tmp_pat
 
 
 def test_the_output_folder_must_be_new_empty_or_unitgraphs(tmp_path):
-    from unitgraph.backends.diffusion.outputs import RunFolder
+    from unitgraph.backends.diffusion.train.outputs import RunFolder
 
     theirs = tmp_path / "theirs"
     theirs.mkdir()
@@ -259,8 +259,8 @@ def test_an_extreme_aspect_ratio_is_cropped_before_it_is_resized(monkeypatch):
 def test_a_malformed_preset_lora_is_one_line(tmp_path):
     from safetensors.torch import save_file
 
-    from unitgraph.backends.diffusion.args import BackendError
-    from unitgraph.backends.diffusion.lora import merge_preset_lora
+    from unitgraph.backends.diffusion.errors import BackendError
+    from unitgraph.backends.diffusion.models.lora import merge_preset_lora
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     bad_meta = tmp_path / "meta.safetensors"

@@ -16,10 +16,10 @@ from PIL import Image  # noqa: E402
 
 from clitools import cli, one_error_line  # noqa: E402
 from unitgraph.backends.diffusion.args import make_args  # noqa: E402
-from unitgraph.backends.diffusion.data import write_synthetic_dataset  # noqa: E402
+from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
 from unitgraph.backends.diffusion.registry import family  # noqa: E402
 from unitgraph.backends.diffusion.stages import run  # noqa: E402
-from unitgraph.backends.diffusion.training import read_loss_csv  # noqa: E402
+from unitgraph.backends.diffusion.train.loop import read_loss_csv  # noqa: E402
 
 SIZE = 32
 PROMPTS = ["a red circle", "a blue square"]

@@ -19,14 +19,15 @@ from hypothesis import given, strategies as st  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from clitools import cli, one_error_line  # noqa: E402
-from unitgraph.backends.diffusion.args import BackendError, make_args  # noqa: E402
+from unitgraph.backends.diffusion.errors import BackendError  # noqa: E402
+from unitgraph.backends.diffusion.args import make_args
 from unitgraph.backends.diffusion.context import ImageSize, UnitContext, UnitSettings  # noqa: E402
-from unitgraph.backends.diffusion.data import DiffusionDataset, SampleError, write_synthetic_dataset  # noqa: E402
+from unitgraph.backends.diffusion.data.dataset import DiffusionDataset, SampleError, write_synthetic_dataset  # noqa: E402
 from unitgraph.backends.diffusion.families import wan  # noqa: E402
 from unitgraph.backends.diffusion.families.wan import losses, tiny, units as u  # noqa: E402
 from unitgraph.backends.diffusion.flowmatch import shifted_sigmas  # noqa: E402
 from unitgraph.backends.diffusion.stages import run  # noqa: E402
-from unitgraph.backends.diffusion.video import frames_for, read_clip, write_clip  # noqa: E402
+from unitgraph.backends.diffusion.data.video import frames_for, read_clip, write_clip  # noqa: E402
 
 SIZE = 32
 
@@ -213,7 +214,7 @@ def test_diffsynth_wan_lora_command_ports(models, data, tmp_path, capsys):
 def test_model_ids_resolve_through_the_offline_modelscope_cache(models, tmp_path, monkeypatch):
     """`Wan-AI/Wan2.1-T2V-1.3B-Diffusers:transformer/...` through the same offline modelscope resolution."""
     pytest.importorskip("modelscope")
-    from unitgraph.backends.diffusion.models import ModelSources
+    from unitgraph.backends.diffusion.models.sources import ModelSources
 
     monkeypatch.setenv("UNITGRAPH_OFFLINE", "1")
     cache = tmp_path / "mscache"

@@ -13,11 +13,7 @@ import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Optional
 
-from unitgraph.errors import UnitgraphError
-
-
-class BackendError(UnitgraphError):
-    """Bad input to the diffusion backend: printed as one line, exit code 2."""
+from .errors import BackendError
 
 
 TASKS = (

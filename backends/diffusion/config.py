@@ -13,12 +13,14 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from .args import BackendError, TrainArgs
+from .args import TrainArgs
 from .context import CACHE_DTYPES, DTYPE, ImageSize, UnitSettings
+from .errors import BackendError
 from .family import Family, PipelineDef
-from .hub import Hub
-from .models import ModelSources
+from .models.hub import Hub
+from .models.sources import ModelSources
 from .registry import default_family, pipeline_for_task, pipeline_from_model_paths
+
 
 def offline_from_env(environ: Any = None) -> bool:
     """Whether model ids resolve from local files only (hub.OFFLINE_VARIABLES; read once, where flags are parsed)."""
@@ -202,7 +204,8 @@ def choose_pipeline(args: TrainArgs) -> tuple[Family, PipelineDef]:
     model_index.json names, else the first registered family; then that family's pipeline for --task."""
     if args.pipeline:
         return pipeline_for_task(args.pipeline, args.family)
-    from .models import ModelLoadError, parse_model_paths
+    from .models.folders import ModelLoadError
+    from .models.sources import parse_model_paths
 
     try:
         paths = parse_model_paths(args.model_paths)

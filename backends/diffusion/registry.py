@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Optional
 
 from unitgraph.spec import Pipeline
 
-from .args import BackendError
+from .errors import BackendError
 from .family import Family, PipelineDef
 
 # The registered families, the first being the default when nothing else decides.

@@ -1,94 +1,20 @@
-"""What every stage sets up the same way: the plan, the accelerator, messages, progress bars, the
-dataset, a stage's models and the units' context. Family-agnostic: the family comes in the config.
+"""What every stage sets up the same way: the plan, the accelerator, the dataset, and the gradient rule for
+running a unit. Family-agnostic: the family comes in the config. (A stage's models: `models/stage.py`;
+messages and progress bars: `report.py`; what a run did: `result.py`.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
-import statistics
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 from unitgraph.graph import VersionGraph
 from unitgraph.plan import Plan, split
 
-from .args import BackendError
 from .config import RunConfig
-from .context import UnitContext
-from .data import DiffusionDataset
-
-
-@dataclass
-class RunResult:
-    task: str
-    output_path: Path
-    plan: Plan
-    plan_path: Optional[Path] = None
-    cache_path: Optional[Path] = None
-    cache_reused: bool = False
-    entries_computed: int = 0
-    entries_reused: int = 0
-    computed_indices: list[int] = field(default_factory=list)  # samples whose entry stage 1 computed
-    skipped: list[dict[str, Any]] = field(default_factory=list)  # samples left out: {"index", "reason"}
-    stage1_reason: str = ""
-    loss_csv: Optional[Path] = None
-    loss_plot: Optional[Path] = None
-    checkpoints: list[Path] = field(default_factory=list)
-    stage_times: dict[str, float] = field(default_factory=dict)
-    samples: int = 0
-    steps: int = 0
-    step_times: list[float] = field(default_factory=list)
-    replaced: Optional[Path] = None  # where --overwrite moved an earlier run's files
-    resumed_from: Optional[Path] = None  # the training state --resume continued from
-    sample_images: list[Path] = field(default_factory=list)  # validation samples written
-    losses: list[float] = field(default_factory=list)
-
-    @property
-    def median_step_s(self) -> Optional[float]:
-        times = self.step_times[1:] or self.step_times  # the first step pays one-off set-up costs
-        return statistics.median(times) if times else None
-
-    @property
-    def last_checkpoint(self) -> Optional[Path]:
-        return self.checkpoints[-1] if self.checkpoints else None
-
-
-class Reporter:
-    """Prints on the main process only: progress lines and notes on stdout, warnings on stderr
-    (unless `echo` takes every line).
-
-    Notes about the flags (`note(text)`) are held until the run has passed its whole-run checks (the
-    first progress line, or `flush()`): a run refused for bad input prints its one error line only.
-    """
-
-    def __init__(self, accelerator: Any, echo: Optional[Callable[[str], None]] = None):
-        self.main = accelerator.is_main_process
-        self.echo = echo
-        self._held: list[str] = []
-
-    def note(self, text: str) -> None:
-        self._held.append(text)
-
-    def flush(self) -> None:
-        held, self._held = self._held, []
-        for text in held:
-            self._print(text)
-
-    def __call__(self, text: str) -> None:
-        self.flush()
-        self._print(text)
-
-    def _print(self, text: str) -> None:
-        if not self.main:
-            return
-        if self.echo is not None:
-            self.echo(text)
-        else:
-            print(text, file=sys.stderr if text.startswith("warning:") else sys.stdout, flush=True)
+from .data.dataset import DiffusionDataset
 
 
 def plan_for(cfg: RunConfig) -> Plan:
@@ -122,74 +48,6 @@ def make_dataset(cfg: RunConfig) -> DiffusionDataset:
                             video_params=cfg.pipeline.video_params, num_frames=cfg.data.num_frames)
 
 
-def stage_slots(cfg: RunConfig, models: Iterable[str], training: bool) -> list[str]:
-    """The slots a stage loads for its plan models: each model, the tokenizer paired with a text
-    encoder, the pipeline's companions of the model (a processor beside a text encoder, say), and in
-    training the family's schedulers (timesteps and losses read them)."""
-    slots: list[str] = []
-    for name in models:
-        slots.append(name)
-        tokenizer = cfg.family.slot(name).tokenizer
-        if tokenizer is not None:
-            slots.append(tokenizer)
-        slots.extend(cfg.pipeline.companions.get(name, ()))
-    if training:
-        slots += [s.name for s in cfg.family.slots if s.kind == "scheduler"]
-    return list(dict.fromkeys(slots))
-
-
-def _library_progress_bars(enabled: bool) -> None:
-    """--no-progress also silences the loading bars of transformers and diffusers."""
-    for module in ("transformers.utils.logging", "diffusers.utils.logging"):
-        try:
-            logging = importlib.import_module(module)
-        except ImportError:  # pragma: no cover - both are backend dependencies
-            continue
-        (logging.enable_progress_bar if enabled else logging.disable_progress_bar)()
-
-
-def load_models(cfg: RunConfig, models: Iterable[str], training: bool, device: Any) -> dict[str, Any]:
-    """The stage's models (frozen, eval mode, on `device`) and their tokenizers and schedulers."""
-    import torch
-
-    from .models import ModelLoadError
-
-    _library_progress_bars(cfg.output.progress)
-    try:
-        loaded = cfg.models.sources(cfg.family).load(stage_slots(cfg, models, training), torch_dtype=torch.float32)
-    except ModelLoadError as exc:
-        raise BackendError(str(exc)) from None
-    for value in loaded.values():
-        if isinstance(value, torch.nn.Module):
-            value.requires_grad_(False)
-            value.eval()
-            value.to(device)
-    return loaded
-
-
-def make_context(cfg: RunConfig, models: dict[str, Any], device: Any) -> UnitContext:
-    """The stage's unit context; the configs the pipeline's units declare are read on demand (config.json only)."""
-    return UnitContext(models=models, settings=cfg.units, device=device, config_loader=config_loader(cfg))
-
-
-def config_loader(cfg: RunConfig) -> Any:
-    """slot -> its configuration from its config.json (no weights), for the slots the pipeline's units declare
-    in `configs`; a BackendError (one line) when it cannot be found."""
-    from .models import ModelLoadError
-
-    declared = set(getattr(cfg.pipeline.spec_pipeline, "configs", ()))
-
-    def load(slot: str) -> Any:
-        if slot not in declared:
-            raise RuntimeError(f"no unit of {cfg.pipeline.name} declares it reads the configuration of {slot!r}")
-        try:
-            return cfg.models.sources(cfg.family).load_config(slot)
-        except ModelLoadError as exc:
-            raise BackendError(str(exc)) from None
-
-    return load
-
-
 def unit_grad(unit: Any, backward: set[str], inputs: dict[str, Any]) -> Any:
     """no_grad for a unit whose models are all frozen and whose inputs carry no gradient (same numbers, less memory)."""
     import torch
@@ -198,14 +56,3 @@ def unit_grad(unit: Any, backward: set[str], inputs: dict[str, Any]) -> Any:
     return contextlib.nullcontext() if needs else torch.no_grad()
 
 
-def progress(iterable: Any, total: int, desc: str, enabled: bool):
-    """A progress bar on stderr; redrawn at most every 15 s when stderr is a log file, not a terminal."""
-    from tqdm.auto import tqdm
-
-    interactive = sys.stderr.isatty()
-    return tqdm(iterable, total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True,
-                mininterval=0.1 if interactive else 15.0)
-
-
-def count(n: int, one: str, many: str) -> str:
-    return f"{n} {one if n == 1 else many}"

@@ -3,7 +3,7 @@
 Stage 1 follows `unitgraph.runtime.stage1_schedule(plan)`: it runs the plan's data_process units
 under no_grad and stores each sample's cache entry under a key derived from exactly what the entry
 depends on (`key_inputs`: the units, the settings they declare, the weights of their models, and
-the sample's dataset values they read; see cache.py and docs/cache.md). A re-run computes only the
+the sample's dataset values they read; see cache/keys.py and docs/cache.md). A re-run computes only the
 entries whose key is new or whose file fails its checksum. The main process decides the work under
 the cache lock and writes it into the manifest; every process takes its share of the pending
 entries (no padding: exactly once), journals each, and the main process merges the journals.
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -24,138 +22,19 @@ from typing import Any, Callable, Optional
 import torch
 
 from unitgraph.plan import Plan
-from unitgraph.runtime import stage1_dependencies, stage1_schedule
+from unitgraph.runtime import stage1_schedule
 
-from .args import BackendError
-from .batching import _cast
-from .cache import (ENTRIES, LOCK, SHARDS, Cache, HashMemo, canonical_hash, entry_key, entry_record, model_files_digest,
-                    sample_label, settings_hash)
+from .cache.cache import ENTRIES, LOCK, SHARDS, Cache, entry_record, sample_label
+from .cache.keys import HashMemo, canonical_hash, entry_key, settings_hash
+from .cache.manifest import Manifest, describe_plan_change
 from .config import RunConfig
-from .context import describe_setting
-from .data import DiffusionDataset, SampleError
-from .manifest import FORMAT, Manifest, describe_plan_change
-from .session import Reporter, count, load_models, make_context, make_dataset, progress, stage_slots
-
-# Bump when a unit's code changes what it computes: every entry made before is then rebuilt.
-UNITS_VERSION = 1
-
-
-def unit_settings_names(cfg: RunConfig, plan: Plan) -> set[str]:
-    """The settings the plan's data_process units declare (a unit declaring none reads none)."""
-    code = cfg.pipeline.unit_code()
-    return {name for unit in plan.data_process_units for name in code[unit].settings}
-
-
-def key_settings(cfg: RunConfig, plan: Plan) -> dict[str, Any]:
-    """The settings part of every entry key: what the plan's data_process units read."""
-    return cfg.units.key_values(unit_settings_names(cfg, plan))
-
-
-def model_files(cfg: RunConfig, models: list[str], offline: Optional[bool] = None) -> dict[str, list[Path]]:
-    """{slot: files its loader reads} for the given models (and the tokenizer beside a text encoder)."""
-    from .models import ModelLoadError
-
-    try:
-        sources = cfg.models.sources(cfg.family, offline=offline)
-        return {slot: sources.files(slot) for slot in stage_slots(cfg, models, training=False)}
-    except ModelLoadError as exc:
-        raise BackendError(str(exc)) from None
-
-
-def key_inputs(cfg: RunConfig, plan: Plan, memo: HashMemo) -> dict[str, Any]:
-    """The part of every entry key shared by all samples: unit list, settings used, model weights."""
-    deps = stage1_dependencies(cfg.pipeline.spec_pipeline, plan)
-    return {
-        "format": FORMAT,
-        "units_version": UNITS_VERSION,
-        "pipeline": plan.pipeline,
-        "cache_mode": plan.cache_mode,
-        "units": deps.units,
-        "entries": deps.entries,
-        "dataset_params": deps.dataset_params,
-        "settings": key_settings(cfg, plan),
-        "models": model_files_digest(model_files(cfg, deps.models), memo.digest),
-        **config_key(cfg, plan, memo),
-    }
-
-
-def config_key(cfg: RunConfig, plan: Plan, memo: HashMemo) -> dict[str, Any]:
-    """{"configs": digests of the config.json files stage 1 reads without loading the model
-    (plan.data_process_configs)}, or nothing: keys of pipelines without config reads are as before."""
-    from .models import ModelLoadError
-
-    slots = list(plan.data_process_configs)
-    if not slots:
-        return {}
-    try:
-        sources = cfg.models.sources(cfg.family)
-        return {"configs": model_files_digest({slot: sources.config_files(slot) for slot in slots}, memo.digest)}
-    except ModelLoadError as exc:
-        raise BackendError(str(exc)) from None
-
-
-def recorded_settings(cfg: RunConfig, plan: Plan) -> dict[str, Any]:
-    """What stage 1 ran with, for people: the key settings plus the dataset columns it was given."""
-    return {**key_settings(cfg, plan), "data_file_keys": list(cfg.data.file_keys), "extra_inputs": list(cfg.data.extra_inputs)}
-
-
-def made_with(cfg: RunConfig) -> dict[str, Any]:
-    """The arguments stage 1 ran with (absolute paths): what `unitgraph cache repair` re-runs it with."""
-    from .models import ModelLoadError, parse_model_paths
-
-    args = cfg.args
-
-    def absolute(path: Optional[str]) -> Optional[str]:
-        return os.path.abspath(path) if path else None
-
-    model_paths = args.model_paths
-    if model_paths:
-        try:
-            model_paths = json.dumps([os.path.abspath(p) for p in parse_model_paths(model_paths)])
-        except ModelLoadError:
-            pass
-    tokenizer = args.first_tokenizer_path()
-    if tokenizer and os.path.exists(tokenizer):
-        tokenizer = os.path.abspath(tokenizer)
-    tokenizer_2 = args.tokenizer_2_path
-    if tokenizer_2 and os.path.exists(tokenizer_2):
-        tokenizer_2 = os.path.abspath(tokenizer_2)
-    processor = args.processor_path
-    if processor and os.path.exists(processor):
-        processor = os.path.abspath(processor)
-    return {
-        "task": args.family, "pipeline": cfg.pipeline.name, "dataset_base_path": absolute(args.dataset_base_path),
-        "dataset_metadata_path": absolute(args.dataset_metadata_path), "data_file_keys": args.data_file_keys,
-        "extra_inputs": args.extra_inputs, "model_paths": model_paths,
-        "model_id_with_origin_paths": args.model_id_with_origin_paths, "tokenizer_path": tokenizer,
-        "tokenizer_2_path": tokenizer_2, "processor_path": processor,
-        "modelscope_cache_dir": absolute(args.modelscope_cache_dir), "trainable_models": args.trainable_models,
-        "lora_base_model": args.lora_base_model, "cache_mode": args.cache_mode,
-        "height": args.height, "width": args.width, "max_pixels": args.max_pixels, "cache_dtype": args.cache_dtype,
-        **({"num_frames": args.num_frames} if cfg.pipeline.video_params else {}),
-        **({"cache_layout": args.cache_layout} if args.cache_layout != "files" else {}),
-    }
-
-
-def describe_key_change(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """What differs between two `key_inputs` records, in words a user can act on."""
-    changes = []
-    old_settings, new_settings = old.get("settings") or {}, new.get("settings") or {}
-    for name in sorted(set(old_settings) | set(new_settings)):
-        if old_settings.get(name) != new_settings.get(name):
-            changes.append(f"{describe_setting(name, new_settings.get(name))} now, "
-                           f"{describe_setting(name, old_settings.get(name))} in the cache")
-    old_models, new_models = old.get("models") or {}, new.get("models") or {}
-    for slot in sorted(set(old_models) | set(new_models)):
-        a, b = old_models.get(slot) or {}, new_models.get(slot) or {}
-        if a != b:
-            files = sorted(f for f in set(a) | set(b) if a.get(f) != b.get(f))
-            changes.append(f"{slot} weights differ ({', '.join(files[:3])})")
-    for part in ("format", "units_version", "pipeline", "cache_mode", "units", "entries", "dataset_params"):
-        if old.get(part) != new.get(part):
-            changes.append("the data_process units or their code changed")
-            break
-    return changes
+from .data.batching import _cast
+from .data.dataset import DiffusionDataset, SampleError
+from .errors import BackendError
+from .models.stage import load_models, make_context
+from .report import Reporter, count, progress
+from .session import make_dataset
+from .stage1_key import describe_key_change, key_inputs, made_with, recorded_settings
 
 
 @dataclass
@@ -508,8 +387,8 @@ def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: "s
 def stage1_validation(cfg: RunConfig, plan: Plan, cache: Cache, key_hash: str, accelerator: Any,
                       report: Reporter) -> None:
     """--validation_prompt in split training: the prompt units run here, on the prompts, and their outputs are
-    stored beside the cache, so stage 2 renders samples without a text encoder (validation.py)."""
-    from .validation import VALIDATION_FILE, encode_prompts, load_encoded, prompt_units, store_encoded
+    stored beside the cache, so stage 2 renders samples without a text encoder (train/validation.py)."""
+    from .train.validation import VALIDATION_FILE, encode_prompts, load_encoded, prompt_units, store_encoded
 
     prompts = list(cfg.validation.prompts)
     units = prompt_units(cfg.pipeline)

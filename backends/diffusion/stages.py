@@ -24,20 +24,25 @@ import torch
 from unitgraph.plan import Plan
 from unitgraph.runtime import stage1_dependencies
 
-from .validation import check_supported
-from .args import BackendError, TrainArgs, split_list
-from .cache import ENTRIES, SHARDS, Cache, model_files_digest, sample_label
+from .args import TrainArgs, split_list
+from .cache.cache import ENTRIES, SHARDS, Cache, sample_label
+from .cache.keys import model_files_digest
+from .cache.manifest import Manifest
+from .cache.location import is_url, open_store
 from .config import RunConfig
 from .context import DTYPE, UnitContext, describe_setting
-from .executor import LiveData, Stage2Data
+from .data.dataset import SampleError
+from .errors import BackendError
 from .family import PipelineDef
-from .manifest import Manifest
-from .outputs import RunFolder
-from .session import Reporter, RunResult, make_accelerator, make_dataset, plan_for, unit_grad
-from .data import SampleError
-from .stage1 import key_settings, model_files, run_data_process
-from .store import is_url, open_store
-from .training import run_training
+from .report import Reporter
+from .result import RunResult
+from .session import make_accelerator, make_dataset, plan_for, unit_grad
+from .stage1 import run_data_process
+from .stage1_key import key_settings, model_files
+from .train.executor import LiveData, Stage2Data
+from .train.loop import run_training
+from .train.outputs import RunFolder
+from .train.validation import check_supported
 
 KEEP_IN_MEMORY_BYTES = 1 << 30  # stage 2 reads (and checks) a cache this small before its first step and keeps it
 READ_AHEAD = 32  # entries fetched ahead of the step from an object store
@@ -211,7 +216,7 @@ class CacheProvider:
         self.records = manifest.entries
         self.cache_dir, self.key_hash = self.cache, manifest.key_inputs_hash  # validation prompts beside it
         if cfg is not None and cfg.validation.prompts:
-            from .validation import load_encoded, prompt_units
+            from .train.validation import load_encoded, prompt_units
 
             if all(u.name in plan.data_process_units for u in prompt_units(pipeline)):
                 load_encoded(self.cache_dir, list(cfg.validation.prompts), self.key_hash)  # before anything is written

@@ -1,4 +1,4 @@
-"""The stage-1 cache: content-addressed safetensors entries, a manifest with checksums, per-process journals.
+"""The stage-1 cache folder: content-addressed entries, a manifest with checksums, per-process journals, shards.
 
 A cache lives in a local folder or under an `s3://bucket/prefix` (store.py gives both the same few
 operations). Its layout (docs/cache.md has the full story):
@@ -14,15 +14,8 @@ operations). Its layout (docs/cache.md has the full story):
     hashes.json                         sha256 of model weights and data files, keyed by path, size, mtime
     .lock                               held by the process that fills the cache (a lease on an object store)
 
-An entry's key is the sha256 of everything its values depend on, read off the plan: the unit list,
-the settings those units read, the weights of the models they call, and the sample's dataset
-values that stage 1 reads (file bytes, metadata fields). Two samples with the same inputs share
-one entry; a changed input gives a new key, so a stale entry can never be mistaken for a fresh one.
-
-An entry file holds the sample's cached values under their entry keys (`param` in latest mode,
-`param@writer` in versioned mode). Tensors are safetensors tensors; everything else (None, ints,
-strings, lists, tuples) is JSON in the safetensors header (key `unitgraph`), where a tensor nested
-in a list is a reference to a stored tensor. Never pickle.
+An entry's key and what it is made of: keys.py. An entry's bytes (safetensors plus JSON, never pickle):
+entries.py. Checking and describing a finished cache: verify.py.
 
 Crash safety: an entry (or a shard) is written whole (locally: a temporary file, fsynced and
 renamed; on an object store: one PUT, which S3 shows only once complete), then recorded (size and
@@ -34,288 +27,34 @@ leaves only complete, recorded entries (an entry written but not yet recorded is
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from unitgraph.atomic import write_bytes_atomic
 from unitgraph.userfiles import parse_user_json, read_user_json
 
-from .args import BackendError
+from ..errors import BackendError
+from .entries import _safetensors_header, entry_bytes, parse_entry
+from .keys import HashMemo, sha256_bytes, sha256_file
 from .manifest import ENTRY_FIELDS, FORMAT, Manifest, describe_plan_change
 
-if TYPE_CHECKING:  # torch is imported where tensors are handled: `cache verify` and `cache info` start without it
-    import torch
-
+if TYPE_CHECKING:
     from .store import Journal, Store
 
-HASHES_FORMAT = "unitgraph.hashes/v1"
 MANIFEST = "manifest.json"
 ENTRIES = "entries"
 JOURNAL = "journal"
-HASHES = "hashes.json"
 LOCK = ".lock"
 SHARDS = "shards"
 SHARD_SUFFIX = ".ugshard"  # not .bin: a cache never holds a file of a pickle-able suffix
 SHARD_ENTRIES = 256  # entries per shard ...
 SHARD_BYTES = 64 << 20  # ... or bytes, whichever comes first
-HEADER_KEY = "unitgraph"
 ENTRY_SUFFIX = ".safetensors"
 # Files that can run code when loaded (pickle and formats built on it). A cache never contains
 # them; one found in a cache folder is ignored with a warning, never opened.
 UNSAFE_SUFFIXES = (".pkl", ".pickle", ".pth", ".pt", ".ckpt", ".bin", ".joblib", ".dill", ".npy", ".npz")
-# A file modified this close to the moment it was hashed may change again without a visible
-# mtime change (coarse timestamps): its remembered hash is not trusted (git's "racily clean").
-RACY_NS = 2_000_000_000
-
-
-# ------------------------------------------------------------------------------------------------
-# values <-> safetensors + JSON
-
-
-def _encode(value: Any, tensors: dict[str, "torch.Tensor"], path: str) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        tensors[path] = value.detach().to("cpu").contiguous().clone()
-        return {"__tensor__": path}
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if _is_pil(value):  # a raw dataset image: stored as uint8 pixels, restored as a PIL image
-        import numpy as np
-
-        tensors[path] = torch.from_numpy(np.asarray(value.convert("RGB"), dtype=np.uint8).copy())
-        return {"__image__": path}
-    if isinstance(value, tuple):
-        return {"__tuple__": [_encode(v, tensors, f"{path}.{i}") for i, v in enumerate(value)]}
-    if isinstance(value, list):
-        return [_encode(v, tensors, f"{path}.{i}") for i, v in enumerate(value)]
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        if {"__tensor__", "__tuple__", "__image__"} & set(value):
-            raise TypeError(f"cannot cache a dict with reserved key at {path}")
-        return {k: _encode(v, tensors, f"{path}.{k}") for k, v in value.items()}
-    raise TypeError(f"cannot cache a value of type {type(value).__name__} at {path} (tensors, JSON values, lists, tuples)")
-
-
-def _is_pil(value: Any) -> bool:
-    try:
-        from PIL import Image
-    except ImportError:  # pragma: no cover - pillow is a backend dependency
-        return False
-    return isinstance(value, Image.Image)
-
-
-def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(value, dict):
-        if set(value) == {"__tensor__"}:
-            return tensors[value["__tensor__"]]
-        if set(value) == {"__image__"}:
-            from PIL import Image
-
-            return Image.fromarray(tensors[value["__image__"]].numpy())
-        if set(value) == {"__tuple__"}:
-            return tuple(_decode(v, tensors) for v in value["__tuple__"])
-        return {k: _decode(v, tensors) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_decode(v, tensors) for v in value]
-    return value
-
-
-def _tensor_refs(value: Any) -> list[str]:
-    """Names of the stored tensors an encoded value refers to."""
-    if isinstance(value, dict):
-        if set(value) in ({"__tensor__"}, {"__image__"}):
-            return [next(iter(value.values()))]
-        if set(value) == {"__tuple__"}:
-            return [r for v in value["__tuple__"] for r in _tensor_refs(v)]
-        return [r for v in value.values() for r in _tensor_refs(v)]
-    if isinstance(value, list):
-        return [r for v in value for r in _tensor_refs(v)]
-    return []
-
-
-def entry_bytes(values: dict[str, Any], meta: dict[str, Any]) -> bytes:
-    from safetensors.torch import save
-
-    tensors: dict[str, torch.Tensor] = {}
-    encoded = {key: _encode(value, tensors, key) for key, value in values.items()}
-    header = json.dumps({"meta": meta, "values": encoded}, sort_keys=True)
-    return save(tensors, metadata={HEADER_KEY: header})
-
-
-def _header_bytes(data: bytes, source: str) -> bytes:
-    """The JSON header of a safetensors file's bytes (its length checked against the data)."""
-    if len(data) < 8:
-        raise BackendError(f"not a safetensors file ({len(data)} bytes)", source=source)
-    size = int.from_bytes(data[:8], "little")
-    if size <= 0 or 8 + size > len(data):
-        raise BackendError("not a safetensors file (bad header length)", source=source)
-    return data[8:8 + size]
-
-
-def _safetensors_header(data: bytes, source: str) -> dict[str, Any]:
-    raw = _header_bytes(data, source)
-    try:
-        header = parse_user_json(raw.decode("utf-8"), source, BackendError)
-    except (UnicodeDecodeError, BackendError):
-        raise BackendError("not a safetensors file (unreadable header)", source=source) from None
-    if not isinstance(header, dict):
-        raise BackendError("not a safetensors file (header is not an object)", source=source)
-    return header
-
-
-def _entry_metadata(data: bytes, source: str) -> dict[str, Any]:
-    """The safetensors metadata of an entry's bytes, read with the plain C JSON parser: stage 2 reads every
-    entry at every step, and the strict user-file parser of `_safetensors_header` costs ~30 us an entry at
-    test size. Nothing is lost: safetensors' own loader re-reads this header strictly (and refuses a damaged
-    one) right after, and the values come from the unitgraph header inside it, parsed as before."""
-    raw = _header_bytes(data, source)
-    try:
-        header = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise BackendError("not a safetensors file (unreadable header)", source=source) from None
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(header, dict) or not isinstance(metadata or {}, dict):
-        raise BackendError("not a safetensors file (header is not an object)", source=source)
-    return metadata or {}
-
-
-def parse_entry(data: bytes, source: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(values by entry key, meta) of the bytes of one entry file."""
-    from safetensors.torch import load
-
-    header = _entry_metadata(data, source)
-    raw = header.get(HEADER_KEY)
-    if raw is None:
-        raise BackendError("not a unitgraph cache entry (no header)", source=source)
-    try:
-        tensors = load(data)
-        content = json.loads(raw)
-        return _decode(content["values"], tensors), content["meta"]
-    except Exception as exc:  # safetensors raises its own error types for damaged files
-        raise BackendError(f"unreadable cache entry ({type(exc).__name__}: {exc})", source=source) from None
-
-
-def write_entry(path: str | Path, values: dict[str, Any], meta: dict[str, Any]) -> None:
-    write_bytes_atomic(path, entry_bytes(values, meta))
-
-
-def read_entry(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(values by entry key, meta) of one entry file."""
-    try:
-        with open(path, "rb") as handle:  # not Path.read_bytes: stage 2 reads an entry per sample per step
-            data = handle.read()
-    except FileNotFoundError:
-        raise BackendError("cache entry is missing; run the data_process stage again", source=str(path)) from None
-    except OSError as exc:
-        raise BackendError(f"unreadable cache entry ({exc.strerror or exc})", source=str(path)) from None
-    return parse_entry(data, str(path))
-
-
-def entry_key_sizes(path: str | Path) -> dict[str, int]:
-    """Bytes of tensor data under each entry key of one entry file (reads only the header)."""
-    path = Path(path)
-    with path.open("rb") as handle:
-        head = handle.read(8)
-        size = int.from_bytes(head, "little") if len(head) == 8 else 0
-        data = head + handle.read(size)
-    return header_key_sizes(_safetensors_header(data, str(path)), str(path))
-
-
-def header_key_sizes(header: dict[str, Any], source: str) -> dict[str, int]:
-    """Bytes of tensor data under each entry key, from an entry's safetensors header."""
-    content = parse_user_json(str((header.get("__metadata__") or {}).get(HEADER_KEY, "{}")), source, BackendError)
-    if not isinstance(content, dict):
-        raise BackendError("not a unitgraph cache entry (its header is not an object)", source=source)
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    out = {}
-    for key, value in (content.get("values") or {}).items():
-        out[key] = sum(int(tensors[r]["data_offsets"][1]) - int(tensors[r]["data_offsets"][0])
-                       for r in _tensor_refs(value) if r in tensors)
-    return out
-
-
-# ------------------------------------------------------------------------------------------------
-# hashing
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def canonical_hash(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def settings_hash(settings: dict[str, Any]) -> str:
-    return "sha256:" + canonical_hash(settings)
-
-
-def entry_key(static_hash: str, sample_inputs: dict[str, Any]) -> str:
-    """The key of one sample's entry: its inputs under the shared unit list, settings and models."""
-    return canonical_hash({"static": static_hash, "sample": sample_inputs})
-
-
-class HashMemo:
-    """sha256 of files, remembered in the cache (`hashes.json`, JSON) keyed by path, size, mtime (and inode, ctime).
-
-    Weights are hashed once per file version: a later run only stats them. `hashed` lists the
-    files this memo actually read. A memo made on another machine never matches (its inodes differ):
-    it only costs hashing again.
-    """
-
-    def __init__(self, store: Optional["Store"], rel: str = HASHES):
-        self.store, self.rel = store, rel
-        self.files: dict[str, dict[str, Any]] = {}
-        self.hashed: list[Path] = []
-        self.touched: set[str] = set()
-        self.dirty = False
-        if store is None:
-            return
-        try:
-            data = parse_user_json(store.read(rel).decode("utf-8", errors="replace"), store.describe(rel), BackendError)
-            if isinstance(data, dict) and data.get("format") == HASHES_FORMAT and isinstance(data.get("files"), dict):
-                self.files = data["files"]
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError, BackendError):
-            self.files = {}  # none yet, or a damaged memo: that only costs re-hashing
-
-    def digest(self, path: Path) -> str:
-        path = Path(path)
-        stat = path.stat()
-        name = os.path.realpath(path)
-        self.touched.add(name)
-        ident = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns, "ino": stat.st_ino}
-        known = self.files.get(name)
-        if known and all(known.get(k) == v for k, v in ident.items()) and stat.st_mtime_ns + RACY_NS < known.get("hashed_at_ns", 0):
-            return known["sha256"]
-        value = sha256_file(path)
-        self.files[name] = {**ident, "sha256": value, "hashed_at_ns": time.time_ns()}
-        self.hashed.append(path)
-        self.dirty = True
-        return value
-
-    def save(self, prune: bool = False) -> None:
-        """Write the memo (when it changed); `prune` forgets files this memo was not asked about."""
-        if prune and set(self.files) - self.touched:
-            self.files = {k: v for k, v in self.files.items() if k in self.touched}
-            self.dirty = True
-        if self.store is None or not self.dirty or not self.store.exists():
-            return
-        text = json.dumps({"format": HASHES_FORMAT, "files": self.files}, sort_keys=True) + "\n"
-        self.store.write(self.rel, text.encode("utf-8"))
-        self.dirty = False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -342,7 +81,8 @@ class Cache:
     """One cache: a local folder or an object-store prefix (store.py; see the module docstring for the layout)."""
 
     def __init__(self, location: "str | Path | Store"):
-        from .store import Store, open_store
+        from .location import open_store
+        from .store import Store
 
         self.store = location if isinstance(location, Store) else open_store(location)
         self.location = self.store.location  # as given, for messages and commands to copy
@@ -675,96 +415,3 @@ class ShardWriter(EntryWriter):
     def close(self) -> None:
         self.flush()
         super().close()
-
-
-def model_files_digest(files_by_slot: dict[str, list[Path]], digest: Callable[[Path], str] = sha256_file) -> dict[str, dict[str, str]]:
-    """{slot: {parent/name: sha256}}: what the stage-1 models are, independent of where they live."""
-    return {slot: {f"{p.parent.name}/{p.name}": digest(p) for p in files} for slot, files in sorted(files_by_slot.items())}
-
-
-# ------------------------------------------------------------------------------------------------
-# `unitgraph cache verify` and `unitgraph cache info` (no torch needed)
-
-
-def open_cache(location: str | Path) -> tuple[Cache, Manifest]:
-    cache = Cache(location)
-    if cache.local and not cache.folder.is_dir():
-        raise BackendError("no such cache folder", source=cache.location)
-    manifest = cache.read_manifest()
-    if manifest is None:
-        raise BackendError("no manifest.json: not a cache folder" if cache.local
-                           else "no manifest.json under this prefix: not a cache", source=cache.location)
-    return cache, manifest
-
-
-def verify_cache(location: str | Path) -> tuple[list[str], dict[str, Any]]:
-    """Check every entry a cache's manifest lists (size and sha256). Returns (problems, statistics)."""
-    start = time.perf_counter()
-    cache, manifest = open_cache(location)
-    records, samples = manifest.entries, manifest.samples
-    problems: list[str] = []
-    unrecorded = [s for s in samples if s.get("key") not in records]
-    if not manifest.complete:
-        problems.append(f"{cache.location}: cache is incomplete ({len(unrecorded)} of {len(samples)} samples have no entry "
-                        "yet: its data_process stage did not finish); run it again to complete the cache")
-    else:
-        for s in unrecorded:
-            problems.append(f"{cache.manifest_path}: {sample_label(s)} has no entry record")
-    keys = sorted({s["key"] for s in samples if s.get("key") in records})
-    results = dict(zip(keys, cache.check_entries([records[k] for k in keys])))
-    total = sum(int(records[k]["size"]) for k, problem in results.items() if problem is None)
-    for s in samples:
-        record = records.get(s.get("key"))
-        if record is not None and results[record["key"]] is not None:
-            problems.append(f"{cache.describe(record['file'])}: {sample_label(s)}: {results[record['key']]}")
-    stats = {"samples": len(samples), "entries": len(results), "bytes": total,
-             "seconds": time.perf_counter() - start, "skipped": len(manifest.skipped)}
-    return problems, stats
-
-
-def cache_info(location: str | Path) -> dict[str, Any]:
-    """What `unitgraph cache info` prints: samples, bytes (per entry key too), plan, models, settings."""
-    cache, manifest = open_cache(location)
-    records, samples, plan = manifest.entries, manifest.samples, manifest.plan
-    key_sizes: dict[str, dict[str, int]] = {}
-    for key, record in records.items():
-        try:
-            key_sizes[key] = header_key_sizes(cache.entry_header(record), cache.describe(record["file"]))
-        except (OSError, BackendError, ValueError, KeyError):
-            key_sizes[key] = {}
-    per_key: dict[str, int] = {}
-    for s in samples:
-        for name, size in key_sizes.get(s.get("key"), {}).items():
-            per_key[name] = per_key.get(name, 0) + size
-    n = max(1, len(samples))
-    total = sum(int(r["size"]) for r in records.values())
-    return {
-        "folder": cache.location,
-        "format": manifest.format,
-        "layout": manifest.layout,
-        "status": manifest.status,
-        "pipeline": manifest.pipeline,
-        "plan_fingerprint": manifest.plan_fingerprint,
-        "cache_mode": manifest.cache_mode,
-        "models_require_backward": plan.get("models_require_backward"),
-        "data_process": plan.get("data_process"),
-        "train": plan.get("train"),
-        "samples": len(samples),
-        "skipped": manifest.skipped,
-        "entries": len(records),
-        "bytes": total,
-        "bytes_per_sample": total / n if samples else 0,
-        "bytes_per_sample_by_key": {k: per_key.get(k, 0) / n for k in (manifest.keys or sorted(per_key))},
-        "models": manifest.model_digests,
-        "settings": manifest.settings,
-        "made_with": manifest.made_with,
-        "unsafe_files": cache.unsafe_files(),
-    }
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"  # pragma: no cover

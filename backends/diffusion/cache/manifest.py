@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from .args import BackendError
+from ..errors import BackendError
 
 FORMAT = "unitgraph.cache/v2"
 ENTRY_FIELDS = ("key", "file", "size", "sha256")  # and "offset" for an entry packed in a shard

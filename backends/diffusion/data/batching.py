@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Hashable, Iterable, Mapping, Sequence
 
-from .randomness import permutation
+from ..randomness import permutation
 
-HEADER_KEY = "unitgraph"  # the cache's JSON header inside the safetensors metadata (see cache.py)
+HEADER_KEY = "unitgraph"  # the cache's JSON header inside the safetensors metadata (see cache/entries.py)
 
 
 # ------------------------------------------------------------------------------------------------

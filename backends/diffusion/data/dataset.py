@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from unitgraph.userfiles import parse_user_csv, parse_user_json, parse_user_jsonl, read_user_text
 
-from .args import BackendError
+from ..errors import BackendError
 from .video import STILL_SUFFIXES, VideoProblem, probe_clip, read_clip
 
 REQUIRED_COLUMNS = ("image", "prompt")

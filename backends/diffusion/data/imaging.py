@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .args import BackendError
+from ..errors import BackendError
 
 __all__ = ["cover_crop", "image_to_pixels"]
 

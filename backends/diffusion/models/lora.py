@@ -3,7 +3,7 @@
 Adapters are injected with peft's own `inject_adapter_in_model`, not through the model library's
 `add_adapter` wrapper: transformers 5's wrapper refuses the peft version on the registry, while the
 injection itself works for every torch module. Checkpoint keys carry the slot's diffusers pipeline
-prefix (`transformer.` for the DiT, see `family.ModelSlot.lora_prefix`); `checkpoints.py` writes them.
+prefix (`transformer.` for the DiT, see `family.ModelSlot.lora_prefix`); `train/checkpoints.py` writes them.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, Mapping
 
 import torch
 
-from .args import BackendError
-from .randomness import seeded_global_stream
+from ..errors import BackendError
+from ..randomness import seeded_global_stream
 
 METADATA_KEY = "lora_adapter_metadata"
 ADAPTER = "default"
@@ -75,7 +75,7 @@ def layout_of(state: Mapping[str, Any]) -> str:
 
 
 def module_lora(state: Mapping[str, torch.Tensor], slot: str, prefixes: Mapping[str, str]) -> dict[str, torch.Tensor]:
-    """The LoRA weights of `slot` in a file of either layout (checkpoints.py), keyed `<module>.lora_A.weight` /
+    """The LoRA weights of `slot` in a file of either layout (train/checkpoints.py), keyed `<module>.lora_A.weight` /
     `<module>.lora_B.weight`: the slot's prefix (`transformer.`, `pipe.dit.`, `diffusion_model.`) and peft's
     adapter name (`.default`) taken off; other models' weights left out; keys saved without any prefix
     (--remove_prefix_in_ckpt) taken as they are."""

@@ -1,4 +1,4 @@
-"""Finding and loading a family's model components, slot by slot.
+"""Finding a family's model components, slot by slot: the user's model arguments resolved to one folder per slot.
 
 A family declares its slots (`family.ModelSlot`: DiffSynth's model name, the diffusers or
 transformers class, the pipeline subfolder, ...); this module turns the user's model arguments into
@@ -20,73 +20,30 @@ is cheap.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from .family import ModelSlot
+from ..family import ModelSlot
+from .folders import (
+    OFFLINE_ENV,
+    SINGLE_FILE_PROBLEM,
+    ComponentSource,
+    ModelLoadError,
+    SlotTable,
+    _config_file,
+    _Entry,
+    _is_processor_folder,
+    _is_tokenizer_folder,
+    _processor_class,
+    _short,
+    _tokenizer_class,
+    classify_folder,
+    component_files,
+)
 from .hub import Hub, origin_subfolder as _origin_subfolder
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "spiece.model")
-_WEIGHT_INDEX_FILES = ("diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json")
-_WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
-# A processor folder: these configs beside its tokenizer files (preprocessor_config.json marks one)
-_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
-                    "chat_template.json")
-SINGLE_FILE_PROBLEM = ("is a single-file checkpoint (the original release layout, no config.json beside it), which "
-                       "unitgraph does not read; give the model's diffusers/transformers folder (its transformer/, vae/, "
-                       "text_encoder/ ... subfolders)")
-# Read once where the flags are parsed (config.ModelConfig); named in messages.
-OFFLINE_ENV = "UNITGRAPH_OFFLINE"
-
-
-class ModelLoadError(Exception):
-    """A model could not be found or loaded. str() is one line: '<path>: <problem>'."""
-
-    def __init__(self, path: Any, problem: str):
-        self.path = None if path is None else str(path)
-        self.problem = " ".join(str(problem).split())
-        super().__init__(str(self))
-
-    def __str__(self) -> str:
-        if self.path is None:
-            return self.problem
-        return f"{self.path}: {self.problem}"
-
-
-@dataclass(frozen=True)
-class ComponentSource:
-    """Where one slot comes from.
-
-    path is the component folder (None only for the built-in default scheduler); class_name
-    is the class its config names; origin is the user-given entry it was found through.
-    """
-
-    slot: str
-    path: Path | None
-    class_name: str
-    origin: str = ""
-
-    @property
-    def is_default(self) -> bool:
-        return self.path is None
-
-
-@dataclass
-class _Entry:
-    """One user-given location, classified."""
-
-    origin: str
-    path: Path
-    kind: str  # "pipeline", a slot name
-    class_name: str = ""
-    model_id: str | None = None  # modelscope model id, when resolved through modelscope
-    subfolders: dict[str, str] = field(default_factory=dict)  # pipeline: slot -> subfolder
-
+from .loading import _class, load_component
 
 # --------------------------------------------------------------------------------------------
 # Parsing the user's arguments
@@ -150,181 +107,6 @@ def parse_model_id_with_origin_paths(spec: Any) -> list[tuple[str, str]]:
             raise ModelLoadError(item, "--model_id_with_origin_paths entries must look like 'org/name:sub/pattern'")
         out.append((model_id, pattern))
     return out
-
-
-def _short(text: str, limit: int = 120) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelLoadError(path, "file not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(path, f"cannot read JSON ({type(exc).__name__}: {exc})") from None
-    if not isinstance(value, dict):
-        raise ModelLoadError(path, "is not a JSON object")
-    return value
-
-
-# --------------------------------------------------------------------------------------------
-# A family's slots, as lookup tables
-
-
-class SlotTable:
-    """The slots of one family, indexed the ways folders are recognised: pipeline subfolder,
-    diffusers `_class_name`, transformers `model_type` / `architectures`, tokenizer class."""
-
-    def __init__(self, slots: Sequence[ModelSlot]):
-        self.slots: dict[str, ModelSlot] = {s.name: s for s in slots}
-        self.by_subfolder = {s.subfolder: s.name for s in slots}
-        self.by_class = {c: s.name for s in slots if s.kind != "tokenizer" for c in s.class_names}
-        self.by_model_type = {t: s.name for s in slots for t in s.model_types}
-        self.tokenizers = [s.name for s in slots if s.kind == "tokenizer"]
-        self.processors = [s.name for s in slots if s.kind == "processor"]
-        self.text_encoders = [s.name for s in slots if s.kind == "model" and s.tokenizer is not None]
-        self.denoiser = next(s.name for s in slots if s.kind == "model")  # a family declares its denoiser first
-
-    def __getitem__(self, name: str) -> ModelSlot:
-        return self.slots[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.slots
-
-    def expected(self, slot: str) -> str:
-        return self.slots[slot].class_name
-
-    def encoder_of(self, tokenizer: str) -> str | None:
-        """The text encoder slot a tokenizer slot is paired with."""
-        return next((s.name for s in self.slots.values() if s.tokenizer == tokenizer), None)
-
-    def processor_slot(self, class_name: str) -> str:
-        """The processor slot for a processor class (the only one, when the family has one)."""
-        for name in self.processors:
-            if class_name in self.slots[name].class_names:
-                return name
-        return self.processors[0]
-
-    def tokenizer_slot(self, class_name: str) -> str:
-        """The tokenizer slot for a tokenizer class (the only one, when the family has one)."""
-        for name in self.tokenizers:
-            if class_name in self.slots[name].class_names:
-                return name
-        return self.tokenizers[0] if self.tokenizers else "tokenizer"
-
-    def check(self, slots: Iterable[str] | str) -> list[str]:
-        if isinstance(slots, str):
-            slots = [s for s in slots.replace(",", " ").split() if s]
-        out = []
-        for slot in slots:
-            if slot not in self.slots:
-                raise ModelLoadError(slot, f"unknown model slot (expected one of {', '.join(self.slots)})")
-            if slot not in out:
-                out.append(slot)
-        return out
-
-
-# --------------------------------------------------------------------------------------------
-# Classifying folders
-
-
-def classify_folder(path: Path | str, table: SlotTable, origin: str | None = None) -> _Entry:
-    """Detect what a folder (or a weight file inside one) holds, from its config files only."""
-    p = Path(path).expanduser()
-    origin = origin or str(path)
-    if not p.exists():
-        raise ModelLoadError(p, "path does not exist")
-    if p.is_file():
-        if p.suffix in (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt"):
-            if not any((p.parent / name).is_file() for name in ("config.json", "model_index.json", "scheduler_config.json")):
-                raise ModelLoadError(p, SINGLE_FILE_PROBLEM)
-            entry = classify_folder(p.parent, table, origin)
-            if entry.kind == "pipeline":
-                raise ModelLoadError(p, "is a file at the top of a pipeline folder; give the folder itself")
-            return entry
-        raise ModelLoadError(p, "is a file, not a diffusers/transformers model folder")
-
-    if (p / "model_index.json").is_file():
-        index = _read_json(p / "model_index.json")
-        subfolders = {}
-        for key, value in index.items():
-            if key.startswith("_") or not isinstance(value, list):
-                continue
-            slot = table.by_subfolder.get(key)
-            if slot is not None:
-                subfolders[slot] = key
-        return _Entry(origin=origin, path=p, kind="pipeline",
-                      class_name=str(index.get("_class_name", "")), subfolders=subfolders)
-
-    if (p / "config.json").is_file():
-        config = _read_json(p / "config.json")
-        class_name = config.get("_class_name")
-        models = [s for s in table.slots.values() if s.kind == "model"]
-        if class_name:
-            slot = table.by_class.get(class_name)
-            if slot is None:
-                expected = " or ".join(s.class_name for s in models if s.library == "diffusers")
-                raise ModelLoadError(p, f"unsupported diffusers model class {class_name} (expected {expected})")
-            return _Entry(origin=origin, path=p, kind=slot, class_name=class_name)
-        architectures = [str(a) for a in config.get("architectures") or []]
-        model_type = config.get("model_type")
-        if architectures or model_type:
-            slot = table.by_model_type.get(model_type) or next(
-                (table.by_class[a] for a in architectures if a in table.by_class), None)
-            if slot is not None:
-                return _Entry(origin=origin, path=p, kind=slot,
-                              class_name=architectures[0] if architectures else table.expected(slot))
-            expected = " or ".join(s.class_name for s in models if s.library == "transformers")
-            raise ModelLoadError(p, f"unsupported transformers model {architectures[0] if architectures else model_type} "
-                                    f"(expected {expected})")
-        raise ModelLoadError(p, "config.json names neither a diffusers _class_name nor transformers architectures/model_type")
-
-    if (p / "scheduler_config.json").is_file():
-        config = _read_json(p / "scheduler_config.json")
-        class_name = str(config.get("_class_name", ""))
-        slot = table.by_class.get(class_name)
-        if slot is None or table[slot].kind != "scheduler":
-            expected = " or ".join(s.class_name for s in table.slots.values() if s.kind == "scheduler")
-            raise ModelLoadError(p, f"unsupported scheduler {class_name or '(no _class_name)'} (expected {expected})")
-        return _Entry(origin=origin, path=p, kind=slot, class_name=class_name)
-
-    if table.processors and _is_processor_folder(p):
-        class_name = _processor_class(p)
-        slot = table.processor_slot(class_name)
-        return _Entry(origin=origin, path=p, kind=slot, class_name=class_name or table.expected(slot))
-
-    if _is_tokenizer_folder(p):
-        class_name = _tokenizer_class(p)
-        slot = table.tokenizer_slot(class_name)
-        return _Entry(origin=origin, path=p, kind=slot, class_name=class_name or table.expected(slot))
-
-    raise ModelLoadError(p, "not a diffusers/transformers model folder (no model_index.json, config.json, "
-                            "scheduler_config.json or tokenizer files)")
-
-
-def _is_tokenizer_folder(p: Path) -> bool:
-    return p.is_dir() and ((p / "tokenizer_config.json").is_file() or (p / "tokenizer.json").is_file())
-
-
-def _tokenizer_class(folder: Path) -> str:
-    cfg = folder / "tokenizer_config.json"
-    return str(_read_json(cfg).get("tokenizer_class", "")) if cfg.is_file() else ""
-
-
-def _is_processor_folder(p: Path) -> bool:
-    return p.is_dir() and (p / "preprocessor_config.json").is_file()
-
-
-def _processor_class(folder: Path) -> str:
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        cfg = folder / name
-        if cfg.is_file():
-            value = _read_json(cfg).get("processor_class")
-            if value:
-                return str(value)
-    return ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -597,130 +379,3 @@ class ModelSources:
         """
         resolved = self.resolve_many(slots)
         return {slot: load_component(source, self.table[slot], torch_dtype) for slot, source in resolved.items()}
-
-
-# --------------------------------------------------------------------------------------------
-# Files of a slot (for hashing)
-
-
-def _config_file(source: ComponentSource) -> Path:
-    if source.path is None or not (source.path / "config.json").is_file():
-        raise ModelLoadError(source.path, f"no config.json for {source.slot}")
-    return source.path / "config.json"
-
-
-def component_files(source: ComponentSource, kind: str, include_config: bool = True) -> list[Path]:
-    """The files the loader of one component reads: weights (and configs), sorted.
-
-    Raises ModelLoadError when a model folder has no safetensors weights.
-    """
-    if source.path is None:
-        return []
-    folder = source.path
-    files: list[Path] = []
-    if kind == "model":
-        if include_config:
-            files.append(folder / "config.json")
-            if (folder / "generation_config.json").is_file():
-                files.append(folder / "generation_config.json")
-        weights: list[Path] = []
-        for index_name in _WEIGHT_INDEX_FILES:
-            index_file = folder / index_name
-            if index_file.is_file():
-                weight_map = _read_json(index_file).get("weight_map", {})
-                if not isinstance(weight_map, dict) or not weight_map:
-                    raise ModelLoadError(index_file, "weight index has no weight_map")
-                weights += [folder / name for name in sorted(set(weight_map.values()))]
-                if include_config:
-                    files.append(index_file)
-                break
-        else:
-            weights = [folder / name for name in _WEIGHT_FILES if (folder / name).is_file()]
-        if not weights:
-            raise ModelLoadError(folder, f"no safetensors weights for {source.slot} "
-                                         f"(expected {' or '.join(_WEIGHT_FILES)} or a sharded index)")
-        missing = [w for w in weights if not w.is_file()]
-        if missing:
-            raise ModelLoadError(missing[0], "weight shard listed in the index is missing")
-        files += weights
-    elif kind == "tokenizer":
-        files = [folder / name for name in _TOKENIZER_FILES if (folder / name).is_file()]
-    elif kind == "processor":  # its configs and its tokenizer's files
-        files = [folder / name for name in (*_PROCESSOR_FILES, *_TOKENIZER_FILES) if (folder / name).is_file()]
-    elif include_config:
-        files = [folder / name for name in ("scheduler_config.json", "preprocessor_config.json",
-                                             "processor_config.json") if (folder / name).is_file()]
-    return sorted(files)
-
-
-# --------------------------------------------------------------------------------------------
-# Loading
-
-
-def _dtype(torch_dtype: Any):
-    import torch
-
-    if torch_dtype is None:
-        return torch.float32
-    if isinstance(torch_dtype, str):
-        value = getattr(torch, torch_dtype.replace("torch.", ""), None)
-        if not isinstance(value, torch.dtype):
-            raise ModelLoadError(torch_dtype, "unknown torch dtype")
-        return value
-    return torch_dtype
-
-
-def _class(slot: ModelSlot) -> Any:
-    module = importlib.import_module(slot.library)
-    return getattr(module, slot.class_name)
-
-
-@dataclass(frozen=True)
-class ProcessorParts:
-    """A transformers processor folder loaded as its image processor and tokenizer, where the processor
-    class itself cannot be built (transformers 5 builds a processor with a video part only when torchvision
-    is installed, even to process images). Unit code that reads a processor uses only these two attributes."""
-
-    image_processor: Any
-    tokenizer: Any
-
-
-def _load_processor(cls: Any, folder: Path) -> Any:
-    """The processor class from `folder`, or its parts when the class needs a library that is not installed."""
-    try:
-        return cls.from_pretrained(str(folder), local_files_only=True)
-    except ImportError:
-        from transformers import AutoImageProcessor, AutoTokenizer
-
-        return ProcessorParts(image_processor=AutoImageProcessor.from_pretrained(str(folder), local_files_only=True),
-                              tokenizer=AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
-
-
-def load_component(source: ComponentSource, slot: ModelSlot, torch_dtype: Any = None):
-    """Load one resolved component with its slot's class. Model weights are read from safetensors only."""
-    dtype = _dtype(torch_dtype)
-    folder = source.path
-    cls = _class(slot)
-    if folder is None:  # the family's published scheduler config
-        return cls(**dict(slot.default_config or {}))
-    try:
-        if slot.kind == "model":
-            component_files(source, slot.kind, include_config=False)  # clean error when weights are missing
-            # diffusers names the argument torch_dtype, transformers 5 dtype
-            dtype_arg = {"torch_dtype": dtype} if slot.library == "diffusers" else {"dtype": dtype}
-            model = cls.from_pretrained(str(folder), use_safetensors=True, local_files_only=True, **dtype_arg)
-            model.eval()
-            return model
-        if slot.kind == "tokenizer" and slot.library == "transformers":
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        if slot.kind == "processor" and slot.library == "transformers":
-            return _load_processor(cls, folder)
-        return cls.from_pretrained(str(folder), local_files_only=True)
-    except ModelLoadError:
-        raise
-    except Exception as exc:
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise ModelLoadError(folder, f"cannot load {slot.name} ({slot.class_name}): {type(exc).__name__}"
-                                     + (f": {detail}" if detail else "")) from None

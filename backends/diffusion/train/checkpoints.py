@@ -26,9 +26,16 @@ import torch
 
 from unitgraph.atomic import write_bytes_atomic
 
-from .args import BackendError
-from .lora import DIFFSYNTH_ROOT, METADATA_KEY, _jsonable, layout_of, lora_state_dict, module_lora, read_safetensors
-
+from ..errors import BackendError
+from ..models.lora import (
+    DIFFSYNTH_ROOT,
+    METADATA_KEY,
+    _jsonable,
+    layout_of,
+    lora_state_dict,
+    module_lora,
+    read_safetensors,
+)
 
 
 def checkpoint_state(models: Mapping[str, torch.nn.Module], lora_slot: str | None, trainable: Iterable[str],

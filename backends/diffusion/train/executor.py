@@ -6,7 +6,7 @@ cache entry (and which one); the verifier simulates exactly those bindings, so w
 what was proved equal to the unsplit run.
 
 * **Per-sample randomness.** The train units run per sample, each under its own sample key, and
-  only the sink runs on the collated batch (see batching.py).
+  only the sink runs on the collated batch (see data/batching.py).
 * **Prefetch.** Train units that call no model (noise, latent sampling, packing, timesteps) and
   whose inputs come only from the cache are "early": they run with the entry read and the
   collation, before the step, on the CPU, and can run ahead of it: in a background thread
@@ -34,8 +34,20 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Optiona
 
 from unitgraph.runtime import SINK, stage2_bindings
 
-from .batching import (CachedItem, Element, _cast, _is_tensor, _pin, bucket_batches, collate, entry_signature, expand,
-                       shard_batches, to_device, value_signature)
+from ..data.batching import (
+    CachedItem,
+    Element,
+    _cast,
+    _is_tensor,
+    _pin,
+    bucket_batches,
+    collate,
+    entry_signature,
+    expand,
+    shard_batches,
+    to_device,
+    value_signature,
+)
 
 SYNC_RUN = 4  # batches prepared together in the caller (prefetch=0): an A/B at test size, 1.06x the limit -> ~1.04x
 
@@ -133,10 +145,10 @@ class Stage2Data:
     def from_cache(cls, pipeline: Any, plan: Any, cache_dir: str | Path, **kwargs: Any) -> "Stage2Data":
         """A source over a complete cache folder made under `plan` (checked as stage 2 checks it).
 
-        Written against the cache layout of `cache.py` (manifest samples with index and sample_id,
+        Written against the cache layout of `cache/cache.py` (manifest samples with index and sample_id,
         `Cache.entry_path`, `read_entry`); a stage that has its own provider passes items and read instead.
         """
-        from .cache import Cache
+        from ..cache.cache import Cache
 
         cache = Cache(cache_dir)
         manifest = cache.open_for_training(plan, pipeline.task)
@@ -390,7 +402,7 @@ class _EntryPath:
 
     def __call__(self, item: Any) -> Path:
         if self._cache is None:
-            from .cache import Cache
+            from ..cache.cache import Cache
 
             self._cache = Cache(self.cache_dir)
         return self._cache.entry_path(item.sample_id)
@@ -400,7 +412,7 @@ class _EntryReader(_EntryPath):
     """item -> its entry's values (cache.read_entry: the file read whole, parsed from memory)."""
 
     def __call__(self, item: Any) -> dict[str, Any]:
-        from .cache import read_entry
+        from ..cache.entries import read_entry
 
         values, _meta = read_entry(super().__call__(item))
         return values

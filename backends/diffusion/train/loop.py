@@ -15,7 +15,7 @@ import math
 import re
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -23,20 +23,31 @@ from unitgraph.atomic import write_text_atomic
 from unitgraph.errors import OutputError
 from unitgraph.plan import Plan
 
-from .args import BackendError
-from .batching import CachedItem, step_groups
+from ..data.batching import CachedItem, step_groups
+from ..errors import BackendError
+from ..randomness import seeded_global_stream
 from .checkpoints import checkpoint_state, save_checkpoint
-from .config import RunConfig
-from .randomness import seeded_global_stream
 from .outputs import RunFolder
-from .resume import (latest_state, load_state, must_match, prune_states, remove_partial_states, save_state,
-                     trained_parameters)
-from .session import RunResult, load_models, make_context, progress
+from .resume import (
+    latest_state,
+    load_state,
+    must_match,
+    prune_states,
+    remove_partial_states,
+    save_state,
+    trained_parameters,
+)
+
+if TYPE_CHECKING:  # annotations only: the run's configuration sits above the rooms
+    from ..config import RunConfig
+from ..models.stage import load_models, make_context
+from ..report import progress
+from ..result import RunResult
 
 
 def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerator: Any):
     """Preset LoRA merged, trainable models and the LoRA adapter made trainable, AdamW; each prepared by accelerate."""
-    from .lora import add_lora, load_lora_checkpoint, merge_preset_lora
+    from ..models.lora import add_lora, load_lora_checkpoint, merge_preset_lora
 
     lora, prefixes = cfg.lora, cfg.prefixes
     if lora.preset_path:

@@ -32,8 +32,8 @@ from typing import Any, Optional
 
 from unitgraph.atomic import write_bytes_atomic, write_text_atomic
 
-from .args import BackendError
-from .cache import sha256_file
+from ..cache.keys import sha256_file
+from ..errors import BackendError
 
 __all__ = ["ResumePoint", "STATE_DIR", "latest_state", "load_state", "must_match", "prune_states", "remove_partial_states",
            "save_state", "states", "trained_parameters"]

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from unitgraph.atomic import write_bytes_atomic, write_text_atomic
 
-from .args import BackendError
+from ..errors import BackendError
 
 __all__ = ["VALIDATION_FILE", "SAMPLES_DIR", "prompt_units", "encode_prompts", "store_encoded", "load_encoded",
            "Validator"]
@@ -72,7 +72,7 @@ def _key(prompts: list[str], key_hash: str) -> str:
 
 
 def _cache(location: Any) -> Any:
-    from .cache import Cache
+    from ..cache.cache import Cache
 
     return location if isinstance(location, Cache) else Cache(location)
 
@@ -98,7 +98,7 @@ def load_encoded(cache_dir: Any, prompts: list[str], key_hash: str) -> list[dict
     """The encoded validation prompts stored by stage 1; a one-line error when they are missing or stale."""
     from safetensors.torch import load
 
-    from .cache import _safetensors_header
+    from ..cache.entries import _safetensors_header
 
     cache = _cache(cache_dir)
     shown = cache.describe(VALIDATION_FILE)

@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ...tiny_tokenizers import clip_tokenizer, seeded, t5_tokenizer
+from ...models.tiny_tokenizers import clip_tokenizer, seeded, t5_tokenizer
 from . import SCHEDULER_CONFIG
 from .units import CLIP_MAX_LENGTH
 

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...args import BackendError
+from ...data.imaging import image_to_pixels
+from ...errors import BackendError
 from ...family import lazy_module, unit
 from ...flowmatch import draw_latents, draw_noise, sample_timestep
-from ...imaging import image_to_pixels
 
 torch = lazy_module("torch")
 

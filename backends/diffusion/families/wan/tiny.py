@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ...tiny_tokenizers import seeded, t5_tokenizer
+from ...models.tiny_tokenizers import seeded, t5_tokenizer
 from . import SCHEDULER_CONFIG
 
 SIZES: dict[str, dict[str, Any]] = {

@@ -26,10 +26,10 @@ import html
 import re
 from typing import Any
 
-from ...args import BackendError
+from ...data.imaging import cover_crop, image_to_pixels
+from ...errors import BackendError
 from ...family import lazy_module, unit
 from ...flowmatch import draw_latents, draw_noise, sample_shifted_timestep
-from ...imaging import cover_crop, image_to_pixels
 
 torch = lazy_module("torch")
 

@@ -1,0 +1,70 @@
+"""Where a cache lives, from the user's words: a path, a `file://` URL or `s3://bucket/prefix`, turned into its store.
+
+A URL is checked before anything is opened: an unsupported scheme, credentials in the URL, a missing
+bucket or a query string are one line each, and a credential is never echoed (`_safe`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..errors import BackendError
+from .object_store import ObjectStore
+from .store import LocalStore, Store
+
+__all__ = ["is_url", "open_store"]
+
+
+def is_url(location: str | Path) -> bool:
+    """Whether `location` names an object store (`s3://...`) rather than a local path."""
+    text = str(location)
+    return "://" in text and not text.startswith("file://")
+
+
+def open_store(location: str | Path) -> "Store":
+    """The store at `location`: a path or `file://` URL (a local folder) or `s3://bucket/prefix`.
+
+    >>> open_store("/tmp/cache").describe("manifest.json")
+    '/tmp/cache/manifest.json'
+
+    Raises BackendError (one line) for an unsupported scheme or a URL carrying credentials.
+    """
+    if isinstance(location, Path):
+        return LocalStore(location)
+    text = str(location)
+    if "://" not in text:
+        return LocalStore(Path(text))
+    parts = _split(text)
+    if parts.scheme == "file":
+        return LocalStore(Path(parts.path))
+    if parts.scheme not in ("s3", "s3a"):
+        raise BackendError(f"unsupported storage scheme {parts.scheme}:// (caches live in a local folder or at "
+                           "s3://bucket/prefix)", source=_safe(text))
+    if "@" in parts.netloc:
+        raise BackendError("a cache URL must not carry credentials; set them in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
+                           "or the AWS config files", source=_safe(text))
+    if not parts.netloc:
+        raise BackendError("no bucket in the URL (expected s3://bucket/prefix)", source=text)
+    if parts.query or parts.fragment:
+        raise BackendError("a cache URL takes no query or fragment (expected s3://bucket/prefix)", source=_safe(text))
+    return ObjectStore(parts.netloc, parts.path.strip("/"))
+
+
+def _split(text: str) -> Any:
+    try:
+        return urlsplit(text)
+    except ValueError as exc:  # e.g. an unclosed '[' (urllib reads it as an IPv6 host)
+        raise BackendError(f"not a valid URL ({exc})", source=_safe(text)) from None
+
+
+def _safe(text: str) -> str:
+    """A URL for messages, with anything before '@' in its host part removed."""
+    try:
+        parts = urlsplit(text)
+    except ValueError:
+        return text.split("://", 1)[0] + "://..." if "@" in text else text
+    if "@" not in parts.netloc:
+        return text
+    return f"{parts.scheme}://***@{parts.netloc.rsplit('@', 1)[1]}{parts.path}"
