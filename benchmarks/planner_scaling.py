@@ -1,11 +1,13 @@
-"""How planning time grows with pipeline size (issues: core performance; 17, linear on any shape).
+"""How planning time grows with pipeline size (the planner is meant to be linear on any shape; results in
+docs/benchmarks.md, 'Planner scaling').
 
 Four shapes of 1k, 10k and 100k units, both cache modes:
 
 - `random`: DAG-ish random preprocessing (unitgraph.synthetic.random_pipeline) with a declared sink
   reading the last 8 params; B = {dit, m1}.
-- `random-nosink`: the same units without a declared sink, so the sink reads every param (DESIGN
-  §2): many cache entries and a sink read set as large as the param pool; B = {dit, m1}.
+- `random-nosink`: the same units without a declared sink, so the sink reads every param
+  (docs/plan-format.md, 'Pipeline spec'): many cache entries and a sink read set as large as the
+  param pool; B = {dit, m1}.
 - `chain`: one long in-place update chain (chain_pipeline); B = {dit, adapter}.
 - `diffsynth`: the DiffSynth-Studio pipelines (every `diffsynth/pipelines/*.py` the `diffsynth`
   adapter reads statically, from --diffsynth-source, by default the copy scripts/setup.sh unpacks

@@ -1,4 +1,4 @@
-"""A unit may read a model's configuration without calling it (`configs`, DESIGN §2).
+"""A unit may read a model's configuration without calling it (`configs`; docs/semantics.md, 'Config reads').
 
 Config reads seed nothing and carry no data, so TRAIN, the cache and the models per stage are those
 of the same pipeline without them; a stage records the configs it reads but does not load, and

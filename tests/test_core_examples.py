@@ -103,7 +103,7 @@ def test_write_after_read_hazard():
 
 
 def test_the_update_chain_rule_alone_reads_wrong_versions():
-    """The seed design's rule U misses write-after-read and write-after-write; the simulation shows it."""
+    """DiffSynth-Studio's original rule U misses write-after-read and write-after-write; the simulation shows it."""
     war = pipeline(
         ("Load", ["path"], ["image"], [], True),
         ("Embed", ["image"], ["image_emb"], ["siglip"], True),

@@ -1,4 +1,4 @@
-"""The planner's fast paths agree with the code they replaced (issue 17: linear on any shape).
+"""The planner's fast paths agree with the code they replaced (docs/benchmarks.md, 'Planner scaling').
 
 Planning a 100k-unit pipeline whose sink reads every param made the core keep to few passes and
 few objects: the verifier streams its version simulation, checks C2/C3 from the data_process

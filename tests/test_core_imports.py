@@ -1,4 +1,4 @@
-"""How the core's modules import each other (issue 10).
+"""How the core's modules import each other (CONTRIBUTING.md, 'Imports in the core').
 
 Two things went wrong there and are checked here so they cannot come back unseen:
 - a package attribute hid a submodule of the same name (`unitgraph.split`, the function, over the

@@ -1,4 +1,4 @@
-"""Property tests of the split on random small pipelines (DESIGN §3)."""
+"""Property tests of the split on random small pipelines (docs/semantics.md, 'The rules' and 'The invariants')."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def test_train_set_is_the_least_fixed_point_above_the_seeds(pipeline, backward, 
     for candidate in subsets(vg.n):
         if x0 <= candidate and step(vg, candidate, mode) == candidate:
             assert train <= candidate
-    # and the plain iteration of DESIGN §3 reaches the same set
+    # and the plain iteration of docs/semantics.md, 'The rules', reaches the same set
     assert iterate_to_fixed_point(vg, x0, lambda x: step(vg, x, mode)) == train
 
 

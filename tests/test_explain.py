@@ -20,7 +20,8 @@ EXAMPLES = REPO / "unitgraph" / "examples"
 
 
 def edit_pipeline() -> Pipeline:
-    """The issue's example: the prompt embedder reads edit_image before it is auto-resized."""
+    """The example of docs/semantics.md, 'Write-after-read': the prompt embedder reads edit_image before it is
+    auto-resized."""
     return Pipeline(
         "edit",
         (

@@ -1,6 +1,7 @@
-"""Issue 11, "nothing run": no code from the working directory, and code that is not an installed
-package (a saved folder's custom blocks, a `module:Class` found outside installed packages) runs only
-with `--trust-remote-code` (`trust_remote_code=True` from Python)."""
+"""Nothing run (docs/safety.md, 'Code'; docs/adapters.md, 'What runs: `--trust-remote-code`'): no code
+from the working directory, and code that is not an installed package (a saved folder's custom blocks, a
+`module:Class` found outside installed packages) runs only with `--trust-remote-code` (`trust_remote_code=True`
+from Python)."""
 
 from __future__ import annotations
 

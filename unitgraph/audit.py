@@ -1,11 +1,11 @@
 """The hazard report (`unitgraph audit`): was a split by the update-chain rule alone sound?
 
-DiffSynth-Studio's own split moves a unit to training by the update-chain rule U (DESIGN §3): it
-misses write-after-read and write-after-write hazards, which the write-hazard rule W closes. For
-every model a user could train (each model alone, with the denoiser as the LoRA base), the audit
-compares three splits of the active pipeline:
+DiffSynth-Studio's own split moves a unit to training by the update-chain rule U: it misses
+write-after-read and write-after-write hazards, which the write-hazard rule W closes
+(docs/semantics.md, 'Why W and not only U'). For every model a user could train (each model
+alone, with the denoiser as the LoRA base), the audit compares three splits of the active pipeline:
 
-- `update-chain`: the least fixed point of X ∪ F(X) ∪ U(X) (`split.update_chain_train_set`),
+- `update-chain`: the least fixed point of X ∪ F(X) ∪ U(X) (`closure.update_chain_train_set`),
   simulated with the verifier's version tags to show the reads it gets wrong;
 - `latest` and `versioned`: the splits unitgraph plans, with the models stage 2 loads and the cache
   entries each needs.

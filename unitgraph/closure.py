@@ -1,4 +1,4 @@
-"""Which units must stay in the training loop (DESIGN §3): TRAIN, the closure of the seeds.
+"""Which units must stay in the training loop (docs/semantics.md, 'The rules'): TRAIN, the closure of the seeds.
 
 TRAIN is the least fixed point above the seed set X0 of T(X) = X ∪ F(X) ∪ W(X) in cache mode
 `latest`, and of X ∪ F(X) in mode `versioned`. The set operators are here as plain functions, for
@@ -11,19 +11,20 @@ TRAIN access of a param, so they stand later too. Visiting positions in pipeline
 sees every unit after everything that can pull it in, and each param's first TRAIN access is
 settled the first time the sweep meets it. Total work: units + reads + update-chain lengths.
 
-Config reads (a unit's `configs`, DESIGN §2) take no part in any of this. X0 holds a unit for what
-it *calls*: a unit calling a model of B produces values that carry gradients and change as the
-weights do. A model's config is not its weights: it is fixed for the run, like a setting, and
-training never changes it, so a unit that only reads the config of a model of B computes the same
-deterministic value in every epoch; it is no seed. Nor is a config a param: no unit writes it, so
-it has no versions, adds no edge to the reaching-write tables of graph.py, and F, U and W (which
-look only at params) never see it. The whole closure, and with it every proof of
+Config reads (a unit's `configs`; docs/semantics.md, 'Config reads') take no part in any of this. X0
+holds a unit for what it *calls*: a unit calling a model of B produces values that carry gradients
+and change as the weights do. A model's config is not its weights: it is fixed for the run, like a
+setting, and training never changes it, so a unit that only reads the config of a model of B
+computes the same deterministic value in every epoch; it is no seed. Nor is a config a param: no
+unit writes it, so it has no versions, adds no edge to the reaching-write tables of graph.py, and F,
+U and W (which look only at params) never see it. The whole closure, and with it every proof of
 docs/semantics.md, is therefore unchanged by `configs`; they matter only for what a stage loads
 (plan.py: the stage reads the model's config without loading its weights).
 
 The module is named for what it computes, a closure, and not `split`: the package exports the
 function `unitgraph.split` (plan.py), and a submodule of the same name would be shadowed by it, so
-`import unitgraph.split` would hand back the function instead of this module (issue 10).
+`import unitgraph.split` would hand back the function instead of this module (CONTRIBUTING.md,
+'Imports in the core').
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def seeds(vg: VersionGraph, backward: frozenset[str]) -> dict[int, Reason]:
     return dict(found)
 
 
-# --- the set operators of DESIGN §3, as written there --------------------------------------------
+# --- the set operators as docs/semantics.md, 'The rules', writes them ----------------------------
 
 
 def forward_closure(vg: VersionGraph, units: Iterable[int]) -> set[int]:
@@ -138,7 +139,7 @@ def _accesses(vg: VersionGraph, i: int) -> list[str]:
 
 
 def update_chain_closure(vg: VersionGraph, units: Iterable[int]) -> set[int]:
-    """U(X), the seed design's rule: if the first unit of X reading p also writes p (and is not
+    """U(X), DiffSynth-Studio's original rule: if the first unit of X reading p also writes p (and is not
     p's last writer), p's later writers join."""
     members = sorted(set(units))
     first_reader: dict[str, int] = {}
@@ -184,8 +185,9 @@ def iterate_to_fixed_point(vg: VersionGraph, start: set[int], operator) -> set[i
 
 
 def update_chain_train_set(vg: VersionGraph, backward: frozenset[str]) -> set[int]:
-    """The seed design's split: least fixed point of X ∪ F(X) ∪ U(X). Kept as a reference; it misses
-    write-after-read and write-after-write hazards (see docs/semantics.md)."""
+    """DiffSynth-Studio's original split: least fixed point of X ∪ F(X) ∪ U(X). Kept as a reference;
+    it misses write-after-read and write-after-write hazards (docs/semantics.md, 'Why W and not only
+    U')."""
     return iterate_to_fixed_point(
         vg,
         set(seeds(vg, backward)),

@@ -1,4 +1,5 @@
-"""Cache entries and stage-2 input bindings of a split (DESIGN §3, cache modes).
+"""Cache entries and stage-2 input bindings of a split (docs/semantics.md, 'What the stages do' and
+'Cache mode `versioned`').
 
 A cache entry is (param, writer position or None for the dataset value). In `latest` mode stage 1
 keeps each param's last stage-1 value, so the entry of a param is its last data_process writer;
@@ -145,7 +146,8 @@ def cache_entry_set(vg: VersionGraph, train: set[int], cache_mode: str) -> set[E
 
 
 def cache_entries_reference(vg: VersionGraph, train: set[int], cache_mode: str) -> list[Entry]:
-    """`cache_entries` as first written, straight from DESIGN §3; kept for the tests."""
+    """`cache_entries` as first written, straight from the cache rules of docs/semantics.md ('What the
+    stages do', 'Cache mode `versioned`'); kept for the tests."""
     needed = needed_versions(vg, train)
     if cache_mode == LATEST:
         params = {p for p, _ in needed}

@@ -1,4 +1,5 @@
-"""Making a plan: the function `split` and what is derived from it (DESIGN §3, §4).
+"""Making a plan: the function `split` and what is derived from it (docs/semantics.md, 'The rules' and
+'What the stages do'; docs/plan-format.md, 'Plan').
 
 The record a plan is written down as, and its file format, live in planfile.py; they are
 re-exported here, where callers have always found them, so `from unitgraph.plan import Plan,
@@ -182,7 +183,8 @@ def models_versioned_keeps_out(pipeline: Pipeline, plan: Plan) -> list[str]:
 
 
 def versioned_savings_line(pipeline: Pipeline, plan: Plan) -> str | None:
-    """The one line DESIGN §3 asks `plan` and `inspect` to print when versioned caching would help."""
+    """The one line `plan` and `inspect` print when versioned caching would keep models out of stage 2
+    (docs/semantics.md, 'Why `versioned` is minimal')."""
     saved = models_versioned_keeps_out(pipeline, plan)
     if not saved:
         return None

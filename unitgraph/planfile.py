@@ -1,4 +1,5 @@
-"""The plan as data: a split written down as JSON (DESIGN §4), read back strictly, fingerprinted.
+"""The plan as data: a split written down as JSON (docs/plan-format.md, 'Plan'), read back strictly,
+fingerprinted.
 
 This is what a plan *is*, apart from how one is made: the verifier checks a Plan against its
 pipeline and needs only this module, while making a plan (plan.py) ends by verifying it. With the

@@ -1,9 +1,9 @@
 """Check a plan against its pipeline: is the split sound, and is the file what `plan` would write?
 
-Soundness is checked two ways: the invariants C1-C3 of DESIGN §3, and a simulation of both stages
-with version tags, which must make every unit and the sink read exactly the versions they read in
-the unsplit run. The simulation executes the plan as written (its unit lists and cache entries),
-not as recomputed, so a hand-edited plan is caught.
+Soundness is checked two ways: the invariants C1-C3 (docs/semantics.md, 'The invariants'), and a
+simulation of both stages with version tags, which must make every unit and the sink read exactly
+the versions they read in the unsplit run. The simulation executes the plan as written (its unit
+lists and cache entries), not as recomputed, so a hand-edited plan is caught.
 
 Exactness also covers what each stage lists: its models and its configs. A config read changes no
 version (a config is not a param), so configs have no part in soundness and none in the simulation.
@@ -228,13 +228,15 @@ def _c3_violations(vg: VersionGraph, first_access: dict[str, int], hazards: list
 
 
 def _check_c2_reference(vg: VersionGraph, train: set[int]) -> list[Violation]:
-    """C2 with the set operator of DESIGN §3 as written (closure.update_chain_closure), for the tests."""
+    """C2 with the set operator U as docs/semantics.md, 'The rules', writes it (closure.update_chain_closure),
+    for the tests."""
     missing = sorted(update_chain_closure(vg, train) - train)
     return [Violation("C2", f"{vg.names[i]} continues an update chain begun in train but is in data_process") for i in missing]
 
 
 def _check_c3_reference(vg: VersionGraph, train: set[int]) -> list[Violation]:
-    """C3 with the set operator of DESIGN §3 as written (closure.write_hazard_closure), for the tests."""
+    """C3 with the set operator W as docs/semantics.md, 'The rules', writes it (closure.write_hazard_closure),
+    for the tests."""
     first_access: dict[str, int] = {}
     for t in sorted(train):
         unit = vg.pipeline.units[t]

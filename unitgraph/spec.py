@@ -1,4 +1,4 @@
-"""Pipelines and units: the declarations the planner reasons about (DESIGN §2).
+"""Pipelines and units: the declarations the planner reasons about (docs/plan-format.md, 'Pipeline spec').
 
 A unit is plain data. Backends keep the code that runs it elsewhere, keyed by the unit's name, so
 the planner never needs torch or a model to decide a split.
@@ -30,8 +30,8 @@ class Unit:
     `configs` names models whose configuration the unit reads without calling the model (a channel
     count of the DiT, the VAE's scale factor). A config is fixed for a run, like a setting: reading
     it gives no gradient and no data dependency, so it never seeds the unit into TRAIN, and a stage
-    that runs the unit loads the model's config, not its weights (DESIGN §2, closure.py). A model
-    the unit calls is not listed here too: calling it reads its config anyway.
+    that runs the unit loads the model's config, not its weights (docs/semantics.md, 'Config reads';
+    closure.py). A model the unit calls is not listed here too: calling it reads its config anyway.
     """
 
     name: str

@@ -1,9 +1,10 @@
-"""Synthetic pipelines for benchmarks and scale tests (issue 17: the planner is linear on any shape).
+"""Synthetic pipelines for benchmarks and scale tests, which check that the planner is linear on any shape
+(docs/benchmarks.md, 'Planner scaling').
 
 - `random_pipeline`: DAG-ish preprocessing over a sliding window of params, with a declared sink
   reading the last few params, or, with `declare_sink=False`, no sink at all: the sink then reads
-  *every* param (DESIGN §2), which gives many cache entries and a sink read set as large as the
-  param pool, the shape of a pipeline read from DiffSynth-Studio.
+  *every* param (docs/plan-format.md, 'Pipeline spec'), which gives many cache entries and a sink
+  read set as large as the param pool, the shape of a pipeline read from DiffSynth-Studio.
 - `chain_pipeline`: one long in-place update chain.
 - `replicate_pipeline`: real pipelines (say, DiffSynth-Studio's, read by the `diffsynth` adapter)
   copied side by side, round robin, with renamed units and params, up to any number of units.
