@@ -1,4 +1,4 @@
-"""benchmarks/split_vs_unsplit.py: its report from made-up results, and one tiny real run (1 repeat, test size)."""
+"""benchmarks/split_vs_unsplit.py and split_vs_unsplit_report.py: its report from made-up results, and one tiny real run (1 repeat, test size)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,17 @@ def _bench():
     return module
 
 
+def _report():
+    """benchmarks/split_vs_unsplit_report.py, the rendering (it imports its parameters from the module _bench registers)."""
+    path = ROOT / "benchmarks" / "split_vs_unsplit_report.py"
+    spec = importlib.util.spec_from_file_location("split_vs_unsplit_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 bench = _bench()
+report = _report()
 PLANNER = "<!-- planner-scaling:begin -->\n| planner table |\n<!-- planner-scaling:end -->"
 
 
@@ -56,18 +66,18 @@ def test_report_ratios_table_plot_and_doc_section(tmp_path):
     assert row["rss_train_vs_limit"] == pytest.approx(404 / 403)
     assert row["break_even_loader"] == pytest.approx(0.03 / (0.040 - 0.0104))
     assert summary["planner_startup_s"] == pytest.approx(0.31)
-    text = bench.markdown(summary, "benchmark_split_vs_unsplit.png")
+    text = report.markdown(summary, "benchmark_split_vs_unsplit.png")
     assert "| test | 64 px | 40.0 |" in text and "1.040 ✓" in text and "1.100 ✗" in text
     assert "0.31 s" in text and "img/benchmark_split_vs_unsplit.png" in text
-    png = bench.plot(summary, tmp_path / "plot.png")
+    png = report.plot(summary, tmp_path / "plot.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     doc = tmp_path / "benchmarks.md"
     doc.write_text(f"# Benchmarks\n\n## Planner scaling\n\n{PLANNER}\n")
-    bench.write_doc(text, doc)
-    bench.write_doc(text.replace("40.0", "41.0"), doc)  # replaced in place, not appended twice
+    report.write_doc(text, doc)
+    report.write_doc(text.replace("40.0", "41.0"), doc)  # replaced in place, not appended twice
     content = doc.read_text()
-    assert PLANNER in content and content.count(bench.BEGIN) == 1 and "| test | 64 px | 41.0 |" in content
-    assert content.index("Planner scaling") < content.index(bench.TITLE)
+    assert PLANNER in content and content.count(report.BEGIN) == 1 and "| test | 64 px | 41.0 |" in content
+    assert content.index("Planner scaling") < content.index(report.TITLE)
 
 
 @pytest.mark.slow
@@ -88,7 +98,7 @@ def test_one_tiny_real_run(tmp_path):
     dtypes = row["cache_dtype"]
     assert dtypes["float32"]["loss_rel_max"] == 0.0
     assert dtypes["bfloat16"]["tensor_bytes"] < dtypes["float32"]["tensor_bytes"]
-    assert "| test |" in bench.markdown(summary)
+    assert "| test |" in report.markdown(summary)
 
 
 def test_each_pipeline_has_its_own_section(tmp_path):
@@ -97,17 +107,17 @@ def test_each_pipeline_has_its_own_section(tmp_path):
     results["settings"]["pipeline"] = "flux"
     summary = bench.summarize(results)
     assert summary["pipeline"] == "flux" and summary["title"] == "FLUX.1"
-    text = bench.markdown(summary)
+    text = report.markdown(summary)
     assert "default FLUX.1 targets" in text and "--pipeline flux --write" in text and "diffusion:flux" in text
     doc = tmp_path / "benchmarks.md"
-    bench.write_doc(bench.markdown(bench.summarize(_fake_results())), doc)
-    bench.write_doc(text, doc, pipeline="flux")
-    bench.write_doc(text.replace("40.0", "41.0"), doc, pipeline="flux")
-    begin, end, title, plot = bench.section_names("flux")
+    report.write_doc(report.markdown(bench.summarize(_fake_results())), doc)
+    report.write_doc(text, doc, pipeline="flux")
+    report.write_doc(text.replace("40.0", "41.0"), doc, pipeline="flux")
+    begin, end, title, plot = report.section_names("flux")
     content = doc.read_text()
-    assert content.count(begin) == 1 and content.count(bench.BEGIN) == 1 and title in content
+    assert content.count(begin) == 1 and content.count(report.BEGIN) == 1 and title in content
     assert "| test | 64 px | 41.0 |" in content.split(begin)[1] and "| test | 64 px | 40.0 |" in content.split(begin)[0]
-    assert plot.name == "benchmark_split_vs_unsplit_flux.png" and bench.section_names("qwen_image")[3] == bench.PLOT
+    assert plot.name == "benchmark_split_vs_unsplit_flux.png" and report.section_names("qwen_image")[3] == report.PLOT
 
 
 def _module(name: str):
@@ -121,7 +131,7 @@ def test_run_all_names_every_benchmark_and_refuses_unknown_ones(capsys):
     run_all = _module("run_all")
     scripts = {c[0] for c in run_all.COMMANDS.values()}
     assert scripts == {f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.py")
-                       if p.name not in ("run_all.py", "docsection.py")}
+                       if p.name not in ("run_all.py", "docsection.py", "split_vs_unsplit_report.py")}
     text = run_all.summary("2026-12-01 10:00", "2026-12-01 11:00", {"planner": 120.0, "flux": 300.0}, ["flux"])
     assert "| `python benchmarks/planner_scaling.py --write` | 2.0 |" in text and "earlier run): flux." in text
     with pytest.raises(SystemExit):
@@ -184,7 +194,8 @@ def test_stage1_report_judges_the_paired_ratio_not_the_ratio_of_medians(monkeypa
         def tiny_module():
             return type("T", (), {"write_tiny_models": staticmethod(lambda *a, **k: tmp_path)})()
 
-    from unitgraph.backends.diffusion import data, registry
+    from unitgraph.backends.diffusion import registry
+    from unitgraph.backends.diffusion.data import dataset as data
 
     monkeypatch.setattr(registry, "families", lambda: [Family])
     monkeypatch.setattr(data, "write_synthetic_dataset", lambda *a, **k: None)
