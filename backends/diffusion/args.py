@@ -21,6 +21,7 @@ TASKS = (
     "direct_distill", "direct_distill:data_process", "direct_distill:train", "direct_distill:split",
 )
 CACHE_DTYPE_FLAGS = ("bf16", "fp16", "fp32")
+MIXED_PRECISION = ("no", "fp16", "bf16")  # accelerate's names
 LORA_FORMATS = ("diffusers", "diffsynth")
 REPORT_TO = ("none", "tensorboard", "wandb")
 
@@ -48,7 +49,7 @@ class TrainArgs:
     processor_path: Optional[str] = _f(None, "Processor folder for a pipeline whose text encoder reads images (the edit pipelines; default: in the pipeline folder or beside the text encoder, else the family's model id).", "models")
     modelscope_cache_dir: Optional[str] = _f(None, "modelscope cache folder (default: modelscope's own).", "models")
     offload_models: Optional[str] = _f(None, "Accepted for compatibility (no effect: each stage loads only its models).", "models")
-    fp8_models: Optional[str] = _f(None, "Accepted for compatibility (no fp8 on CPU; ignored with a warning).", "models")
+    fp8_models: Optional[str] = _f(None, "Frozen models whose weights are stored in float8_e4m3fn and computed layer by layer in the compute dtype (norms, embeddings and LoRA adapters stay): slot names (dit,text_encoder) or, as DiffSynth takes them, the same model paths or ids as --model_paths / --model_id_with_origin_paths. A model whose own weights train cannot be fp8.", "models")
     # training
     learning_rate: float = _f(1e-4, "AdamW learning rate.", "training")
     weight_decay: float = _f(0.01, "AdamW weight decay.", "training")
@@ -56,8 +57,10 @@ class TrainArgs:
     trainable_models: Optional[str] = _f(None, "Comma-separated models trained in full (e.g. dit, text_encoder).", "training")
     gradient_accumulation_steps: int = _f(1, "Micro-steps per optimizer step.", "training")
     find_unused_parameters: bool = _f(False, "DDP find_unused_parameters.", "training")
-    use_gradient_checkpointing: bool = _f(False, "Gradient checkpointing in the trained models.", "training")
-    use_gradient_checkpointing_offload: bool = _f(False, "Accepted for compatibility (same as gradient checkpointing here).", "training")
+    use_gradient_checkpointing: bool = _f(False, "Gradient checkpointing in the trained models: activations are recomputed in the backward pass instead of kept.", "training")
+    use_gradient_checkpointing_offload: bool = _f(False, "Gradient checkpointing, with the activations it keeps held in CPU memory (torch's save_on_cpu), as DiffSynth does.", "training")
+    mixed_precision: Optional[str] = _f(None, "no, fp16 or bf16 (accelerate's name): the dtype frozen weights are held and computed in; trained parameters stay fp32 under autocast. Default: accelerate's launch flag or config (ACCELERATE_MIXED_PRECISION), else bf16 as DiffSynth trains.", "training")
+    blocks_to_swap: int = _f(0, "Keep this many transformer blocks of the LoRA base model in CPU memory and bring each to the accelerator ahead of use (no effect without an accelerator).", "training")
     task: str = _f("sft", "sft, sft:data_process, sft:train, sft:split, direct_distill[:data_process|:train|:split].", "training")
     max_timestep_boundary: float = _f(1.0, "End of the sampled range of the training schedule, as a fraction of its positions from the noisiest (DiffSynth's meaning: with a shift-5 schedule 0.358 keeps sigmas 1 to ~0.9, a high-noise expert's range).", "training")
     min_timestep_boundary: float = _f(0.0, "Start of the sampled range, as a fraction of the schedule's positions from the noisiest.", "training")
@@ -95,6 +98,8 @@ class TrainArgs:
     batch_size: int = _f(1, "Samples per micro-step in stage 2 (:train, :split): cached samples of equal shapes batched together; unsplit sft takes 1.", "unitgraph")
     data_process_batch_size: Optional[int] = _f(None, "Samples per model call in stage 1: samples of equal shapes go through the VAE and text encoders together (entries stay per sample; the VAE's batched kernels round differently, by a few 1e-6 at most here, so split training then matches unsplit within that, not bit for bit). Default: the family's (1).", "unitgraph")
     cache_dtype: Optional[str] = _f(None, "bf16, fp16 or fp32: dtype of the floating tensors stage 1 stores (default: the dtype the model computes in); stage 2 casts them back.", "unitgraph")
+    dry_run: bool = _f(False, "Print the memory plan (weights at their storage dtype, trainable state, activations, peak) of stage 1, stage 2 and the unsplit run from the config files alone, then stop; writes nothing.", "unitgraph")
+    json: bool = _f(False, "With --dry_run: print the memory plan as one JSON object.", "unitgraph")
     plot: bool = _f(True, "Write loss.png at the end.", "unitgraph")
     progress: bool = _f(True, "Show progress bars.", "unitgraph")
 
@@ -168,6 +173,12 @@ class TrainArgs:
         if self.batch_size > 1 and self.stage == "":
             raise BackendError(f"--batch_size {self.batch_size} needs stage 2 (--task {self.family}:split or {self.family}:train); "
                                "unsplit training takes one sample per micro-step (use --gradient_accumulation_steps)")
+        if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISION:
+            raise BackendError(f"--mixed_precision must be one of {', '.join(MIXED_PRECISION)}, got {self.mixed_precision!r}")
+        if self.blocks_to_swap < 0:
+            raise BackendError(f"--blocks_to_swap must be 0 or more, got {self.blocks_to_swap}")
+        if self.json and not self.dry_run:
+            raise BackendError("--json goes with --dry_run (the memory plan as JSON)")
         if self.cache_dtype is not None and self.cache_dtype not in CACHE_DTYPE_FLAGS:
             raise BackendError(f"--cache_dtype must be one of {', '.join(CACHE_DTYPE_FLAGS)}, got {self.cache_dtype!r}")
         if self.data_process_batch_size is not None and self.data_process_batch_size < 1:

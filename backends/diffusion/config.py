@@ -13,9 +13,10 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from .args import TrainArgs
+from .args import MIXED_PRECISION, TrainArgs, split_list
 from .context import CACHE_DTYPES, DTYPE, ImageSize, UnitSettings
 from .errors import BackendError
+from .models.precision import COMPUTE_DTYPES
 from .family import Family, PipelineDef
 from .models.hub import Hub
 from .models.sources import ModelSources
@@ -84,6 +85,70 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class PrecisionConfig:
+    """How the models are held and computed (models/precision.py has the rules)."""
+
+    mixed: str = "no"  # accelerate's name: no, fp16, bf16
+    compute_dtype: str = DTYPE  # torch dtype name of frozen weights and autocast
+    fp8: tuple[str, ...] = ()  # frozen slots stored in float8_e4m3fn
+    checkpoint_offload: bool = False  # activations checkpointing keeps held in CPU memory
+    blocks_to_swap: int = 0  # transformer blocks of the LoRA base model kept in CPU memory
+
+
+ACCELERATE_PRECISION_ENV = "ACCELERATE_MIXED_PRECISION"  # set by `accelerate launch --mixed_precision` and its config
+
+
+def mixed_precision(args: TrainArgs, environ: Any = None) -> str:
+    """--mixed_precision, else accelerate's launch flag or config (its environment variable) when it asks for fp16
+    or bf16, else bf16.
+
+    `accelerate launch` sets the variable to "no" whenever neither its flag nor a config names a precision, so "no"
+    there cannot tell fp32 from nothing asked: training in fp32 is `--mixed_precision no` on unitgraph's own flags.
+    """
+    if args.mixed_precision:
+        return args.mixed_precision
+    env = (os.environ if environ is None else environ).get(ACCELERATE_PRECISION_ENV, "").strip().lower()
+    if env in ("fp16", "bf16"):
+        return env
+    if env == "no":
+        return "bf16"
+    if env:
+        raise BackendError(f"{ACCELERATE_PRECISION_ENV}={env!r} (from accelerate launch or its config): expected one of "
+                           f"{', '.join(MIXED_PRECISION)}")
+    return "bf16"
+
+
+def check_device_precision(mixed: str) -> None:
+    """fp16 needs an accelerator: on a CPU torch has no fp16 training path (no loss scaling) worth using."""
+    if mixed != "fp16":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BackendError("--mixed_precision fp16 needs a CUDA device (none here); use bf16 (the default) or no")
+
+
+def fp8_slots(args: TrainArgs, family: Family, pipeline: PipelineDef, sources: Any) -> tuple[str, ...]:
+    """The slots --fp8_models names: slot names, or (DiffSynth's form) the same model paths or ids the command gives
+    in --model_paths / --model_id_with_origin_paths. A trained model, or a name that loads nothing, is refused."""
+    items = split_list(args.fp8_models)
+    if not items:
+        return ()
+    models = pipeline.spec().models
+    slots: list[str] = []
+    for item in items:
+        slot = item if item in models else sources.slot_of(item) if sources is not None else None
+        if slot is None or slot not in models:
+            raise BackendError(f"--fp8_models {item!r} names no model this run loads (models of {pipeline.name}: "
+                               f"{', '.join(models)}; or a path or id given in --model_paths / --model_id_with_origin_paths)")
+        if slot in args.trainable():
+            raise BackendError(f"--fp8_models {item!r}: {slot} is in --trainable_models; a model whose weights train "
+                               "cannot be stored in fp8 (its LoRA base may be)")
+        slots.append(slot)
+    return tuple(dict.fromkeys(slots))
+
+
+@dataclass(frozen=True)
 class OutputConfig:
     path: str
     remove_prefix: Optional[str] = None
@@ -122,6 +187,7 @@ class RunConfig:
     optim: OptimConfig
     lora: LoraSpec
     output: OutputConfig
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     notes: tuple[str, ...] = field(default=())
     validation: ValidationConfig = field(default_factory=ValidationConfig)
 
@@ -148,9 +214,18 @@ class RunConfig:
             if not targets:
                 raise BackendError(f"--lora_base_model {args.lora_base_model}: this family has no default LoRA targets "
                                    "for it; pass --lora_target_modules")
-        cache_dtype = CACHE_DTYPES[args.cache_dtype] if args.cache_dtype else DTYPE
+        mixed = mixed_precision(args, environ)
+        check_device_precision(mixed)
+        compute = COMPUTE_DTYPES[mixed]
+        cache_dtype = CACHE_DTYPES[args.cache_dtype] if args.cache_dtype else compute
         hub = Hub.from_env(args.modelscope_cache_dir, environ)
-        notes = ["note: --fp8_models is ignored (no fp8 training on this backend)"] if args.fp8_models else []
+        model_config = ModelConfig(args.model_paths, args.model_id_with_origin_paths, args.first_tokenizer_path(),
+                                   args.modelscope_cache_dir, offline=hub.offline, hub=hub,
+                                   processor_path=args.processor_path, tokenizer_2_path=args.tokenizer_2_path)
+        fp8 = fp8_slots(args, family, pipeline, _sources_for_names(model_config, family, args))
+        if args.blocks_to_swap and not args.lora_base_model:
+            raise BackendError("--blocks_to_swap moves blocks of a frozen LoRA base model; give --lora_base_model")
+        notes = []
         if args.align_to_opensource_format:
             notes.append("note: --align_to_opensource_format: LoRA files are written in the diffusers format "
                          "(--lora_format), which diffusers' load_lora_weights and ComfyUI read; DiffSynth's own "
@@ -165,13 +240,11 @@ class RunConfig:
             cache_path=args.cache_path, seed=args.seed,
             units=UnitSettings(image_size=ImageSize(args.height, args.width, args.max_pixels), seed=args.seed,
                                timestep_bounds=(args.min_timestep_boundary, args.max_timestep_boundary),
-                               dtype=DTYPE, cache_dtype=cache_dtype),
+                               dtype=compute, cache_dtype=cache_dtype),
             data=DataConfig(args.dataset_base_path, args.dataset_metadata_path, tuple(args.file_keys()),
                             tuple(n for n in args.extra_input_names() if n not in pipeline.derived_inputs),
                             args.dataset_repeat, workers, args.num_frames),
-            models=ModelConfig(args.model_paths, args.model_id_with_origin_paths, args.first_tokenizer_path(),
-                               args.modelscope_cache_dir, offline=hub.offline, hub=hub, processor_path=args.processor_path,
-                               tokenizer_2_path=args.tokenizer_2_path),
+            models=model_config,
             optim=OptimConfig(args.learning_rate, args.weight_decay, args.num_epochs, args.gradient_accumulation_steps,
                               args.batch_size, tuple(args.trainable()),
                               args.use_gradient_checkpointing or args.use_gradient_checkpointing_offload,
@@ -180,6 +253,7 @@ class RunConfig:
                           args.preset_lora_path, preset_model if args.preset_lora_path else None),
             output=OutputConfig(args.output_path, args.remove_prefix_in_ckpt, args.save_steps, args.plot, args.progress,
                                 args.overwrite, args.lora_format, args.resume, args.save_total_limit, args.report_to),
+            precision=PrecisionConfig(mixed, compute, fp8, args.use_gradient_checkpointing_offload, args.blocks_to_swap),
             notes=tuple(notes),
             validation=ValidationConfig(tuple(args.validation_prompt or ()), args.validation_steps,
                                         args.validation_inference_steps),
@@ -189,6 +263,19 @@ class RunConfig:
     def prefixes(self) -> dict[str, str]:
         """Checkpoint key prefix of each model slot (its diffusers pipeline attribute)."""
         return {s.name: s.lora_prefix or s.name for s in self.family.slots if s.kind == "model"}
+
+
+def _sources_for_names(models: ModelConfig, family: Family, args: TrainArgs) -> Any:
+    """The model sources, only when --fp8_models names something other than slots (DiffSynth's path/id form)."""
+    names = split_list(args.fp8_models)
+    if not names or all(name in {s.name for s in family.slots} for name in names):
+        return None
+    from .models.folders import ModelLoadError
+
+    try:
+        return models.sources(family)
+    except ModelLoadError as exc:
+        raise BackendError(str(exc)) from None
 
 
 def usable_cores() -> int:

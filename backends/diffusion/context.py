@@ -7,13 +7,15 @@ declares are exactly what its cached outputs may depend on besides its inputs an
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from .randomness import generator
 
-DTYPE = "float32"  # the dtype models compute in on this backend
+DTYPE = "float32"  # the compute dtype of --mixed_precision no (a RunConfig carries the run's own)
 CACHE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --cache_dtype values -> torch names
 
 
@@ -77,6 +79,9 @@ def describe_setting(name: str, value: Any) -> str:
     if name == "cache_dtype":
         flags = {v: k for k, v in CACHE_DTYPES.items()}
         return f"--cache_dtype {flags.get(value or DTYPE, value)}"  # absent: the model's dtype
+    if name == "dtype":
+        flags = {"float32": "no", "float16": "fp16", "bfloat16": "bf16"}
+        return f"--mixed_precision {flags.get(value, value)}"
     return f"{name} {value}"
 
 
@@ -115,6 +120,16 @@ class UnitContext:
         import torch
 
         return getattr(torch, self.settings.dtype)
+
+    def autocast(self) -> Any:
+        """The autocast every unit and the loss run under (models/precision.py): the compute dtype, or nothing at fp32.
+        The same in every stage, so a value computed in stage 1 is the one the unsplit run computes."""
+        if self.settings.dtype == "float32":
+            return contextlib.nullcontext()
+        import torch
+
+        kind = getattr(self.device, "type", None) or str(self.device).split(":")[0]
+        return torch.autocast(kind, dtype=getattr(torch, self.settings.dtype))
 
     def model(self, slot: str) -> Any:
         if slot not in self.models:

@@ -20,6 +20,7 @@ as family modules import torch lazily (`lazy_module`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -71,6 +72,12 @@ def lazy_module(name: str) -> ModuleType:
 BatchFn = Callable[[Any, list[dict[str, Any]]], list[dict[str, Any]]]
 
 
+def _autocast(ctx: Any) -> Any:
+    """The context's autocast (the run's compute dtype: the same for a unit in every stage), or none for a bare context."""
+    make = getattr(ctx, "autocast", None)
+    return make() if make is not None else contextlib.nullcontext()
+
+
 @dataclass(frozen=True)
 class UnitCode:
     """A unit's declaration together with the function that runs it and the settings it reads.
@@ -91,7 +98,8 @@ class UnitCode:
         the unit has a batch form, else one call per sample."""
         if self.batch is None or len(samples) < 2:
             return [self(ctx, s) for s in samples]
-        outs = self.batch(ctx, [{p: s[p] for p in self.declaration.inputs} for s in samples])
+        with _autocast(ctx):
+            outs = self.batch(ctx, [{p: s[p] for p in self.declaration.inputs} for s in samples])
         if len(outs) != len(samples) or any(set(o) != set(self.declaration.outputs) for o in outs):
             raise RuntimeError(f"unit {self.name}: its batch form did not give each sample its declared outputs")
         return outs
@@ -119,7 +127,8 @@ class UnitCode:
 
     def __call__(self, ctx: Any, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """Run on `inputs` (a mapping holding at least the declared inputs); check the declared outputs."""
-        out = self.fn(ctx, **{p: inputs[p] for p in self.declaration.inputs})
+        with _autocast(ctx):
+            out = self.fn(ctx, **{p: inputs[p] for p in self.declaration.inputs})
         if out.keys() != self._output_set:
             raise RuntimeError(f"unit {self.name} wrote {sorted(out)}, declared {sorted(self.declaration.outputs)}")
         return out
@@ -213,7 +222,8 @@ class SinkCode:
     fn: Callable[..., Any] = field(compare=False)
 
     def __call__(self, ctx: Any, inputs: Mapping[str, Any]) -> Any:
-        return self.fn(ctx, **{p: inputs[p] for p in self.declaration.inputs})
+        with _autocast(ctx):
+            return self.fn(ctx, **{p: inputs[p] for p in self.declaration.inputs})
 
 
 def sink(*, inputs: tuple[str, ...], models: tuple[str, ...]) -> Callable[[Callable[..., Any]], SinkCode]:

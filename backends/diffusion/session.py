@@ -36,7 +36,10 @@ def make_accelerator(cfg: RunConfig):
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=cfg.optim.find_unused_parameters or multi)]
     trackers = {} if cfg.output.report_to == "none" else {
         "log_with": cfg.output.report_to, "project_dir": str(Path(cfg.output.path) / "logs")}
-    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no", kwargs_handlers=handlers, **trackers)
+    # the run's precision (--mixed_precision, else accelerate's launch flag or config, else bf16: config.py);
+    # accelerate autocasts the trained models it prepares and scales fp16 losses
+    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.precision.mixed, kwargs_handlers=handlers,
+                       **trackers)
 
 
 def make_dataset(cfg: RunConfig) -> DiffusionDataset:

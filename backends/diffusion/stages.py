@@ -226,8 +226,9 @@ class CacheProvider:
         self._entries: dict[str, dict[str, Any]] = {}
         self._verified: set[str] = set()
         # --cache_dtype: floating tensors stored in another dtype than the model's are cast back when read
-        stored = manifest.key_settings.get("cache_dtype") or DTYPE
-        self.dtype = None if stored == DTYPE else getattr(torch, DTYPE)
+        compute = cfg.units.dtype if cfg is not None else manifest.key_settings.get("dtype") or DTYPE
+        stored = manifest.key_settings.get("cache_dtype") or manifest.key_settings.get("dtype") or compute
+        self.dtype = None if stored == compute else getattr(torch, compute)
         total = 0
         hint = f"run 'unitgraph cache repair {self.cache.location}' or the data_process stage again"
         sizes = present_sizes(listing)  # not a request per entry
@@ -310,9 +311,6 @@ def flag_notes(cfg: RunConfig, plan: Plan, accelerator: Any) -> list[str]:
         stage1 = ", ".join(plan.data_process_models) or "none"
         notes.append(f"note: --offload_models is not needed: each stage loads only its plan's models "
                      f"(stage 1: {stage1}; stage 2: {', '.join(plan.train_models)})")
-    if args.use_gradient_checkpointing_offload:
-        notes.append("note: --use_gradient_checkpointing_offload: gradient checkpointing without offloading "
-                     "(there is no accelerator memory to offload from here)")
     prefix = cfg.output.remove_prefix
     if prefix and cfg.output.lora_format == "diffusers" and cfg.stage != "data_process":
         heads = sorted({f"{p}." for p in cfg.prefixes.values()})

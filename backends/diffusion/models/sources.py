@@ -179,6 +179,21 @@ class ModelSources:
         entry.model_id = model_id
         self._add(entry)
 
+    def slot_of(self, given: str) -> Optional[str]:
+        """The slot a --model_paths entry or a --model_id_with_origin_paths item provides (DiffSynth names models
+        by these in --fp8_models), or None when it names none of them or a whole pipeline folder."""
+        for entry in self.entries:
+            if entry.origin == given and entry.kind != "pipeline":
+                return entry.kind
+        for i, (model_id, pattern) in enumerate(self._remote):
+            if f"{model_id}:{pattern}" == given:
+                slot = self.table.by_subfolder.get(_origin_subfolder(pattern))
+                if slot is not None:
+                    return slot
+                self._fetch_remote(i)
+                return next((e.kind for e in self.entries if e.origin == given and e.kind != "pipeline"), None)
+        return None
+
     def _fetch_remote_for(self, slot: str) -> None:
         for i, (_, pattern) in enumerate(self._remote):
             if self.table.by_subfolder.get(_origin_subfolder(pattern)) == slot:

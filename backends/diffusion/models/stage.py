@@ -43,21 +43,35 @@ def _library_progress_bars(enabled: bool) -> None:
 
 
 def load_models(cfg: RunConfig, models: Iterable[str], training: bool, device: Any) -> dict[str, Any]:
-    """The stage's models (frozen, eval mode, on `device`) and their tokenizers and schedulers."""
+    """The stage's models (frozen, eval mode, on `device`) and their tokenizers and schedulers.
+
+    Frozen models load directly in the compute dtype, models trained in full (training stages) in fp32;
+    --fp8_models are then stored in fp8, except a LoRA base model in training, which gets that after its
+    adapters are added (train/loop.py), so that they are never fp8 (models/precision.py)."""
     import torch
 
+    from .precision import store_fp8
     from .sources import ModelLoadError
 
     _library_progress_bars(cfg.output.progress)
+    slots = stage_slots(cfg, models, training)
+    full = [s for s in slots if training and s in cfg.optim.trainable]
     try:
-        loaded = cfg.models.sources(cfg.family).load(stage_slots(cfg, models, training), torch_dtype=torch.float32)
+        sources = cfg.models.sources(cfg.family)
+        sources.resolve_many(slots)  # every slot found before the (slow) loading starts
+        loaded = sources.load([s for s in slots if s not in full], torch_dtype=getattr(torch, cfg.precision.compute_dtype))
+        if full:
+            loaded.update(sources.load(full, torch_dtype=torch.float32))
     except ModelLoadError as exc:
         raise BackendError(str(exc)) from None
-    for value in loaded.values():
+    loaded = {slot: loaded[slot] for slot in slots}
+    for slot, value in loaded.items():
         if isinstance(value, torch.nn.Module):
             value.requires_grad_(False)
             value.eval()
             value.to(device)
+            if slot in cfg.precision.fp8 and not (training and slot == cfg.lora.base_model):
+                store_fp8(value, slot, cfg.precision.compute_dtype)
     return loaded
 
 

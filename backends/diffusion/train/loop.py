@@ -40,14 +40,16 @@ from .resume import (
 
 if TYPE_CHECKING:  # annotations only: the run's configuration sits above the rooms
     from ..config import RunConfig
+from ..models.precision import offloaded_activations
 from ..models.stage import load_models, make_context
 from ..report import progress
 from ..result import RunResult
 
 
-def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerator: Any):
+def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerator: Any, report: Any = None):
     """Preset LoRA merged, trainable models and the LoRA adapter made trainable, AdamW; each prepared by accelerate."""
     from ..models.lora import add_lora, load_lora_checkpoint, merge_preset_lora
+    from ..models.precision import adapters_to_fp32, enable_checkpointing, store_fp8, swap_blocks
 
     lora, prefixes = cfg.lora, cfg.prefixes
     if lora.preset_path:
@@ -62,16 +64,17 @@ def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerat
     if lora.base_model:
         base = models[lora.base_model]
         lora_config = add_lora(base, lora.base_model, list(lora.targets), lora.rank, lora.alpha, cfg.seed)
+        adapters_to_fp32(base)  # peft made them in the base's dtype; trained parameters stay fp32
         base.train()
         if lora.checkpoint:
             load_lora_checkpoint(base, lora.base_model, lora.checkpoint, prefixes)
+        if lora.base_model in cfg.precision.fp8:
+            store_fp8(base, lora.base_model, cfg.precision.compute_dtype)  # after the adapters: they stay fp32
+        if cfg.precision.blocks_to_swap:
+            swap_blocks(base, lora.base_model, cfg.precision.blocks_to_swap, accelerator.device, report)
     if cfg.optim.gradient_checkpointing:
         for slot in plan.models_require_backward:
-            model = models[slot]
-            if hasattr(model, "enable_gradient_checkpointing"):
-                model.enable_gradient_checkpointing()
-            elif hasattr(model, "gradient_checkpointing_enable"):
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(models[slot])
     params = [p for slot in plan.models_require_backward for p in models[slot].parameters() if p.requires_grad]
     if not params:
         raise BackendError("no trainable parameters (check --lora_target_modules / --trainable_models)")
@@ -137,6 +140,8 @@ def micro_step(cfg: RunConfig, ctx: Any, ready: Any, elements: list[Any], epoch:
                 stack.enter_context(accelerator.no_sync(model))
         if seeded:
             stack.enter_context(seeded_global_stream(cfg.seed, "dropout", epoch, *keys))
+        # --use_gradient_checkpointing_offload: what autograd keeps for backward is held in CPU memory
+        stack.enter_context(offloaded_activations(cfg.precision.checkpoint_offload, accelerator.device))
         batch = next(ready)
         if batch.sample_keys != keys:  # pragma: no cover - iterate() follows the order it was given
             raise RuntimeError(f"stage 2 batches out of order: {batch.sample_keys} instead of {keys}")
@@ -161,7 +166,7 @@ def run_training(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerat
     if not data.batches(0, rank, world):
         raise BackendError(f"nothing to train on: no samples for process {rank} ({len(provider.items)} samples)")
     models = load_models(cfg, provider.models, training=True, device=accelerator.device)
-    models, optimizer, lora_config = prepare_models(cfg, plan, models, accelerator)
+    models, optimizer, lora_config = prepare_models(cfg, plan, models, accelerator, report)
     if accelerator.is_main_process:
         folder = RunFolder(output)
         record = {"task": cfg.args.task, "pipeline": plan.pipeline, "plan_fingerprint": plan.fingerprint}

@@ -64,12 +64,13 @@ def must_match(cfg: Any, plan: Any, world: int) -> dict[str, Any]:
         "gradient_accumulation_steps": o.accumulation, "dataset_repeat": cfg.data.repeat,
         "trainable_models": list(o.trainable), "lora_base_model": lora.base_model,
         "lora_target_modules": list(lora.targets), "lora_rank": lora.rank, "lora_alpha": lora.alpha,
-        "processes": int(world), "settings": cfg.units.key_values(),
+        "processes": int(world), "settings": cfg.units.key_values(), "fp8_models": list(cfg.precision.fp8),
     }
 
 
 _FLAGS = {"plan_fingerprint": "the plan (--lora_base_model, --trainable_models, --cache_mode or the pipeline)",
-          "processes": "the number of processes", "settings": "--max_pixels/--height/--width, --seed or the bounds"}
+          "processes": "the number of processes",
+          "settings": "--max_pixels/--height/--width, --seed, --mixed_precision or the bounds"}
 
 
 def trained_parameters(models: dict[str, Any], slots: list[str]) -> dict[str, Any]:
