@@ -7,7 +7,7 @@ alone. For each pipeline, on the family's `test`-size tiny models for that pipel
 - the tiny folder loads with the pipeline's diffusers pipeline class (`PipelineDef.diffusers_pipeline`,
   default the family's first);
 - split == unsplit (loss rows and trained weights within 1e-6) for a LoRA on the DiT and on every
-  text encoder, in both cache modes;
+  text encoder, in both cache modes, at bf16 (tests/test_precision.py adds fp32 and fp8 storage);
 - stage 2 runs with the frozen encoders' folders deleted and the source data gone;
 - the DiT LoRA file loads with the diffusers pipeline's `load_lora_weights`, and fusing it changes the
   DiT's weights by exactly what our adapter adds (alpha included);
@@ -214,7 +214,7 @@ def datasets(tmp_path_factory):
 def flags(family, pipeline, models: Path, data: Path, lora: str, **extra):
     kwargs = dict(pipeline=pipeline.name, dataset_base_path=str(data), dataset_metadata_path=str(metadata_file(data)),
                   model_paths=str(models), lora_base_model=lora, lora_rank=4, max_pixels=SIZE * SIZE, seed=5,
-                  learning_rate=1e-3, progress=False, plot=False)
+                  learning_rate=1e-3, progress=False, plot=False, mixed_precision="bf16")
     if extra_columns(pipeline):
         kwargs["extra_inputs"] = ",".join(extra_columns(pipeline))
     kwargs.update(extra)

@@ -217,7 +217,7 @@ def _args(tiny: Path, folder: Path, **extra):
 
     kwargs = dict(dataset_base_path=str(folder), dataset_metadata_path=str(folder / "metadata.csv"), model_paths=str(tiny),
                   lora_base_model="dit", lora_target_modules="to_q,to_k,to_v,to_out.0", lora_rank=4, max_pixels=64 * 64,
-                  seed=SEED, progress=False, plot=False)
+                  seed=SEED, progress=False, plot=False, mixed_precision="no")  # the loader compared with fp32 models
     kwargs.update(extra)
     return make_args(**kwargs)
 

@@ -149,7 +149,8 @@ class UnitContext:
         return self.memo[key]
 
     def model_dtype(self, slot: str) -> Any:
-        """The dtype a model computes in: its first floating parameter's, found once per context.
+        """The dtype a model computes in: its first floating parameter's, found once per context; for a model
+        stored in fp8 (--fp8_models), the compute dtype its layers are cast to as they run.
 
         (diffusers' `ModelMixin.dtype` walks every submodule on each call: three calls a step cost a tenth of
         a tiny training step.)"""
@@ -157,7 +158,8 @@ class UnitContext:
         key = ("dtype", slot, id(model))
         if key not in self.memo:
             floating = next((p for p in model.parameters() if p.is_floating_point()), None)
-            self.memo[key] = floating.dtype if floating is not None else model.dtype
+            dtype = floating.dtype if floating is not None else model.dtype
+            self.memo[key] = self.dtype if str(dtype).startswith("torch.float8") else dtype
         return self.memo[key]
 
     def raw(self, slot: str) -> Any:

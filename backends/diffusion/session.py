@@ -38,8 +38,20 @@ def make_accelerator(cfg: RunConfig):
         "log_with": cfg.output.report_to, "project_dir": str(Path(cfg.output.path) / "logs")}
     # the run's precision (--mixed_precision, else accelerate's launch flag or config, else bf16: config.py);
     # accelerate autocasts the trained models it prepares and scales fp16 losses
+    _forget_other_precision(cfg.precision.mixed, multi)
     return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.precision.mixed, kwargs_handlers=handlers,
                        **trackers)
+
+
+def _forget_other_precision(mixed: str, multi: bool) -> None:
+    """accelerate keeps one process-wide state whose precision cannot change; a single-process caller (a notebook,
+    the tests, `unitgraph demo`) that runs again at another precision starts that state anew. Processes of one
+    distributed run all share the run's precision, so theirs is never touched."""
+    from accelerate.state import AcceleratorState
+
+    state = AcceleratorState._shared_state
+    if not multi and state.get("_mixed_precision") not in (None, mixed):
+        AcceleratorState._reset_state()
 
 
 def make_dataset(cfg: RunConfig) -> DiffusionDataset:
