@@ -225,3 +225,14 @@ def test_blocks_to_swap_on_a_cpu_changes_nothing(tiny, data, tmp_path):
         echo=lines.append)
     assert any("--blocks_to_swap 1: no accelerator here" in line for line in lines)
     assert_same_training(tmp_path / "plain", tmp_path / "swap")
+
+
+def test_fp8_storage_of_a_stage1_model_is_part_of_the_cache_key(tiny, data, tmp_path):
+    cache = tmp_path / "cache"
+    train(cache, "sft:data_process", tiny, data)
+    again = train(cache, "sft:data_process", tiny, data, fp8_models="vae")
+    assert again.computed_indices == [0, 1, 2] and "--fp8_models vae now, no --fp8_models in the cache" in again.stage1_reason
+    dit_only = train(cache, "sft:data_process", tiny, data, fp8_models="vae,dit")  # the DiT is not a stage-1 model
+    assert dit_only.cache_reused
+    with pytest.raises(BackendError, match="no --fp8_models now, --fp8_models vae in the cache"):
+        train(tmp_path / "t", "sft:train", tiny, cache, dataset_metadata_path=None)

@@ -79,6 +79,8 @@ def describe_setting(name: str, value: Any) -> str:
     if name == "cache_dtype":
         flags = {v: k for k, v in CACHE_DTYPES.items()}
         return f"--cache_dtype {flags.get(value or DTYPE, value)}"  # absent: the model's dtype
+    if name == "fp8_models":
+        return f"--fp8_models {','.join(value)}" if value else "no --fp8_models"
     if name == "dtype":
         flags = {"float32": "no", "float16": "fp16", "bfloat16": "bf16"}
         return f"--mixed_precision {flags.get(value, value)}"

@@ -34,8 +34,13 @@ def unit_settings_names(cfg: RunConfig, plan: Plan) -> set[str]:
 
 
 def key_settings(cfg: RunConfig, plan: Plan) -> dict[str, Any]:
-    """The settings part of every entry key: what the plan's data_process units read."""
-    return cfg.units.key_values(unit_settings_names(cfg, plan))
+    """The settings part of every entry key: what the plan's data_process units read, and which of the models
+    they call are stored in fp8 (that changes what they compute; absent when none is, so keys stay as they were)."""
+    settings = cfg.units.key_values(unit_settings_names(cfg, plan))
+    fp8 = sorted(set(cfg.precision.fp8) & set(plan.data_process_models))
+    if fp8:
+        settings["fp8_models"] = fp8
+    return settings
 
 
 def model_files(cfg: RunConfig, models: list[str], offline: Optional[bool] = None) -> dict[str, list[Path]]:
