@@ -236,3 +236,44 @@ def test_fp8_storage_of_a_stage1_model_is_part_of_the_cache_key(tiny, data, tmp_
     assert dit_only.cache_reused
     with pytest.raises(BackendError, match="no --fp8_models now, --fp8_models vae in the cache"):
         train(tmp_path / "t", "sft:train", tiny, cache, dataset_metadata_path=None)
+
+
+def test_an_fp8_linear_keeps_only_its_fp8_weight_for_the_backward_pass():
+    """diffusers' layerwise casting leaves each layer's compute-dtype copy to autograd until the backward pass;
+    ours saves the fp8 weight itself (the same numbers: the product is taken with the same cast)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from unitgraph.backends.diffusion.models.precision import adapters_to_fp32, store_fp8
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).to(torch.bfloat16)
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["0", "2"], init_lora_weights=False), model)
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name)
+    adapters_to_fp32(model)
+    reference = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert store_fp8(model, "m", "bfloat16") == 64 * 256 * 2
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    x = torch.randn(8, 64)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x.to(torch.bfloat16)).float().pow(2).mean()
+    weight_like = [t for t in saved if t.shape in ((256, 64), (64, 256))]
+    assert weight_like and {t.dtype for t in weight_like} == {torch.float8_e4m3fn}
+    loss.backward()
+    # the same gradients as the unsplit arithmetic: bf16 weights rounded through fp8, no hooks
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).to(torch.bfloat16)
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["0", "2"], init_lora_weights=False), plain)
+    with torch.no_grad():
+        for name, param in plain.named_parameters():
+            value = reference[name]
+            param.data = value.to(torch.float8_e4m3fn).to(torch.bfloat16) if "base_layer.weight" in name else value
+            param.requires_grad_("lora_" in name)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain(x.to(torch.bfloat16)).float().pow(2).mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all(torch.equal(g, dict(plain.named_parameters())[n].grad) for n, g in grads.items())

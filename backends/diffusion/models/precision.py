@@ -10,9 +10,10 @@ The rules (docs/memory.md says why, and how they differ from DiffSynth-Studio):
   cast to fp32 after peft creates them (peft makes them in the base layer's dtype). diffusers, musubi-tuner,
   ai-toolkit and OneTrainer do the same; DiffSynth-Studio keeps LoRA in bf16.
 - **fp8 storage** (`--fp8_models`): a frozen model's Linear, Conv and Embedding weights are stored as
-  float8_e4m3fn and cast to the compute dtype one layer at a time as it runs (diffusers' layerwise
-  casting). Norms, positional and patch embeddings, the input and output projections and LoRA adapters
-  keep the compute dtype. Applied after the LoRA injection, so the adapters are never fp8.
+  float8_e4m3fn and cast to the compute dtype one layer at a time as it runs; a Linear layer keeps only
+  its fp8 weight for the backward pass (`store_fp8` says why). Norms, positional and patch embeddings, the
+  input and output projections and LoRA adapters keep the compute dtype, as diffusers' layerwise casting
+  leaves them. Applied after the LoRA injection, so the adapters are never fp8.
 - **Gradient checkpointing** recomputes each block's activations in the backward pass; with offload the
   tensors autograd keeps are held in CPU memory (`torch.autograd.graph.save_on_cpu`), as DiffSynth does.
 """
@@ -51,17 +52,88 @@ def adapters_to_fp32(model: Any) -> int:
 
 
 def store_fp8(model: Any, slot: str, compute_dtype: str) -> int:
-    """Store `model`'s weights in float8_e4m3fn, computed layer by layer in `compute_dtype` (diffusers' layerwise
-    casting). Returns the number of parameters now stored in fp8."""
+    """Store `model`'s weights in float8_e4m3fn, computed layer by layer in `compute_dtype`. Returns the number of
+    parameters now stored in fp8.
+
+    A frozen Linear layer computes through `_Fp8Linear`, which keeps only its fp8 weight for the backward pass and
+    casts it again there: diffusers' layerwise casting, made for inference, would leave the compute-dtype copy of
+    every layer alive until the backward pass (autograd saves the weight a linear layer used), so a training step
+    would hold the model in the compute dtype after all. Conv and Embedding layers (in the encoders, which run
+    without gradients) take diffusers' layerwise casting hook. Modules matching FP8_SKIP_PATTERNS are left as they
+    are, as diffusers leaves them.
+    """
+    import re
+
     import torch
-    from diffusers.hooks import apply_layerwise_casting
+    from diffusers.hooks.layerwise_casting import apply_layerwise_casting_hook
 
     trained = [name for name, p in model.named_parameters() if p.requires_grad and "lora_" not in name]
     if trained:  # pragma: no cover - config refuses --fp8_models on a trained model first
         raise BackendError(f"--fp8_models {slot}: its own weights train ({trained[0]}, ...); only frozen models can be fp8")
-    apply_layerwise_casting(model, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch_dtype(compute_dtype),
-                            skip_modules_pattern=FP8_SKIP_PATTERNS)
+    compute = torch_dtype(compute_dtype)
+    hooked = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d,
+              torch.nn.ConvTranspose3d, torch.nn.Embedding)
+
+    def visit(module: Any, name: str) -> None:
+        if name and any(re.search(pattern, name) for pattern in FP8_SKIP_PATTERNS):
+            return
+        if type(module) is torch.nn.Linear:
+            _fp8_linear(module, compute)
+            return
+        if isinstance(module, hooked):
+            apply_layerwise_casting_hook(module, torch.float8_e4m3fn, compute, non_blocking=False)
+            return
+        for child, sub in module.named_children():
+            visit(sub, f"{name}.{child}" if name else child)
+
+    visit(model, "")
     return sum(p.numel() for p in model.parameters() if p.dtype == torch.float8_e4m3fn)
+
+
+def _fp8_linear(module: Any, compute: Any) -> None:
+    """A frozen Linear layer with its weight stored in fp8 (its bias, small, in the compute dtype)."""
+    import torch
+
+    module.weight.data = module.weight.data.to(torch.float8_e4m3fn)
+    if module.bias is not None:
+        module.bias.data = module.bias.data.to(compute)
+    module.forward = lambda x: _Fp8Linear.apply(x, module.weight, module.bias, compute)
+
+
+def _fp8_function() -> Any:
+    import torch
+    import torch.nn.functional as F
+
+    class Fp8Linear(torch.autograd.Function):
+        """y = x W^T + b with W cast from fp8 for the product; the backward pass recasts W instead of keeping a copy."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, weight: Any, bias: Any, compute: Any) -> Any:
+            ctx.save_for_backward(weight)
+            ctx.compute, ctx.input_dtype = compute, x.dtype
+            return F.linear(x.to(compute), weight.to(compute), None if bias is None else bias.to(compute))
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            (weight,) = ctx.saved_tensors
+            grad_input = grad.to(ctx.compute) @ weight.to(ctx.compute)
+            return grad_input.to(ctx.input_dtype), None, None, None
+
+    return Fp8Linear
+
+
+class _LazyFunction:
+    """The autograd function, made on first use (importing this module must not import torch)."""
+
+    _made: Any = None
+
+    def apply(self, *args: Any) -> Any:
+        if _LazyFunction._made is None:
+            _LazyFunction._made = _fp8_function()
+        return _LazyFunction._made.apply(*args)
+
+
+_Fp8Linear = _LazyFunction()
 
 
 def enable_checkpointing(model: Any) -> bool:
