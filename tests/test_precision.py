@@ -277,3 +277,26 @@ def test_an_fp8_linear_keeps_only_its_fp8_weight_for_the_backward_pass():
         plain(x.to(torch.bfloat16)).float().pow(2).mean().backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert grads and all(torch.equal(g, dict(plain.named_parameters())[n].grad) for n, g in grads.items())
+
+
+def test_a_swapped_linear_computes_the_same_and_keeps_only_its_stored_weight():
+    """--blocks_to_swap routes a block's frozen Linear layers through the same stored-weight function with a target
+    device; on this CPU the device is the CPU itself, so what is checked is the arithmetic and what autograd keeps."""
+    from unitgraph.backends.diffusion.models.precision import _stored_forward
+
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(32, 48).to(torch.bfloat16).requires_grad_(False)
+    plain = torch.nn.Linear(32, 48).to(torch.bfloat16).requires_grad_(False)
+    plain.load_state_dict(layer.state_dict())
+    _stored_forward(layer, torch.bfloat16, torch.device("cpu"))
+    x1 = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_(True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y1 = layer(x1)
+    assert [t for t in saved if t.shape == (48, 32)] == [layer.weight]  # the stored weight itself, no copy
+    y2 = plain(x2)
+    assert torch.equal(y1, y2)
+    y1.float().sum().backward()
+    y2.float().sum().backward()
+    assert torch.equal(x1.grad, x2.grad)

@@ -55,7 +55,7 @@ def store_fp8(model: Any, slot: str, compute_dtype: str) -> int:
     """Store `model`'s weights in float8_e4m3fn, computed layer by layer in `compute_dtype`. Returns the number of
     parameters now stored in fp8.
 
-    A frozen Linear layer computes through `_Fp8Linear`, which keeps only its fp8 weight for the backward pass and
+    A frozen Linear layer computes through `_StoredLinear`, which keeps only its fp8 weight for the backward pass and
     casts it again there: diffusers' layerwise casting, made for inference, would leave the compute-dtype copy of
     every layer alive until the backward pass (autograd saves the weight a linear layer used), so a training step
     would hold the model in the compute dtype after all. Conv and Embedding layers (in the encoders, which run
@@ -97,29 +97,41 @@ def _fp8_linear(module: Any, compute: Any) -> None:
     module.weight.data = module.weight.data.to(torch.float8_e4m3fn)
     if module.bias is not None:
         module.bias.data = module.bias.data.to(compute)
-    module.forward = lambda x: _Fp8Linear.apply(x, module.weight, module.bias, compute)
+    _stored_forward(module, compute)
 
 
-def _fp8_function() -> Any:
+def _stored_forward(module: Any, compute: Any, device: Any = None) -> None:
+    """Route a frozen Linear layer through `_StoredLinear`: its weight is cast to `compute` (and brought to `device`
+    when it is stored elsewhere) each time it is used, forward and backward, and never kept in that form."""
+    module._unitgraph_compute = compute
+    module._unitgraph_device = device
+    module.forward = lambda x: _StoredLinear.apply(x, module.weight, module.bias, module._unitgraph_compute,
+                                                   module._unitgraph_device)
+
+
+def _stored_function() -> Any:
     import torch
     import torch.nn.functional as F
 
-    class Fp8Linear(torch.autograd.Function):
-        """y = x W^T + b with W cast from fp8 for the product; the backward pass recasts W instead of keeping a copy."""
+    class StoredLinear(torch.autograd.Function):
+        """y = x W^T + b with W as stored (fp8, or in CPU memory) cast and moved for the product; the backward pass
+        does that again instead of keeping the cast copy."""
 
         @staticmethod
-        def forward(ctx: Any, x: Any, weight: Any, bias: Any, compute: Any) -> Any:
+        def forward(ctx: Any, x: Any, weight: Any, bias: Any, compute: Any, device: Any) -> Any:
             ctx.save_for_backward(weight)
-            ctx.compute, ctx.input_dtype = compute, x.dtype
-            return F.linear(x.to(compute), weight.to(compute), None if bias is None else bias.to(compute))
+            ctx.compute, ctx.device, ctx.input_dtype = compute, device, x.dtype
+            w = weight.to(device=device or x.device, dtype=compute, non_blocking=True)
+            b = None if bias is None else bias.to(compute)
+            return F.linear(x.to(compute), w, b)
 
         @staticmethod
         def backward(ctx: Any, grad: Any) -> Any:
             (weight,) = ctx.saved_tensors
-            grad_input = grad.to(ctx.compute) @ weight.to(ctx.compute)
-            return grad_input.to(ctx.input_dtype), None, None, None
+            w = weight.to(device=ctx.device or grad.device, dtype=ctx.compute, non_blocking=True)
+            return (grad.to(ctx.compute) @ w).to(ctx.input_dtype), None, None, None, None
 
-    return Fp8Linear
+    return StoredLinear
 
 
 class _LazyFunction:
@@ -129,11 +141,11 @@ class _LazyFunction:
 
     def apply(self, *args: Any) -> Any:
         if _LazyFunction._made is None:
-            _LazyFunction._made = _fp8_function()
+            _LazyFunction._made = _stored_function()
         return _LazyFunction._made.apply(*args)
 
 
-_Fp8Linear = _LazyFunction()
+_StoredLinear = _LazyFunction()
 
 
 def enable_checkpointing(model: Any) -> bool:
@@ -169,10 +181,13 @@ def transformer_blocks(model: Any) -> list[Any]:
 
 
 def swap_blocks(model: Any, slot: str, count: int, device: Any, report: Any = None) -> list[int]:
-    """Keep the last `count` transformer blocks of `model` in CPU memory, each brought to `device` just before it
-    runs on a separate stream (diffusers' group offloading, block by block). Returns the swapped block indices.
+    """Keep the frozen Linear weights of the last `count` transformer blocks of `model` in (pinned) CPU memory; each
+    is brought to `device` as its layer runs, in the forward and again in the backward pass, and never kept there.
+    The LoRA adapters and everything else stay on the device. Returns the swapped block indices.
 
-    Without an accelerator there is nothing to swap to: one note, no effect."""
+    The copies are issued non-blocking from pinned memory but not yet prefetched on a side stream, so on a GPU
+    they are not hidden behind the compute. Without an accelerator there is nothing to swap to: one note, no
+    effect (the chosen blocks are still checked and returned)."""
     blocks = transformer_blocks(model)
     if count >= len(blocks):
         raise BackendError(f"--blocks_to_swap {count}: {slot} has {len(blocks)} transformer blocks; at most "
@@ -185,11 +200,13 @@ def swap_blocks(model: Any, slot: str, count: int, device: Any, report: Any = No
                    f"{chosen[0]}-{chosen[-1]} of {slot} would live in CPU memory)")
         return chosen
     import torch
-    from diffusers.hooks import apply_group_offloading
 
     for index in chosen:
-        apply_group_offloading(blocks[index], onload_device=device, offload_device=torch.device("cpu"),
-                               offload_type="leaf_level", use_stream=True)
+        for module in blocks[index].modules():
+            if type(module) is torch.nn.Linear and not module.weight.requires_grad:
+                compute = getattr(module, "_unitgraph_compute", None) or module.weight.dtype
+                module.weight.data = module.weight.data.to("cpu").pin_memory()
+                _stored_forward(module, compute, torch.device(device))
     return chosen
 
 
