@@ -210,5 +210,16 @@ def swap_blocks(model: Any, slot: str, count: int, device: Any, report: Any = No
     return chosen
 
 
+def place(model: Any, device: Any) -> None:
+    """Move `model` to `device`, except the weights `swap_blocks` keeps in CPU memory."""
+    for module in model.modules():
+        swapped = getattr(module, "_unitgraph_device", None) is not None
+        for name, param in module.named_parameters(recurse=False):
+            if not (swapped and name == "weight"):
+                param.data = param.data.to(device)
+        for name, buffer in module.named_buffers(recurse=False):
+            module._buffers[name] = buffer.to(device)
+
+
 def parameter_bytes(params: Iterable[Any]) -> int:
     return sum(p.numel() * p.element_size() for p in params)

@@ -65,13 +65,18 @@ def load_models(cfg: RunConfig, models: Iterable[str], training: bool, device: A
     except ModelLoadError as exc:
         raise BackendError(str(exc)) from None
     loaded = {slot: loaded[slot] for slot in slots}
+    # a LoRA base that becomes fp8 or swaps blocks stays in CPU memory until then (train/loop.py places it):
+    # on the device it would need its whole compute-dtype size first
+    later = {cfg.lora.base_model} if training and (cfg.lora.base_model in cfg.precision.fp8
+                                                   or cfg.precision.blocks_to_swap) else set()
     for slot, value in loaded.items():
         if isinstance(value, torch.nn.Module):
             value.requires_grad_(False)
             value.eval()
-            value.to(device)
-            if slot in cfg.precision.fp8 and not (training and slot == cfg.lora.base_model):
-                store_fp8(value, slot, cfg.precision.compute_dtype)
+            if slot in cfg.precision.fp8 and slot not in later and not (training and slot == cfg.lora.base_model):
+                store_fp8(value, slot, cfg.precision.compute_dtype)  # in CPU memory, then to the device
+            if slot not in later:
+                value.to(device)
     return loaded
 
 

@@ -49,7 +49,7 @@ from ..result import RunResult
 def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerator: Any, report: Any = None):
     """Preset LoRA merged, trainable models and the LoRA adapter made trainable, AdamW; each prepared by accelerate."""
     from ..models.lora import add_lora, load_lora_checkpoint, merge_preset_lora
-    from ..models.precision import adapters_to_fp32, enable_checkpointing, store_fp8, swap_blocks
+    from ..models.precision import adapters_to_fp32, enable_checkpointing, place, store_fp8, swap_blocks
 
     lora, prefixes = cfg.lora, cfg.prefixes
     if lora.preset_path:
@@ -71,7 +71,11 @@ def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerat
         if lora.base_model in cfg.precision.fp8:
             store_fp8(base, lora.base_model, cfg.precision.compute_dtype)  # after the adapters: they stay fp32
         if cfg.precision.blocks_to_swap:
+            if accelerator.num_processes > 1 and accelerator.device.type == "cuda":
+                raise BackendError("--blocks_to_swap works in one process (DDP needs every weight on the device); "
+                                   "drop it or train with one process per run")
             swap_blocks(base, lora.base_model, cfg.precision.blocks_to_swap, accelerator.device, report)
+        place(base, accelerator.device)  # all but the swapped weights (models/stage.py kept it in CPU memory)
     if cfg.optim.gradient_checkpointing:
         for slot in plan.models_require_backward:
             enable_checkpointing(models[slot])
@@ -81,7 +85,7 @@ def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerat
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
     wrapped = dict(models)
     for slot in plan.models_require_backward:
-        wrapped[slot] = accelerator.prepare(models[slot])
+        wrapped[slot] = accelerator.prepare(models[slot], device_placement=[False])  # placed above, swapped weights kept
     return wrapped, accelerator.prepare(optimizer), lora_config
 
 
