@@ -157,6 +157,10 @@ def test_fp8_models_in_diffsynths_path_form_and_its_refusals(tiny, data, tmp_pat
     cfg = RunConfig.from_args(make_args(task="sft", **flags(tiny, data, model_paths=components,
                                                              fp8_models=str(tiny / "transformer"))))
     assert cfg.precision.fp8 == ("dit",)
+    ids = "Qwen/Qwen-Image:transformer/diffusion_pytorch_model*.safetensors,Qwen/Qwen-Image:vae/*.safetensors"
+    by_id = RunConfig.from_args(make_args(task="sft", **flags(tiny, data, model_paths=None, model_id_with_origin_paths=ids,
+                                                               fp8_models=ids)))
+    assert by_id.precision.fp8 == ("dit", "vae")  # DiffSynth's form: the same ids, read by their folders
     with pytest.raises(BackendError, match="text_encoder is in --trainable_models"):
         RunConfig.from_args(make_args(task="sft", **flags(tiny, data, trainable_models="text_encoder",
                                                           fp8_models="text_encoder")))
