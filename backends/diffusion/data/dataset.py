@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterable, Optional
 from unitgraph.userfiles import parse_user_csv, parse_user_json, parse_user_jsonl, read_user_text
 
 from ..errors import BackendError
-from .video import STILL_SUFFIXES, VideoProblem, probe_clip, read_clip
+from .video import STILL_SUFFIXES, VideoProblem, check_pixels, probe_clip, read_clip
 
 REQUIRED_COLUMNS = ("image", "prompt")
 # The defaults of a DiffusionDataset made without a pipeline's declarations (PipelineDef.image_params,
@@ -257,6 +257,10 @@ class DiffusionDataset:
         if min(width, height) < MIN_IMAGE_SIDE:
             raise SampleError(f"row {index + 1}: video {path.name!r} (column {param!r}) is {width}x{height} px, "
                               f"smaller than {MIN_IMAGE_SIDE} px", index=index, source=str(self.metadata_path))
+        try:
+            check_pixels(width, height)  # the pixel limit of images, before a frame is decoded
+        except VideoProblem as exc:
+            raise SampleError(f"{where} {exc}", index=index, source=str(self.metadata_path)) from None
 
     def _clip(self, index: int, param: str, path: Path) -> list[Any]:
         try:

@@ -11,6 +11,7 @@ as the clip has its frames, so a long video costs only its prefix.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -49,6 +50,16 @@ def _open(path: Path) -> Any:
     return container
 
 
+def check_pixels(width: int, height: int) -> None:
+    """The pixel limit images have (PIL's `Image.MAX_IMAGE_PIXELS`), for a video's frames: refused before decoding."""
+    from PIL import Image
+
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit and width * height > limit:
+        raise VideoProblem(f"has {width}x{height} px frames ({width * height} pixels), more than the {limit} pixels "
+                           "an image may have (Image.MAX_IMAGE_PIXELS): a decompression bomb?")
+
+
 def probe_clip(path: Path) -> tuple[int, int]:
     """(width, height) of a video file without decoding a frame; VideoProblem when it cannot be one."""
     container = _open(path)
@@ -64,15 +75,23 @@ def read_clip(path: Path, num_frames: int) -> list[Any]:
     from PIL import Image
 
     if Path(path).suffix.lower() in STILL_SUFFIXES:
-        with Image.open(path) as img:
-            return [img.convert("RGB")]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the check below says it in one line
+            with Image.open(path) as img:
+                check_pixels(*img.size)
+                return [img.convert("RGB")]
     container = _open(path)
     frames: list[Any] = []
     try:
+        context = container.streams.video[0].codec_context
+        check_pixels(int(context.width or 0), int(context.height or 0))
         for frame in container.decode(video=0):
+            check_pixels(frame.width, frame.height)  # a stream may change size midway: each frame before converting
             frames.append(frame.to_image().convert("RGB"))
             if len(frames) >= num_frames:
                 break
+    except VideoProblem:
+        raise
     except Exception as exc:  # a stream damaged after its first frames
         if not frames:
             raise VideoProblem(f"cannot be decoded ({type(exc).__name__}: {_first_line(exc)})") from None

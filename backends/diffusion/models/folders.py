@@ -249,6 +249,53 @@ def _processor_class(folder: Path) -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# Sizes a config.json may ask for (before anything is built from it)
+
+# No released model comes near these: a config past one is refused before a layer is allocated (a config with
+# num_layers 100000 would otherwise build layers until memory runs out).
+MAX_LAYERS = 1024
+MAX_WIDTH = 1 << 16
+MAX_VOCAB = 1 << 21
+_LAYER_KEYS = ("num_layers", "num_hidden_layers", "num_single_layers", "n_layers", "depth", "num_blocks",
+               "num_res_blocks", "encoder_layers", "decoder_layers", "num_decoder_layers", "num_encoder_layers")
+_WIDTH_PARTS = ("hidden_size", "_dim", "d_model", "d_ff", "d_kv", "intermediate_size", "num_attention_heads",
+                "num_heads", "channels", "embed_dim", "width")
+
+
+def config_size_problem(config: Any, where: str = "") -> str | None:
+    """The first size in a config (nested configs too) beyond what any model has, as words; None when all are in
+    bounds: layer counts up to MAX_LAYERS, widths up to MAX_WIDTH, vocabularies up to MAX_VOCAB."""
+    if isinstance(config, dict):
+        for key, value in config.items():
+            name = f"{where}.{key}" if where else key
+            if isinstance(value, bool):
+                continue
+            numbers = value if isinstance(value, list) else [value]
+            if all(isinstance(v, int) and not isinstance(v, bool) for v in numbers) and numbers:
+                biggest = max(numbers)
+                if key in _LAYER_KEYS and biggest > MAX_LAYERS:
+                    return f"{name} {biggest} is more layers than any model has (at most {MAX_LAYERS})"
+                if key == "vocab_size" and biggest > MAX_VOCAB:
+                    return f"{name} {biggest} is a larger vocabulary than any model has (at most {MAX_VOCAB})"
+                if any(part in key for part in _WIDTH_PARTS) and biggest > MAX_WIDTH:
+                    return f"{name} {biggest} is wider than any model is (at most {MAX_WIDTH})"
+            elif isinstance(value, dict):
+                problem = config_size_problem(value, name)
+                if problem:
+                    return problem
+    return None
+
+
+def check_config_sizes(folder: Path) -> None:
+    """ModelLoadError naming config.json when the model it describes is beyond any model's size."""
+    path = Path(folder) / "config.json"
+    if path.is_file():
+        problem = config_size_problem(_read_json(path))
+        if problem:
+            raise ModelLoadError(path, f"{problem}; refusing to build it")
+
+
+# --------------------------------------------------------------------------------------------
 # Files of a slot (for hashing)
 
 

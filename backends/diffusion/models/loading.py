@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..family import ModelSlot
-from .folders import ComponentSource, ModelLoadError, component_files
+from .folders import ComponentSource, ModelLoadError, check_config_sizes, component_files
 
 # --------------------------------------------------------------------------------------------
 # Loading
@@ -66,6 +66,7 @@ def load_component(source: ComponentSource, slot: ModelSlot, torch_dtype: Any = 
         return cls(**dict(slot.default_config or {}))
     try:
         if slot.kind == "model":
+            check_config_sizes(folder)  # before a layer is allocated
             component_files(source, slot.kind, include_config=False)  # clean error when weights are missing
             # diffusers names the argument torch_dtype, transformers 5 dtype
             dtype_arg = {"torch_dtype": dtype} if slot.library == "diffusers" else {"dtype": dtype}

@@ -26,22 +26,9 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from ..family import ModelSlot
-from .folders import (
-    OFFLINE_ENV,
-    SINGLE_FILE_PROBLEM,
-    ComponentSource,
-    ModelLoadError,
-    SlotTable,
-    _config_file,
-    _Entry,
-    _is_processor_folder,
-    _is_tokenizer_folder,
-    _processor_class,
-    _short,
-    _tokenizer_class,
-    classify_folder,
-    component_files,
-)
+from .folders import (OFFLINE_ENV, SINGLE_FILE_PROBLEM, ComponentSource, ModelLoadError, SlotTable, _config_file, _Entry,
+                      _is_processor_folder, _is_tokenizer_folder, _processor_class, _short, _tokenizer_class,
+                      check_config_sizes, classify_folder, component_files)
 from .hub import Hub, origin_subfolder as _origin_subfolder
 from .loading import _class, load_component
 
@@ -374,6 +361,7 @@ class ModelSources:
         FrozenDict or a transformers PretrainedConfig, as `model.config` would be."""
         source = self.resolve(slot)
         folder = _config_file(source).parent
+        check_config_sizes(folder)  # a unit or the memory plan may build from it
         spec = self.table[slot]
         try:
             if spec.library == "diffusers":

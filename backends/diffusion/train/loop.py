@@ -63,6 +63,7 @@ def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerat
     lora_config = None
     if lora.base_model:
         base = models[lora.base_model]
+        check_rank(base, lora.base_model, list(lora.targets), lora.rank)
         lora_config = add_lora(base, lora.base_model, list(lora.targets), lora.rank, lora.alpha, cfg.seed)
         adapters_to_fp32(base)  # peft made them in the base's dtype; trained parameters stay fp32
         base.train()
@@ -87,6 +88,16 @@ def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerat
     for slot in plan.models_require_backward:
         wrapped[slot] = accelerator.prepare(models[slot], device_placement=[False])  # placed above, swapped weights kept
     return wrapped, accelerator.prepare(optimizer), lora_config
+
+
+def check_rank(model: Any, slot: str, targets: list[str], rank: int) -> None:
+    """--lora_rank at most the largest min(in, out) among the targeted layers: a larger rank adds nothing a layer
+    can hold, and only allocates (a rank of 100000 would ask for gigabytes per layer)."""
+    widths = [min(m.in_features, m.out_features) for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith(f".{t}") for t in targets)]
+    if widths and rank > max(widths):
+        raise BackendError(f"--lora_rank {rank} is larger than any layer it targets in {slot} can use "
+                           f"(at most {max(widths)}, the largest min(in, out) of the targeted layers)")
 
 
 def save(cfg: RunConfig, output: Path, name: str, models: dict[str, Any], lora_config: Any, accelerator: Any) -> Path:
