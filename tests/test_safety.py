@@ -138,7 +138,7 @@ def test_stage1_refuses_a_folder_that_is_not_a_cache_and_touches_nothing(tiny, d
     (mine / "entries" / "weights.safetensors").write_bytes(b"not unitgraph's")
     before = snapshot(mine)
     code, _, err = cli(capsys, *flags(tiny, data, "sft:data_process", mine))
-    one_line(code, err, str(mine), "not a unitgraph cache", "notes.txt"[:5])
+    one_line(code, err, str(mine), "not a unitgraph cache", ".half.tmp")  # a user's, even with a temp-like name
     assert snapshot(mine) == before
 
 
@@ -187,7 +187,7 @@ def test_the_output_folder_is_claimed_locked_and_never_mixed(tiny, data, tmp_pat
     assert snapshot(out) == first
 
     # --overwrite moves the old run aside (nothing deleted) and cleans our stale temp files
-    (out / ".epoch-0.safetensors.k1ll3d.tmp").write_bytes(b"half a checkpoint")
+    (out / ".epoch-0.safetensors.k1ll3d0_.tmp").write_bytes(b"half a checkpoint")  # mkstemp's 8 random
     code, stdout, err = cli(capsys, *flags(tiny, cache, "sft:train", out, "--overwrite"))
     assert code == 0, err
     aside = [p for p in out.iterdir() if p.name.startswith("replaced-")]
@@ -219,6 +219,72 @@ def test_the_output_folder_must_be_new_empty_or_unitgraphs(tmp_path):
     (tmp_path / "empty").mkdir()
     RunFolder(tmp_path / "empty").check(overwrite=False)
     assert (theirs / "thesis.tex").read_text() == "years of work"
+
+
+def test_run_file_names_without_the_marker_and_lone_temp_files_are_someone_elses(tmp_path):
+    """An earlier DiffSynth run leaves plan.json, loss.csv and epoch-0.safetensors; a user leaves .notes.tmp or a
+    draft whose temp-like name is not for a run file. None of them is unitgraph's without its marker."""
+    from unitgraph.backends.diffusion.train.outputs import LOCK, RunFolder
+
+    diffsynth = tmp_path / "diffsynth-run"
+    diffsynth.mkdir()
+    for name in ("plan.json", "loss.csv", "epoch-0.safetensors"):
+        (diffsynth / name).write_text("theirs")
+    before = snapshot(diffsynth)
+    for overwrite in (False, True):
+        with pytest.raises(OutputError, match="not empty and not a unitgraph run folder"):
+            RunFolder(diffsynth).check(overwrite=overwrite)
+    assert snapshot(diffsynth) == before
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / ".notes.tmp").write_text("mine")
+    with pytest.raises(OutputError, match=r"\.notes\.tmp"):
+        RunFolder(notes).check(overwrite=False)
+    assert (notes / ".notes.tmp").read_text() == "mine"
+    lock = tmp_path / "stopped-before-its-marker"
+    lock.mkdir()
+    (lock / LOCK).write_bytes(b"")  # an empty lock: a run that stopped right after taking the folder
+    RunFolder(lock).check(overwrite=False)
+    (lock / LOCK).write_text("not our lock")
+    with pytest.raises(OutputError, match="not empty"):
+        RunFolder(lock).check(overwrite=False)
+    fake_cache = tmp_path / "fake-cache-inside"
+    (fake_cache / "cache").mkdir(parents=True)
+    (fake_cache / "cache" / "manifest.json").write_text('{"format": "someone.else/v1"}')
+    with pytest.raises(OutputError, match="cache"):
+        RunFolder(fake_cache).check(overwrite=False)
+
+
+def test_a_marked_run_cleans_only_the_temp_files_of_its_own_files(tmp_path):
+    from unitgraph.backends.diffusion.train.outputs import RunFolder
+
+    out = tmp_path / "run"
+    with RunFolder(out).claimed(False, {"task": "sft:train", "pipeline": "qwen_image", "plan_fingerprint": "x"}):
+        (out / "loss.csv").write_text("step\n")
+    (out / ".loss.csv.ab12cd34.tmp").write_text("half a log")
+    RunFolder(out).check(overwrite=True)
+    with RunFolder(out).claimed(True, {"task": "sft:train", "pipeline": "qwen_image", "plan_fingerprint": "x"}):
+        pass
+    assert not (out / ".loss.csv.ab12cd34.tmp").exists()
+    (out / ".draft.ab12cd34.tmp").write_text("a user's, with a temp-like name")  # not for a run file: kept
+    with RunFolder(out).claimed(True, {"task": "sft:train", "pipeline": "qwen_image", "plan_fingerprint": "x"}):
+        pass
+    assert (out / ".draft.ab12cd34.tmp").read_text() == "a user's, with a temp-like name"
+
+
+@pytest.mark.slow
+def test_stage1_again_on_its_own_cache_leaves_the_users_files(tiny, data, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    assert cli(capsys, *flags(tiny, data, "sft:data_process", cache))[0] == 0
+    mine = {cache / ".notes.tmp": b"mine", cache / "entries" / "mine.safetensors": b"mine",
+            cache / "entries" / ("ab" * 32 + ".safetensors"): b"named like an entry, not one",
+            cache / "README.txt": b"what this cache is for"}
+    for path, content in mine.items():
+        path.write_bytes(content)
+    # another setting: every entry is recomputed and the old ones pruned, but only unitgraph's
+    code, _, err = cli(capsys, *flags(tiny, data, "sft:data_process", cache, "--seed", "9"))
+    assert code == 0, err
+    assert {p: p.read_bytes() for p in mine} == mine
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
@@ -25,6 +26,23 @@ from pathlib import Path
 from .errors import OutputError
 
 TEMP_SUFFIX = ".tmp"  # temporary files are named ".<name>.<random>.tmp" beside their target
+# tempfile.mkstemp's random part: 8 characters of this alphabet
+_TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.[a-z0-9_]{8}" + re.escape(TEMP_SUFFIX) + "$")
+
+
+def temp_target(name: str) -> str | None:
+    """The file name an atomic write's temporary file `name` was for, or None when `name` is not of that form.
+
+    >>> temp_target(".loss.csv.k3j9x_2a.tmp")
+    'loss.csv'
+    >>> temp_target(".notes.tmp") is None
+    True
+
+    A folder's owner removes a leftover temporary file only when its target is a file it writes: a user's
+    ".notes.tmp", or ".draft.abcdefgh.tmp" beside files unitgraph never writes, is never taken for one.
+    """
+    match = _TEMP_NAME.match(name)
+    return match.group("target") if match else None
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:

@@ -29,14 +29,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from unitgraph.atomic import temp_target
 from unitgraph.userfiles import parse_user_json, read_user_json
 
 from ..errors import BackendError
-from .entries import _safetensors_header, entry_bytes, parse_entry
+from .entries import HEADER_KEY, _safetensors_header, entry_bytes, parse_entry
 from .keys import HashMemo, sha256_bytes, sha256_file
 from .manifest import ENTRY_FIELDS, FORMAT, Manifest, describe_plan_change
 
@@ -75,6 +77,16 @@ def entry_record(record: Any) -> Optional[dict[str, Any]]:
     if record.get("offset") is not None:  # an entry in a shard (at 0 too)
         out["offset"] = int(record["offset"])
     return out
+
+
+_ENTRY_NAME = re.compile(rf"^{ENTRIES}/[0-9a-f]{{64}}{re.escape(ENTRY_SUFFIX)}$")
+_SHARD_NAME = re.compile(rf"^{SHARDS}/rank-\d+-[0-9a-f]+-[0-9a-f]+-\d+{re.escape(SHARD_SUFFIX)}$")
+
+
+def _is_cache_temp(name: str) -> bool:
+    """A temporary file of an atomic write of a cache file (JSON, safetensors, a shard): never a user's ".notes.tmp"."""
+    target = temp_target(name)
+    return target is not None and target.endswith((".json", ENTRY_SUFFIX, SHARD_SUFFIX))
 
 
 class Cache:
@@ -144,8 +156,7 @@ class Cache:
         if self.read_manifest() is not None:
             return
         if self.local:
-            foreign = sorted(p.name for p in self.folder.iterdir() if p.name != LOCK and not (p.name.startswith(".")
-                                                                                              and p.name.endswith(".tmp")))
+            foreign = sorted(p.name for p in self.folder.iterdir() if p.name != LOCK and not _is_cache_temp(p.name))
         else:
             foreign = sorted({rel.split("/", 1)[0] for rel in self.store.list() if rel != LOCK})
         if foreign:
@@ -234,8 +245,9 @@ class Cache:
         for folder in (self.folder, self.folder / ENTRIES, self.folder / SHARDS):
             if folder.is_dir():
                 for path in folder.glob(".*.tmp"):
-                    path.unlink(missing_ok=True)
-                    removed += 1
+                    if _is_cache_temp(path.name):  # never a user's ".notes.tmp"
+                        path.unlink(missing_ok=True)
+                        removed += 1
         return removed
 
     def locked(self) -> contextlib.AbstractContextManager:
@@ -244,14 +256,35 @@ class Cache:
                                  "another cache folder")
 
     def prune(self, keep: set[str], records: dict[str, dict[str, Any]]) -> int:
-        """Remove entry files and shards that no record of a key in `keep` points to; how many were removed."""
+        """Remove entry files and shards that no record of a key in `keep` points to; how many were removed.
+
+        Only files this cache can prove it wrote go: one a manifest record names, or one named as entries and
+        shards are named (`entries/<sha256>.safetensors`, `shards/rank-<r>-<run>-<n>.ugshard`) that, for a local
+        entry, carries the cache's own header. Anything else a user put inside is left alone."""
         used = {records[k]["file"] for k in keep if k in records}
+        recorded = {r["file"] for r in records.values()}
         removed = 0
         for rel in list(self.store.list(ENTRIES)) + list(self.store.list(SHARDS)):
-            if rel.endswith((ENTRY_SUFFIX, SHARD_SUFFIX)) and rel not in used:
-                self.store.delete(rel)
-                removed += 1
+            if rel in used or not (rel in recorded or self._made_here(rel)):
+                continue
+            self.store.delete(rel)
+            removed += 1
         return removed
+
+    def _made_here(self, rel: str) -> bool:
+        """Whether an unrecorded file under entries/ or shards/ is one this cache wrote (a killed run's, say)."""
+        if _SHARD_NAME.match(rel):
+            return True
+        if not _ENTRY_NAME.match(rel):
+            return False
+        if not self.local:
+            return True  # the name alone: reading every header would be a request each
+        try:
+            with (self.folder / rel).open("rb") as handle:
+                head = handle.read(1 << 16)
+            return HEADER_KEY in _safetensors_header(head, rel).get("__metadata__", {})
+        except (OSError, BackendError, ValueError):
+            return False
 
     # --- journals --------------------------------------------------------------------------------
     def journal(self, rank: int) -> "Journal":

@@ -11,8 +11,8 @@ refused unless `--overwrite`, which moves the old run's files aside into `OUTPUT
 (never deletes them; a cache inside the folder stays where it is and is reused when valid). While a
 run writes, it holds an exclusive lock on the folder (released by the kernel if it dies), so a
 second run into the same folder is refused instead of both exiting 0 with one's output lost.
-Temporary files of unitgraph's own naming (".<name>.<random>.tmp", left by a kill during an atomic
-write) are removed when the run starts.
+Temporary files of unitgraph's own naming (".<run file>.<8 random>.tmp", left by a kill during an atomic
+write of one of the run's files) are removed when a marked run starts; nothing else is.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from unitgraph.atomic import TEMP_SUFFIX, make_folder, write_text_atomic
+from unitgraph.atomic import make_folder, temp_target, write_text_atomic
 from unitgraph.errors import OutputError
 
 from .resume import STATE_DIR
@@ -45,7 +45,9 @@ def _is_run_file(name: str) -> bool:
 
 
 def _is_temp(name: str) -> bool:
-    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+    """A temporary file of an atomic write of one of the run's files (never a user's ".notes.tmp")."""
+    target = temp_target(name)
+    return target is not None and _is_run_file(target)
 
 
 def read_marker(folder: Path) -> Optional[dict[str, Any]]:
@@ -63,20 +65,32 @@ def read_marker(folder: Path) -> Optional[dict[str, Any]]:
     return data
 
 
-def foreign_entries(folder: Path) -> list[str]:
-    """What in `folder` unitgraph did not make: anything but run files, its lock, its temp files and caches."""
+def foreign_entries(folder: Path, marked: bool) -> list[str]:
+    """What in `folder` unitgraph cannot prove it made. Always its caches (a folder whose manifest.json is a unitgraph
+    cache manifest) and an empty lock file; with the run marker (`marked`) also the run's files, its folders and the
+    temporary files of its atomic writes. Without the marker a file that merely has a run file's name (the plan.json,
+    loss.csv or epoch-0.safetensors an earlier DiffSynth run leaves) is someone else's."""
     out = []
     for entry in sorted(folder.iterdir()):
         name = entry.name
-        if name == LOCK or _is_temp(name):
+        if name == LOCK and entry.is_file() and not entry.is_symlink() and entry.stat().st_size == 0:
             continue
-        if entry.is_dir() and not entry.is_symlink() and ((entry / CACHE_MANIFEST).is_file() or name.startswith("replaced-")
-                                                          or name in RUN_DIRS):
+        if entry.is_dir() and not entry.is_symlink() and _is_cache(entry):
             continue
-        if entry.is_file() and _is_run_file(name):
+        if marked and (_is_temp(name) or (entry.is_file() and _is_run_file(name)) or (
+                entry.is_dir() and not entry.is_symlink() and (name.startswith("replaced-") or name in RUN_DIRS))):
             continue
         out.append(name)
     return out
+
+
+def _is_cache(folder: Path) -> bool:
+    """Whether `folder` holds a unitgraph cache manifest (its format string says so)."""
+    try:
+        data = json.loads((folder / CACHE_MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and str(data.get("format", "")).startswith("unitgraph.cache/")
 
 
 def move_aside(folder: Path) -> Path:
@@ -114,7 +128,7 @@ class RunFolder:
         if not folder.exists():
             return
         marker = read_marker(folder)
-        foreign = foreign_entries(folder)
+        foreign = foreign_entries(folder, marked=marker is not None)
         if marker is None and (folder / CACHE_MANIFEST).is_file():
             raise OutputError("is a stage-1 cache folder, not a run's output folder; choose another --output_path "
                               "(stage 2 reads the cache through --dataset_base_path)", source=str(folder))
