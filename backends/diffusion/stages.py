@@ -28,7 +28,7 @@ from .args import TrainArgs, split_list
 from .cache.cache import ENTRIES, SHARDS, Cache, sample_label
 from .cache.keys import model_files_digest
 from .cache.manifest import Manifest
-from .cache.location import is_url, open_store
+from .cache.location import _safe, is_url, open_store
 from .config import RunConfig
 from .context import DTYPE, UnitContext, describe_setting
 from .data.dataset import SampleError
@@ -344,6 +344,9 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, accelerat
     report = Reporter(accelerator, echo)
     for note in [*cfg.notes, *flag_notes(cfg, plan, accelerator)]:
         report.note(note)
+    if cfg.stage != "data_process" and is_url(cfg.output.path):
+        raise BackendError("--output_path of a training run is a local folder (the cache may be on an object store: "
+                           "--cache_path s3://... or --dataset_base_path s3://... for :train)", source=_safe(cfg.output.path))
     output = location(cfg.output.path)
     result = RunResult(task=args.task, output_path=output, plan=plan)
     if cfg.stage != "data_process" and accelerator.is_main_process:
@@ -369,9 +372,6 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, accelerat
             raise BackendError("--dataset_base_path must be the cache folder written by the data_process stage")
         cache_dir = location(cfg.data.base_path)
     elif cfg.stage == "split":
-        if is_url(cfg.output.path):
-            raise BackendError("--output_path of a training run is a local folder (the cache may be on an object "
-                               "store: --cache_path s3://...)", source=cfg.output.path)
         cache_dir = location(cfg.cache_path) if cfg.cache_path else output / "cache"
         stage1(cache_dir)
     if cfg.stage in ("train", "split"):

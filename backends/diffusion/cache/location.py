@@ -6,6 +6,7 @@ bucket or a query string are one line each, and a credential is never echoed (`_
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -36,6 +37,9 @@ def open_store(location: str | Path) -> "Store":
     text = str(location)
     if "://" not in text:
         return LocalStore(Path(text))
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in text):
+        raise BackendError("a cache URL may not hold control characters (a newline pasted into it?)",
+                           source=_safe(text).encode("unicode_escape").decode("ascii"))
     parts = _split(text)
     if parts.scheme == "file":
         return LocalStore(Path(parts.path))
@@ -48,8 +52,27 @@ def open_store(location: str | Path) -> "Store":
     if not parts.netloc:
         raise BackendError("no bucket in the URL (expected s3://bucket/prefix)", source=text)
     if parts.query or parts.fragment:
-        raise BackendError("a cache URL takes no query or fragment (expected s3://bucket/prefix)", source=_safe(text))
+        raise BackendError("a cache URL takes no query or fragment (expected s3://bucket/prefix; a presigned URL "
+                           "does not work here: credentials come from the AWS_* variables or files)", source=_safe(text))
+    problem = bucket_name_problem(parts.netloc)
+    if problem:
+        raise BackendError(f"bucket name {parts.netloc!r} {problem}", source=_safe(text))
     return ObjectStore(parts.netloc, parts.path.strip("/"))
+
+
+def bucket_name_problem(name: str) -> str | None:
+    """Why `name` is not an S3 bucket name (the rules AWS states for new buckets), or None."""
+    if not 3 <= len(name) <= 63:
+        return f"has {len(name)} characters (a bucket name has 3 to 63)"
+    if not re.fullmatch(r"[a-z0-9.-]+", name):
+        return "may hold only lowercase letters, digits, dots and hyphens"
+    if not (name[0].isalnum() and name[-1].isalnum()):
+        return "must begin and end with a letter or a digit"
+    if ".." in name:
+        return "may not hold two dots in a row"
+    if re.fullmatch(r"\d+\.\d+\.\d+\.\d+", name):
+        return "may not look like an IP address"
+    return None
 
 
 def _split(text: str) -> Any:
@@ -60,11 +83,13 @@ def _split(text: str) -> Any:
 
 
 def _safe(text: str) -> str:
-    """A URL for messages, with anything before '@' in its host part removed."""
+    """A URL for messages: what stands before '@' in its host part and its query string (a presigned URL's
+    signature) masked, as credentials are."""
     try:
         parts = urlsplit(text)
     except ValueError:
-        return text.split("://", 1)[0] + "://..." if "@" in text else text
-    if "@" not in parts.netloc:
+        return text.split("://", 1)[0] + "://..." if "@" in text or "?" in text else text
+    if "@" not in parts.netloc and not parts.query:
         return text
-    return f"{parts.scheme}://***@{parts.netloc.rsplit('@', 1)[1]}{parts.path}"
+    host = f"***@{parts.netloc.rsplit('@', 1)[1]}" if "@" in parts.netloc else parts.netloc
+    return f"{parts.scheme}://{host}{parts.path}" + ("?***" if parts.query else "")
