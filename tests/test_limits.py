@@ -4,8 +4,8 @@ a model config past any model's size, video frames past the pixel limit images h
 from __future__ import annotations
 
 import json
+import re
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -86,3 +86,51 @@ def test_a_lora_rank_no_targeted_layer_can_use_is_one_line(tiny, tmp_path):
                                            r"\(at most \d+"):
         run(args, echo=quiet)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("seed", [-1, 1 << 63, 10**30])
+def test_a_seed_out_of_range_is_refused_up_front(seed):
+    with pytest.raises(BackendError, match="--seed must be between 0 and"):
+        make_args(task="sft", lora_base_model="dit", seed=seed).validate()
+
+
+def test_a_folder_fifo_or_symlink_loop_is_named_as_what_it_is(tmp_path):
+    import os
+
+    folder = tmp_path / "data"
+    write_synthetic_dataset(folder, count=4, size=32, seed=0)
+    rows = (folder / "metadata.csv").read_text().splitlines()
+    (folder / "a_folder").mkdir()
+    os.mkfifo(folder / "a_fifo")
+    os.symlink(folder / "loop_b", folder / "loop_a")
+    os.symlink(folder / "loop_a", folder / "loop_b")
+    os.symlink(folder / "nowhere.png", folder / "dangling")
+    names = ["a_folder", "a_fifo", "loop_a", "dangling"]
+    body = [f"{name},{row.split(',', 1)[1]}" for name, row in zip(names, rows[1:])]
+    (folder / "metadata.csv").write_text("\n".join([rows[0], *body]) + "\n")
+    dataset = DiffusionDataset(folder, folder / "metadata.csv", ["image", "prompt"])
+    expected = ["is a folder, not a file", "is a FIFO (a named pipe), not a file", "cannot be opened",
+                "is a symlink to a file that does not exist"]
+    for index, fragment in enumerate(expected):
+        with pytest.raises(SampleError, match=re.escape(fragment)):
+            dataset.check(index)
+
+
+def test_stage1_refuses_non_finite_outputs_naming_the_unit_and_model(tiny, tmp_path, monkeypatch):
+    from diffusers import AutoencoderKLQwenImage
+
+    data = tmp_path / "data"
+    write_synthetic_dataset(data, count=2, size=32, seed=0)
+    real = AutoencoderKLQwenImage.encode
+
+    def overflowing(self, *a, **k):
+        out = real(self, *a, **k)
+        out.latent_dist.mean.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(AutoencoderKLQwenImage, "encode", overflowing)
+    args = make_args(task="sft:data_process", model_paths=str(tiny), dataset_base_path=str(data),
+                     dataset_metadata_path=str(data / "metadata.csv"), lora_base_model="dit", max_pixels=1024,
+                     output_path=str(tmp_path / "cache"), progress=False, plot=False)
+    with pytest.raises(BackendError, match=r"unit \w+ \(model: vae\) gave non-finite values in 'latent_mean'"):
+        run(args, echo=quiet)

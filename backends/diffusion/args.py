@@ -22,6 +22,7 @@ TASKS = (
 )
 CACHE_DTYPE_FLAGS = ("bf16", "fp16", "fp32")
 MIXED_PRECISION = ("no", "fp16", "bf16")  # accelerate's names
+MAX_SEED = 1 << 63
 LORA_FORMATS = ("diffusers", "diffsynth")
 REPORT_TO = ("none", "tensorboard", "wandb")
 
@@ -173,6 +174,8 @@ class TrainArgs:
         if self.batch_size > 1 and self.stage == "":
             raise BackendError(f"--batch_size {self.batch_size} needs stage 2 (--task {self.family}:split or {self.family}:train); "
                                "unsplit training takes one sample per micro-step (use --gradient_accumulation_steps)")
+        if not 0 <= self.seed < MAX_SEED:  # torch's generators take at most 64 bits; renders add the prompt's position
+            raise BackendError(f"--seed must be between 0 and {MAX_SEED - 1}, got {self.seed}")
         if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISION:
             raise BackendError(f"--mixed_precision must be one of {', '.join(MIXED_PRECISION)}, got {self.mixed_precision!r}")
         if self.blocks_to_swap < 0:

@@ -273,14 +273,39 @@ def run_unit(unit: Any, ctx: Any, states: list[dict[str, Any]], indices: list[in
     names it), else sample by sample."""
     if len(states) > 1 and unit.batch is not None:
         try:
-            return unit.run_batch(ctx, states)
+            outs = unit.run_batch(ctx, states)
+            for out in outs:
+                check_finite(unit, out)
+            return outs
         except BackendError:
             pass  # one of them is bad: run one by one below, which names it
     outs = []
     for state, index in zip(states, indices):
         with _naming(index, done):
             outs.append(unit(ctx, state))
+            check_finite(unit, outs[-1])
     return outs
+
+
+def check_finite(unit: Any, out: dict[str, Any]) -> None:
+    """Stage 1 stores no NaN or infinity: a model that gives one (a VAE overflowing in fp16, say) is named here,
+    not blamed on a sample's loss in stage 2."""
+    import torch
+
+    def tensors(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                yield from tensors(item)
+
+    for name, value in out.items():
+        for tensor in tensors(value):
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                models = f" (model: {', '.join(unit.models)})" if unit.models else ""
+                raise BackendError(f"unit {unit.name}{models} gave non-finite values in {name!r}: nothing of this "
+                                   "sample is cached (a model's weights, or the precision: try --mixed_precision "
+                                   "no or another --cache_dtype)")
 
 
 @contextlib.contextmanager

@@ -167,12 +167,12 @@ class DiffusionDataset:
             raise SampleError(f"row {index + 1}: column {key!r} must name a file, got {name!r}", index=index,
                               source=str(self.metadata_path))
         path = self.base_path / name
-        try:
-            found = path.is_file()
-        except (OSError, ValueError):  # a name too long for the file system, say
-            found = False
-        if not found:
+        problem = _not_a_file(path)
+        if problem == "is missing":
             raise SampleError(f"row {index + 1}: missing file {name!r} (column {key!r}) under {self.base_path}",
+                              index=index, source=str(self.metadata_path))
+        if problem:
+            raise SampleError(f"row {index + 1}: {name!r} (column {key!r}) under {self.base_path} {problem}",
                               index=index, source=str(self.metadata_path))
         return path
 
@@ -321,6 +321,27 @@ class DiffusionDataset:
                 continue
             state[param] = self._value(index, param)
         return state
+
+
+def _not_a_file(path: Path) -> Optional[str]:
+    """Why `path` is not a regular file to read, in words ("is missing", "is a folder", ...), or None."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "is missing" if not path.is_symlink() else "is a symlink to a file that does not exist"
+    except OSError as exc:  # ELOOP (a symlink loop), ENAMETOOLONG, EACCES ...
+        return f"cannot be opened ({exc.strerror or exc})"
+    except ValueError:  # a NUL byte in the name
+        return "is not a usable file name"
+    if stat.S_ISDIR(mode):
+        return "is a folder, not a file"
+    if stat.S_ISFIFO(mode):
+        return "is a FIFO (a named pipe), not a file"
+    if not stat.S_ISREG(mode):
+        return "is a device or socket, not a file"
+    return None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -433,7 +433,10 @@ def stop_on_bad_loss(loss: torch.Tensor, step: int, epoch: int, items: list[Any]
     else:
         where = ""
     last = result.checkpoints[-1] if result.checkpoints else None
-    kept = f"the last good checkpoint is kept: {last}" if last else "no checkpoint had been saved yet"
+    if last is None and result.resumed_from is not None:
+        kept = f"the run resumed from {result.resumed_from} and its checkpoints are kept"
+    else:
+        kept = f"the last good checkpoint is kept: {last}" if last else "no checkpoint had been saved yet"
     labels = [provider.label(it) for it in items]
     on = labels[0] if len(labels) == 1 else f"a batch of {len(labels)}: {'; '.join(labels)}"
     raise BackendError(f"loss is {value} at step {step} (epoch {epoch}) on {on}{where}: "
