@@ -132,16 +132,26 @@ class ObjectStore(Store):
             return exc
 
     def write(self, rel: str, data: bytes) -> None:
-        with self.errors():
+        with self.errors(), self._bucket_gone():
             self.fs.pipe_file(self.key(rel), data)
 
     def create(self, rel: str, data: bytes) -> bool:
-        with self.errors():
+        with self.errors(), self._bucket_gone():
             try:
                 self.fs.pipe_file(self.key(rel), data, mode="create")  # If-None-Match: *
                 return True
             except FileExistsError:
                 return False
+
+    @contextlib.contextmanager
+    def _bucket_gone(self) -> Iterator[None]:
+        """A write that finds nothing to write into: the bucket itself is gone (deleted while the run went on)."""
+        try:
+            yield
+        except FileNotFoundError:
+            raise BackendError(f"bucket {self.bucket!r} does not exist (deleted while this run was writing?); "
+                               "the entries written before are lost with it: create the bucket and run again",
+                               source=self.describe()) from None
 
     def size(self, rel: str) -> Optional[int]:
         with self.errors():
