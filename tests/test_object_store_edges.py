@@ -45,3 +45,41 @@ def test_a_training_run_into_an_object_store_is_refused_before_anything_is_writt
     line = one_error_line(code, err, "--output_path of a training run is a local folder")
     assert "abc123secret" not in line
     assert os.listdir(tmp_path) == []  # no ./s3:/... folder
+
+
+@pytest.mark.slow
+def test_a_complete_cache_serves_read_only_and_an_incomplete_one_says_what_it_needs(tiny, tmp_path, monkeypatch):
+    """As root nothing here is read-only by permission: the store's writes fail as a read-only mount makes them."""
+    import errno
+    import shutil
+
+    from unitgraph.backends.diffusion.args import make_args
+    from unitgraph.backends.diffusion.cache.store import LocalStore
+    from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset
+    from unitgraph.backends.diffusion.stages import run
+
+    data = tmp_path / "data"
+    write_synthetic_dataset(data, count=3, size=32, seed=1)
+    common = dict(model_paths=str(tiny), dataset_base_path=str(data), dataset_metadata_path=str(data / "metadata.csv"),
+                  lora_base_model="dit", lora_rank=4, max_pixels=1024, progress=False, plot=False)
+    cache = tmp_path / "cache"
+    run(make_args(task="sft:data_process", output_path=str(cache), **common), echo=lambda _t: None)
+    partial = tmp_path / "partial"
+    shutil.copytree(cache, partial)
+    entry = next((partial / "entries").iterdir())
+    entry.unlink()
+
+    def read_only(*_a, **_k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(LocalStore, "locked", read_only)
+    monkeypatch.setattr(LocalStore, "write", read_only)
+    monkeypatch.setattr(LocalStore, "create", read_only)
+    before = {p: p.read_bytes() for p in cache.rglob("*") if p.is_file()}
+    result = run(make_args(task="sft:split", output_path=str(tmp_path / "run"), cache_path=str(cache), **common),
+                 echo=lambda _t: None)
+    assert result.cache_reused and result.steps == 3
+    assert {p: p.read_bytes() for p in cache.rglob("*") if p.is_file()} == before
+    with pytest.raises(BackendError, match="the cache folder is read-only and needs 1 entry to compute"):
+        run(make_args(task="sft:split", output_path=str(tmp_path / "run2"), cache_path=str(partial), **common),
+            echo=lambda _t: None)

@@ -12,6 +12,7 @@ entries (no padding: exactly once), journals each, and the main process merges t
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import shutil
 import time
@@ -144,6 +145,16 @@ def prepare_stage1(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache:
                  **valid} if pending else valid,
         skipped=skipped, pending=pending or None, layout=cfg.args.cache_layout)
     return Stage1Work(manifest, reason, memo, existing is None or manifest.to_dict() != existing.to_dict())
+
+
+def check_read_only(cache: Cache, work: Stage1Work) -> None:
+    """A cache stage 1 cannot write into (a read-only folder) serves when it is complete and current: then nothing is
+    written, not even its lock; otherwise one line says what would have to be computed."""
+    pending = len(work.manifest.pending or [])
+    if pending or work.changed:
+        what = f"{count(pending, 'entry', 'entries')} to compute" if pending else "its manifest to update"
+        raise BackendError(f"the cache folder is read-only and needs {what} ({work.reason}); make it writable or "
+                           "build the cache elsewhere", source=cache.location)
 
 
 def commit_stage1(cache: Cache, work: Stage1Work) -> None:
@@ -364,9 +375,18 @@ def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: "s
             cache.check_owned()
             created = not cache.store.exists()
             had_lock = cache.local and (cache.folder / LOCK).exists()
-            stack.enter_context(cache.locked())
+            read_only = False
+            try:
+                stack.enter_context(cache.locked())
+            except OSError as exc:
+                if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM) or created:
+                    raise BackendError(f"cannot take the cache's lock ({exc.strerror or exc})",
+                                       source=cache.location) from None
+                read_only = True  # a complete cache is still usable: checked below, nothing written
             try:
                 work = prepare_stage1(cfg, plan, dataset, cache, report)
+                if read_only:
+                    check_read_only(cache, work)
                 if work.manifest.pending:  # a model that cannot load stops here, before anything is written
                     models = load_models(cfg, plan.data_process_models, training=False, device=accelerator.device)
             except BaseException:
@@ -375,7 +395,8 @@ def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: "s
                 elif not had_lock and cache.local:
                     (cache.folder / LOCK).unlink(missing_ok=True)
                 raise
-            commit_stage1(cache, work)
+            if not read_only:
+                commit_stage1(cache, work)
             manifest, reason = work.manifest, work.reason
             report(f"stage 1: {manifest.num_samples} samples; {reason}")
             if before_compute is not None:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from unitgraph.errors import OutputError
 from unitgraph.plan import Plan
 from unitgraph.runtime import stage1_dependencies
 
@@ -176,7 +177,7 @@ def check_cache_matches(cfg: RunConfig, plan: Plan, cache: Cache, manifest: Mani
         memo = cache.memo()
         digests = model_files_digest(files, memo.digest)
         if save_memo:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, OutputError, BackendError):  # a read-only cache serves all the same
                 memo.save()
         recorded = manifest.model_digests
         for slot in sorted(set(digests) | set(recorded)):
