@@ -82,11 +82,22 @@ def main(argv: list[str] | None = None) -> None:
         where = f"{exc.ctx.command_path}: " if exc.ctx is not None else ""
         fail(f"{where}{exc.format_message()}")
     except (typer.Abort, KeyboardInterrupt):
-        typer.echo("unitgraph: aborted", err=True)
-        sys.exit(130)
+        interrupted()
     except click_exceptions.ClickException as exc:
         fail(exc.format_message())
+    if result == INTERRUPTED:  # typer turns Ctrl-C inside a command into this exit code, silently
+        interrupted()
     sys.exit(result if isinstance(result, int) else 0)
+
+
+INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+
+
+def interrupted() -> None:
+    """Ctrl-C (SIGINT): one line, exit 130. What was written stays consistent (atomic files, journals, states)."""
+    typer.echo("unitgraph: interrupted; what was written so far is kept (a training run continues with --resume, "
+               "stage 1 computes only what is missing)", err=True)
+    sys.exit(INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -134,3 +134,16 @@ def test_stage1_refuses_non_finite_outputs_naming_the_unit_and_model(tiny, tmp_p
                      output_path=str(tmp_path / "cache"), progress=False, plot=False)
     with pytest.raises(BackendError, match=r"unit \w+ \(model: vae\) gave non-finite values in 'latent_mean'"):
         run(args, echo=quiet)
+
+
+def test_ctrl_c_ends_with_one_line_and_exit_130(capsys, monkeypatch):
+    from clitools import cli
+
+    from unitgraph.backends.diffusion import stages
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stages, "run", interrupted)
+    code, _, err = cli(capsys, "train", "--task", "sft", "--lora_base_model", "dit")
+    assert code == 130 and err.count("\n") == 1 and err.startswith("unitgraph: interrupted;"), err
