@@ -6,7 +6,7 @@ the families, all standing on a small foundation of shared vocabulary (CONTRIBUT
     run        args, config, registry, session, stage1, stage1_key, stages
     rooms 2    train/, families/          (each may use the rooms below, never the other)
     rooms 1    models/, data/, cache/     (each uses only itself and the foundation)
-    foundation errors, randomness, family, context, flowmatch, report, result
+    foundation errors, randomness, family, context, flowmatch, report, result, tensorfile
 
 An import goes down, or stays inside its own room. An import inside `if TYPE_CHECKING:` (a type for an
 annotation: a room's functions take the run's `RunConfig`) carries no run-time dependence, so it may
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 BACKEND = REPO / "backends" / "diffusion"
 PACKAGE = "unitgraph.backends.diffusion"
 
-FOUNDATION = ("errors", "randomness", "family", "context", "flowmatch", "report", "result")
+FOUNDATION = ("errors", "randomness", "family", "context", "flowmatch", "report", "result", "tensorfile")
 RUN = ("args", "config", "registry", "session", "stage1", "stage1_key", "stages")
 # rank of each room: an import may go to a lower rank, or stay in its own room
 ROOMS = {"models": 1, "data": 1, "cache": 1, "train": 2, "families": 2}

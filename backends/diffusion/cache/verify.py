@@ -1,6 +1,8 @@
 """Checking and describing a finished cache: what `unitgraph cache verify` and `unitgraph cache info` print.
 
-No torch is needed: entries are checked by size and sha256, and described from their safetensors headers.
+No torch is needed: entries are checked by size and sha256, and described from their safetensors headers; the
+encoded validation prompts beside a cache (validation.safetensors) by their own checksum and against the
+entries (encoded_prompts.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any
 
 from ..errors import BackendError
 from .cache import Cache, sample_label
+from .encoded_prompts import validation_problem
 from .entries import header_key_sizes
 from .manifest import Manifest
 
@@ -27,7 +30,8 @@ def open_cache(location: str | Path) -> tuple[Cache, Manifest]:
 
 
 def verify_cache(location: str | Path) -> tuple[list[str], dict[str, Any]]:
-    """Check every entry a cache's manifest lists (size and sha256). Returns (problems, statistics)."""
+    """Check every entry a cache's manifest lists (size and sha256), and the encoded validation prompts beside it
+    (their checksum and shapes). Returns (problems, statistics)."""
     start = time.perf_counter()
     cache, manifest = open_cache(location)
     records, samples = manifest.entries, manifest.samples
@@ -46,6 +50,9 @@ def verify_cache(location: str | Path) -> tuple[list[str], dict[str, Any]]:
         record = records.get(s.get("key"))
         if record is not None and results[record["key"]] is not None:
             problems.append(f"{cache.describe(record['file'])}: {sample_label(s)}: {results[record['key']]}")
+    validation = validation_problem(cache, manifest)
+    if validation is not None:
+        problems.append(validation)
     stats = {"samples": len(samples), "entries": len(results), "bytes": total,
              "seconds": time.perf_counter() - start, "skipped": len(manifest.skipped)}
     return problems, stats

@@ -27,15 +27,7 @@ import torch
 from unitgraph.atomic import write_bytes_atomic
 
 from ..errors import BackendError
-from ..models.lora import (
-    DIFFSYNTH_ROOT,
-    METADATA_KEY,
-    _jsonable,
-    layout_of,
-    lora_state_dict,
-    module_lora,
-    read_safetensors,
-)
+from ..models.lora import DIFFSYNTH_ROOT, METADATA_KEY, _jsonable, lora_state_dict, read_lora_file
 
 
 def checkpoint_state(models: Mapping[str, torch.nn.Module], lora_slot: str | None, trainable: Iterable[str],
@@ -107,40 +99,40 @@ def save_checkpoint(path: str | Path, state: dict[str, torch.Tensor], lora_prefi
 
 def convert(src: str | Path, dst: str | Path, to: str, slot: str, prefixes: Mapping[str, str],
             remove_prefix: Optional[str] = None) -> tuple[str, int]:
-    """Convert the LoRA of `slot` in `src` to layout `to` (diffusers or diffsynth) in `dst`; (source layout, tensors)."""
-    from safetensors import safe_open
+    """Convert the LoRA of `slot` in `src` to layout `to` (diffusers or diffsynth) in `dst`; (source layout, tensors).
 
-    state = read_safetensors(src)
-    with safe_open(str(src), framework="pt") as handle:
-        meta = handle.metadata() or {}
-    source = layout_of(state)
-    weights = module_lora(state, slot, prefixes)
-    if not weights:
-        raise BackendError(f"no LoRA weights of {slot} in the file", source=str(src))
-    ranks = {int(v.shape[0]) for k, v in weights.items() if ".lora_A." in k}
+    `src` is read by models/lora.read_lora_file, the reader of --lora_checkpoint too (the whole file checked:
+    see there); a converted file holds whole pairs of one rank, each module's scale as the source means it.
+    """
+    if to not in ("diffusers", "diffsynth"):
+        raise BackendError(f"--to must be diffusers or diffsynth, got {to!r}")
+    lora = read_lora_file(src, slot, prefixes)
+    if lora.unpaired:
+        raise BackendError(f"the LoRA of {lora.unpaired[0]} ({slot}) has only one of lora_A and lora_B",
+                           source=str(src))
+    ranks = set(lora.ranks.values())
     if len(ranks) != 1:
         raise BackendError(f"the LoRA of {slot} has several ranks ({sorted(ranks)}); only one rank per file is supported",
                            source=str(src))
     rank = ranks.pop()
     prefix = prefixes[slot]
-    alpha = float(rank)
-    if source == "diffusers":
-        try:
-            config = json.loads(meta.get(METADATA_KEY) or "{}")
-        except ValueError:
-            raise BackendError(f"the {METADATA_KEY} in the file's header is not JSON", source=str(src)) from None
-        alpha = float(config.get(f"{prefix}.lora_alpha", config.get("lora_alpha", rank)))
+    alpha = lora.alpha if lora.alpha is not None else float(rank)
+    common = alpha / rank
+    weights = {}
+    for key, value in lora.weights.items():
+        module = key.rsplit(".lora_", 1)[0]
+        if ".lora_A." in key and lora.scales[module] != common:  # a module of its own alpha: folded into its lora_A
+            value = value * (lora.scales[module] / common)
+        weights[key] = value
     targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in weights})
     diffusers_state = {f"{prefix}.{k}": v for k, v in weights.items()}
     if to == "diffsynth":
         save_checkpoint(dst, diffusers_state, layout="diffsynth", prefixes={slot: prefix},
                         lora_config={"r": rank, "lora_alpha": alpha}, remove_prefix=remove_prefix)
-    elif to == "diffusers":
+    else:
         config = _ConfigDict({"r": rank, "lora_alpha": alpha, "target_modules": targets})
         save_checkpoint(dst, diffusers_state, prefix, config, remove_prefix=remove_prefix)
-    else:
-        raise BackendError(f"--to must be diffusers or diffsynth, got {to!r}")
-    return source, len(weights)
+    return lora.layout, len(weights)
 
 
 class _ConfigDict(dict):

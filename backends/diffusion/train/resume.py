@@ -18,12 +18,23 @@ optimizer's state and *which* step it is. A state therefore holds exactly
 Each state is a folder `OUTPUT/state/step-<N>/`, written into a temporary folder and renamed into
 place, so a kill leaves either the whole state or none of it (a leftover temporary folder is removed
 on the next start). Nothing is pickled: tensors are safetensors, the rest is JSON.
+
+A state is read whole before anything changes (`check_state`): state.json against its schema (every
+field's type, the loss rows one per step), the run it records against this one, each file against the
+sha256 state.json records, both safetensors headers (a truncated file is named as such), every tensor's
+name, shape and dtype against the trained parameters and what the optimizer keeps per parameter, and
+the values (finite; AdamW's step counts and second moments in range). Only a state that passes is
+restored (`apply_state`), so a tampered or damaged state is one line naming its file, with the
+weights, the optimizer and loss.csv untouched.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -31,16 +42,26 @@ from pathlib import Path
 from typing import Any, Optional
 
 from unitgraph.atomic import write_bytes_atomic, write_text_atomic
+from unitgraph.userfiles import read_user_json
 
 from ..cache.keys import sha256_file
 from ..errors import BackendError
+from ..tensorfile import Header, TensorInfo, dtype_code, finite, load_tensors, read_header
 
-__all__ = ["ResumePoint", "STATE_DIR", "latest_state", "load_state", "must_match", "prune_states", "remove_partial_states",
-           "save_state", "states", "trained_parameters"]
+__all__ = ["CheckedState", "ResumePoint", "STATE_DIR", "apply_state", "check_state", "latest_state", "load_state",
+           "must_match", "prune_states", "remove_partial_states", "save_state", "states", "trained_parameters"]
 
 STATE_DIR = "state"
 STATE_FORMAT = "unitgraph.train-state/v1"
+STATE_JSON = "state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+TRAINED_FILE = "trained.safetensors"
+STATE_FILES = (OPTIMIZER_FILE, TRAINED_FILE)
 _TEMP_PREFIX = ".tmp-"
+_STATE_NAME = re.compile(r"step-([0-9]+)")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_OPTIMIZER_KEY = re.compile(r"(0|[1-9][0-9]*)\.([A-Za-z_][A-Za-z0-9_]*)")
+_OLDER = "resume from an older state with --resume PATH, or start anew with --overwrite"
 
 
 @dataclass(frozen=True)
@@ -55,9 +76,19 @@ class ResumePoint:
     rows: list[list[Any]]
 
 
-def must_match(cfg: Any, plan: Any, world: int) -> dict[str, Any]:
-    """What a state records of the run and a resumed run must repeat exactly (else it is another training)."""
-    o, lora = cfg.optim, cfg.lora
+def must_match(cfg: Any, plan: Any, world: int, data: Optional[str] = None,
+               steps_per_epoch: Optional[int] = None) -> dict[str, Any]:
+    """What a state records of the run and a resumed run must repeat exactly (else it is another training): every
+    setting that changes the numbers, the data (`data_identity`), the steps an epoch has, the preset LoRA (its
+    digest), and the validation prompts (their images are named by step)."""
+    o, lora, v = cfg.optim, cfg.lora, cfg.validation
+    preset = None
+    if lora.preset_path:
+        try:
+            preset = sha256_file(Path(lora.preset_path))
+        except OSError as exc:
+            raise BackendError(f"--preset_lora_path: cannot read it ({exc.strerror or exc})",
+                               source=str(lora.preset_path)) from None
     return {
         "task": cfg.args.task, "pipeline": plan.pipeline, "plan_fingerprint": plan.fingerprint, "seed": cfg.seed,
         "learning_rate": o.learning_rate, "weight_decay": o.weight_decay, "batch_size": o.batch_size,
@@ -65,10 +96,38 @@ def must_match(cfg: Any, plan: Any, world: int) -> dict[str, Any]:
         "trainable_models": list(o.trainable), "lora_base_model": lora.base_model,
         "lora_target_modules": list(lora.targets), "lora_rank": lora.rank, "lora_alpha": lora.alpha,
         "processes": int(world), "settings": cfg.units.key_values(), "fp8_models": list(cfg.precision.fp8),
+        "data": data, "steps_per_epoch": steps_per_epoch, "preset_lora": preset,
+        "preset_lora_model": lora.preset_model, "validation_prompts": list(v.prompts), "validation_steps": v.steps,
     }
 
 
+def data_identity(provider: Any) -> str:
+    """What the run trains on, as one digest: its samples in order (index and content id) and, for stage 2, the
+    cache's key (the stage-1 settings and models its entries were made with)."""
+    items = [[int(item.index), str(item.sample_id)] for item in provider.items]
+    ident = {"samples": items, "cache": getattr(provider, "key_hash", None)}
+    text = json.dumps(ident, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def check_progress(path: Path, point: Any, per_epoch: int, num_epochs: int) -> None:
+    """A state's place in the run adds up: its step is its epochs' steps plus its position in its own, within the
+    run's epochs, with one loss row a step (a state claiming epoch 7 of a shorter run is refused)."""
+    done = point.epoch * per_epoch + point.position
+    if not (0 <= point.position <= per_epoch and point.step == done and len(point.rows) == point.step):
+        raise BackendError(f"training state at step {point.step} does not add up (epoch {point.epoch}, position "
+                           f"{point.position} of {per_epoch} steps an epoch, {len(point.rows)} loss rows); {_OLDER}",
+                           source=str(Path(path) / STATE_JSON))
+    if point.epoch >= num_epochs:
+        raise BackendError(f"training state is at epoch {point.epoch}, beyond this run's --num_epochs {num_epochs}; "
+                           "give at least as many epochs as it has made", source=str(Path(path) / STATE_JSON))
+
+
 _FLAGS = {"plan_fingerprint": "the plan (--lora_base_model, --trainable_models, --cache_mode or the pipeline)",
+          "data": "the data (the dataset's samples, or the cache's entries and the settings they were made with)",
+          "steps_per_epoch": "the data and --batch_size / --gradient_accumulation_steps",
+          "preset_lora": "--preset_lora_path (the file's content)",
+          "validation_prompts": "--validation_prompt", 
           "processes": "the number of processes",
           "settings": "--max_pixels/--height/--width, --seed, --mixed_precision or the bounds"}
 
@@ -103,13 +162,13 @@ def save_state(output: Path, step: int, epoch: int, position: int, elapsed: floa
             for key, value in values.items():
                 value = value if isinstance(value, torch.Tensor) else torch.tensor(value)  # AdamW's step, in old torch
                 tensors[f"{index}.{key}"] = value.detach().to("cpu").contiguous().clone()
-        write_bytes_atomic(temp / "optimizer.safetensors", save(tensors))
+        write_bytes_atomic(temp / OPTIMIZER_FILE, save(tensors))
         weights = {name: p.detach().to("cpu").contiguous().clone() for name, p in params.items()}
-        write_bytes_atomic(temp / "trained.safetensors", save(weights))
+        write_bytes_atomic(temp / TRAINED_FILE, save(weights))
         record = {"format": STATE_FORMAT, "step": step, "epoch": epoch, "position": position, "elapsed_s": elapsed,
                   "match": match, "param_groups": opt_state["param_groups"], "loss_rows": [list(r) for r in rows],
-                  "files": {name: sha256_file(temp / name) for name in ("optimizer.safetensors", "trained.safetensors")}}
-        write_text_atomic(temp / "state.json", json.dumps(record, indent=1, sort_keys=True) + "\n")
+                  "files": {name: sha256_file(temp / name) for name in STATE_FILES}}
+        write_text_atomic(temp / STATE_JSON, json.dumps(record, indent=1, sort_keys=True) + "\n")
         if final.exists():  # the same step saved again (an epoch that ends on a --save_steps step)
             shutil.rmtree(final)
         os.replace(temp, final)
@@ -117,16 +176,6 @@ def save_state(output: Path, step: int, epoch: int, position: int, elapsed: floa
         shutil.rmtree(temp, ignore_errors=True)
         raise
     return final
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        record = json.loads((path / "state.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise BackendError(f"not a readable training state ({type(exc).__name__})", source=str(path)) from None
-    if not isinstance(record, dict) or record.get("format") != STATE_FORMAT:
-        raise BackendError("not a unitgraph training state", source=str(path))
-    return record
 
 
 def remove_partial_states(output: Path) -> None:
@@ -144,7 +193,8 @@ def states(output: Path) -> list[Path]:
     root = Path(output) / STATE_DIR
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / "state.json").is_file())
+    found = [p for p in root.iterdir() if _STATE_NAME.fullmatch(p.name) and p.is_dir() and (p / STATE_JSON).is_file()]
+    return sorted(found, key=lambda p: (int(_STATE_NAME.fullmatch(p.name).group(1)), p.name))  # by step, past 10^8 too
 
 
 def latest_state(output: Path) -> Optional[Path]:
@@ -160,37 +210,255 @@ def prune_states(output: Path, keep: Optional[int]) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load_state(path: Path, params: dict[str, Any], optimizer: Any, match: dict[str, Any]) -> ResumePoint:
-    """Restore trained weights and optimizer state from `path` (checked: its files' digests, and that the run
-    repeats what the state records); the point to continue from."""
-    import torch
-    from safetensors.torch import load_file
+@dataclass(frozen=True)
+class CheckedState:
+    """A training state read whole and checked against this run (`check_state`), ready to be restored."""
 
-    path = Path(path)
-    record = _read(path)
+    point: ResumePoint
+    weights: dict[str, Any]  # trained parameter name -> tensor (shape and dtype of the parameter)
+    optimizer_state: dict[int, dict[str, Any]]  # the optimizer's per-parameter state, by its parameter index
+    param_groups: list[dict[str, Any]]  # this run's param groups (a state's are checked equal to them)
+
+
+def _optimizer(optimizer: Any) -> Any:
+    return optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer  # accelerate's wrapper
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (dict, list, str, int, float, bool, type(None))) else repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _number(value: Any) -> bool:
+    """A JSON number that is a finite float (an integer of 400 digits is not)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+_FIELDS = {  # state.json: field -> (check, what it must be)
+    "step": (_count, "a step count (an integer >= 0)"),
+    "epoch": (_count, "an epoch (an integer >= 0)"),
+    "position": (_count, "a step count (an integer >= 0)"),
+    "elapsed_s": (lambda v: _number(v) and v >= 0, "seconds (a finite number >= 0)"),
+    "match": (lambda v: isinstance(v, dict), "an object"),
+    "param_groups": (lambda v: isinstance(v, list) and bool(v) and all(isinstance(g, dict) for g in v),
+                     "a list of param-group objects"),
+    "loss_rows": (lambda v: isinstance(v, list), "a list of rows"),
+    "files": (lambda v: isinstance(v, dict), "an object"),
+}
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    """state.json, checked against its schema: every field there with its type, the files with their digests,
+    one loss row per step so far (what loss.csv is rewritten to)."""
+    source = str(path / STATE_JSON)
+    record = read_user_json(path / STATE_JSON, BackendError, "a training state (state.json)", max_bytes=1 << 30)
+    if not isinstance(record, dict):
+        raise BackendError("not a unitgraph training state (not a JSON object)", source=source)
+    fmt = record.get("format")
+    if fmt != STATE_FORMAT:
+        if isinstance(fmt, str) and fmt.startswith("unitgraph.train-state/"):
+            raise BackendError(f"a training state of format {fmt}, not {STATE_FORMAT} (made by another unitgraph "
+                               "version); start anew with --overwrite", source=source)
+        raise BackendError(f"not a unitgraph training state (expected format {STATE_FORMAT})", source=source)
+    for name, (check, what) in _FIELDS.items():
+        if name not in record:
+            raise BackendError(f"damaged training state: no field {name!r}; {_OLDER}", source=source)
+        if not check(record[name]):
+            raise BackendError(f"damaged training state: field {name!r} is {_shown(record[name])}, not {what}; {_OLDER}",
+                               source=source)
+    files = record["files"]
+    if set(files) != set(STATE_FILES) or not all(isinstance(v, str) and _SHA256.fullmatch(v) for v in files.values()):
+        raise BackendError(f"damaged training state: field 'files' is not the sha256 of {' and '.join(STATE_FILES)}; "
+                           f"{_OLDER}", source=source)
+    rows, step, epoch = record["loss_rows"], record["step"], record["epoch"]
+    if len(rows) != step:
+        raise BackendError(f"damaged training state: {len(rows)} loss rows for {step} steps; {_OLDER}", source=source)
+    last_epoch = 0
+    for n, row in enumerate(rows):
+        if not (isinstance(row, list) and len(row) == 4 and row[0] == n + 1 and _count(row[0]) and _count(row[1])
+                and last_epoch <= row[1] <= epoch and _number(row[2]) and _number(row[3]) and row[3] >= 0):
+            raise BackendError(f"damaged training state: loss_rows[{n}] is {_shown(row)}, not [step {n + 1}, epoch "
+                               f"(0..{epoch}, in order), loss, elapsed_s]; {_OLDER}", source=source)
+        last_epoch = row[1]
+    return record
+
+
+def _check_match(path: Path, record: dict[str, Any], match: dict[str, Any]) -> None:
     for key, value in match.items():
         if record["match"].get(key) != value:
             what = _FLAGS.get(key, f"--{key}")
             raise BackendError(f"this state was made with another {key} ({record['match'].get(key)!r}, now {value!r}): "
                                f"resuming would be another training; keep {what} as it was, or start anew with "
-                               "--overwrite", source=str(path))
-    for name, digest in record["files"].items():
-        if not (path / name).is_file() or sha256_file(path / name) != digest:
-            raise BackendError(f"{name} does not match the digest in state.json (damaged); resume from an older "
-                               "state with --resume PATH", source=str(path))
-    weights = load_file(str(path / "trained.safetensors"))
-    if set(weights) != set(params):
-        missing = sorted(set(params) - set(weights))[:1] or sorted(set(weights) - set(params))[:1]
-        raise BackendError(f"the state's trained parameters differ from this run's (e.g. {missing[0]})", source=str(path))
+                               "--overwrite", source=str(path / STATE_JSON))
+
+
+def _same(saved: Any, current: Any) -> bool:
+    """A param-group value read back from JSON equals the optimizer's own (tuples come back as lists)."""
+    if isinstance(current, (tuple, list)):
+        return isinstance(saved, list) and len(saved) == len(current) and all(map(_same, saved, current))
+    if isinstance(current, bool) or current is None or isinstance(saved, bool) or saved is None:
+        return saved is current
+    return type(saved) in (int, float, str) and saved == current
+
+
+def _check_param_groups(path: Path, saved: list[Any], current: list[dict[str, Any]]) -> None:
+    """The state's param groups are this run's optimizer's: the same parameters in each, the same settings
+    (those a newer torch added may be missing: this run's are used)."""
+    source = str(path / STATE_JSON)
+    if len(saved) != len(current):
+        raise BackendError(f"damaged training state: {len(saved)} param groups, this run's optimizer has "
+                           f"{len(current)}; {_OLDER}", source=source)
+    for n, (theirs, ours) in enumerate(zip(saved, current)):
+        if theirs.get("params") != ours["params"]:
+            raise BackendError(f"damaged training state: param_groups[{n}] holds other parameters than this run's "
+                               f"optimizer ({len(ours['params'])} parameters); {_OLDER}",
+                               source=source)
+        for key, value in ours.items():
+            if key != "params" and key in theirs and not _same(theirs[key], value):
+                raise BackendError(f"damaged training state: param_groups[{n}] has {key} {_shown(theirs[key])}, this "
+                                   f"run's optimizer {_shown(value)}; {_OLDER}", source=source)
+
+
+def _check_digests(path: Path, record: dict[str, Any]) -> None:
+    for name in STATE_FILES:
+        file = path / name
+        if not file.is_file():
+            raise BackendError(f"damaged training state: the file is missing (or not a regular file); {_OLDER}",
+                               source=str(file))
+        try:
+            digest = sha256_file(file)
+        except OSError as exc:
+            raise BackendError(f"cannot read: {exc.strerror or exc}", source=str(file)) from None
+        if digest != record["files"][name]:
+            raise BackendError(f"damaged: does not match the sha256 that state.json records for it; {_OLDER}",
+                               source=str(file))
+
+
+def _check_trained(path: Path, header: Header, params: dict[str, Any]) -> None:
+    source = str(path / TRAINED_FILE)
+    missing = sorted(set(params) - set(header.tensors))
+    extra = sorted(set(header.tensors) - set(params))
+    if missing or extra:
+        example = (f"{missing[0]} is trained in this run, not in the state" if missing
+                   else f"{extra[0]} is in the state, not trained in this run")
+        raise BackendError(f"the state's trained parameters differ from this run's ({len(missing)} missing, "
+                           f"{len(extra)} unknown; e.g. {example}); check --lora_base_model/--lora_target_modules/"
+                           f"--trainable_models, or {_OLDER}", source=source)
+    for name, param in params.items():
+        info = header.tensors[name]
+        if info.shape != tuple(param.shape) or info.dtype != dtype_code(param.dtype):
+            raise BackendError(f"damaged training state: tensor {name} is {info.describe()}, the trained parameter "
+                               f"{list(param.shape)} {str(param.dtype).removeprefix('torch.')}; {_OLDER}", source=source)
+
+
+def _expected_keys(opt: Any, group: dict[str, Any]) -> Optional[set[str]]:
+    """What the optimizer keeps per parameter (AdamW's: its step, first and second moments); None when unknown."""
+    import torch
+
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        return {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if group.get("amsgrad") else set())
+    return None
+
+
+def _check_optimizer(path: Path, header: Header, opt: Any) -> dict[int, dict[str, TensorInfo]]:
+    """Every tensor of optimizer.safetensors is a piece of the state the optimizer keeps for one of its parameters,
+    with that parameter's shape and dtype (the step: a single number); each parameter's state is whole."""
+    source = str(path / OPTIMIZER_FILE)
+    flat = [(p, group) for group in opt.param_groups for p in group["params"]]
+    found: dict[int, dict[str, TensorInfo]] = {}
+    for name, info in header.tensors.items():
+        key = _OPTIMIZER_KEY.fullmatch(name)
+        if key is None:
+            raise BackendError(f"damaged training state: tensor {name[:60]!r} is not <parameter index>.<state name>; "
+                               f"{_OLDER}", source=source)
+        index = int(key.group(1))
+        if index >= len(flat):
+            raise BackendError(f"damaged training state: tensor {name} is for parameter {index}, this run's optimizer "
+                               f"has {len(flat)}; {_OLDER}", source=source)
+        found.setdefault(index, {})[key.group(2)] = info
+    for index, pieces in sorted(found.items()):
+        param, group = flat[index]
+        expected = _expected_keys(opt, group)
+        if expected is not None and set(pieces) != expected:
+            wrong = sorted(set(pieces) - expected)
+            what = (f"an unknown tensor {index}.{wrong[0]}" if wrong
+                    else f"no {index}.{sorted(expected - set(pieces))[0]}")
+            raise BackendError(f"damaged training state: parameter {index} has {what} ({type(opt).__name__} keeps "
+                               f"{', '.join(sorted(expected))}); {_OLDER}", source=source)
+        for piece, info in pieces.items():
+            if piece == "step":
+                if info.shape != () or not info.floating:
+                    raise BackendError(f"damaged training state: tensor {index}.step is {info.describe()}, not a "
+                                       f"single floating number; {_OLDER}", source=source)
+            elif info.shape != tuple(param.shape) or info.dtype != dtype_code(param.dtype):
+                raise BackendError(f"damaged training state: tensor {index}.{piece} is {info.describe()}, its parameter "
+                                   f"{list(param.shape)} {str(param.dtype).removeprefix('torch.')}; {_OLDER}",
+                                   source=source)
+    return found
+
+
+def check_state(path: Path, params: dict[str, Any], optimizer: Any, match: dict[str, Any]) -> CheckedState:
+    """Read the state in `path` whole and check all of it against this run (see the module docstring); nothing
+    is changed. A BackendError naming the file at fault otherwise."""
+    path = Path(path)
+    record = _read_record(path)
+    _check_match(path, record, match)
+    opt = _optimizer(optimizer)
+    groups = opt.state_dict()["param_groups"]
+    _check_param_groups(path, record["param_groups"], groups)
+    _check_digests(path, record)
+    trained_header = read_header(path / TRAINED_FILE)
+    optimizer_header = read_header(path / OPTIMIZER_FILE)
+    _check_trained(path, trained_header, params)
+    pieces = _check_optimizer(path, optimizer_header, opt)
+    weights = load_tensors(path / TRAINED_FILE, trained_header, str(path / TRAINED_FILE))
+    bad = next((name for name, tensor in weights.items() if not finite(tensor)), None)
+    if bad is not None:
+        raise BackendError(f"damaged training state: {bad} holds NaN or infinite values; {_OLDER}",
+                           source=str(path / TRAINED_FILE))
+    tensors = load_tensors(path / OPTIMIZER_FILE, optimizer_header, str(path / OPTIMIZER_FILE))
+    state: dict[int, dict[str, Any]] = {}
+    for index, names in sorted(pieces.items()):
+        for piece in names:
+            value = tensors[f"{index}.{piece}"]
+            if piece == "step":
+                count = float(value)
+                ok = math.isfinite(count) and count == int(count) and 0 <= count <= record["step"]
+                what = f"a step count of 0..{record['step']}"
+            else:
+                ok = finite(value) and (not piece.endswith("_sq") or bool((value >= 0).all()))
+                what = "finite" + (" and >= 0" if piece.endswith("_sq") else "")
+            if not ok:
+                raise BackendError(f"damaged training state: tensor {index}.{piece} is not {what}; {_OLDER}",
+                                   source=str(path / OPTIMIZER_FILE))
+            state.setdefault(index, {})[piece] = value
+    point = ResumePoint(path=path, step=record["step"], epoch=record["epoch"], position=record["position"],
+                        elapsed=float(record["elapsed_s"]),
+                        rows=[[r[0], r[1], float(r[2]), float(r[3])] for r in record["loss_rows"]])
+    return CheckedState(point, weights, state, groups)
+
+
+def apply_state(checked: CheckedState, params: dict[str, Any], optimizer: Any) -> ResumePoint:
+    """Restore a checked state into the trained weights and the optimizer; the point to continue from."""
+    import torch
+
     with torch.no_grad():
         for name, param in params.items():
-            param.copy_(weights[name].to(param.device, param.dtype))
-    tensors = load_file(str(path / "optimizer.safetensors"))
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        index, _, name = key.partition(".")
-        state.setdefault(int(index), {})[name] = value
-    opt = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
-    opt.load_state_dict({"state": state, "param_groups": record["param_groups"]})
-    return ResumePoint(path=path, step=int(record["step"]), epoch=int(record["epoch"]), position=int(record["position"]),
-                       elapsed=float(record["elapsed_s"]), rows=record["loss_rows"])
+            param.copy_(checked.weights[name].to(param.device, param.dtype))
+    _optimizer(optimizer).load_state_dict({"state": checked.optimizer_state, "param_groups": checked.param_groups})
+    return checked.point
+
+
+def load_state(path: Path, params: dict[str, Any], optimizer: Any, match: dict[str, Any]) -> ResumePoint:
+    """Restore trained weights and optimizer state from `path`, all of it checked first (`check_state`: a
+    refused state changes nothing); the point to continue from."""
+    return apply_state(check_state(path, params, optimizer, match), params, optimizer)

@@ -8,7 +8,8 @@ per checkpoint, and OUTPUT/samples.html, which shows every checkpoint's samples 
 Split training keeps its promise that stage 2 never loads a frozen text encoder: the prompt units
 (the pipeline's units that read only `prompt` and call a model) run on the validation prompts in
 stage 1, which stores their outputs beside the cache (`validation.safetensors`, keyed by the
-prompts and the cache's key inputs); stage 2 reads them. A prompt unit that is itself trained
+prompts and the cache's key inputs, sealed with a checksum and checked whole before training:
+cache/encoded_prompts.py); stage 2 reads them. A prompt unit that is itself trained
 (a LoRA on the text encoder) runs at render time instead, with its current weights. The models a
 family needs only to render (the VAE's decoder) are loaded while rendering and freed after.
 
@@ -19,7 +20,6 @@ trains exactly as one without.
 from __future__ import annotations
 
 import gc
-import hashlib
 import html
 import importlib
 import json
@@ -28,12 +28,22 @@ from typing import Any, Optional
 
 from unitgraph.atomic import write_bytes_atomic, write_text_atomic
 
+from ..cache.encoded_prompts import (
+    DIGEST_KEY,
+    HINT,
+    META_KEY,
+    VALIDATION_FILE,
+    check_against_cache,
+    content_digest,
+    prompts_key,
+    read_encoded,
+)
 from ..errors import BackendError
+from ..tensorfile import finite, header_of_bytes, load_tensors
 
 __all__ = ["VALIDATION_FILE", "SAMPLES_DIR", "prompt_units", "encode_prompts", "store_encoded", "load_encoded",
            "Validator"]
 
-VALIDATION_FILE = "validation.safetensors"
 SAMPLES_DIR = "samples"
 SAMPLES_PAGE = "samples.html"
 
@@ -67,10 +77,6 @@ def encode_prompts(ctx: Any, pipeline: Any, prompts: list[str]) -> list[dict[str
     return out
 
 
-def _key(prompts: list[str], key_hash: str) -> str:
-    return hashlib.sha256(json.dumps({"prompts": prompts, "key": key_hash}).encode("utf-8")).hexdigest()
-
-
 def _cache(location: Any) -> Any:
     from ..cache.cache import Cache
 
@@ -78,7 +84,8 @@ def _cache(location: Any) -> Any:
 
 
 def store_encoded(cache_dir: Any, prompts: list[str], key_hash: str, encoded: list[dict[str, Any]]) -> str:
-    """Write the encoded validation prompts beside the cache's entries (whole: a rename or one PUT); where."""
+    """Write the encoded validation prompts beside the cache's entries, sealed with their checksum (whole: a
+    rename or one PUT); where."""
     from safetensors.torch import save
 
     tensors, none = {}, []
@@ -88,41 +95,44 @@ def store_encoded(cache_dir: Any, prompts: list[str], key_hash: str, encoded: li
                 none.append(f"{i}.{name}")
             else:
                 tensors[f"{i}.{name}"] = value.detach().to("cpu").contiguous().clone()
-    meta = {"unitgraph_validation": json.dumps({"prompts": prompts, "key": _key(prompts, key_hash), "none": none})}
-    cache = _cache(cache_dir)
-    cache.store.write(VALIDATION_FILE, save(tensors, metadata=meta))
-    return cache.describe(VALIDATION_FILE)
-
-
-def load_encoded(cache_dir: Any, prompts: list[str], key_hash: str) -> list[dict[str, Any]]:
-    """The encoded validation prompts stored by stage 1; a one-line error when they are missing or stale."""
-    from safetensors.torch import load
-
-    from ..cache.entries import _safetensors_header
-
+    meta = {META_KEY: json.dumps({"prompts": prompts, "key": prompts_key(prompts, key_hash), "none": none})}
     cache = _cache(cache_dir)
     shown = cache.describe(VALIDATION_FILE)
-    hint = "run stage 1 (--task sft:data_process, or sft:split) with the same --validation_prompt values"
+    body = save(tensors, metadata=meta)
+    sealed = save(tensors, metadata={**meta, DIGEST_KEY: content_digest(header_of_bytes(body, shown), body)})
+    read_encoded(sealed, shown)  # the digest covers the tensor table, which the added metadata does not move
+    cache.store.write(VALIDATION_FILE, sealed)
+    return shown
+
+
+def load_encoded(cache_dir: Any, prompts: list[str], key_hash: str, manifest: Any = None) -> list[dict[str, Any]]:
+    """The encoded validation prompts stored by stage 1, checked whole (cache/encoded_prompts.py: the checksum,
+    these prompts, each output as the cache's entries hold it, finite values); a one-line error naming the file
+    when they are missing, stale or damaged. `manifest`: the cache's, when the caller has read it already."""
+    cache = _cache(cache_dir)
+    shown = cache.describe(VALIDATION_FILE)
     try:
         data = cache.store.read(VALIDATION_FILE)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        raise BackendError(f"the cache holds no encoded validation prompts; {hint}", source=cache.location) from None
-    header = _safetensors_header(data, shown)
-    try:
-        meta = json.loads((header.get("__metadata__") or {}).get("unitgraph_validation", "{}"))
-        tensors = load(data)
-    except Exception as exc:  # safetensors raises its own error types for damaged files
-        raise BackendError(f"unreadable encoded validation prompts ({type(exc).__name__}); {hint}", source=shown) from None
-    if not isinstance(meta, dict) or meta.get("key") != _key(prompts, key_hash):
-        shown_prompts = meta.get("prompts") if isinstance(meta, dict) else None
-        raise BackendError(f"the cache's encoded validation prompts are {shown_prompts!r}, not these; {hint}", source=shown)
+        raise BackendError(f"the cache holds no encoded validation prompts; {HINT}", source=cache.location) from None
+    except OSError as exc:
+        raise BackendError(f"unreadable encoded validation prompts ({exc.strerror or exc}); {HINT}", source=shown) from None
+    stored = read_encoded(data, shown)
+    if stored.key != prompts_key(prompts, key_hash) or stored.prompts != list(prompts):
+        raise BackendError(f"the cache's encoded validation prompts are {stored.prompts!r}, not these; {HINT}",
+                           source=shown)
+    manifest = manifest if manifest is not None else cache.read_manifest()
+    if manifest is not None:
+        check_against_cache(stored, cache, manifest, shown)
+    tensors = load_tensors(data, stored.header, shown)
     out: list[dict[str, Any]] = [{} for _ in prompts]
-    for name, tensor in tensors.items():
-        i, _, param = name.partition(".")
-        out[int(i)][param] = tensor
-    for name in meta.get("none", []):
-        i, _, param = name.partition(".")
-        out[int(i)][param] = None
+    for i, values in enumerate(stored.values):
+        for output, info in values.items():
+            value = None if info is None else tensors[f"{i}.{output}"]
+            if value is not None and not finite(value):
+                raise BackendError(f"the encoded validation prompt {i} ({prompts[i][:40]!r}) has NaN or infinite "
+                                   f"values in {output}; {HINT}", source=shown)
+            out[i][output] = value
     return out
 
 
