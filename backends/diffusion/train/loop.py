@@ -29,8 +29,11 @@ from ..randomness import seeded_global_stream
 from .checkpoints import checkpoint_state, save_checkpoint
 from .outputs import RunFolder
 from .resume import (
+    apply_state,
+    check_progress,
+    check_state,
+    data_identity,
     latest_state,
-    load_state,
     must_match,
     prune_states,
     remove_partial_states,
@@ -56,7 +59,8 @@ def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerat
         if lora.preset_model not in models:
             raise BackendError(f"--preset_lora_model {lora.preset_model!r} is not loaded in this stage "
                                f"(stage models: {', '.join(sorted(models))})")
-        merge_preset_lora(models[lora.preset_model], lora.preset_model, lora.preset_path, prefixes[lora.preset_model])
+        merge_preset_lora(models[lora.preset_model], lora.preset_model, lora.preset_path, prefixes[lora.preset_model],
+                          prefixes=prefixes)
     for slot in cfg.optim.trainable:
         models[slot].requires_grad_(True)
         models[slot].train()
@@ -182,6 +186,13 @@ def run_training(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerat
         raise BackendError(f"nothing to train on: no samples for process {rank} ({len(provider.items)} samples)")
     models = load_models(cfg, provider.models, training=True, device=accelerator.device)
     models, optimizer, lora_config = prepare_models(cfg, plan, models, accelerator, report)
+    # --resume: the state is read and checked whole before the folder is claimed, so a refusal changes nothing
+    per_epoch = len(step_groups(data.batches(0, rank, world), cfg.optim.accumulation))
+    match = must_match(cfg, plan, world, data=data_identity(provider), steps_per_epoch=per_epoch)
+    checked = resume_point(cfg, output, trained_parameters(models, plan.models_require_backward), optimizer, match,
+                           per_epoch, accelerator.is_main_process)
+    run = (cfg, plan, provider, data, accelerator, output, result, stage_name, models, optimizer, lora_config, match,
+           checked)
     if accelerator.is_main_process:
         folder = RunFolder(output)
         record = {"task": cfg.args.task, "pipeline": plan.pipeline, "plan_fingerprint": plan.fingerprint}
@@ -189,9 +200,9 @@ def run_training(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerat
             result.replaced = folder.replaced
             if report is not None:
                 report.flush()  # every check passed: the notes about the flags
-            _Run(cfg, plan, provider, data, accelerator, output, result, stage_name, models, optimizer, lora_config).run()
+            _Run(*run).run()
     else:
-        _Run(cfg, plan, provider, data, accelerator, output, result, stage_name, models, optimizer, lora_config).run()
+        _Run(*run).run()
 
 
 class _Run:
@@ -202,7 +213,8 @@ class _Run:
     """
 
     def __init__(self, cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: Any, output: Path,
-                 result: RunResult, stage_name: str, models: dict[str, Any], optimizer: Any, lora_config: Any):
+                 result: RunResult, stage_name: str, models: dict[str, Any], optimizer: Any, lora_config: Any,
+                 match: dict[str, Any], checked: Any = None):
         self.cfg, self.plan, self.provider, self.data, self.acc = cfg, plan, provider, data, accelerator
         self.output, self.result, self.models, self.optimizer, self.lora_config = output, result, models, optimizer, lora_config
         self.world, self.rank, self.main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
@@ -213,11 +225,15 @@ class _Run:
         # unsplit and the split run draw the same masks. Without any active dropout there is nothing to seed.
         self.seeded = draws_dropout(models)
         self.params = trained_parameters(models, plan.models_require_backward)
-        self.match = must_match(cfg, plan, self.world)
+        self.match = match
         if self.main:
             remove_partial_states(output)  # a state write a kill interrupted (this run holds the folder's lock)
         accelerator.wait_for_everyone()
-        self.start = resume_point(cfg, output, self.params, optimizer, self.match, result, accelerator)
+        self.start = apply_state(checked, self.params, optimizer) if checked is not None else None
+        if self.start is not None:
+            result.resumed_from = self.start.path
+            if self.main:
+                print(f"resuming from {self.start.path} (step {self.start.step}, epoch {self.start.epoch})")
         self.log = LossLog(output / "loss.csv", self.main, rows=self.start.rows if self.start else None)
         per_epoch = len(step_groups(data.batches(0, self.rank, self.world), cfg.optim.accumulation))
         self.bar = progress(None, per_epoch * cfg.optim.num_epochs, stage_name,
@@ -351,24 +367,27 @@ def steps_done(start: Any, epoch: int, steps: int) -> int:
 
 
 def resume_point(cfg: RunConfig, output: Path, params: dict[str, Any], optimizer: Any, match: dict[str, Any],
-                 result: RunResult, accelerator: Any) -> Any:
-    """--resume: the state to continue from (restored into the weights and the optimizer), or None to start at
-    step 0 (plain --resume in a folder without a state yet, said in one line)."""
+                 per_epoch: int, main: bool = True) -> Any:
+    """--resume: the state to continue from, read and checked whole against this run (nothing restored yet, nothing
+    changed), or None to start at step 0 (plain --resume in a folder whose run has not saved a state yet)."""
     if cfg.output.resume is None:
         return None
     path = latest_state(output) if cfg.output.resume == "latest" else Path(cfg.output.resume)
     if path is None:
-        if accelerator.is_main_process:
+        made = sorted(p.name for p in output.glob("*.safetensors")) if output.is_dir() else []
+        if made:
+            raise BackendError(f"--resume: the run here saved checkpoints ({', '.join(made[:3])}) but no training state "
+                               "is left (state/ deleted?); continuing from step 0 would train over them: start anew "
+                               "with --overwrite, or resume from a state folder", source=str(output))
+        if main:
             print(f"note: --resume: no training state in {output} yet; training starts at step 0")
         return None
     if not (path / "state.json").is_file():
         raise BackendError("--resume: not a training state folder (no state.json); states are OUTPUT/state/step-N",
                            source=str(path))
-    point = load_state(path, params, optimizer, match)
-    result.resumed_from = point.path
-    if accelerator.is_main_process:
-        print(f"resuming from {point.path} (step {point.step}, epoch {point.epoch})")
-    return point
+    checked = check_state(path, params, optimizer, match)
+    check_progress(path, checked.point, per_epoch, cfg.optim.num_epochs)
+    return checked
 
 
 def step_loss(losses: list[tuple[Any, int]], total: int, accelerator: Any) -> float:
