@@ -376,3 +376,19 @@ def test_pathological_manifests_are_one_line(tmp_path, capsys, content):
     for command in ("verify", "info"):
         code, _, err = cli(capsys, "cache", command, str(cache))
         one_line(code, err, "manifest.json")
+
+
+def test_an_interrupted_validation_image_leaves_no_temp_file_behind(tmp_path):
+    from unitgraph.backends.diffusion.train.outputs import RunFolder
+
+    out = tmp_path / "run"
+    record = {"task": "sft:train", "pipeline": "qwen_image", "plan_fingerprint": "x"}
+    with RunFolder(out).claimed(False, record):
+        (out / "samples" / "epoch-0").mkdir(parents=True)
+    half = out / "samples" / "epoch-0" / ".0.png.ab12cd34.tmp"
+    half.write_bytes(b"half an image")
+    note = out / "samples" / "epoch-0" / ".note.tmp"
+    note.write_text("kept: not an image's temp file")
+    with RunFolder(out).claimed(False, record, resume=True):
+        pass
+    assert not half.exists() and note.exists()

@@ -93,6 +93,21 @@ def _is_cache(folder: Path) -> bool:
     return isinstance(data, dict) and str(data.get("format", "")).startswith("unitgraph.cache/")
 
 
+def remove_sample_temps(folder: Path) -> int:
+    """The temporary files of validation images a kill interrupted (OUTPUT/samples/..., ".<name>.png.<8>.tmp");
+    only those: a marked run's samples folder is its own. Returns how many were removed."""
+    samples = folder / SAMPLES_DIR
+    if not samples.is_dir() or samples.is_symlink():
+        return 0
+    removed = 0
+    for path in samples.rglob(".*.tmp"):
+        target = temp_target(path.name)
+        if target is not None and target.endswith(".png") and path.is_file() and not path.is_symlink():
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
 def move_aside(folder: Path) -> Path:
     """Move the run files of `folder` (and its training states) into a new `replaced-<UTC time>` folder inside it;
     return that folder."""
@@ -174,6 +189,7 @@ class RunFolder:
                 for entry in self.folder.iterdir():
                     if entry.is_file() and _is_temp(entry.name):
                         entry.unlink(missing_ok=True)
+                remove_sample_temps(self.folder)
                 if read_marker(self.folder) is not None and not resume:
                     self.replaced = move_aside(self.folder)
                 self._write_marker({**run, "status": "running"})
