@@ -7,6 +7,7 @@ torch, diffusers and the backend's training code are imported inside the command
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import time
 from pathlib import Path
@@ -41,6 +42,11 @@ def train_command(**kwargs: Any) -> None:
     args = make_args(**kwargs)
     result = run(args)
     if not _is_main():
+        return
+    if result.memory_plan is not None:  # --dry_run
+        from unitgraph.backends.diffusion.memory_plan import format_memory_plan
+
+        typer.echo(json.dumps(result.memory_plan, indent=1) if args.json else "\n".join(format_memory_plan(result.memory_plan)))
         return
     for line in result_lines(result):
         typer.echo(line)
@@ -105,17 +111,30 @@ PipelineOption = Annotated[Optional[str], typer.Option("--pipeline", help="A pip
 def tiny_models_command(
     outdir: Annotated[str, typer.Argument(metavar="OUTDIR", help="Folder to write the pipeline into.", show_default=False)],
     pipeline: PipelineOption = None,
-    size: Annotated[str, typer.Option("--size", help="test (a train step ~10 ms) or demo (~0.15 s at 256 px).")] = "test",
+    size: Annotated[str, typer.Option("--size", help="test (a train step ~10 ms) or demo (~0.15 s at 256 px); real: the released model's config.json files only, no weights (for train --dry_run; Wan also real-1.3b).")] = "test",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
 ) -> None:
-    """Write a random-weight diffusers pipeline folder of a family (it loads with the family's diffusers pipeline class)."""
+    """Write a random-weight diffusers pipeline folder of a family (it loads with the family's diffusers pipeline class),
+    or with --size real the released model's configuration files alone."""
+    import importlib
+
     from unitgraph.backends.diffusion.errors import BackendError
 
     family, chosen = _choice(pipeline)
+    start = time.perf_counter()
+    if size.startswith("real"):
+        real = importlib.import_module(".real", family.package)  # families/<name>/real.py: the published configs
+        if size not in real.RELEASES:
+            raise BackendError(f"--size must be one of {', '.join(real.RELEASES)} for {family.title}'s released configs, "
+                               f"got {size!r}")
+        path = real.write_real_configs(outdir, size=size, pipeline=chosen.name if chosen else None)
+        cls = (chosen.diffusers_pipeline if chosen else None) or family.diffusers_pipelines[0]
+        typer.echo(f"wrote the released {family.title} configs ({cls}; config.json files only, no weights) to {path} "
+                   f"in {time.perf_counter() - start:.1f} s")
+        return
     tiny = family.tiny_module()
     if size not in tiny.SIZES:
-        raise BackendError(f"--size must be one of {', '.join(tiny.SIZES)}, got {size!r}")
-    start = time.perf_counter()
+        raise BackendError(f"--size must be one of {', '.join([*tiny.SIZES, 'real'])}, got {size!r}")
     path = tiny.write_tiny_models(outdir, size=size, seed=seed, pipeline=chosen.name if chosen else None)
     cls = (chosen.diffusers_pipeline if chosen else None) or family.diffusers_pipelines[0]
     typer.echo(f"wrote {size}-size {family.title} pipeline ({cls}) to {path} in {time.perf_counter() - start:.1f} s")

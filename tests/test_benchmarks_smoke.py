@@ -131,7 +131,8 @@ def test_run_all_names_every_benchmark_and_refuses_unknown_ones(capsys):
     run_all = _module("run_all")
     scripts = {c[0] for c in run_all.COMMANDS.values()}
     assert scripts == {f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.py")
-                       if p.name not in ("run_all.py", "docsection.py", "split_vs_unsplit_report.py")}
+                       if p.name not in ("run_all.py", "docsection.py", "split_vs_unsplit_report.py",
+                                         "gpu_real_size.py")}  # needs a GPU: run by hand where one is lent
     text = run_all.summary("2026-12-01 10:00", "2026-12-01 11:00", {"planner": 120.0, "flux": 300.0}, ["flux"])
     assert "| `python benchmarks/planner_scaling.py --write` | 2.0 |" in text and "earlier run): flux." in text
     with pytest.raises(SystemExit):
@@ -258,3 +259,27 @@ def test_thread_overlap_calibrates_its_job_and_reports_the_hidden_share():
     assert result["overlap"] == pytest.approx((result["serial"] - result["job"]) / result["job_only"])
     text = bench.report(result)
     assert f"{result['overlap']:.0%} |" in text and "2 linear layers" in text
+
+
+def test_memory_plan_table_at_test_size(tmp_path):
+    """benchmarks/memory_plan_table.py on the test-size Qwen-Image models: two dry-run plans and one measured step,
+    rendered, and its section written into a doc (replaced in place on a second write)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    bench = _module("memory_plan_table")
+    result = bench.measure("test", tmp_path / "work", echo=lambda _t: None, only=("qwen_image",),
+                           precisions=("bf16", "bf16 + fp8 DiT + checkpointing"))
+    plans = result["peaks"]["families"]["qwen_image"]
+    assert set(plans) == {"bf16", "bf16 + fp8 DiT + checkpointing"}
+    assert plans["bf16 + fp8 DiT + checkpointing"]["stages"]["train"]["peak_bytes"] < plans["bf16"]["stages"]["train"]["peak_bytes"]
+    text = bench.report(result, "test")
+    assert "| Qwen-Image, 1024x1024 | bf16 |" in text and "at test size" in text
+    if bench.heap_reader() is not None:
+        (row,) = result["errors"]
+        assert row["step"]["estimate"] > 0 and "| qwen_image | bf16 | DiT LoRA step |" in text
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# Benchmarks\n\n## Planner scaling\n\n{PLANNER}\n")
+    bench.write_section(doc, bench.BEGIN, bench.END, bench.TITLE, text)
+    bench.write_section(doc, bench.BEGIN, bench.END, bench.TITLE, text.replace("bf16", "bf17"))
+    content = doc.read_text()
+    assert content.count(bench.BEGIN) == 1 and PLANNER in content and "bf17" in content

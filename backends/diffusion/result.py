@@ -37,6 +37,7 @@ class RunResult:
     resumed_from: Optional[Path] = None  # the training state --resume continued from
     sample_images: list[Path] = field(default_factory=list)  # validation samples written
     losses: list[float] = field(default_factory=list)
+    memory_plan: Optional[dict[str, Any]] = None  # --dry_run: what each stage would need (memory_plan.py)
 
     @property
     def median_step_s(self) -> Optional[float]:

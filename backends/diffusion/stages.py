@@ -341,6 +341,11 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, accelerat
     cfg = RunConfig.from_args(args)
     plan = plan_for(cfg)
     check_supported(cfg)
+    if args.dry_run:  # the memory plan from config files alone: nothing is loaded or written
+        from .memory_plan import memory_plan
+
+        return RunResult(task=args.task, output_path=location(cfg.output.path), plan=plan,
+                         memory_plan=memory_plan(cfg, plan))
     accelerator = accelerator or make_accelerator(cfg)
     report = Reporter(accelerator, echo)
     for note in [*cfg.notes, *flag_notes(cfg, plan, accelerator)]:

@@ -1,0 +1,145 @@
+"""The released Wan 2.1 configurations, for config-only folders (`tiny-models DIR --size real|real-1.3b`).
+
+Facts, copied from the published config.json of each component of Wan-AI/Wan2.1-T2V-14B-Diffusers (`--size real`,
+or `real-14b`), Wan-AI/Wan2.1-T2V-1.3B-Diffusers (`real-1.3b`) and, for `--pipeline wan_i2v`,
+Wan-AI/Wan2.1-I2V-14B-480P-Diffusers. On the meta device the 14B transformer has 14.29 B parameters, the 1.3B one
+1.42 B, UMT5-XXL's encoder 5.68 B, the VAE 127 M. No torch here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from ...models.config_folders import write_config_folder
+from . import SCHEDULER_CONFIG
+
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json
+TRANSFORMER_1_3B = {
+    "_class_name": "WanTransformer3DModel",
+    "added_kv_proj_dim": None,
+    "attention_head_dim": 128,
+    "cross_attn_norm": True,
+    "eps": 1e-06,
+    "ffn_dim": 8960,
+    "freq_dim": 256,
+    "image_dim": None,
+    "in_channels": 16,
+    "num_attention_heads": 12,
+    "num_layers": 30,
+    "out_channels": 16,
+    "patch_size": [1, 2, 2],
+    "qk_norm": "rms_norm_across_heads",
+    "rope_max_seq_len": 1024,
+    "text_dim": 4096,
+}
+
+# Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json
+TRANSFORMER_14B = dict(TRANSFORMER_1_3B, ffn_dim=13824, num_attention_heads=40, num_layers=40)
+
+# Wan-AI/Wan2.1-I2V-14B-480P-Diffusers transformer/config.json
+TRANSFORMER_I2V_14B = dict(TRANSFORMER_14B, added_kv_proj_dim=5120, image_dim=1280, in_channels=36)
+
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers vae/config.json (the same in every Wan 2.1 release)
+VAE = {
+    "_class_name": "AutoencoderKLWan",
+    "attn_scales": [],
+    "base_dim": 96,
+    "dim_mult": [1, 2, 4, 4],
+    "dropout": 0.0,
+    "latents_mean": [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715, 0.5517,
+                     -0.3632, -0.1922, -0.9497, 0.2503, -0.2921],
+    "latents_std": [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526, 2.8652, 1.5579,
+                    1.6382, 1.1253, 2.8251, 1.916],
+    "num_res_blocks": 2,
+    "temperal_downsample": [False, True, True],
+    "z_dim": 16,
+}
+
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers text_encoder/config.json (google/umt5-xxl's encoder; the same in every release)
+TEXT_ENCODER = {
+    "architectures": ["UMT5EncoderModel"],
+    "classifier_dropout": 0.0,
+    "d_ff": 10240,
+    "d_kv": 64,
+    "d_model": 4096,
+    "decoder_start_token_id": 0,
+    "dense_act_fn": "gelu_new",
+    "dropout_rate": 0.1,
+    "eos_token_id": 1,
+    "feed_forward_proj": "gated-gelu",
+    "initializer_factor": 1.0,
+    "is_encoder_decoder": True,
+    "is_gated_act": True,
+    "layer_norm_epsilon": 1e-06,
+    "model_type": "umt5",
+    "num_decoder_layers": 24,
+    "num_heads": 64,
+    "num_layers": 24,
+    "output_past": True,
+    "pad_token_id": 0,
+    "relative_attention_max_distance": 128,
+    "relative_attention_num_buckets": 32,
+    "scalable_attention": True,
+    "tie_word_embeddings": False,
+    "tokenizer_class": "T5Tokenizer",
+    "torch_dtype": "float32",
+    "use_cache": True,
+    "vocab_size": 256384,
+}
+
+# Wan-AI/Wan2.1-I2V-14B-480P-Diffusers image_encoder/config.json (open-clip ViT-H/14's vision tower)
+IMAGE_ENCODER = {
+    "architectures": ["CLIPVisionModel"],
+    "attention_dropout": 0.0,
+    "dropout": 0.0,
+    "hidden_act": "gelu",
+    "hidden_size": 1280,
+    "image_size": 224,
+    "initializer_factor": 1.0,
+    "initializer_range": 0.02,
+    "intermediate_size": 5120,
+    "layer_norm_eps": 1e-05,
+    "model_type": "clip_vision_model",
+    "num_attention_heads": 16,
+    "num_channels": 3,
+    "num_hidden_layers": 32,
+    "patch_size": 14,
+    "projection_dim": 1024,
+    "torch_dtype": "float32",
+}
+
+# --size name -> (the T2V release, its transformer config)
+RELEASES = {
+    "real": ("Wan-AI/Wan2.1-T2V-14B-Diffusers", TRANSFORMER_14B),
+    "real-14b": ("Wan-AI/Wan2.1-T2V-14B-Diffusers", TRANSFORMER_14B),
+    "real-1.3b": ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", TRANSFORMER_1_3B),
+}
+I2V_RELEASE = "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"  # --pipeline wan_i2v (any --size real*: the one I2V release here)
+
+
+def write_real_configs(outdir: Any, size: str = "real", pipeline: Optional[str] = None) -> Path:
+    """Write the release's config-only pipeline folder: T2V for `wan` (14B, or 1.3B with size real-1.3b), Wan 2.1
+    I2V 14B 480P for `wan_i2v` (its image encoder too)."""
+    from . import FAMILY
+
+    if size not in RELEASES:
+        raise ValueError(f"unknown real size {size!r} (sizes: {', '.join(RELEASES)})")
+    definition = FAMILY.pipeline(pipeline) if pipeline else FAMILY.pipelines[0]
+    class_name = definition.diffusers_pipeline or FAMILY.diffusers_pipelines[0]
+    i2v = class_name == "WanImageToVideoPipeline"
+    release, transformer = (I2V_RELEASE, TRANSFORMER_I2V_14B) if i2v else RELEASES[size]
+    index = {
+        "_class_name": class_name,
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "T5TokenizerFast"],
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+    }
+    files = {"transformer/config.json": transformer, "vae/config.json": VAE, "text_encoder/config.json": TEXT_ENCODER,
+             "scheduler/scheduler_config.json": {"_class_name": "UniPCMultistepScheduler", **SCHEDULER_CONFIG}}
+    if i2v:
+        index.update(image_encoder=["transformers", "CLIPVisionModel"], image_processor=["transformers", "CLIPImageProcessor"])
+        files["image_encoder/config.json"] = IMAGE_ENCODER
+    return write_config_folder(outdir, index, files, release)

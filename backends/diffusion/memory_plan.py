@@ -1,0 +1,719 @@
+"""The memory plan of a run (`--dry_run`): what stage 1, stage 2 and the unsplit run hold on the device, from configs.
+
+`memory_plan(cfg, plan)` reads each model's config.json (never its weights) and returns, per stage, the models the
+stage loads with their storage dtype and bytes, the trainable state, the activations of one step and the peak;
+`format_memory_plan` renders it as a table (GiB, 2 decimals). Nothing is written, nothing is downloaded.
+
+How the estimate is made:
+
+- **Weights.** Each model slot is built from its config.json on the meta device (accelerate's `init_empty_weights`,
+  the slot's class) and set up with the very calls a run makes (models/stage.py, train/loop.py): frozen weights
+  at the compute dtype, except the modules the library itself keeps in fp32 (diffusers' `_keep_in_fp32_modules`;
+  transformers' strict list at bf16, both lists at fp16); a model trained in full at fp32; the LoRA base gets its
+  adapter through `models.lora.add_lora` and `precision.adapters_to_fp32`; `--fp8_models` through
+  `precision.store_fp8`. The bytes are summed per storage dtype over the built parameters (tied ones once).
+- **Trainable state.** 16 bytes per trained parameter: the fp32 value, its gradient, AdamW's two moments.
+- **Activations.** One training step is traced under torch's FakeTensorMode: the built models' parameters become
+  fake tensors of the same shapes and dtypes, the family's `memory.py` gives the loss's inputs at the run's size
+  (and the encoders' calls), the loss runs as a run calls it (`PipelineDef.loss` under the context's autocast), then
+  its backward. A TorchDispatchMode (`StorageLog`) logs every storage created and freed meanwhile; the activations
+  are the peak of the live bytes, leaving out the trained parameters' gradients (in the trainable state). Gradient
+  checkpointing runs as the run's (`precision.enable_checkpointing`), with its recomputation in the backward;
+  fp8 storage runs as `store_fp8` set it up (a Linear layer casts its fp8 weight for each product, forward and
+  backward; Conv and Embedding layers through diffusers' layerwise casting hook, which fake tensors run with
+  compute-dtype copies in place of the stored parameters, `trace_layerwise_casting`);
+  `--use_gradient_checkpointing_offload` moves every tensor autograd saves off the device (as `save_on_cpu`
+  does) and counts it as host bytes. Stage 1's activations are the largest of its encoders' no-grad forwards at
+  the run's size, traced the same way; the unsplit run's the larger of those and the step's.
+- **Peak** = weights + trainable state + activations. With `--blocks_to_swap N` the frozen Linear weights of the
+  last N blocks of the LoRA base leave the device (`precision.swap_blocks`), the largest counted back in flight.
+  The device's own overhead (CUDA context, allocator fragmentation, kernels' workspaces) is not in it: allow
+  0.5-1.5 GiB on a GPU.
+
+Measured error (benchmarks/memory_plan_table.py, docs/memory.md; on this CPU, no GPU here): the weights and the
+trainable state are exact counts (tests/test_memory_plan.py compares them with the models a run loads). One real
+training step of the demo-size Qwen-Image, FLUX.1 and Wan models, its storages logged by the same tracker on real
+tensors, creates what the fake trace says to within 0.3 MiB (a CPU kernel's buffer); the heap in use during the
+step (glibc's mallinfo2 after every op) exceeds the estimate by 0.2-2.5 % without checkpointing and 3-10 % with it
+(a constant 0.5-0.9 MiB of Python and autograd objects on steps of 8-164 MiB), each encoder's forward by under 3 %.
+Shapes the families' memory modules assume: text at its longest (512 tokens), a square image of --max_pixels when
+no --height/--width is given, one edit or reference image at the target's size, one sampler step for direct
+distillation; the Qwen2.5-VL vision tower of the edit pipelines is not traced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+
+from .errors import BackendError
+
+if TYPE_CHECKING:  # annotations only
+    from unitgraph.plan import Plan
+
+    from .config import RunConfig
+
+STAGES = ("data_process", "train", "unsplit")
+STAGE_TITLES = {"data_process": "stage 1 (data_process)", "train": "stage 2 (train)", "unsplit": "unsplit run"}
+TRAINABLE_BYTES_PER_PARAM = 16  # fp32 value 4 + gradient 4 + AdamW exp_avg 4 + exp_avg_sq 4
+GIB = 1 << 30
+
+
+# ------------------------------------------------------------------------------------------------
+# live storage bytes
+
+
+class StorageLog:
+    """Every storage created while the log is active, and its release: a TorchDispatchMode over any tensors (fake
+    or real), entered inside FakeTensorMode so that it sees each op's outputs first.
+
+    A storage is counted once however many views reach it; outputs of ops whose schema says they alias an input
+    (views, in-place ops) are not new storage, and storages that existed before (the weights, passed as `known`)
+    are never counted. Each storage gets a serial number when it is made (a storage's address is reused once it is
+    freed); `peak(exclude)` replays the log leaving out some of them (the gradients, `serials_of`)."""
+
+    def __init__(self, known: Iterable[Any] = (), after_op: Optional[Callable[[], None]] = None,
+                 record_ops: bool = False):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        log = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                # views and in-place ops alias an input: no new storage
+                if not any(r.alias_info is not None for r in func._schema.returns):
+                    log._saw(out, func)
+                if after_op is not None:
+                    after_op()
+                return out
+
+        self.mode = _Mode()
+        self.events: list[tuple[int, int]] = []  # (serial, +bytes at creation / -bytes at release)
+        self.known: dict[int, Any] = {}  # address -> weakref; a storage that dies leaves its address to new ones
+        for tensor in known:
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            self.known[key] = weakref.ref(storage, lambda _ref, key=key: self.known.pop(key, None))
+        self._alive: dict[int, tuple[int, Any]] = {}  # address -> (serial, weakref) of the storages alive
+        self.active = False
+        self.ops: Optional[dict[int, str]] = {} if record_ops else None  # serial -> the op that made it
+
+    def _saw(self, out: Any, func: Any = None) -> None:
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        for value in tree_flatten(out)[0]:
+            if not isinstance(value, torch.Tensor):
+                continue
+            storage = value.untyped_storage()
+            key = storage._cdata
+            if key in self._alive or key in self.known:
+                continue
+            size, serial = storage.nbytes(), len(self.events)
+            ref = weakref.ref(storage, lambda _ref, key=key, serial=serial, size=size:
+                              self._released(key, serial, size))
+            self._alive[key] = (serial, ref)
+            self.events.append((serial, size))
+            if self.ops is not None:
+                self.ops[serial] = str(func)
+
+    def _released(self, key: int, serial: int, size: int) -> None:
+        if self._alive.get(key, (None,))[0] == serial:
+            del self._alive[key]
+        if self.active:
+            self.events.append((serial, -size))
+
+    def serials_of(self, tensors: Iterable[Any]) -> set[int]:
+        """The serial numbers of the logged storages these tensors live in now."""
+        found = set()
+        for tensor in tensors:
+            entry = self._alive.get(tensor.untyped_storage()._cdata)
+            if entry is not None:
+                found.add(entry[0])
+        return found
+
+    def __enter__(self) -> "StorageLog":
+        self.active = True
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.mode.__exit__(*exc)
+        self.active = False
+
+    def peak(self, exclude: Iterable[int] = ()) -> int:
+        skip, live, top = set(exclude), 0, 0
+        for serial, delta in self.events:
+            if serial not in skip:
+                live += delta
+                top = max(top, live)
+        return top
+
+    def live_at_peak(self, exclude: Iterable[int] = ()) -> dict[int, int]:
+        """{serial: bytes} of the storages alive at the (first) peak."""
+        skip, live, top, alive, best = set(exclude), 0, 0, {}, {}
+        for serial, delta in self.events:
+            if serial in skip:
+                continue
+            live += delta
+            if delta > 0:
+                alive[serial] = delta
+            else:
+                alive.pop(serial, None)
+            if live > top:
+                top, best = live, dict(alive)
+        return best
+
+
+class HostSaved:
+    """`--use_gradient_checkpointing_offload` in a trace: each tensor autograd saves leaves the device (its bytes go to
+    `host_bytes`) and comes back as a new tensor of its shape when the backward needs it, as `save_on_cpu` does."""
+
+    def __init__(self) -> None:
+        self.host_bytes = 0
+
+    def hooks(self) -> Any:
+        import torch
+
+        def pack(tensor: Any) -> Any:
+            self.host_bytes += tensor.numel() * tensor.element_size()
+            return tensor.shape, tensor.dtype, tensor.stride()
+
+        def unpack(packed: Any) -> Any:
+            shape, dtype, stride = packed
+            return torch.empty_strided(shape, stride, dtype=dtype)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def trace_layerwise_casting(model: Any) -> int:
+    """diffusers' layerwise casting as fake tensors can run it: `module.to(dtype)` cannot swap fake parameters, so
+    each casting hook of `model` is pointed at a version that, while its layer runs, puts compute-dtype copies in
+    place of the stored (fp8) parameters, as the hook's `.to` does; autograd keeps the copies it saves, as in a
+    run. Returns the number of hooks changed."""
+    from diffusers.hooks.layerwise_casting import _LAYERWISE_CASTING_HOOK
+
+    def pre_forward(hook: Any, module: Any, *args: Any, **kwargs: Any) -> Any:
+        stored = {}
+        for name, param in module._parameters.items():
+            if param is not None and param.dtype == hook.storage_dtype:
+                stored[name] = param
+                module._parameters[name] = param.detach().to(hook.compute_dtype)
+        module.__dict__["_unitgraph_stored"] = stored
+        return args, kwargs
+
+    def post_forward(module: Any, output: Any) -> Any:
+        module._parameters.update(module.__dict__.pop("_unitgraph_stored", {}))
+        return output
+
+    changed = 0
+    for module in model.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        hook = registry.get_hook(_LAYERWISE_CASTING_HOOK) if registry is not None else None
+        if hook is not None:
+            hook.fn_ref.pre_forward = functools.partial(pre_forward, hook)
+            hook.fn_ref.post_forward = post_forward
+            changed += 1
+    return changed
+
+
+# ------------------------------------------------------------------------------------------------
+# models built from their configs
+
+
+@dataclass
+class Built:
+    """One model slot as a stage holds it: counted on meta, then its parameters made fake for the traces."""
+
+    slot: str
+    role: str  # frozen, lora, full
+    model: Any
+    bytes_by_dtype: dict[str, int]
+    params: int
+    trainable_params: int
+    swapped_bytes: int = 0
+    in_flight_bytes: int = 0
+    fp8_params: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of its frozen weights on the device (trained parameters are in the trainable state)."""
+        return sum(self.bytes_by_dtype.values()) - self.swapped_bytes + self.in_flight_bytes
+
+    @property
+    def dtype(self) -> str:
+        """The dtype holding most of its frozen bytes (float32 for a model trained in full)."""
+        if not self.bytes_by_dtype:
+            return "float32"
+        return max(self.bytes_by_dtype, key=self.bytes_by_dtype.get)
+
+    def summary(self) -> dict[str, Any]:
+        out = {"dtype": self.dtype, "weight_bytes": self.weight_bytes, "role": self.role, "params": self.params,
+               "bytes_by_dtype": dict(sorted(self.bytes_by_dtype.items())),
+               "trainable_params": self.trainable_params,
+               "trainable_bytes": self.trainable_params * TRAINABLE_BYTES_PER_PARAM}
+        if self.fp8_params:
+            out["fp8_params"] = self.fp8_params
+        if self.swapped_bytes:
+            out["swapped_bytes"] = self.swapped_bytes
+            out["in_flight_bytes"] = self.in_flight_bytes
+        return out
+
+
+def model_class(slot: Any) -> Any:
+    """The slot's class (`ModelSlot.library`, `class_name`)."""
+    return getattr(importlib.import_module(slot.library), slot.class_name)
+
+
+@contextlib.contextmanager
+def _quiet_libraries():
+    """transformers and diffusers warn at length while building models from configs (unused keys, ids outside a
+    vocabulary): nothing a memory plan needs."""
+    import logging
+
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    levels = transformers_logging.get_verbosity(), diffusers_logging.get_verbosity()
+    disabled = logging.root.manager.disable
+    transformers_logging.set_verbosity_error()
+    diffusers_logging.set_verbosity_error()
+    logging.disable(max(disabled, logging.WARNING))
+    try:
+        yield
+    finally:
+        logging.disable(disabled)
+        transformers_logging.set_verbosity(levels[0])
+        diffusers_logging.set_verbosity(levels[1])
+
+
+def build_meta(slot: Any, config: Any, dtype: str) -> Any:
+    """A model of the slot's class from its configuration, on the meta device, its parameters in `dtype` as
+    `from_pretrained(torch_dtype=dtype)` loads them (the class's keep-in-fp32 modules at fp32; tied weights tied)."""
+    import torch
+    from accelerate import init_empty_weights
+
+    cls = model_class(slot)
+    with _quiet_libraries(), init_empty_weights(include_buffers=False):
+        if slot.library == "diffusers":
+            model = cls.from_config(dict(config))
+        else:
+            model = cls._from_config(config)
+    _tie(model)
+    target = getattr(torch, dtype)
+    keep = _keep_in_fp32(cls, slot.library, target)
+    for name, param in model.named_parameters():
+        wanted = torch.float32 if keep and any(part in keep for part in name.split(".")) else target
+        if param.dtype != wanted:
+            param.data = param.data.to(wanted)
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def _keep_in_fp32(cls: Any, library: str, dtype: Any) -> set[str]:
+    """Module names `from_pretrained` keeps in fp32 at `dtype`: diffusers at any dtype below fp32, transformers its
+    strict list at fp16 and bf16 and its other list at fp16 only."""
+    import torch
+
+    if dtype == torch.float32:
+        return set()
+    if library == "diffusers":
+        return set(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    names = set(getattr(cls, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:
+        names |= set(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    return names
+
+
+def _tie(model: Any) -> None:
+    """Tie the weights `from_pretrained` ties (a T5 encoder's embed_tokens is its shared embedding)."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    for target, source in tied.items():
+        parent_name, _, name = target.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, name, model.get_parameter(source))
+
+
+def count_bytes(model: Any) -> tuple[dict[str, int], int, int]:
+    """({dtype: bytes of frozen parameters}, all parameters, trainable parameters), each parameter once."""
+    by_dtype: dict[str, int] = {}
+    params = trainable = 0
+    for param in model.parameters():
+        params += param.numel()
+        if param.requires_grad:
+            trainable += param.numel()
+            continue
+        name = str(param.dtype).replace("torch.", "")
+        by_dtype[name] = by_dtype.get(name, 0) + param.numel() * param.element_size()
+    return by_dtype, params, trainable
+
+
+def fakify(model: Any, mode: Any) -> list[Any]:
+    """Replace every parameter and buffer of `model` by a fake tensor of its shape and dtype (tied ones stay tied);
+    the fake tensors, for the tracker to know."""
+    import torch
+
+    made: dict[int, Any] = {}
+    with mode:
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                if id(param) not in made:
+                    fake = torch.empty(tuple(param.shape), dtype=param.dtype)
+                    made[id(param)] = torch.nn.Parameter(fake, requires_grad=param.requires_grad)
+                module._parameters[name] = made[id(param)]
+            for name, buffer in list(module._buffers.items()):
+                if buffer is None:
+                    continue
+                if id(buffer) not in made:
+                    made[id(buffer)] = torch.empty(tuple(buffer.shape), dtype=buffer.dtype)
+                module._buffers[name] = made[id(buffer)]
+    return list(made.values())
+
+
+# ------------------------------------------------------------------------------------------------
+# the plan
+
+
+class _Planner:
+    """One memory plan: the configs, the models built once per role, and the traces."""
+
+    def __init__(self, cfg: RunConfig, plan: Plan, text_tokens: Optional[int]):
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.cfg, self.plan = cfg, plan
+        self.memory = family_memory(cfg)
+        self.models = list(cfg.pipeline.spec().models)
+        self.configs = read_configs(cfg, self.models)
+        self.dims = self.memory.dims(cfg, self.configs, text_tokens)
+        self.compute = cfg.precision.compute_dtype
+        self.dtype = getattr(torch, self.compute)
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.built: dict[tuple[str, str, bool], Built] = {}
+        self.fakes: dict[tuple[str, str, bool], list[Any]] = {}
+        self.inference: dict[tuple[str, str, bool], int] = {}
+        self.sink_models = set(cfg.pipeline.loss.declaration.models)
+        self.notes: list[str] = list(getattr(self.memory, "NOTES", ()))
+        self._schedulers: Optional[dict[str, Any]] = None
+        self.steps: dict[tuple[str, ...], tuple[int, int]] = {}
+
+    # -- models ---------------------------------------------------------------------------------
+
+    def role(self, slot: str, training: bool) -> str:
+        if training and slot in self.cfg.optim.trainable:
+            return "full"
+        if training and slot == self.cfg.lora.base_model:
+            return "lora"
+        return "frozen"
+
+    def model(self, slot: str, training: bool) -> Built:
+        """The slot as the stage loads it (models/stage.load_models, then train/loop.prepare_models)."""
+        role = self.role(slot, training)
+        checkpointing = training and self.cfg.optim.gradient_checkpointing and slot in self.plan.models_require_backward
+        key = (slot, role, checkpointing)
+        if key not in self.built:
+            self.built[key] = self._build(slot, role, checkpointing, training)
+            self.fakes[key] = fakify(self.built[key].model, self.mode)
+            trace_layerwise_casting(self.built[key].model)
+        return self.built[key]
+
+    def _build(self, slot: str, role: str, checkpointing: bool, training: bool) -> Built:
+        from .models.lora import add_lora
+        from .models.precision import adapters_to_fp32, enable_checkpointing, store_fp8
+
+        cfg = self.cfg
+        spec = cfg.family.slot(slot)
+        model = build_meta(spec, self.configs[slot], "float32" if role == "full" else self.compute)
+        fp8 = slot in cfg.precision.fp8
+        if role == "full":
+            model.requires_grad_(True)
+            model.train()
+        elif role == "lora":
+            lora = cfg.lora
+            with _quiet_libraries():
+                add_lora(model, slot, list(lora.targets), lora.rank, lora.alpha, cfg.seed)
+            adapters_to_fp32(model)
+            model.train()
+        if fp8 and role != "full":
+            store_fp8(model, slot, self.compute)  # after the adapters, as prepare_models does
+        if checkpointing:
+            enable_checkpointing(model)
+        by_dtype, params, trainable = count_bytes(model)
+        built = Built(slot, role, model, by_dtype, params, trainable,
+                      fp8_params=sum(p.numel() for p in model.parameters() if str(p.dtype) == "torch.float8_e4m3fn"))
+        if role == "lora" and training and cfg.precision.blocks_to_swap:
+            self._swap(built)
+        return built
+
+    def _swap(self, built: Built) -> None:
+        """--blocks_to_swap N (precision.swap_blocks): the frozen Linear weights of the last N transformer blocks live
+        in host memory, each brought to the device, cast to the compute dtype, while its layer runs. An fp8 weight's
+        cast copy is in the trace already (the same cast happens without the swap); a weight stored in the compute
+        dtype adds its copy, one layer at a time: the largest is counted in flight."""
+        import torch
+
+        from .models.precision import transformer_blocks
+
+        count = self.cfg.precision.blocks_to_swap
+        blocks = transformer_blocks(built.model)
+        if count >= len(blocks):
+            raise BackendError(f"--blocks_to_swap {count}: {built.slot} has {len(blocks)} transformer blocks; at most "
+                               f"{max(len(blocks) - 1, 0)} can live in CPU memory")
+        weights = [module.weight for block in blocks[len(blocks) - count:] for module in block.modules()
+                   if type(module) is torch.nn.Linear and not module.weight.requires_grad]
+        built.swapped_bytes = sum(w.numel() * w.element_size() for w in weights)
+        compute_bytes = self.dtype.itemsize
+        built.in_flight_bytes = max((w.numel() * compute_bytes for w in weights if w.dtype != torch.float8_e4m3fn),
+                                    default=0)
+        built.notes.append(f"--blocks_to_swap {count}: the frozen Linear weights of {count} of {len(blocks)} blocks of "
+                           f"{built.slot} in host memory ({gib(built.swapped_bytes)} GiB; with CUDA only), brought to the "
+                           "device one layer at a time")
+
+    def schedulers(self) -> dict[str, Any]:
+        """The family's schedulers, from their scheduler_config.json or the family's published config (no weights)."""
+        from .models.sources import ModelLoadError
+
+        if self._schedulers is None:
+            slots = [s.name for s in self.cfg.family.slots if s.kind == "scheduler"]
+            try:
+                self._schedulers = self.cfg.models.sources(self.cfg.family, offline=True).load(slots)
+            except ModelLoadError as exc:
+                raise BackendError(f"--dry_run: {exc}") from None
+        return self._schedulers
+
+    def known(self) -> list[Any]:
+        return [t for fakes in self.fakes.values() for t in fakes]
+
+    def context(self, models: dict[str, Any]) -> Any:
+        import torch
+
+        from .context import UnitContext
+
+        return UnitContext(models=models, settings=self.cfg.units, device=torch.device("cpu"))
+
+    # -- traces ---------------------------------------------------------------------------------
+
+    def inference_peak(self, slot: str, training: bool, batch: int) -> int:
+        """Activations of the slot's no-grad forward at the run's size (its unit as stage 1 runs it)."""
+        import torch
+
+        built = self.model(slot, training)
+        key = (slot, built.role, False, batch)
+        if key not in self.inference:
+            calls = self.memory.encoder_calls(self.cfg, self.dims, self.configs, batch, self.dtype)
+            if slot not in calls:
+                self.inference[key] = 0
+            else:
+                ctx = self.context({slot: built.model})
+                with self.mode, StorageLog(self.known()) as log, torch.no_grad(), ctx.autocast():
+                    out = calls[slot](built.model)
+                    del out
+                self.inference[key] = log.peak()
+        return self.inference[key]
+
+    def step_peak(self, slots: list[str]) -> tuple[int, int]:
+        """(activations, host bytes) of one training step: the units that train a model run forward with grad, then
+        the loss, then the backward (gradients of trained parameters left out). Only the models on the backward path
+        and the loss's take part, so stage 2 and the unsplit run share one trace."""
+        taking_part = tuple(sorted(s for s in slots if s in self.plan.models_require_backward or s in self.sink_models))
+        if taking_part not in self.steps:
+            self.steps[taking_part] = self._step_peak(list(taking_part))
+        return self.steps[taking_part]
+
+    def _step_peak(self, slots: list[str]) -> tuple[int, int]:
+        cfg = self.cfg
+        built = {slot: self.model(slot, True) for slot in slots}
+        models: dict[str, Any] = {slot: b.model for slot, b in built.items()}
+        models.update(self.schedulers())  # a training stage loads them (models/stage.stage_slots); losses may read them
+        batch = cfg.optim.batch_size
+        grad_encoders = [s for s in slots if s in self.plan.models_require_backward and s not in self.sink_models]
+        calls = self.memory.encoder_calls(cfg, self.dims, self.configs, batch, self.dtype) if grad_encoders else {}
+        ctx = self.context(models)
+        warm = getattr(self.memory, "warm_context", None)
+        if warm is not None:  # what the loss computes from real objects (a scheduler's sigmas), outside fake mode
+            warm(cfg, ctx, self.dims)
+        offload = HostSaved()
+        saved = offload.hooks() if cfg.precision.checkpoint_offload else contextlib.nullcontext()
+        with self.mode, StorageLog(self.known()) as log:
+            with saved:
+                outputs = []
+                for slot in grad_encoders:
+                    if slot in calls:
+                        with ctx.autocast():
+                            outputs.append(calls[slot](models[slot]))
+                inputs = self.memory.sink_inputs(cfg, self.dims, self.configs, batch, self.dtype)
+                loss = cfg.pipeline.loss(ctx, inputs)
+                for out in outputs:  # the encoder's output feeds the loss in a run; here it joins the backward
+                    loss = loss + out.float().mean() * 0.0
+                del inputs, outputs
+                loss.backward()
+                del loss
+        params = [p for model in built.values() for p in model.model.parameters() if p.grad is not None]
+        grads = log.serials_of(p.grad for p in params)
+        for param in params:
+            param.grad = None
+        return log.peak(exclude=grads), offload.host_bytes
+
+    # -- stages ---------------------------------------------------------------------------------
+
+    def stage(self, name: str) -> dict[str, Any]:
+        cfg, plan = self.cfg, self.plan
+        training = name != "data_process"
+        if name == "data_process":
+            slots = list(plan.data_process_models)
+        elif name == "train":
+            slots = list(plan.train_models)
+        else:
+            slots = sorted(set(self.models) | set(plan.models_require_backward), key=self.models.index)
+        built = {slot: self.model(slot, training) for slot in slots}
+        batch1 = cfg.args.data_process_batch_size or cfg.family.data_process_batch_size
+        host = 0
+        if training:
+            frozen = [s for s in slots if s not in plan.models_require_backward and s not in self.sink_models]
+            forwards = {s: self.inference_peak(s, True, 1) for s in frozen}  # the unsplit run: one sample at a time
+            step, host = self.step_peak(slots)
+        else:
+            forwards = {s: self.inference_peak(s, False, batch1) for s in slots}
+            step = 0
+        inference = max(forwards.values(), default=0)
+        activations = max(inference, step)
+        weights = sum(b.weight_bytes for b in built.values())
+        trainable = sum(b.trainable_params for b in built.values()) * TRAINABLE_BYTES_PER_PARAM if training else 0
+        out: dict[str, Any] = {
+            "peak_bytes": weights + trainable + activations,
+            "weight_bytes": weights,
+            "trainable_bytes": trainable,
+            "activation_bytes": activations,
+            "models": {slot: dict(b.summary(), **({"forward_activation_bytes": forwards[slot]}
+                                                   if slot in forwards else {})) for slot, b in built.items()},
+            "encoder_activation_bytes": inference,
+        }
+        if training:
+            out["step_activation_bytes"] = step
+        if host:
+            out["host_bytes"] = host
+        swapped = sum(b.swapped_bytes for b in built.values())
+        if swapped:
+            out["host_bytes"] = out.get("host_bytes", 0) + swapped
+        return out
+
+
+def family_memory(cfg: RunConfig) -> Any:
+    """The family's `memory` module (families/<name>/memory.py: the shapes of its loss's inputs and encoders' calls)."""
+    try:
+        return importlib.import_module(".memory", cfg.family.package)
+    except ModuleNotFoundError:
+        raise BackendError(f"--dry_run: family {cfg.family.name} has no memory module "
+                           f"(families/{cfg.family.name}/memory.py)") from None
+
+
+def read_configs(cfg: RunConfig, slots: Iterable[str]) -> dict[str, Any]:
+    """Each model slot's configuration from its config.json alone, the sources resolved offline (a model id must be
+    in the local cache: a memory plan downloads nothing); one BackendError line naming the folder otherwise."""
+    from .models.sources import ModelLoadError
+
+    try:
+        sources = cfg.models.sources(cfg.family, offline=True)
+        return {slot: sources.load_config(slot) for slot in slots}
+    except ModelLoadError as exc:
+        raise BackendError(f"--dry_run needs each model's config.json: {exc}") from None
+
+
+def settings(cfg: RunConfig, plan: Plan, dims: dict[str, Any]) -> dict[str, Any]:
+    """What the plan assumed, as JSON."""
+    precision = cfg.precision
+    return {
+        "pipeline": cfg.pipeline.name,
+        "mixed_precision": precision.mixed,
+        "compute_dtype": precision.compute_dtype,
+        "fp8": list(precision.fp8),
+        "gradient_checkpointing": cfg.optim.gradient_checkpointing,
+        "checkpoint_offload": precision.checkpoint_offload,
+        "blocks_to_swap": precision.blocks_to_swap,
+        "batch_size": cfg.optim.batch_size,
+        "lora": None if not cfg.lora.base_model else {"base_model": cfg.lora.base_model, "rank": cfg.lora.rank,
+                                                     "targets": list(cfg.lora.targets)},
+        "trainable_models": list(cfg.optim.trainable),
+        "data_process_models": list(plan.data_process_models),
+        "train_models": list(plan.train_models),
+        "size": dims,
+    }
+
+
+def memory_plan(cfg: RunConfig, plan: Plan, text_tokens: Optional[int] = None) -> dict[str, Any]:
+    """{"stages": {"data_process" | "train" | "unsplit": {"peak_bytes", "models": {slot: {"dtype", "weight_bytes",
+    ...}}, "trainable_bytes", "activation_bytes", ...}}, "settings": ..., "notes": [...]} of the run `cfg` plans.
+
+    Reads config.json files only (offline), writes nothing; `text_tokens` overrides the families' longest prompt."""
+    planner = _Planner(cfg, plan, text_tokens)
+    stages = {name: planner.stage(name) for name in STAGES}
+    notes = planner.notes + [n for b in planner.built.values() for n in b.notes]
+    notes.append("not included: the device's own overhead (CUDA context, allocator fragmentation, kernel workspaces; "
+                 "0.5-1.5 GiB on a GPU)")
+    return {"stages": stages, "settings": settings(cfg, plan, planner.dims), "notes": list(dict.fromkeys(notes))}
+
+
+# ------------------------------------------------------------------------------------------------
+# the table
+
+
+def gib(value: int) -> str:
+    return f"{value / GIB:.2f}"
+
+
+def format_memory_plan(plan: dict[str, Any]) -> list[str]:
+    """The plan as lines of text: per stage its models (dtype, GiB), trainable state, activations and peak."""
+    lines = []
+    s = plan.get("settings") or {}
+    if s:
+        size = s.get("size") or {}
+        what = [f"pipeline {s.get('pipeline')}", f"--mixed_precision {s.get('mixed_precision')}"]
+        if s.get("fp8"):
+            what.append(f"fp8 {','.join(s['fp8'])}")
+        if s.get("gradient_checkpointing"):
+            what.append("checkpointing" + (" (offload)" if s.get("checkpoint_offload") else ""))
+        if s.get("blocks_to_swap"):
+            what.append(f"{s['blocks_to_swap']} blocks swapped")
+        if s.get("lora"):
+            what.append(f"LoRA rank {s['lora']['rank']} on {s['lora']['base_model']}")
+        if s.get("trainable_models"):
+            what.append(f"trained in full: {','.join(s['trainable_models'])}")
+        what.append(f"batch {s.get('batch_size')}")
+        if size.get("description"):
+            what.append(size["description"])
+        lines.append("memory plan: " + ", ".join(what))
+    width = max([len(slot) for st in plan["stages"].values() for slot in st["models"]] + [len("activations"), 10])
+    for name in STAGES:
+        stage = plan["stages"].get(name)
+        if stage is None:
+            continue
+        lines.append("")
+        lines.append(f"{STAGE_TITLES[name]}: peak {gib(stage['peak_bytes'])} GiB")
+        for slot, model in stage["models"].items():
+            extra = ""
+            if model.get("trainable_params"):
+                extra = f"  + {model['trainable_params'] / 1e6:.1f} M trained params"
+            if model.get("swapped_bytes"):
+                extra += f"  ({gib(model['swapped_bytes'])} GiB swapped to host)"
+            lines.append(f"  {slot:<{width}}  {model['dtype']:<14} {gib(model['weight_bytes']):>8} GiB{extra}")
+        lines.append(f"  {'trainable':<{width}}  {'fp32 + AdamW':<14} {gib(stage['trainable_bytes']):>8} GiB")
+        lines.append(f"  {'activations':<{width}}  {'':<14} {gib(stage['activation_bytes']):>8} GiB")
+        if stage.get("host_bytes"):
+            lines.append(f"  {'host':<{width}}  {'(not on device)':<14} {gib(stage['host_bytes']):>8} GiB")
+    notes = plan.get("notes") or []
+    if notes:
+        lines.append("")
+        lines += [f"note: {n}" for n in notes]
+    return lines
+
+
+__all__ = ["StorageLog", "build_meta", "format_memory_plan", "memory_plan"]
