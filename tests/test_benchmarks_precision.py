@@ -1,0 +1,51 @@
+"""benchmarks/real_size.py and benchmarks/gpu_real_size.py at the test size: the same code paths, in seconds.
+
+The real-size runs take minutes (the CPU one) or a GPU (the other); here their settings, processes, memory
+readings and reports are exercised on the tiny test-size models.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_real_size_runs_every_setting_at_the_test_size(tmp_path):
+    bench = _module("real_size")
+    rows = bench.measure("test", 2, tmp_path)
+    assert [r["setting"] for r in rows] == [s[0] for s in bench.SETTINGS]
+    for row in rows:
+        assert row["steps"] == 2 and row["step_s"] > 0
+        assert row["baseline"] > 0 and row["peak"] >= row["steady"] > 0
+        assert row["estimate"] is None or row["estimate"] > 0
+    text = bench.report(rows, "test", 2)
+    assert text.count("\n| ") == len(rows) + 1 and "| fp32 | " in text and "| 1.00 |" in text
+
+
+@pytest.mark.slow
+def test_gpu_real_size_runs_on_a_cpu_at_the_test_size(tmp_path, capsys):
+    bench = _module("gpu_real_size")
+    rows = bench.measure(["wan"], budget=600, workdir=tmp_path)
+    names = [(r["setting"], r["stage"]) for r in rows]
+    assert names == [("bf16", "stage 2"), ("bf16", "unsplit"), ("bf16 + fp8", "stage 2"),
+                     ("bf16 + fp8 + ckpt", "stage 2"), ("bf16 + fp8 + ckpt", "unsplit"),
+                     ("bf16 + fp8 + ckpt + swap 1", "stage 2")]
+    assert all("error" not in r and r["steps"] == 3 and r["peak"] is None for r in rows), rows
+    assert "| wan | bf16 | unsplit | - |" in bench.table(rows)
+    late = bench.measure(["wan"], budget=0, workdir=tmp_path / "late")
+    assert late and all(r["error"] == "not run (time budget)" for r in late)
