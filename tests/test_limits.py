@@ -82,7 +82,7 @@ def test_a_lora_rank_no_targeted_layer_can_use_is_one_line(tiny, tmp_path):
     args = make_args(task="sft", model_paths=str(tiny), dataset_base_path=str(data),
                      dataset_metadata_path=str(data / "metadata.csv"), lora_base_model="dit", lora_rank=100000,
                      max_pixels=1024, output_path=str(tmp_path / "out"), progress=False, plot=False)
-    with pytest.raises(BackendError, match=r"--lora_rank 100000 is larger than any layer it targets in dit can use "
+    with pytest.raises(BackendError, match=r"--lora_rank 100000 is larger than any layer it targets in dit "
                                            r"\(at most \d+"):
         run(args, echo=quiet)
     assert not (tmp_path / "out").exists()

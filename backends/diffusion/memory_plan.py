@@ -32,7 +32,7 @@ How the estimate is made:
 
 Measured error (benchmarks/memory_plan_table.py, docs/memory.md; on this CPU, no GPU here): the weights and the
 trainable state are exact counts (tests/test_memory_plan.py compares them with the models a run loads). One real
-training step of the demo-size Qwen-Image, FLUX.1 and Wan models, its storages logged by the same tracker on real
+training step of each registered family's demo-size models, its storages logged by the same tracker on real
 tensors, creates what the fake trace says to within 0.3 MiB (a CPU kernel's buffer); the heap in use during the
 step (glibc's mallinfo2 after every op) exceeds the estimate by 0.2-2.5 % without checkpointing and 3-10 % with it
 (a constant 0.5-0.9 MiB of Python and autograd objects on steps of 8-164 MiB), each encoder's forward by under 3 %.

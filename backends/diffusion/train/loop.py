@@ -95,13 +95,13 @@ def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerat
 
 
 def check_rank(model: Any, slot: str, targets: list[str], rank: int) -> None:
-    """--lora_rank at most the largest min(in, out) among the targeted layers: a larger rank adds nothing a layer
-    can hold, and only allocates (a rank of 100000 would ask for gigabytes per layer)."""
-    widths = [min(m.in_features, m.out_features) for name, m in model.named_modules()
+    """--lora_rank at most the widest targeted layer's largest side: beyond it no layer can use the rank (the
+    adapter's product has rank at most min(in, out)), and a rank of 100000 would only allocate gigabytes a layer."""
+    widths = [max(m.in_features, m.out_features) for name, m in model.named_modules()
               if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith(f".{t}") for t in targets)]
     if widths and rank > max(widths):
-        raise BackendError(f"--lora_rank {rank} is larger than any layer it targets in {slot} can use "
-                           f"(at most {max(widths)}, the largest min(in, out) of the targeted layers)")
+        raise BackendError(f"--lora_rank {rank} is larger than any layer it targets in {slot} (at most {max(widths)}, "
+                           "the widest side of the targeted layers)")
 
 
 def save(cfg: RunConfig, output: Path, name: str, models: dict[str, Any], lora_config: Any, accelerator: Any) -> Path:
