@@ -121,6 +121,7 @@ def tiny_models_command(
     from unitgraph.backends.diffusion.errors import BackendError
 
     family, chosen = _choice(pipeline)
+    claim_model_folder(Path(outdir))
     start = time.perf_counter()
     if size.startswith("real"):
         real = importlib.import_module(".real", family.package)  # families/<name>/real.py: the published configs
@@ -138,6 +139,41 @@ def tiny_models_command(
     path = tiny.write_tiny_models(outdir, size=size, seed=seed, pipeline=chosen.name if chosen else None)
     cls = (chosen.diffusers_pipeline if chosen else None) or family.diffusers_pipelines[0]
     typer.echo(f"wrote {size}-size {family.title} pipeline ({cls}) to {path} in {time.perf_counter() - start:.1f} s")
+
+
+MODEL_MARKERS = ("unitgraph_tiny.json", "unitgraph_config_only.json")  # written by write_tiny_models / --size real
+DEMO_MARKER = "unitgraph-demo.json"
+
+
+def claim_model_folder(folder: Path) -> None:
+    """tiny-models writes only into a new or empty folder, or one it wrote before (its marker): never over a
+    user's model folder (its weights would be replaced by random ones)."""
+    from unitgraph.backends.diffusion.errors import BackendError
+
+    if folder.is_symlink() and not folder.exists():
+        raise BackendError("is a dangling symlink", source=str(folder))
+    if folder.exists() and not folder.is_dir():
+        raise BackendError("is a file, not a folder; choose another OUTDIR", source=str(folder))
+    if folder.is_dir() and any(folder.iterdir()) and not any((folder / m).is_file() for m in MODEL_MARKERS):
+        raise BackendError("is not empty and holds no models unitgraph wrote (no unitgraph_tiny.json); it writes "
+                           "only into a new, empty or own folder: choose another OUTDIR", source=str(folder))
+
+
+def claim_demo_folder(folder: Path) -> None:
+    """The demo writes only into a new or empty folder, or a demo folder of its own (its marker, or the tiny models
+    an earlier demo wrote into it), and marks it as its own."""
+    from unitgraph.atomic import write_text_atomic
+    from unitgraph.backends.diffusion.errors import BackendError
+
+    if folder.exists() and not folder.is_dir():
+        raise BackendError("is a file, not a folder; choose another --output_path", source=str(folder))
+    ours = (folder / DEMO_MARKER).is_file() or any((folder / "models" / m).is_file() for m in MODEL_MARKERS)
+    if folder.is_dir() and any(folder.iterdir()) and not ours:
+        shown = ", ".join(sorted(p.name for p in folder.iterdir())[:3])
+        raise BackendError(f"is not empty and not a unitgraph demo folder (it holds {shown}); the demo writes only "
+                           "into a new, empty or own folder: choose another --output_path", source=str(folder))
+    folder.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(folder / DEMO_MARKER, json.dumps({"format": "unitgraph.demo/v1"}) + "\n")
 
 
 def pipelines_command(
@@ -197,6 +233,11 @@ def demo_command(
 
     if resolution < 16 or resolution % 16:
         raise BackendError(f"--resolution must be a positive multiple of 16, got {resolution}")
+    for name, value in (("--images", images), ("--num_epochs", num_epochs)):
+        if value < 1:
+            raise BackendError(f"{name} must be at least 1, got {value}")
+    if compare_steps < 0:
+        raise BackendError(f"--compare_steps must be 0 or more, got {compare_steps}")
     console = Console()
     family, chosen = _choice(pipeline)
     chosen = chosen or family.pipelines[0]
@@ -205,7 +246,10 @@ def demo_command(
     extra_images = [c for c in extras if c in chosen.image_params]
     videos = [c for c in chosen.required if c in chosen.video_params]  # clips of the demo's --num_frames
     frames = int(dict(family.demo).get("num_frames", 5))
+    if size not in family.tiny_module().SIZES:
+        raise BackendError(f"--size must be one of {', '.join(family.tiny_module().SIZES)}, got {size!r}")
     out = Path(output_path)
+    claim_demo_folder(out)
     wall = time.perf_counter()
     models_dir = out / ("models" if chosen is family.pipelines[0] else f"models-{chosen.name}")  # one folder per kind
     data_dir = out / "data"

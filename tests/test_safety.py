@@ -392,3 +392,28 @@ def test_an_interrupted_validation_image_leaves_no_temp_file_behind(tmp_path):
     with RunFolder(out).claimed(False, record, resume=True):
         pass
     assert not half.exists() and note.exists()
+
+
+def test_tiny_models_and_the_demo_never_write_over_a_users_folder(tmp_path, capsys):
+    mine = tmp_path / "my-model"
+    (mine / "transformer").mkdir(parents=True)
+    (mine / "model_index.json").write_text('{"_class_name": "QwenImagePipeline"}')
+    (mine / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"years of training")
+    before = snapshot(mine)
+    code, _, err = cli(capsys, "tiny-models", str(mine))
+    one_line(code, err, str(mine), "holds no models unitgraph wrote")
+    assert snapshot(mine) == before
+    ours = tmp_path / "ours"
+    assert cli(capsys, "tiny-models", str(ours))[0] == 0
+    assert cli(capsys, "tiny-models", str(ours), "--seed", "1")[0] == 0  # its own folder: written again
+    user = tmp_path / "my-demo"
+    (user / "data").mkdir(parents=True)
+    (user / "data" / "metadata.csv").write_text("image,prompt\nmine.png,my own caption\n")
+    before = snapshot(user)
+    code, _, err = cli(capsys, "demo", "--output_path", str(user))
+    one_line(code, err, str(user), "not a unitgraph demo folder")
+    assert snapshot(user) == before
+    for flag, value in (("--images", "0"), ("--num_epochs", "0"), ("--size", "huge")):
+        code, _, err = cli(capsys, "demo", "--output_path", str(tmp_path / "new-demo"), flag, value)
+        one_line(code, err, flag)
+        assert not (tmp_path / "new-demo").exists()
