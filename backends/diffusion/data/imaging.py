@@ -57,3 +57,14 @@ def image_to_pixels(image: Any, size: Any, dtype: Any, multiple: int) -> Any:
     cropped = cover_crop(image, size, multiple)
     array = torch.from_numpy(np.asarray(cropped, dtype=np.float32).copy())  # H, W, 3
     return (array.permute(2, 0, 1) / 127.5 - 1.0)[None].to(dtype)
+
+
+def run_pixels(size: Any, multiple: int) -> tuple[int, int]:
+    """(width, height) a run's images take at most, for estimates made without images (the dry run): --width x
+    --height rounded down to `multiple`, else the largest square of --max_pixels."""
+    import math
+
+    if size.height is not None and size.width is not None:
+        return size.width // multiple * multiple, size.height // multiple * multiple
+    side = max(multiple, int(math.isqrt(int(size.max_pixels))) // multiple * multiple)
+    return side, side

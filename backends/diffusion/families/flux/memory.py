@@ -7,9 +7,9 @@ VAE's and the DiT's configs and the units' constants. torch is imported on first
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Mapping, Optional
 
+from ...data.imaging import run_pixels
 from ...family import lazy_module
 from .units import CLIP_MAX_LENGTH, MULTIPLE, T5_SEQUENCE_LENGTH
 
@@ -19,19 +19,11 @@ NOTES = ("FLUX.1: T5 prompts padded to 512 tokens and CLIP's to 77, as the units
          "reference image at the target's size",)
 
 
-def pixels(size: Any, multiple: int) -> tuple[int, int]:
-    """(width, height) of the run's images: --width x --height, else a square of --max_pixels."""
-    if size.height is not None and size.width is not None:
-        return size.width // multiple * multiple, size.height // multiple * multiple
-    side = max(multiple, int(math.isqrt(int(size.max_pixels))) // multiple * multiple)
-    return side, side
-
-
 def dims(cfg: Any, configs: Mapping[str, Any], text_tokens: Optional[int] = None) -> dict[str, Any]:
     """The sizes one sample has at this run's settings (JSON)."""
     vae = configs["vae_encoder"]
     scale = 2 ** (len(vae["block_out_channels"]) - 1)
-    width, height = pixels(cfg.units.image_size, MULTIPLE)
+    width, height = run_pixels(cfg.units.image_size, MULTIPLE)
     h, w = height // scale, width // scale
     out = {"width": width, "height": height, "latent": [int(vae["latent_channels"]), h, w],
            "image_tokens": (h // 2) * (w // 2), "text_tokens": int(text_tokens or T5_SEQUENCE_LENGTH),

@@ -8,9 +8,9 @@ the VAE's and the DiT's configs and the units' constants. torch is imported on f
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Mapping, Optional
 
+from ...data.imaging import run_pixels
 from ...family import lazy_module
 from ...flowmatch import schedule_sigmas
 from .units import (
@@ -30,14 +30,6 @@ NOTES = ("Qwen-Image: prompts at their longest (512 tokens after the template); 
          "is not traced (its image tokens are)",)
 
 
-def pixels(size: Any, multiple: int) -> tuple[int, int]:
-    """(width, height) of the run's images: --width x --height, else a square of --max_pixels."""
-    if size.height is not None and size.width is not None:
-        return size.width // multiple * multiple, size.height // multiple * multiple
-    side = max(multiple, int(math.isqrt(int(size.max_pixels))) // multiple * multiple)
-    return side, side
-
-
 def _edit(cfg: Any) -> Optional[str]:
     """'edit' (one edit image), 'plus' (the plus pipeline: one assumed), 't2i' with --extra_inputs edit_image, else None."""
     names = {u.name for u in cfg.pipeline.units}
@@ -50,7 +42,7 @@ def dims(cfg: Any, configs: Mapping[str, Any], text_tokens: Optional[int] = None
     """The sizes one sample has at this run's settings (JSON)."""
     vae = configs["vae"]
     scale = 2 ** len(vae["temperal_downsample"])
-    width, height = pixels(cfg.units.image_size, MULTIPLE)
+    width, height = run_pixels(cfg.units.image_size, MULTIPLE)
     h, w = height // scale, width // scale
     out = {"width": width, "height": height, "latent": [int(vae["z_dim"]), h, w], "image_tokens": (h // 2) * (w // 2),
            "text_tokens": int(text_tokens or MAX_SEQUENCE_LENGTH)}

@@ -7,9 +7,9 @@ the VAE's and the DiT's configs, --num_frames and the units' constants. torch is
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Mapping, Optional
 
+from ...data.imaging import run_pixels
 from ...family import lazy_module
 from .units import MULTIPLE, TEXT_LENGTH
 
@@ -18,20 +18,12 @@ torch = lazy_module("torch")
 NOTES = ("Wan: prompts padded to 512 tokens, as the units pad them; clips of --num_frames frames",)
 
 
-def pixels(size: Any, multiple: int) -> tuple[int, int]:
-    """(width, height) of the run's frames: --width x --height, else a square of --max_pixels."""
-    if size.height is not None and size.width is not None:
-        return size.width // multiple * multiple, size.height // multiple * multiple
-    side = max(multiple, int(math.isqrt(int(size.max_pixels))) // multiple * multiple)
-    return side, side
-
-
 def dims(cfg: Any, configs: Mapping[str, Any], text_tokens: Optional[int] = None) -> dict[str, Any]:
     """The sizes one sample has at this run's settings (JSON)."""
     vae, dit = configs["vae"], configs["dit"]
     downsample = list(vae["temperal_downsample"])
     scale, temporal = 2 ** len(downsample), 2 ** sum(bool(d) for d in downsample)
-    width, height = pixels(cfg.units.image_size, MULTIPLE)
+    width, height = run_pixels(cfg.units.image_size, MULTIPLE)
     frames = int(cfg.data.num_frames)
     t, h, w = (frames - 1) // temporal + 1, height // scale, width // scale
     pt, ph, pw = dit["patch_size"]
