@@ -21,7 +21,7 @@ The rules (docs/memory.md says why, and how they differ from DiffSynth-Studio):
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable
+from typing import Any
 
 from ..errors import BackendError
 
@@ -234,7 +234,3 @@ def place(model: Any, device: Any) -> None:
                 param.data = param.data.to(device)
         for name, buffer in module.named_buffers(recurse=False):
             module._buffers[name] = buffer.to(device)
-
-
-def parameter_bytes(params: Iterable[Any]) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
