@@ -215,7 +215,8 @@ class RunConfig:
                 raise BackendError(f"--lora_base_model {args.lora_base_model}: this family has no default LoRA targets "
                                    "for it; pass --lora_target_modules")
         mixed = mixed_precision(args, environ)
-        check_device_precision(mixed)
+        if not args.dry_run:  # the memory plan of an fp16 run can be made on a machine without CUDA
+            check_device_precision(mixed)
         compute = COMPUTE_DTYPES[mixed]
         cache_dtype = CACHE_DTYPES[args.cache_dtype] if args.cache_dtype else compute
         hub = Hub.from_env(args.modelscope_cache_dir, environ)
