@@ -8,7 +8,7 @@ import re
 import pytest
 
 from clitools import cli, one_error_line
-from unitgraph.backends.diffusion.cache.location import _safe, bucket_name_problem, open_store
+from unitgraph.backends.diffusion.cache.location import masked_url, bucket_name_problem, open_store
 from unitgraph.backends.diffusion.errors import BackendError
 
 
@@ -30,9 +30,9 @@ def test_bad_locations_are_one_line_naming_the_problem(url, fragment):
 
 
 def test_secrets_are_masked_in_messages():
-    assert _safe("s3://key:secret@bucket/p") == "s3://***@bucket/p"
-    assert _safe("s3://bucket/p?X-Amz-Credential=AKIA&X-Amz-Signature=deadbeef") == "s3://bucket/p?***"
-    assert _safe("s3://bucket/p") == "s3://bucket/p"
+    assert masked_url("s3://key:secret@bucket/p") == "s3://***@bucket/p"
+    assert masked_url("s3://bucket/p?X-Amz-Credential=AKIA&X-Amz-Signature=deadbeef") == "s3://bucket/p?***"
+    assert masked_url("s3://bucket/p") == "s3://bucket/p"
     assert bucket_name_problem("my-bucket.data") is None
 
 

@@ -29,7 +29,7 @@ from .args import TrainArgs, split_list
 from .cache.cache import ENTRIES, SHARDS, Cache, sample_label
 from .cache.keys import model_files_digest
 from .cache.manifest import Manifest
-from .cache.location import _safe, is_url, open_store
+from .cache.location import is_url, masked_url, open_store
 from .config import RunConfig
 from .context import DTYPE, UnitContext, describe_setting
 from .data.dataset import SampleError
@@ -352,7 +352,8 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, accelerat
         report.note(note)
     if cfg.stage != "data_process" and is_url(cfg.output.path):
         raise BackendError("--output_path of a training run is a local folder (the cache may be on an object store: "
-                           "--cache_path s3://... or --dataset_base_path s3://... for :train)", source=_safe(cfg.output.path))
+                           "--cache_path s3://... or --dataset_base_path s3://... for :train)",
+                           source=masked_url(cfg.output.path))
     output = location(cfg.output.path)
     result = RunResult(task=args.task, output_path=output, plan=plan)
     if cfg.stage != "data_process" and accelerator.is_main_process:

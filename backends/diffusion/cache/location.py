@@ -1,7 +1,7 @@
 """Where a cache lives, from the user's words: a path, a `file://` URL or `s3://bucket/prefix`, turned into its store.
 
 A URL is checked before anything is opened: an unsupported scheme, credentials in the URL, a missing
-bucket or a query string are one line each, and a credential is never echoed (`_safe`).
+bucket or a query string are one line each, and a credential is never echoed (`masked_url`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ..errors import BackendError
 from .object_store import ObjectStore
 from .store import LocalStore, Store
 
-__all__ = ["is_url", "open_store"]
+__all__ = ["is_url", "masked_url", "open_store", "bucket_name_problem"]
 
 
 def is_url(location: str | Path) -> bool:
@@ -39,24 +39,24 @@ def open_store(location: str | Path) -> "Store":
         return LocalStore(Path(text))
     if any(ord(ch) < 32 or ord(ch) == 127 for ch in text):
         raise BackendError("a cache URL may not hold control characters (a newline pasted into it?)",
-                           source=_safe(text).encode("unicode_escape").decode("ascii"))
+                           source=masked_url(text).encode("unicode_escape").decode("ascii"))
     parts = _split(text)
     if parts.scheme == "file":
         return LocalStore(Path(parts.path))
     if parts.scheme not in ("s3", "s3a"):
         raise BackendError(f"unsupported storage scheme {parts.scheme}:// (caches live in a local folder or at "
-                           "s3://bucket/prefix)", source=_safe(text))
+                           "s3://bucket/prefix)", source=masked_url(text))
     if "@" in parts.netloc:
         raise BackendError("a cache URL must not carry credentials; set them in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
-                           "or the AWS config files", source=_safe(text))
+                           "or the AWS config files", source=masked_url(text))
     if not parts.netloc:
         raise BackendError("no bucket in the URL (expected s3://bucket/prefix)", source=text)
     if parts.query or parts.fragment:
         raise BackendError("a cache URL takes no query or fragment (expected s3://bucket/prefix; a presigned URL "
-                           "does not work here: credentials come from the AWS_* variables or files)", source=_safe(text))
+                           "does not work here: credentials come from the AWS_* variables or files)", source=masked_url(text))
     problem = bucket_name_problem(parts.netloc)
     if problem:
-        raise BackendError(f"bucket name {parts.netloc!r} {problem}", source=_safe(text))
+        raise BackendError(f"bucket name {parts.netloc!r} {problem}", source=masked_url(text))
     return ObjectStore(parts.netloc, parts.path.strip("/"))
 
 
@@ -79,10 +79,10 @@ def _split(text: str) -> Any:
     try:
         return urlsplit(text)
     except ValueError as exc:  # e.g. an unclosed '[' (urllib reads it as an IPv6 host)
-        raise BackendError(f"not a valid URL ({exc})", source=_safe(text)) from None
+        raise BackendError(f"not a valid URL ({exc})", source=masked_url(text)) from None
 
 
-def _safe(text: str) -> str:
+def masked_url(text: str) -> str:
     """A URL for messages: what stands before '@' in its host part and its query string (a presigned URL's
     signature) masked, as credentials are."""
     try:
