@@ -34,6 +34,7 @@ traceback:
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -42,7 +43,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import UnitgraphError
 
@@ -64,9 +65,9 @@ class _Refused(Exception):
 # files
 
 
-def read_user_bytes(path: str | Path, error: type[UnitgraphError], expected: str,
-                    max_bytes: int = MAX_FILE_BYTES) -> bytes:
-    """The bytes of a regular file of at most `max_bytes`, or `error` saying why not.
+@contextlib.contextmanager
+def open_user_file(path: str | Path, error: type[UnitgraphError], expected: str) -> Iterator[tuple[int, os.stat_result]]:
+    """(descriptor, stat) of a regular file opened for reading, closed on exit; `error` saying why not.
 
     `expected` names what the file should be ("a spec file"). The file is opened without blocking,
     so a FIFO is refused rather than waited on; symlinks are followed.
@@ -94,6 +95,18 @@ def read_user_bytes(path: str | Path, error: type[UnitgraphError], expected: str
             raise error(f"is a directory, expected {expected}", source=source)
         if not stat.S_ISREG(info.st_mode):
             raise error(f"is not a regular file (a device, FIFO or socket), expected {expected}", source=source)
+        yield fd, info
+    except OSError as exc:
+        raise error(f"cannot read: {exc.strerror or exc}", source=source) from None
+    finally:
+        os.close(fd)
+
+
+def read_user_bytes(path: str | Path, error: type[UnitgraphError], expected: str,
+                    max_bytes: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of a regular file of at most `max_bytes`, or `error` saying why not (see `open_user_file`)."""
+    source = str(path)
+    with open_user_file(path, error, expected) as (fd, info):
         if info.st_size > max_bytes:
             raise error(_too_large(info.st_size, max_bytes, expected), source=source)
         chunks, total = [], 0
@@ -103,10 +116,6 @@ def read_user_bytes(path: str | Path, error: type[UnitgraphError], expected: str
                 break
             chunks.append(chunk)
             total += len(chunk)
-    except OSError as exc:
-        raise error(f"cannot read: {exc.strerror or exc}", source=source) from None
-    finally:
-        os.close(fd)
     if total > max_bytes:
         raise error(_too_large(total, max_bytes, expected, at_least=True), source=source)
     return b"".join(chunks)

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from unitgraph.userfiles import parse_user_json
+from unitgraph.userfiles import open_user_file, parse_user_json
 
 from .errors import BackendError
 
@@ -171,30 +170,11 @@ def header_of_bytes(data: bytes, source: str) -> Header:
     return parse_header(data, len(data), source)
 
 
-_O_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
-
-
 def read_header(path: str | Path, source: Optional[str] = None) -> Header:
     """The checked header of the safetensors file at `path` (only the header is read; a FIFO or a device is
     refused before a byte is read from it)."""
     source = source or str(path)
-    try:
-        fd = os.open(path, _O_FLAGS)
-    except FileNotFoundError:
-        raise BackendError("no such file", source=source) from None
-    except IsADirectoryError:
-        raise BackendError("is a directory, expected a safetensors file", source=source) from None
-    except ValueError:  # an embedded NUL byte in the path
-        raise BackendError("is not a valid file name", source=source) from None
-    except OSError as exc:
-        raise BackendError(f"cannot read: {exc.strerror or exc}", source=source) from None
-    try:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            raise BackendError("is a directory, expected a safetensors file", source=source)
-        if not stat.S_ISREG(info.st_mode):
-            raise BackendError("is not a regular file (a device, FIFO or socket), expected a safetensors file",
-                               source=source)
+    with open_user_file(path, BackendError, "a safetensors file") as (fd, info):
         head = os.pread(fd, 8, 0)
         length = int.from_bytes(head, "little") if len(head) == 8 else 0
         if 2 <= length <= MAX_HEADER_BYTES and 8 + length <= info.st_size:
@@ -203,12 +183,7 @@ def read_header(path: str | Path, source: Optional[str] = None) -> Header:
                 if not chunk:
                     break
                 head += chunk
-        size = info.st_size
-    except OSError as exc:
-        raise BackendError(f"cannot read: {exc.strerror or exc}", source=source) from None
-    finally:
-        os.close(fd)
-    return parse_header(head, size, source)
+    return parse_header(head, info.st_size, source)
 
 
 def load_tensors(where: "str | Path | bytes", header: Header, source: str,
