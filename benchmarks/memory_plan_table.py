@@ -175,7 +175,7 @@ def heap_reader() -> Optional[Any]:
 def _measured(heap: Any, known: list[Any], run: Any, rounds: int = 2) -> list[tuple[int, int]]:
     """(tracked storage peak, heap peak above the start) of `run()` in each round; `run` returns the tensors whose
     storages to leave out (gradients)."""
-    from unitgraph.backends.diffusion.memory_plan import StorageLog
+    from unitgraph.backends.diffusion.memory_trace import StorageLog
 
     results = []
     for _ in range(rounds):
