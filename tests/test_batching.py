@@ -231,14 +231,14 @@ def test_cache_dtype_fp16_halves_the_cache_and_is_another_cache(tiny, squares, s
     fp16 = cache_info(cache)
     assert fp16["settings"]["cache_dtype"] == "float16"
     assert "cache_dtype" not in fp32["settings"]  # the default (the model's dtype) keeps the keys caches had before
-    for key in ("latent_mean", "latent_logvar", "prompt_emb"):  # floating tensors: half the bytes
+    for key in ("input_latents", "prompt_emb"):  # floating tensors: half the bytes
         assert fp16["bytes_per_sample_by_key"][key] * 2 == fp32["bytes_per_sample_by_key"][key] > 0, key
     assert fp16["bytes_per_sample_by_key"]["prompt_emb_mask"] == fp32["bytes_per_sample_by_key"]["prompt_emb_mask"]  # integers
     tensors = lambda info: sum(info["bytes_per_sample_by_key"].values())  # noqa: E731
     assert tensors(fp16) / tensors(fp32) < 0.52
     manifest = json.loads((cache / "manifest.json").read_text())
     values, _ = read_entry(cache / next(iter(manifest["entries"].values()))["file"])
-    assert values["latent_mean"].dtype == torch.float16 and values["prompt_emb_mask"].dtype == torch.long
+    assert values["input_latents"].dtype == torch.float16 and values["prompt_emb_mask"].dtype == torch.long
     assert manifest["made_with"]["cache_dtype"] == "fp16"  # `cache repair` rebuilds it as fp16
 
     # stage 2 must be told (the same flags as stage 1), casts back to float32, and trains about the same

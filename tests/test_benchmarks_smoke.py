@@ -94,7 +94,7 @@ def test_one_tiny_real_run(tmp_path):
     for config in bench.CONFIGS:
         assert row[f"rss_{config}"] > 100 * 2**20, config
     assert all(row["samples_per_s"][str(b)] for b in bench.BATCH_SIZES)
-    assert row["cache"]["entries"] == 4 and row["cache"]["per_key"]["latent_mean"] > 0
+    assert row["cache"]["entries"] == 4 and row["cache"]["per_key"]["input_latents"] > 0
     dtypes = row["cache_dtype"]
     assert dtypes["float32"]["loss_rel_max"] == 0.0
     assert dtypes["bfloat16"]["tensor_bytes"] < dtypes["float32"]["tensor_bytes"]

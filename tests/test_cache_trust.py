@@ -36,7 +36,7 @@ from unitgraph.backends.diffusion.train.loop import read_loss_csv  # noqa: E402
 
 SIZE = 64
 REPO = Path(__file__).resolve().parents[1]
-STAGE1_UNITS = 4  # ShapeChecker, ImageEncoder, EditImageEncoder, PromptEncoder (LoRA on the DiT)
+STAGE1_UNITS = 5  # ShapeChecker, ImageEncoder, EditImageEncoder, PromptEncoder, PosteriorMean (LoRA on the DiT)
 
 
 def make_data(folder: Path, count: int = 4, seed: int = 3) -> Path:
@@ -238,13 +238,13 @@ def test_integrity_verify_repair_info(tiny, tmp_path, capsys):
     # info: samples, bytes (per sample, per entry key), plan, models, settings
     code, out, err = cli(capsys, "cache", "info", str(cache))
     assert code == 0, err
-    for fragment in ("samples:      5", "bytes:", "per sample", "latent_mean", "prompt_emb", manifest["plan_fingerprint"],
+    for fragment in ("samples:      5", "bytes:", "per sample", "input_latents", "prompt_emb", manifest["plan_fingerprint"],
                      "ShapeChecker", "vae/diffusion_pytorch_model.safetensors", "image_size", "max_pixels"):
         assert fragment in out, fragment
     code, out, err = cli(capsys, "cache", "info", str(cache), "--json")
     info = json.loads(out)
     assert info["samples"] == 5 and info["bytes"] == sum(len(b) for b in original.values())
-    assert info["bytes_per_sample_by_key"]["latent_mean"] > 0 and set(info["models"]) == {"vae", "text_encoder", "tokenizer"}
+    assert info["bytes_per_sample_by_key"]["input_latents"] > 0 and set(info["models"]) == {"vae", "text_encoder", "tokenizer"}
     code, _, err = cli(capsys, "cache", "verify", str(tmp_path / "nowhere"))
     one_error_line(code, err, "no such cache folder")
 

@@ -90,8 +90,21 @@ def test_qwen_image_plans():
     pipeline = unitgraph.load_pipeline("diffusion:qwen_image")
     lora = unitgraph.split(pipeline, lora_base_model="dit")
     assert lora.data_process_models == ["text_encoder", "vae"] and lora.train_models == ["dit"]
-    assert {"LatentSampler", "NoiseInitializer", "TimestepSampler"} <= set(lora.train_units)
-    assert ("latent_mean", "ImageEncoder") in lora.cache_entries  # the posterior is cached, not a sample
+    assert {"NoiseInitializer", "TimestepSampler"} <= set(lora.train_units)
+    # the posterior mean (DiffSynth's latent) is deterministic: stage 1 computes it and the cache holds that one tensor
+    assert "PosteriorMean" in lora.data_process_units
+    assert ("input_latents", "PosteriorMean") in lora.cache_entries
+    assert not {("latent_mean", "ImageEncoder"), ("latent_logvar", "ImageEncoder")} & set(lora.cache_entries)
+    # --vae_latents sample: a fresh draw each epoch, so the cache holds the posterior (mean and log-variance)
+    from unitgraph.backends.diffusion.flowmatch import with_vae_latents
+
+    from unitgraph.backends.diffusion.registry import find_pipeline
+
+    sampled_def = with_vae_latents(find_pipeline("qwen_image")[1], "sample")
+    sampled = unitgraph.split(sampled_def.spec_pipeline, lora_base_model="dit")
+    assert "LatentSampler" in sampled.train_units and "PosteriorMean" not in sampled.train_units + sampled.data_process_units
+    assert {("latent_mean", "ImageEncoder"), ("latent_logvar", "ImageEncoder")} <= set(sampled.cache_entries)
+    assert unitgraph.verify(sampled_def.spec_pipeline, sampled) == []
     te = unitgraph.split(pipeline, trainable_models=["text_encoder"], lora_base_model="dit")
     assert "PromptEncoder" in te.train_units and "vae" not in te.train_models
     assert ("prompt", None) in te.cache_entries

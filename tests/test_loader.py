@@ -252,7 +252,7 @@ def _data(setup, cache, **kwargs):
 @pytest.mark.slow
 def test_real_cache_buckets_by_image_shape_not_prompt_length(setup, cache):
     data = _data(setup, cache, batch_size=4, dataset_repeat=2)
-    assert [u.name for u in data.early_units] == ["LatentSampler", "NoiseInitializer", "LatentPacker", "TimestepSampler"]
+    assert [u.name for u in data.early_units] == ["NoiseInitializer", "LatentPacker", "TimestepSampler"]
     assert data.step_units == []
     buckets = data.buckets()
     assert sorted(len(v) for v in buckets.values()) == [6, 14]  # 3 wide and 7 square images, each twice
@@ -318,7 +318,7 @@ def test_cast_of_cached_values():
 def test_a_bf16_cache_is_read_in_the_models_dtype(setup, cache):
     data = _data(setup, cache, dtype=torch.bfloat16)  # stands in for a cache stored in bf16
     values = data.read(data.items[0])
-    assert values["latent_mean"].dtype == torch.bfloat16 and values["prompt_emb_mask"].dtype == torch.long
+    assert values["input_latents"].dtype == torch.bfloat16 and values["prompt_emb_mask"].dtype == torch.long
 
 
 @pytest.mark.slow
@@ -396,7 +396,7 @@ def test_units_that_call_models_run_per_sample_at_step_time(tiny, mixed_dataset,
     plan = unitgraph.split(pipeline.spec_pipeline, trainable_models=["text_encoder"], lora_base_model="dit")
     data = E.Stage2Data.from_cache(pipeline, plan, tmp_path / "cache", seed=SEED, batch_size=4, pad=QWEN.pad)
     assert [u.name for u in data.step_units] == ["PromptEncoder"]
-    assert "LatentSampler" in [u.name for u in data.early_units]
+    assert "NoiseInitializer" in [u.name for u in data.early_units]
     models = load_components(["dit", "text_encoder", "tokenizer", "scheduler"], model_paths=str(tiny), torch_dtype=torch.float32)
     for slot in ("dit", "text_encoder"):
         models[slot].requires_grad_(True)

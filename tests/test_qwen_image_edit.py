@@ -194,9 +194,9 @@ def test_edit_image_counts():
 def test_text_encoder_lora_keeps_the_vl_preprocessing_in_stage1(pipeline, cache_mode):
     spec = unitgraph.load_pipeline(f"diffusion:{pipeline.name}")
     plan = unitgraph.split(spec, lora_base_model="text_encoder", cache_mode=cache_mode)
-    assert plan.train_units == ["EditPromptEncoder", "LatentSampler", "NoiseInitializer", "LatentPacker", "TimestepSampler"]
+    assert plan.train_units == ["EditPromptEncoder", "NoiseInitializer", "LatentPacker", "TimestepSampler"]
     assert plan.data_process_units == ["ShapeChecker", "ImageEncoder", "EditImageResizer", "EditImageEncoder",
-                                       "ConditionImageResizer"]
+                                       "ConditionImageResizer", "PosteriorMean"]
     assert plan.train_models == ["dit", "text_encoder"] and plan.data_process_models == ["vae"]
     assert ("condition_images", "ConditionImageResizer") in plan.cache_entries
     assert ("edit_latents", "EditImageEncoder") in plan.cache_entries
@@ -206,7 +206,7 @@ def test_text_encoder_lora_keeps_the_vl_preprocessing_in_stage1(pipeline, cache_
     assert "processor" in stage_slots(cfg, plan.train_models, training=True)
     assert "processor" not in stage_slots(cfg, plan.data_process_models, training=False)
     dit = unitgraph.split(spec, lora_base_model="dit", cache_mode=cache_mode)
-    assert dit.train_units == ["LatentSampler", "NoiseInitializer", "LatentPacker", "TimestepSampler"]
+    assert dit.train_units == ["NoiseInitializer", "LatentPacker", "TimestepSampler"]
     assert "processor" in stage_slots(cfg, dit.data_process_models, training=False)
 
 

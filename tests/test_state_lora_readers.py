@@ -118,7 +118,7 @@ def make_state(root: Path) -> Path:
         for p in params.values():
             p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
         optimizer.step()
-    rows = [(1, 0, 0.5, 0.25), (2, 0, 0.375, 0.5)]
+    rows = [(1, 0, 0.5, 0.25, 731.5), (2, 0, 0.375, 0.5, 12.0)]
     return save_state(root, 2, 0, 2, 0.5, rows, params, optimizer, MATCH)
 
 
@@ -293,11 +293,13 @@ LORA_A = "dit/transformer_blocks.0.to_q.lora_A.default.weight"
 STATE_CASES = {
     "step-a-string": (_tamper_json(step="2"), "state.json", "field 'step' is \"2\", not a step count"),
     "no-loss-rows": (_tamper_json(loss_rows=KeyError), "state.json", "no field 'loss_rows'"),
-    "a-loss-that-is-text": (_tamper_json(loss_rows=[[1, 0, "x", 0.1], [2, 0, 0.3, 0.2]]), "state.json", "loss_rows[0]"),
-    "a-row-missing": (_tamper_json(loss_rows=[[1, 0, 0.5, 0.1]]), "state.json", "1 loss rows for 2 steps"),
+    "a-loss-that-is-text": (_tamper_json(loss_rows=[[1, 0, "x", 0.1, None], [2, 0, 0.3, 0.2, None]]), "state.json", "loss_rows[0]"),
+    "a-row-missing": (_tamper_json(loss_rows=[[1, 0, 0.5, 0.1, None]]), "state.json", "1 loss rows for 2 steps"),
+    "a-timestep-past-1000": (_tamper_json(loss_rows=[[1, 0, 0.5, 0.1, 5000.0], [2, 0, 0.3, 0.2, None]]), "state.json",
+                             "loss_rows[0]"),
     "epoch-negative": (_tamper_json(epoch=-1), "state.json", "field 'epoch'"),
     "elapsed-null": (_tamper_json(elapsed_s=None), "state.json", "field 'elapsed_s'"),
-    "a-loss-of-400-digits": (_tamper_json(loss_rows=[[1, 0, 10**400, 0.1], [2, 0, 0.3, 0.2]]), "state.json", "loss_rows[0]"),
+    "a-loss-of-400-digits": (_tamper_json(loss_rows=[[1, 0, 10**400, 0.1, None], [2, 0, 0.3, 0.2, None]]), "state.json", "loss_rows[0]"),
     "groups-a-string": (_tamper_json(param_groups="x"), "state.json", "field 'param_groups'"),
     "another-eps": (_tamper_json(param_groups=lambda r: r["param_groups"][0].update(eps=0.5)), "state.json",
                     "param_groups[0] has eps 0.5"),
@@ -357,7 +359,7 @@ def test_each_damaged_state_is_one_line_naming_its_file(tmp_path, case):
 def test_an_untouched_state_restores_and_states_sort_by_step(tmp_path):
     state = make_state(tmp_path)
     point = attempt(state, tmp_path)
-    assert (point.step, point.epoch, point.position, point.rows) == (2, 0, 2, [[1, 0, 0.5, 0.25], [2, 0, 0.375, 0.5]])
+    assert (point.step, point.epoch, point.position, point.rows) == (2, 0, 2, [[1, 0, 0.5, 0.25, 731.5], [2, 0, 0.375, 0.5, 12.0]])
     later = state.parent / "step-100000000"  # past the 8 digits of the folder names: still the latest
     shutil.copytree(state, later)
     (state.parent / "step-x").mkdir()  # not a state

@@ -25,7 +25,6 @@ from unitgraph.backends.diffusion.context import ImageSize, UnitContext, UnitSet
 from unitgraph.backends.diffusion.data.dataset import DiffusionDataset, SampleError, write_synthetic_dataset  # noqa: E402
 from unitgraph.backends.diffusion.families import wan  # noqa: E402
 from unitgraph.backends.diffusion.families.wan import losses, tiny, units as u  # noqa: E402
-from unitgraph.backends.diffusion.flowmatch import shifted_sigmas  # noqa: E402
 from unitgraph.backends.diffusion.stages import run  # noqa: E402
 from unitgraph.backends.diffusion.data.video import frames_for, read_clip, write_clip  # noqa: E402
 
@@ -101,7 +100,7 @@ def test_num_frames_must_be_4k_plus_1():
 
 def test_training_schedule_and_boundaries_are_diffsynths():
     """Shift 5 over 1000 positions; --max_timestep_boundary 0.358 keeps Wan 2.2's high-noise sigmas (>= 0.9)."""
-    sigmas = shifted_sigmas(1000, 5.0)
+    sigmas = u.TRAINING_SCHEDULE.sigmas()
     assert float(sigmas[0]) == 1.0 and abs(float(sigmas[358]) - 0.9) < 2e-3
     ctx = UnitContext(models={}, settings=UnitSettings(timestep_bounds=(0.0, 0.358)), epoch=0, sample_key="s")
     draws = []

@@ -51,6 +51,7 @@ class UnitSettings:
     timestep_bounds: tuple[float, float] = (0.0, 1.0)
     dtype: str = DTYPE
     cache_dtype: str = DTYPE  # the dtype stage 1 stores floating tensors in
+    loss_weighting: str = "diffsynth"  # --loss_weighting: the timestep sampler's loss weight (flowmatch.py)
 
     def key_values(self, names: Any = None) -> dict[str, Any]:
         """JSON values of the named settings (all when None), as a cache key records them.
@@ -59,7 +60,8 @@ class UnitSettings:
         existed keep their keys.
         """
         everything: dict[str, Any] = {"image_size": self.image_size.key(), "dtype": self.dtype, "seed": self.seed,
-                                      "timestep_bounds": list(self.timestep_bounds)}
+                                      "timestep_bounds": list(self.timestep_bounds),
+                                      "loss_weighting": self.loss_weighting}
         if self.cache_dtype != self.dtype:
             everything["cache_dtype"] = self.cache_dtype
         wanted = everything if names is None else set(names)
@@ -76,6 +78,8 @@ def describe_setting(name: str, value: Any) -> str:
         return f"--min_timestep_boundary {value[0]} --max_timestep_boundary {value[1]}"
     if name == "seed":
         return f"--seed {value}"
+    if name == "loss_weighting":
+        return f"--loss_weighting {value}"
     if name == "cache_dtype":
         flags = {v: k for k, v in CACHE_DTYPES.items()}
         return f"--cache_dtype {flags.get(value or DTYPE, value)}"  # absent: the model's dtype

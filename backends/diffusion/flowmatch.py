@@ -1,17 +1,29 @@
-"""Flow-matching schedules from a diffusers FlowMatchEulerDiscreteScheduler config, shared by the families.
+"""Flow matching as the families train it: DiffSynth-Studio's objective, shared by the families.
 
-Training draws a noise level sigma from the scheduler's own training schedule (its
-`num_train_timesteps` sigmas, with the config's static or resolution-dependent shift), as
-DiffSynth-Studio and the diffusers pipelines use it, or from a static-shift schedule (DiffSynth's video template);
-`--min/max_timestep_boundary` narrow the draw to a range of the schedule's positions (`_draw_index`). Sigmas are memoised per (sequence length, steps) in the unit context.
+What a flow-matching step trains on, by default the objective DiffSynth-Studio's FlowMatchSFTLoss computes:
+
+  * the latent: the VAE posterior's mean (`posterior_mean`), or with `--vae_latents sample` a fresh draw of
+    the posterior each epoch (`latent_sampler`);
+  * the noise level: one position of the family's `TrainingSchedule` (DiffSynth's template for the family: one
+    fixed table of 1000 sigmas), uniform over the positions `--min/max_timestep_boundary` leave (`_draw_index`);
+  * the loss: the MSE of the predicted velocity against noise - x0, times the schedule's training weight at the
+    drawn position (`--loss_weighting diffsynth`), or unweighted (`--loss_weighting none`).
+
+`schedule_sigmas` is the sampler's side: the sigmas a diffusers FlowMatchEulerDiscreteScheduler config gives
+for inference (direct distillation's few-step sampler), memoised per (sequence length, steps) in the context.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
 
-__all__ = ["calculate_shift", "draw_latents", "draw_noise", "schedule_sigmas", "sample_timestep", "shifted_sigmas",
-           "sample_shifted_timestep"]
+from .family import unit
+
+__all__ = ["LOSS_WEIGHTINGS", "TrainingSchedule", "VAE_LATENTS", "calculate_shift", "draw_latents", "draw_noise",
+           "flow_matching_mse", "latent_sampler", "posterior_mean", "sample_training_timestep", "schedule_sigmas",
+           "with_vae_latents"]
 
 
 def calculate_shift(seq_len: int, config: Any) -> float:
@@ -49,12 +61,78 @@ def schedule_sigmas(ctx: Any, seq_len: int, num_steps: int, inference: bool = Fa
     return ctx.memo[key]
 
 
-def sample_timestep(ctx: Any, seq_len: int) -> Any:
-    """One training timestep (sigma * 1000, shape (1,)) drawn from `ctx.rng("timestep")` within the bounds."""
-    steps = int(ctx.model("scheduler").config.get("num_train_timesteps", 1000))
-    sigmas = schedule_sigmas(ctx, int(seq_len), steps)[:steps]
-    index = _draw_index(ctx, steps)
-    return (sigmas[index] * 1000.0).reshape(1).to(ctx.device)
+@dataclass(frozen=True)
+class TrainingSchedule:
+    """A family's training schedule as DiffSynth-Studio's FlowMatchScheduler template computes it for training
+    (`set_timesteps(1000, training=True)`): `steps` sigmas from the noisiest end, and a loss weight per position.
+
+    The grid is `steps` evenly spaced points from 1 towards `sigma_min`: either ending there (`open_end=False`)
+    or stopping one step short of it (`open_end=True`, linspace over steps + 1 points without the last).
+    Each point s is then shifted, either statically (`shift`: shift * s / (1 + (shift - 1) s)) or exponentially
+    (`mu`: e^mu / (e^mu + 1/s - 1)), and with `terminal` the distances from 1 are stretched so that the last
+    sigma is `terminal`. A schedule is one fixed table: the same for every image size, unlike diffusers'
+    resolution-dependent shift, because that is what DiffSynth trains with.
+
+    >>> s = TrainingSchedule(shift=5.0)
+    >>> [round(float(x), 4) for x in s.sigmas()[:2]], round(float(s.sigmas()[-1]), 4)
+    ([1.0, 0.9992], 0.005)
+    """
+
+    shift: float = 1.0
+    mu: Optional[float] = None
+    terminal: Optional[float] = None
+    sigma_min: float = 0.0
+    open_end: bool = True
+    steps: int = 1000
+
+    def sigmas(self) -> Any:
+        """The schedule's `steps` sigmas, float32, from ~1 (index 0) down."""
+        import torch
+
+        n = self.steps
+        grid = (torch.linspace(1.0, self.sigma_min, n + 1)[:-1] if self.open_end
+                else torch.linspace(1.0, self.sigma_min, n))
+        if self.mu is not None:
+            e = math.exp(self.mu)
+            sigmas = e / (e + (1.0 / grid - 1.0))
+        else:
+            sigmas = self.shift * grid / (1.0 + (self.shift - 1.0) * grid)
+        if self.terminal is not None:
+            distance = 1.0 - sigmas
+            sigmas = 1.0 - distance / (distance[-1] / (1.0 - self.terminal))
+        return sigmas
+
+    def weights(self) -> Any:
+        """DiffSynth's training weight per position: a bell curve over the timestep (sigma * 1000), centred on 500,
+        less its minimum, normalised to mean 1 over the schedule. It is 0 at the schedule's noisiest end when that
+        is sigma 1, and peaks where the schedule crosses sigma 0.5."""
+        import torch
+
+        x = self.sigmas().to(torch.float32) * 1000.0
+        bell = torch.exp(-2.0 * ((x - 500.0) / 1000.0) ** 2)
+        bell = bell - bell.min()
+        return bell * (self.steps / bell.sum())
+
+
+LOSS_WEIGHTINGS = ("diffsynth", "none")
+
+
+def sample_training_timestep(ctx: Any, schedule: TrainingSchedule) -> dict[str, Any]:
+    """One training timestep of `schedule`, drawn from `ctx.rng("timestep")` within the bounds, and its loss weight.
+
+    {"timestep": sigma * 1000 (shape (1,)), "loss_weight": the schedule's weight at the drawn position (shape (1,)),
+    or None with --loss_weighting none}. The timestep is the schedule's float32 value: DiffSynth first casts it to
+    bf16 and looks the sigma up again by the nearest timestep, which leaves only about a third of the positions
+    reachable; that is an artifact of its dtype handling, not part of the objective, so it is not reproduced.
+    """
+    key = ("training-schedule", schedule)
+    if key not in ctx.memo:
+        ctx.memo[key] = (schedule.sigmas(), schedule.weights())
+    sigmas, weights = ctx.memo[key]
+    index = _draw_index(ctx, schedule.steps)
+    weighting = getattr(ctx.settings, "loss_weighting", "diffsynth")
+    weight = weights[index].reshape(1).to(ctx.device) if weighting == "diffsynth" else None
+    return {"timestep": (sigmas[index] * 1000.0).reshape(1).to(ctx.device), "loss_weight": weight}
 
 
 def _draw_index(ctx: Any, steps: int) -> int:
@@ -72,32 +150,63 @@ def _draw_index(ctx: Any, steps: int) -> int:
     return int(torch.randint(first, last, (1,), generator=ctx.rng("timestep")).item())
 
 
-def shifted_sigmas(num_steps: int, shift: float) -> Any:
-    """A static-shift training schedule (DiffSynth-Studio's video template): num_steps sigmas evenly spaced from
-    1 down to (but not including) 0, each shifted as shift * s / (1 + (shift - 1) * s)."""
-    import torch
+def flow_matching_mse(pred: Any, target: Any, loss_weight: Any = None) -> Any:
+    """The flow-matching loss of a batch: the MSE of each sample times its loss weight, averaged over the batch.
 
-    s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)[:-1]
-    return (shift * s / (1.0 + (shift - 1.0) * s)).to(torch.float32)
+    Without weights, the plain MSE over the batch (DiffSynth's unweighted loss). With one sample, MSE x weight,
+    which is DiffSynth's FlowMatchSFTLoss; with several, each sample's own MSE is weighted by its own timestep's
+    weight (DiffSynth trains one sample a step).
+    """
+    import torch.nn.functional as F
 
-
-def sample_shifted_timestep(ctx: Any, shift: float, num_steps: int = 1000) -> Any:
-    """One training timestep (sigma * 1000, shape (1,)) of `shifted_sigmas`, drawn within the bounds."""
-    key = ("shifted", num_steps, shift)
-    if key not in ctx.memo:
-        ctx.memo[key] = shifted_sigmas(num_steps, shift)
-    sigmas = ctx.memo[key]
-    return (sigmas[_draw_index(ctx, num_steps)] * 1000.0).reshape(1).to(ctx.device)
+    pred, target = pred.float(), target.float()
+    if loss_weight is None:
+        return F.mse_loss(pred, target)
+    weight = loss_weight.float().reshape(-1)
+    if pred.shape[0] == 1:
+        return F.mse_loss(pred, target) * weight[0]
+    per_sample = (pred - target).pow(2).flatten(1).mean(dim=1)
+    return (per_sample * weight).mean()
 
 
 def draw_latents(ctx: Any, mean: Any, logvar: Any) -> Any:
-    """A sample of the VAE posterior N(mean, exp(logvar)) from `ctx.rng("latent")`: the cache keeps the posterior,
-    training draws a fresh latent each epoch (honest VAE sampling)."""
+    """A sample of the VAE posterior N(mean, exp(logvar)) from `ctx.rng("latent")` (--vae_latents sample)."""
     import torch
 
     eps = torch.randn(mean.shape, generator=ctx.rng("latent"), dtype=mean.dtype)
     mean, logvar = ctx.tensor(mean), ctx.tensor(logvar)
     return mean + torch.exp(0.5 * logvar) * eps.to(mean.device)
+
+
+# The latent a flow-matching family trains on, from the VAE posterior its encoder unit gives (latent_mean,
+# latent_logvar). By default the posterior mean, as DiffSynth-Studio encodes images and videos: deterministic, so
+# the unit runs in stage 1 and the cache holds the one latent instead of the two posterior tensors.
+# `--vae_latents sample` puts the sampler in its place (config.latents_variant): a fresh posterior draw each epoch.
+
+
+@unit("PosteriorMean", inputs=("latent_mean",), outputs=("input_latents",), settings=("cache_dtype",))
+def posterior_mean(ctx: Any, latent_mean: Any) -> dict[str, Any]:
+    return {"input_latents": latent_mean}
+
+
+@unit("LatentSampler", inputs=("latent_mean", "latent_logvar"), outputs=("input_latents",), deterministic=False,
+      settings=("seed", "cache_dtype"))
+def latent_sampler(ctx: Any, latent_mean: Any, latent_logvar: Any) -> dict[str, Any]:
+    return {"input_latents": draw_latents(ctx, latent_mean, latent_logvar)}
+
+
+VAE_LATENTS = ("mean", "sample")
+
+
+def with_vae_latents(pipeline: Any, mode: str) -> Any:
+    """`pipeline` training on the posterior `mode`: "mean" is the pipelines' own declaration; "sample" replaces
+    its PosteriorMean unit by LatentSampler (a pipeline without one, a distillation that targets the mean, is
+    returned as it is)."""
+    import dataclasses
+
+    if mode == "mean" or not any(u is posterior_mean for u in pipeline.units):
+        return pipeline
+    return dataclasses.replace(pipeline, units=tuple(latent_sampler if u is posterior_mean else u for u in pipeline.units))
 
 
 def draw_noise(ctx: Any, like: Any) -> Any:

@@ -27,6 +27,7 @@ from ..data.batching import CachedItem, step_groups
 from ..errors import BackendError
 from ..randomness import seeded_global_stream
 from .checkpoints import checkpoint_state, save_checkpoint
+from .lr import make_lr_schedule, seek, step as lr_step
 from .outputs import RunFolder
 from .resume import (
     apply_state,
@@ -113,7 +114,8 @@ def save(cfg: RunConfig, output: Path, name: str, models: dict[str, Any], lora_c
 
 
 class LossLog:
-    """loss.csv, written row by row on the main process (each row flushed as it is written)."""
+    """loss.csv, written row by row on the main process (each row flushed as it is written): step, epoch, loss, the
+    step's mean timestep (sigma x 1000 of the training schedule, before any cast) and the seconds since the start."""
 
     def __init__(self, path: Path, main: bool, rows: Optional[list[Any]] = None):
         """A new log, or with `rows` (a resumed run's rows so far) the log rewritten to exactly those rows."""
@@ -123,18 +125,21 @@ class LossLog:
             try:
                 self._file = path.open("w", encoding="utf-8", newline="")
                 self._writer = csv.writer(self._file)
-                self._file.write("step,epoch,loss,elapsed_s\n")
+                self._file.write("step,epoch,loss,timestep,elapsed_s\n")
                 self._file.flush()
-                for step, epoch, loss, elapsed in rows or ():
-                    self.add(int(step), int(epoch), float(loss), float(elapsed))
+                for step, epoch, loss, elapsed, timestep in rows or ():
+                    self.add(int(step), int(epoch), float(loss), float(elapsed),
+                             None if timestep is None else float(timestep))
             except OSError as exc:
                 raise OutputError(f"cannot write the loss log ({exc.strerror or exc})", source=str(path)) from None
 
-    def add(self, step: int, epoch: int, loss: float, elapsed: float) -> None:
-        self.rows.append((step, epoch, loss, elapsed))
+    def add(self, step: int, epoch: int, loss: float, elapsed: float, timestep: Optional[float] = None) -> None:
+        """One optimizer step's row; `timestep` is the step's mean timestep (empty for a loss that draws none)."""
+        self.rows.append((step, epoch, loss, elapsed, timestep))
         if self._writer is not None:
             try:
-                self._writer.writerow([step, epoch, repr(loss), f"{elapsed:.6f}"])
+                self._writer.writerow([step, epoch, repr(loss), "" if timestep is None else f"{timestep:.4f}",
+                                       f"{elapsed:.6f}"])
                 self._file.flush()
             except OSError as exc:
                 raise OutputError(f"cannot write the loss log ({exc.strerror or exc}) at step {step}; the rows and "
@@ -147,7 +152,8 @@ class LossLog:
 
 def micro_step(cfg: RunConfig, ctx: Any, ready: Any, elements: list[Any], epoch: int, total: int, sync: bool,
                trained: list[Any], accelerator: Any, seeded: bool, check: Any) -> Any:
-    """Forward and backward of one micro-batch; its loss (detached).
+    """Forward and backward of one micro-batch; its loss (detached) and its samples' mean timestep (None for a
+    loss that draws none).
 
     `ready` yields the batch's sink inputs: the units that call models run there, inside the step's
     dropout stream, as the sink does. `check(loss, elements)` stops on a NaN before the weights change.
@@ -171,7 +177,8 @@ def micro_step(cfg: RunConfig, ctx: Any, ready: Any, elements: list[Any], epoch:
         # (one micro-batch per step: the loss as it is, value and gradient)
         n = len(elements)
         accelerator.backward(loss if n == total else loss / total if n == 1 else loss * n / total)
-    return loss.detach().float()
+    timestep = batch.inputs.get("timestep")
+    return loss.detach().float(), None if timestep is None else timestep.detach().float().mean()
 
 
 def run_training(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: Any, output: Path,
@@ -239,6 +246,10 @@ class _Run:
         self.bar = progress(None, per_epoch * cfg.optim.num_epochs, stage_name,
                             cfg.output.progress and accelerator.is_local_main_process)
         self.step = self.start.step if self.start else 0
+        # --lr_scheduler on the optimizer itself (accelerate's wrapper would step it once per process), at this step
+        self.lr = make_lr_schedule(cfg.optim.lr_scheduler, getattr(optimizer, "optimizer", optimizer),
+                                   cfg.optim.lr_warmup_steps, per_epoch * cfg.optim.num_epochs)
+        seek(self.lr, self.step)
         self.offset = self.start.elapsed if self.start else 0.0  # elapsed_s continues where the resumed run stopped
         self.t0: Optional[float] = None  # when this process's first step started, less the resumed run's time
         self.last: Optional[float] = None  # when the previous step ended
@@ -299,18 +310,20 @@ class _Run:
             stop_on_bad_loss(loss, step + 1, epoch, [e.item for e in elements], self.provider, acc, self.result,
                              self.data.batch_size)
 
-        losses = [(micro_step(cfg, self.ctx, ready, b, epoch, total, k == len(group) - 1, self.trained, acc,
-                              self.seeded, check), len(b)) for k, b in enumerate(group)]
+        steps = [micro_step(cfg, self.ctx, ready, b, epoch, total, k == len(group) - 1, self.trained, acc,
+                            self.seeded, check) for k, b in enumerate(group)]
+        rate = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        lr_step(self.lr)
         self.step += 1
-        loss, now = step_loss(losses, total, acc), time.perf_counter()
+        loss, now = step_loss([(v, len(b)) for (v, _), b in zip(steps, group)], total, acc), time.perf_counter()
+        timestep = step_timestep([(t, len(b)) for (_, t), b in zip(steps, group)], total, acc)
         took = now - (self.last if self.last is not None else self.t0 + self.offset)
-        self.log.add(self.step, epoch, loss, now - self.t0)
+        self.log.add(self.step, epoch, loss, now - self.t0, timestep)
         self.result.step_times.append(took)
         if self.tracking:
-            acc.log({"loss": loss, "learning_rate": self.optimizer.param_groups[0]["lr"], "step_time_s": took},
-                    step=self.step)
+            acc.log({"loss": loss, "learning_rate": rate, "step_time_s": took}, step=self.step)
         self.last = now
         if not self.bar.disable:  # a plain string: set_postfix's formatting of keyword pairs shows at test size
             self.bar.set_postfix_str(f"loss={loss:.4f}, epoch={epoch}", refresh=False)
@@ -401,6 +414,17 @@ def step_loss(losses: list[tuple[Any, int]], total: int, accelerator: Any) -> fl
     return float(value)
 
 
+def step_timestep(timesteps: list[tuple[Any, int]], total: int, accelerator: Any) -> Optional[float]:
+    """The optimizer step's mean timestep over its samples (over every process), as loss.csv records it: the
+    schedule's sigma x 1000 each sample was trained at; None when the loss draws no timestep."""
+    if any(t is None for t, _ in timesteps):
+        return None
+    value = sum(t * n for t, n in timesteps) / total
+    if accelerator.num_processes > 1:
+        value = accelerator.reduce(value.to(accelerator.device), reduction="mean")
+    return float(value)
+
+
 def checkpoint(cfg: RunConfig, output: Path, name: str, models: dict[str, Any], lora_config: Any, accelerator: Any,
                result: RunResult) -> None:
     accelerator.wait_for_everyone()
@@ -420,7 +444,8 @@ def write_run_files(cfg: RunConfig, plan: Plan, output: Path, accelerator: Any) 
 
 def read_loss_csv(path: str | Path) -> list[dict[str, Any]]:
     with Path(path).open(encoding="utf-8", newline="") as handle:
-        return [{"step": int(r["step"]), "epoch": int(r["epoch"]), "loss": float(r["loss"]), "elapsed_s": float(r["elapsed_s"])}
+        return [{"step": int(r["step"]), "epoch": int(r["epoch"]), "loss": float(r["loss"]),
+                 "timestep": float(r["timestep"]) if r.get("timestep") else None, "elapsed_s": float(r["elapsed_s"])}
                 for r in csv.DictReader(handle)]
 
 

@@ -47,12 +47,13 @@ from unitgraph.userfiles import read_user_json
 from ..cache.keys import sha256_file
 from ..errors import BackendError
 from ..tensorfile import Header, TensorInfo, dtype_code, finite, load_tensors, read_header
+from .lr import schedule_needs_total
 
 __all__ = ["CheckedState", "ResumePoint", "STATE_DIR", "apply_state", "check_state", "latest_state", "load_state",
            "must_match", "prune_states", "remove_partial_states", "save_state", "states", "trained_parameters"]
 
 STATE_DIR = "state"
-STATE_FORMAT = "unitgraph.train-state/v1"
+STATE_FORMAT = "unitgraph.train-state/v2"  # v2: loss rows carry the step's timestep
 STATE_JSON = "state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 TRAINED_FILE = "trained.safetensors"
@@ -98,6 +99,9 @@ def must_match(cfg: Any, plan: Any, world: int, data: Optional[str] = None,
         "processes": int(world), "settings": cfg.units.key_values(), "fp8_models": list(cfg.precision.fp8),
         "data": data, "steps_per_epoch": steps_per_epoch, "preset_lora": preset,
         "preset_lora_model": lora.preset_model, "validation_prompts": list(v.prompts), "validation_steps": v.steps,
+        "lr_scheduler": o.lr_scheduler, "lr_warmup_steps": o.lr_warmup_steps,
+        "lr_schedule_steps": (steps_per_epoch * o.num_epochs if steps_per_epoch is not None
+                              and schedule_needs_total(o.lr_scheduler) else None),
     }
 
 
@@ -129,7 +133,8 @@ _FLAGS = {"plan_fingerprint": "the plan (--lora_base_model, --trainable_models, 
           "preset_lora": "--preset_lora_path (the file's content)",
           "validation_prompts": "--validation_prompt", 
           "processes": "the number of processes",
-          "settings": "--max_pixels/--height/--width, --seed, --mixed_precision or the bounds"}
+          "settings": "--max_pixels/--height/--width, --seed, --mixed_precision, --loss_weighting or the bounds",
+          "lr_schedule_steps": "--num_epochs and the steps an epoch has (the --lr_scheduler decays over them)"}
 
 
 def trained_parameters(models: dict[str, Any], slots: list[str]) -> dict[str, Any]:
@@ -202,8 +207,10 @@ def latest_state(output: Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
-def prune_states(output: Path, keep: Optional[int]) -> None:
-    """--save_total_limit: keep the newest `keep` states."""
+def prune_states(output: Path, keep: Optional[int] = 1) -> None:
+    """--save_total_limit: keep the newest `keep` states (0 or None: every state). Called once a new state is whole,
+    so the newest, the one --resume continues from, is never among those removed; the default keeps only it, as a
+    full fine-tune's state (the trained weights and two AdamW moments) is three times the model."""
     if not keep:
         return
     for old in states(output)[:-keep]:
@@ -284,10 +291,12 @@ def _read_record(path: Path) -> dict[str, Any]:
         raise BackendError(f"damaged training state: {len(rows)} loss rows for {step} steps; {_OLDER}", source=source)
     last_epoch = 0
     for n, row in enumerate(rows):
-        if not (isinstance(row, list) and len(row) == 4 and row[0] == n + 1 and _count(row[0]) and _count(row[1])
-                and last_epoch <= row[1] <= epoch and _number(row[2]) and _number(row[3]) and row[3] >= 0):
+        if not (isinstance(row, list) and len(row) == 5 and row[0] == n + 1 and _count(row[0]) and _count(row[1])
+                and last_epoch <= row[1] <= epoch and _number(row[2]) and _number(row[3]) and row[3] >= 0
+                and (row[4] is None or (_number(row[4]) and 0 <= row[4] <= 1000))):
             raise BackendError(f"damaged training state: loss_rows[{n}] is {_shown(row)}, not [step {n + 1}, epoch "
-                               f"(0..{epoch}, in order), loss, elapsed_s]; {_OLDER}", source=source)
+                               f"(0..{epoch}, in order), loss, elapsed_s, timestep (0..1000 or null)]; {_OLDER}",
+                               source=source)
         last_epoch = row[1]
     return record
 
@@ -323,7 +332,8 @@ def _check_param_groups(path: Path, saved: list[Any], current: list[dict[str, An
                                f"optimizer ({len(ours['params'])} parameters); {_OLDER}",
                                source=source)
         for key, value in ours.items():
-            if key != "params" and key in theirs and not _same(theirs[key], value):
+            # the rate itself is the schedule's at the state's step (train/lr.py sets it again from the step)
+            if key not in ("params", "lr", "initial_lr") and key in theirs and not _same(theirs[key], value):
                 raise BackendError(f"damaged training state: param_groups[{n}] has {key} {_shown(theirs[key])}, this "
                                    f"run's optimizer {_shown(value)}; {_OLDER}", source=source)
 
@@ -443,7 +453,8 @@ def check_state(path: Path, params: dict[str, Any], optimizer: Any, match: dict[
             state.setdefault(index, {})[piece] = value
     point = ResumePoint(path=path, step=record["step"], epoch=record["epoch"], position=record["position"],
                         elapsed=float(record["elapsed_s"]),
-                        rows=[[r[0], r[1], float(r[2]), float(r[3])] for r in record["loss_rows"]])
+                        rows=[[r[0], r[1], float(r[2]), float(r[3]), None if r[4] is None else float(r[4])]
+                              for r in record["loss_rows"]])
     return CheckedState(point, weights, state, groups)
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from ...family import lazy_module, sink
+from ...flowmatch import flow_matching_mse
 
 torch = lazy_module("torch")
-F = lazy_module("torch.nn.functional")
 
 
 def grid_ids(grid: Any, first: float, like: torch.Tensor) -> torch.Tensor:
@@ -55,20 +55,21 @@ def predict(ctx, latents: torch.Tensor, sigma: torch.Tensor, prompt_emb: Any, po
 
 
 def _loss(kontext: bool) -> Any:
-    inputs = ("input_latents", "noise", "timestep", "prompt_emb", "pooled_prompt_emb", "guidance", "latent_grid")
+    inputs = ("input_latents", "noise", "timestep", "loss_weight", "prompt_emb", "pooled_prompt_emb", "guidance", "latent_grid")
     if kontext:
         inputs += ("kontext_latents", "kontext_grids")
 
     @sink(inputs=inputs, models=("dit",))
-    def flow_matching_loss(ctx, input_latents, noise, timestep, prompt_emb, pooled_prompt_emb, guidance, latent_grid,
-                           kontext_latents=None, kontext_grids=None) -> torch.Tensor:
-        """MSE between the predicted velocity and noise - x0 at a noisy point x_t = (1 - s) x0 + s noise."""
+    def flow_matching_loss(ctx, input_latents, noise, timestep, loss_weight, prompt_emb, pooled_prompt_emb, guidance,
+                           latent_grid, kontext_latents=None, kontext_grids=None) -> torch.Tensor:
+        """MSE between the predicted velocity and noise - x0 at a noisy point x_t = (1 - s) x0 + s noise, times the
+        timestep's loss weight (flowmatch.flow_matching_mse)."""
         x0, noise = ctx.tensor(input_latents), ctx.tensor(noise)
         sigma = ctx.tensor(timestep).to(x0.dtype) / 1000.0
         noisy = (1.0 - sigma.view(-1, 1, 1)) * x0 + sigma.view(-1, 1, 1) * noise
         pred = predict(ctx, noisy, sigma, prompt_emb, pooled_prompt_emb, guidance, latent_grid,
                        kontext_latents, kontext_grids)
-        return F.mse_loss(pred.float(), (noise - x0).float())
+        return flow_matching_mse(pred, noise - x0, ctx.tensor(loss_weight))
 
     return flow_matching_loss
 

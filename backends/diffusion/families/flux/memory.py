@@ -43,6 +43,7 @@ def sink_inputs(cfg: Any, dims: Mapping[str, Any], configs: Mapping[str, Any], b
         "input_latents": torch.randn(batch, tokens, 4 * z, dtype=dtype),
         "noise": torch.randn(batch, tokens, 4 * z, dtype=dtype),
         "timestep": torch.full((batch,), 500.0),
+        "loss_weight": torch.ones(batch),
         "prompt_emb": torch.randn(batch, dims["text_tokens"], int(dit["joint_attention_dim"]), dtype=dtype),
         "pooled_prompt_emb": torch.randn(batch, int(dit["pooled_projection_dim"]), dtype=dtype),
         "guidance": torch.ones(batch),

@@ -11,7 +11,8 @@ FluxPipeline and FluxKontextPipeline compute them:
   clip       pooled_prompt_emb (1, D_clip): CLIP's pooled output over the prompt padded to 77 tokens
   t5         prompt_emb (1, 512, D_t5): T5's last hidden state over the prompt padded to 512 tokens
   guidance   guidance (1,): the embedded guidance value
-  fresh      input_latents (a posterior sample), noise, timestep (non-deterministic)
+  latents    input_latents: the posterior mean (--vae_latents sample: a draw of the posterior, non-deterministic)
+  fresh      noise; timestep and loss_weight: a position of TRAINING_SCHEDULE and its weight (non-deterministic)
   packed     input_latents/noise as 2x2 patches (1, h/2 * w/2, 4 C); latent_grid [[h/2, w/2]] (the RoPE
              ids are made from it in the loss: (0, row, col) per image token, zeros per text token)
   kontext    kontext_pixels (each kontext image sized like the target), kontext_latents (their VAE modes,
@@ -29,7 +30,7 @@ from typing import Any
 from ...data.imaging import image_to_pixels
 from ...errors import BackendError
 from ...family import lazy_module, unit
-from ...flowmatch import draw_latents, draw_noise, sample_timestep
+from ...flowmatch import TrainingSchedule, draw_noise, sample_training_timestep
 
 torch = lazy_module("torch")
 
@@ -109,13 +110,6 @@ def kontext_image_encoder(ctx, kontext_pixels: list) -> dict[str, Any]:
     return {"kontext_latents": torch.cat([pack(z) for z in latents], dim=1), "kontext_grids": [grids]}
 
 
-# honest VAE sampling: the cache keeps the posterior, training draws a fresh latent each epoch
-@unit("LatentSampler", inputs=("latent_mean", "latent_logvar"), outputs=("input_latents",), deterministic=False,
-      settings=("seed", "cache_dtype"))
-def latent_sampler(ctx, latent_mean: torch.Tensor, latent_logvar: torch.Tensor) -> dict[str, Any]:
-    return {"input_latents": draw_latents(ctx, latent_mean, latent_logvar)}
-
-
 # ------------------------------------------------------------------------------------------------
 # text
 
@@ -190,9 +184,12 @@ def latent_packer(ctx, input_latents: torch.Tensor, noise: torch.Tensor) -> dict
     return {"input_latents": pack(input_latents), "noise": pack(noise), "latent_grid": [grid]}
 
 
-@unit("TimestepSampler", inputs=("latent_grid",), outputs=("timestep",), deterministic=False,
-      settings=("seed", "timestep_bounds", "cache_dtype"))
-def timestep_sampler(ctx, latent_grid: Any) -> dict[str, Any]:
-    """A timestep of FLUX.1-dev's schedule: its shift grows with the image's token count (use_dynamic_shifting)."""
-    h, w = latent_grid[0]
-    return {"timestep": sample_timestep(ctx, int(h * w))}
+# DiffSynth-Studio's "FLUX.1" training template: a static shift of 3 over 1000 sigmas from 1 down to 0.003/1.002,
+# the same for every image size (diffusers' FluxPipeline shifts with the token count when it samples).
+TRAINING_SCHEDULE = TrainingSchedule(shift=3.0, sigma_min=0.003 / 1.002, open_end=False)
+
+
+@unit("TimestepSampler", inputs=(), outputs=("timestep", "loss_weight"), deterministic=False,
+      settings=("seed", "timestep_bounds", "loss_weighting", "cache_dtype"))
+def timestep_sampler(ctx) -> dict[str, Any]:
+    return sample_training_timestep(ctx, TRAINING_SCHEDULE)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...family import lazy_module, sink
-from ...flowmatch import schedule_sigmas
+from ...flowmatch import flow_matching_mse, schedule_sigmas
 
 torch = lazy_module("torch")
 F = lazy_module("torch.nn.functional")
@@ -35,16 +35,18 @@ def predict(ctx, latents: torch.Tensor, sigma: torch.Tensor, prompt_emb: torch.T
     return out[:, :tokens]
 
 
-@sink(inputs=("input_latents", "noise", "timestep", "prompt_emb", "prompt_emb_mask", "edit_latents", "img_shapes"),
+@sink(inputs=("input_latents", "noise", "timestep", "loss_weight", "prompt_emb", "prompt_emb_mask", "edit_latents",
+              "img_shapes"),
       models=("dit",))
-def flow_matching_loss(ctx, input_latents, noise, timestep, prompt_emb, prompt_emb_mask,
+def flow_matching_loss(ctx, input_latents, noise, timestep, loss_weight, prompt_emb, prompt_emb_mask,
                        edit_latents, img_shapes) -> torch.Tensor:
-    """MSE between the predicted velocity and noise - x0 at a noisy point x_t = (1 - s) x0 + s noise."""
+    """MSE between the predicted velocity and noise - x0 at a noisy point x_t = (1 - s) x0 + s noise, times the
+    timestep's loss weight (flowmatch.flow_matching_mse)."""
     x0, noise = ctx.tensor(input_latents), ctx.tensor(noise)
     sigma = ctx.tensor(timestep).to(x0.dtype) / 1000.0
     noisy = (1.0 - sigma.view(-1, 1, 1)) * x0 + sigma.view(-1, 1, 1) * noise
     pred = predict(ctx, noisy, sigma, prompt_emb, prompt_emb_mask, edit_latents, img_shapes)
-    return F.mse_loss(pred.float(), (noise - x0).float())
+    return flow_matching_mse(pred, noise - x0, ctx.tensor(loss_weight))
 
 
 @sink(inputs=("input_latents", "noise", "prompt_emb", "prompt_emb_mask", "negative_prompt_emb",

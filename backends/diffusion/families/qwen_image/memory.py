@@ -74,6 +74,7 @@ def sink_inputs(cfg: Any, dims: Mapping[str, Any], configs: Mapping[str, Any], b
         "input_latents": torch.randn(batch, tokens, 4 * z, dtype=dtype),
         "noise": torch.randn(batch, tokens, 4 * z, dtype=dtype),
         "timestep": torch.full((batch,), 500.0),
+        "loss_weight": torch.ones(batch),
         "prompt_emb": torch.randn(batch, text, width, dtype=dtype),
         "prompt_emb_mask": torch.ones(batch, text, dtype=torch.long),
         "edit_latents": edit,

@@ -8,7 +8,8 @@ Params of the Qwen-Image pipelines (one sample; tensors carry a batch dimension 
   vae        latent_mean, latent_logvar: the VAE posterior of the image (cached, not a sample)
              edit_latents: normalised mean latents of the edit image (None without one)
   text       prompt_emb (1, L, D), prompt_emb_mask (1, L): template tokens dropped
-  fresh      input_latents: a sample of the posterior, normalised; noise; timestep (non-deterministic)
+  latents    input_latents: the posterior mean (--vae_latents sample: a draw of the posterior, non-deterministic)
+  fresh      noise; timestep and loss_weight: a position of TRAINING_SCHEDULE and its weight (non-deterministic)
   packed     input_latents/noise/edit_latents packed into 2x2 patches, img_shapes for RoPE
 
 The edit pipelines (qwen_image_edit, qwen_image_edit_plus, as diffusers' QwenImageEditPipeline and
@@ -34,7 +35,7 @@ from typing import Any
 from ...data.imaging import image_to_pixels
 from ...errors import BackendError
 from ...family import lazy_module, unit
-from ...flowmatch import draw_latents, draw_noise, sample_timestep
+from ...flowmatch import TrainingSchedule, draw_noise, sample_training_timestep
 
 torch = lazy_module("torch")
 
@@ -224,13 +225,6 @@ def edit_images_encoder(ctx, edit_pixels: list) -> dict[str, Any]:
     return {"edit_latents": [encode_distribution(ctx, pixels)[0] for pixels in edit_pixels]}
 
 
-# honest VAE sampling: the cache keeps the posterior, training draws a fresh latent each epoch
-@unit("LatentSampler", inputs=("latent_mean", "latent_logvar"), outputs=("input_latents",), deterministic=False,
-      settings=("seed", "cache_dtype"))
-def latent_sampler(ctx, latent_mean: torch.Tensor, latent_logvar: torch.Tensor) -> dict[str, Any]:
-    return {"input_latents": draw_latents(ctx, latent_mean, latent_logvar)}
-
-
 @unit("TargetLatents", inputs=("latent_mean",), outputs=("input_latents",), settings=("cache_dtype",))
 def target_latents(ctx, latent_mean: torch.Tensor) -> dict[str, Any]:
     return {"input_latents": latent_mean}
@@ -410,8 +404,12 @@ def latent_packer(ctx, input_latents: torch.Tensor, noise: torch.Tensor, edit_la
             "img_shapes": [shapes]}
 
 
-@unit("TimestepSampler", inputs=("img_shapes",), outputs=("timestep",), deterministic=False,
-      settings=("seed", "timestep_bounds", "cache_dtype"))
-def timestep_sampler(ctx, img_shapes: Any) -> dict[str, Any]:
-    _, h, w = img_shapes[0][0]
-    return {"timestep": sample_timestep(ctx, int(h * w))}
+# DiffSynth-Studio's "Qwen-Image" training template: mu fixed at 0.8 whatever the image size (diffusers' pipeline
+# derives mu from the token count for sampling), the distances from 1 stretched so the last sigma is 0.02.
+TRAINING_SCHEDULE = TrainingSchedule(mu=0.8, terminal=0.02)
+
+
+@unit("TimestepSampler", inputs=(), outputs=("timestep", "loss_weight"), deterministic=False,
+      settings=("seed", "timestep_bounds", "loss_weighting", "cache_dtype"))
+def timestep_sampler(ctx) -> dict[str, Any]:
+    return sample_training_timestep(ctx, TRAINING_SCHEDULE)

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from ...family import lazy_module, sink
+from ...flowmatch import flow_matching_mse
 
 torch = lazy_module("torch")
-F = lazy_module("torch.nn.functional")
 
 
 def predict(ctx, latents: torch.Tensor, timestep: torch.Tensor, prompt_emb: Any, condition: Any = None,
@@ -33,17 +33,19 @@ def predict(ctx, latents: torch.Tensor, timestep: torch.Tensor, prompt_emb: Any,
 
 
 def _loss(i2v: bool) -> Any:
-    inputs = ("input_latents", "noise", "timestep", "prompt_emb") + (("condition", "image_embeds") if i2v else ())
+    inputs = ("input_latents", "noise", "timestep", "loss_weight", "prompt_emb") + (("condition", "image_embeds") if i2v else ())
 
     @sink(inputs=inputs, models=("dit",))
-    def flow_matching_loss(ctx, input_latents, noise, timestep, prompt_emb, condition=None, image_embeds=None):
-        """MSE between the predicted velocity and noise - x0 at x_t = (1 - s) x0 + s noise, s = timestep / 1000."""
+    def flow_matching_loss(ctx, input_latents, noise, timestep, loss_weight, prompt_emb, condition=None,
+                           image_embeds=None):
+        """MSE between the predicted velocity and noise - x0 at x_t = (1 - s) x0 + s noise, s = timestep / 1000,
+        times the timestep's loss weight (flowmatch.flow_matching_mse)."""
         x0, noise = ctx.tensor(input_latents), ctx.tensor(noise)
         t = ctx.tensor(timestep).to(x0.dtype)
         s = (t / 1000.0).view(-1, 1, 1, 1, 1)
         noisy = (1.0 - s) * x0 + s * noise
         pred = predict(ctx, noisy, t, prompt_emb, condition, image_embeds)
-        return F.mse_loss(pred.float(), (noise - x0).float())
+        return flow_matching_mse(pred, noise - x0, ctx.tensor(loss_weight))
 
     return flow_matching_loss
 

@@ -47,6 +47,7 @@ def sink_inputs(cfg: Any, dims: Mapping[str, Any], configs: Mapping[str, Any], b
         "input_latents": torch.randn(batch, z, t, h, w, dtype=dtype),
         "noise": torch.randn(batch, z, t, h, w, dtype=dtype),
         "timestep": torch.full((batch,), 500.0),
+        "loss_weight": torch.ones(batch),
         "prompt_emb": torch.randn(batch, dims["text_tokens"], int(dit["text_dim"]), dtype=dtype),
     }
     if "condition" in cfg.pipeline.loss.declaration.inputs:

@@ -11,7 +11,8 @@ and WanImageToVideoPipeline compute them and DiffSynth-Studio's Wan training fee
              latents_mean / latents_std
   text       prompt_emb (1, 512, D): UMT5's last hidden state over the cleaned prompt padded to 512 tokens,
              zero after the prompt's own tokens
-  fresh      input_latents (a posterior sample), noise, timestep (non-deterministic)
+  latents    input_latents: the posterior mean (--vae_latents sample: a draw of the posterior, non-deterministic)
+  fresh      noise; timestep and loss_weight: a position of TRAINING_SCHEDULE and its weight (non-deterministic)
   wan_i2v    input_image: the clip's first frame (DiffSynth's `input_image`, data["video"][0]);
              condition (1, 4 + z, T, h, w): the first-frame mask and the VAE mode of [frame, zeros...];
              image_embeds (1, 257, D_clip): CLIP vision's penultimate hidden states of the first frame, or
@@ -29,13 +30,14 @@ from typing import Any
 from ...data.imaging import cover_crop, image_to_pixels
 from ...errors import BackendError
 from ...family import lazy_module, unit
-from ...flowmatch import draw_latents, draw_noise, sample_shifted_timestep
+from ...flowmatch import TrainingSchedule, draw_noise, sample_training_timestep
 
 torch = lazy_module("torch")
 
 MULTIPLE = 16  # frame sides are multiples of this (VAE factor 8 x 2x2 patches)
 TEXT_LENGTH = 512  # diffusers' max_sequence_length; the I2V attention splits text from image tokens at 512
-TRAIN_SHIFT = 5.0  # DiffSynth-Studio's Wan training schedule: sigma' = 5 s / (1 + 4 s)
+# DiffSynth-Studio's "Wan" training template: a static shift of 5 over 1000 sigmas from 1 towards 0 (0 itself left out)
+TRAINING_SCHEDULE = TrainingSchedule(shift=5.0)
 
 # ------------------------------------------------------------------------------------------------
 # shapes
@@ -168,20 +170,13 @@ def prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
 # noise, timesteps
 
 
-@unit("LatentSampler", inputs=("latent_mean", "latent_logvar"), outputs=("input_latents",), deterministic=False,
-      settings=("seed", "cache_dtype"))
-def latent_sampler(ctx, latent_mean: torch.Tensor, latent_logvar: torch.Tensor) -> dict[str, Any]:
-    return {"input_latents": draw_latents(ctx, latent_mean, latent_logvar)}
-
-
 @unit("NoiseInitializer", inputs=("input_latents",), outputs=("noise",), deterministic=False,
       settings=("seed", "cache_dtype"))
 def noise_initializer(ctx, input_latents: torch.Tensor) -> dict[str, Any]:
     return {"noise": draw_noise(ctx, input_latents)}
 
 
-@unit("TimestepSampler", inputs=(), outputs=("timestep",), deterministic=False,
-      settings=("seed", "timestep_bounds", "cache_dtype"))
+@unit("TimestepSampler", inputs=(), outputs=("timestep", "loss_weight"), deterministic=False,
+      settings=("seed", "timestep_bounds", "loss_weighting", "cache_dtype"))
 def timestep_sampler(ctx) -> dict[str, Any]:
-    """A timestep of DiffSynth's Wan training schedule (static shift 5 over 1000 positions)."""
-    return {"timestep": sample_shifted_timestep(ctx, TRAIN_SHIFT)}
+    return sample_training_timestep(ctx, TRAINING_SCHEDULE)
