@@ -159,9 +159,47 @@ def claim_model_folder(folder: Path) -> None:
                            "only into a new, empty or own folder: choose another OUTDIR", source=str(folder))
 
 
-def claim_demo_folder(folder: Path) -> None:
+DEMO_ROOT = Path("output")
+DEMO_FOLDER = "demo"
+
+
+def default_demo_path(pipeline: Any) -> Path:
+    """Where `unitgraph demo` goes without --output_path: ./output/demo for the first family's first pipeline (the
+    README's demo), ./output/demo-<pipeline> for every other, so each pipeline's demo has a folder of its own."""
+    from unitgraph.backends.diffusion import registry
+
+    first = registry.default_family().pipelines[0]
+    return DEMO_ROOT / (DEMO_FOLDER if pipeline.name == first.name else f"{DEMO_FOLDER}-{pipeline.name}")
+
+
+def _json_field(path: Path, key: str) -> Optional[str]:
+    """A string field of a small JSON file unitgraph wrote (None when absent or unreadable)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = data.get(key) if isinstance(data, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def demo_pipeline_of(folder: Path) -> Optional[str]:
+    """The pipeline whose demo `folder` holds: its marker says (older demos' markers do not: then their run marker
+    or their cache's manifest does), else None."""
+    for path in (folder / DEMO_MARKER, folder / "train" / "unitgraph-run.json",
+                 folder / "train" / "cache" / "manifest.json", folder / "unsplit" / "unitgraph-run.json"):
+        name = _json_field(path, "pipeline")
+        if name:
+            return name
+    return None
+
+
+def claim_demo_folder(folder: Path, pipeline: Any = None, models_class: Optional[str] = None,
+                      explicit: bool = True) -> None:
     """The demo writes only into a new or empty folder, or a demo folder of its own (its marker, or the tiny models
-    an earlier demo wrote into it), and marks it as its own."""
+    an earlier demo wrote into it) of the same pipeline, and marks it as its own, naming the pipeline. A demo folder
+    of another pipeline is refused: its models, cache and run would not fit (each pipeline's demo has its own folder).
+    `models_class`: the diffusers pipeline class the demo's tiny models load with; `explicit`: the folder is the
+    --output_path given (else the pipeline's default), which the advice of a refusal takes into account."""
     from unitgraph.atomic import write_text_atomic
     from unitgraph.backends.diffusion.errors import BackendError
 
@@ -172,8 +210,24 @@ def claim_demo_folder(folder: Path) -> None:
         shown = ", ".join(sorted(p.name for p in folder.iterdir())[:3])
         raise BackendError(f"is not empty and not a unitgraph demo folder (it holds {shown}); the demo writes only "
                            "into a new, empty or own folder: choose another --output_path", source=str(folder))
+    name = getattr(pipeline, "name", None)
+    if name is not None and folder.is_dir():
+        other = demo_pipeline_of(folder)
+        found = _json_field(folder / "models" / "model_index.json", "_class_name")
+        shown = f"pipeline {other}" if other is not None else None
+        if other is None and models_class is not None and found is not None and found != models_class:
+            other, shown = found, f"another pipeline (tiny {found} models)"
+        if other is not None and other != name:
+            default = default_demo_path(pipeline)
+            advice = (f"leave out --output_path (the demo of {name} goes to {default}) or choose another one"
+                      if explicit and Path(folder) != default else
+                      "choose another --output_path, or move this folder aside (an earlier unitgraph put the demos of "
+                      "every pipeline into one folder)")
+            raise BackendError(f"holds the demo of {shown}, not of {name}; each pipeline's demo has its own folder: "
+                               f"{advice}", source=str(folder))
     folder.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(folder / DEMO_MARKER, json.dumps({"format": "unitgraph.demo/v1"}) + "\n")
+    record = {"format": "unitgraph.demo/v1", **({"pipeline": name} if name is not None else {})}
+    write_text_atomic(folder / DEMO_MARKER, json.dumps(record) + "\n")
 
 
 def pipelines_command(
@@ -214,7 +268,7 @@ def pipelines_command(
 
 
 def demo_command(
-    output_path: Annotated[str, typer.Option("--output_path", "--output-path", help="Where everything goes.")] = "./output/demo",
+    output_path: Annotated[Optional[str], typer.Option("--output_path", "--output-path", help="Where everything goes (a folder per pipeline; default: ./output/demo for the first family's first pipeline, ./output/demo-<pipeline> for any other).", show_default=False)] = None,
     images: Annotated[int, typer.Option("--images", help="Synthetic captioned images.")] = 32,
     resolution: Annotated[int, typer.Option("--resolution", help="Image side in pixels (multiple of 16).")] = 256,
     num_epochs: Annotated[int, typer.Option("--num_epochs", "--num-epochs", help="Epochs of stage 2.")] = 10,
@@ -248,18 +302,14 @@ def demo_command(
     frames = int(dict(family.demo).get("num_frames", 5))
     if size not in family.tiny_module().SIZES:
         raise BackendError(f"--size must be one of {', '.join(family.tiny_module().SIZES)}, got {size!r}")
-    out = Path(output_path)
-    claim_demo_folder(out)
+    out = Path(output_path) if output_path else default_demo_path(chosen)
+    models_class = chosen.diffusers_pipeline or family.diffusers_pipelines[0]
+    claim_demo_folder(out, chosen, models_class, explicit=bool(output_path))
     wall = time.perf_counter()
-    models_dir = out / ("models" if chosen is family.pipelines[0] else f"models-{chosen.name}")  # one folder per kind
+    models_dir = out / "models"  # the folder is this pipeline's alone
     data_dir = out / "data"
     console.rule(f"[bold]unitgraph demo: split training of a tiny {family.title}")
-    if not (models_dir / "model_index.json").is_file():
-        t = time.perf_counter()
-        family.tiny_module().write_tiny_models(models_dir, size=size, seed=seed, pipeline=chosen.name)
-        console.print(f"tiny {size}-size models (random weights) -> {models_dir}  [dim]{time.perf_counter() - t:.1f} s[/dim]")
-    else:
-        console.print(f"tiny models: reusing {models_dir}")
+    _tiny_models(console, family, chosen, models_dir, size, seed)
     metadata = write_synthetic_dataset(data_dir, count=images, size=resolution, seed=seed, images=extra_images, videos=videos, frames=frames,
                                        distill=bool({"seed", "num_inference_steps"} & set(extras)))
     what = f"{frames}-frame clips" if videos else "images"
@@ -319,10 +369,49 @@ def demo_command(
     console.print(f"[bold]demo done in {time.perf_counter() - wall:.0f} s[/bold]")
 
 
+def _tiny_models(console: Any, family: Any, pipeline: Any, models_dir: Path, size: str, seed: int) -> None:
+    """The demo's tiny models: reused when an earlier demo wrote them at this size and seed, else written (a folder
+    of other tiny models is replaced whole: written beside it first, so a failure leaves the old one)."""
+    import shutil
+    import uuid
+
+    from unitgraph.backends.diffusion.errors import BackendError
+
+    info = models_dir / MODEL_MARKERS[0]
+    try:
+        made = json.loads(info.read_text(encoding="utf-8")) if info.is_file() else None
+    except (OSError, ValueError):
+        made = None
+    if (models_dir / "model_index.json").is_file() and isinstance(made, dict) \
+            and made.get("size") == size and made.get("seed") == seed:
+        console.print(f"tiny models: reusing {models_dir}")
+        return
+    if models_dir.exists() and (models_dir.is_symlink() or not models_dir.is_dir() or (
+            any(models_dir.iterdir()) and not any((models_dir / m).is_file() for m in MODEL_MARKERS))):
+        raise BackendError("holds models unitgraph did not write (no unitgraph_tiny.json); the demo never writes "
+                           "over them: choose another --output_path", source=str(models_dir))
+    t = time.perf_counter()
+    fresh = models_dir.with_name(f".{models_dir.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        family.tiny_module().write_tiny_models(fresh, size=size, seed=seed, pipeline=pipeline.name)
+        if models_dir.exists():  # the earlier demo's tiny models (their marker says so) at another size or seed
+            old = models_dir.with_name(f".{models_dir.name}.{uuid.uuid4().hex[:8]}.old")
+            os.rename(models_dir, old)
+            os.rename(fresh, models_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(fresh, models_dir)
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
+    console.print(f"tiny {size}-size models (random weights) -> {models_dir}  [dim]{time.perf_counter() - t:.1f} s[/dim]")
+
+
 def _subset_metadata(metadata: Path, rows: int) -> Path:
+    from unitgraph.atomic import write_text_atomic
+
     lines = metadata.read_text(encoding="utf-8").splitlines()
     subset = metadata.with_name("metadata_subset.csv")
-    subset.write_text("\n".join(lines[: rows + 1]) + "\n", encoding="utf-8")
+    write_text_atomic(subset, "\n".join(lines[: rows + 1]) + "\n")
     return subset
 
 

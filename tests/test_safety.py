@@ -177,14 +177,15 @@ def test_the_output_folder_is_claimed_locked_and_never_mixed(tiny, data, tmp_pat
     assert snapshot(out) == first
 
     # a second run while one writes is refused (the first holds the folder's lock)
-    fd = os.open(out / ".unitgraph-run.lock", os.O_RDWR)
+    assert not (out / ".unitgraph-run.lock").exists()  # a finished run leaves no lock file
+    fd = os.open(out / ".unitgraph-run.lock", os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
         code, _, err = cli(capsys, *flags(tiny, cache, "sft:train", out, "--overwrite"))
         one_line(code, err, "another unitgraph run is writing into this folder")
     finally:
         os.close(fd)
-    assert snapshot(out) == first
+    assert snapshot(out) == {**first, ".unitgraph-run.lock": b""}  # only the other run's lock file
 
     # --overwrite moves the old run aside (nothing deleted) and cleans our stale temp files
     (out / ".epoch-0.safetensors.k1ll3d0_.tmp").write_bytes(b"half a checkpoint")  # mkstemp's 8 random
@@ -195,7 +196,7 @@ def test_the_output_folder_is_claimed_locked_and_never_mixed(tiny, data, tmp_pat
     assert snapshot(aside[0]) == {k: v for k, v in first.items() if not k.startswith(".")}  # all of it, intact
     now = sorted(p.name for p in out.glob("*.safetensors"))
     assert now == ["epoch-0.safetensors"]  # the earlier run's step checkpoints are not beside the new ones
-    assert not list(out.glob(".*.tmp"))
+    assert not list(out.glob(".*.tmp")) and not (out / ".unitgraph-run.lock").exists()
 
 
 def test_the_output_folder_must_be_new_empty_or_unitgraphs(tmp_path):

@@ -12,7 +12,8 @@ operations). Its layout (docs/cache.md has the full story):
     journal/rank-<r>.jsonl              while stage 1 runs: one line per entry process r finished
     journal/rank-<r>/<run>-<n>.jsonl    (on an object store, which has no append: one object per batch)
     hashes.json                         sha256 of model weights and data files, keyed by path, size, mtime
-    .lock                               held by the process that fills the cache (a lease on an object store)
+    .lock                               held by the process that fills the cache (a lease on an object store),
+                                        removed when it is done: left only by a process that was killed
 
 An entry's key and what it is made of: keys.py. An entry's bytes (safetensors plus JSON, never pickle):
 entries.py. Checking and describing a finished cache: verify.py.
@@ -143,7 +144,8 @@ class Cache:
     def check_owned(self) -> None:
         """Stage 1 writes only into a new or empty folder (or prefix) or a unitgraph cache; anything else is refused.
 
-        (A folder holding only the lock is a first run that stopped before its manifest.)
+        (A folder holding only the lock is a first run that was killed before its manifest; a run that ends, even with
+        an error, removes its lock file.)
         """
         if self.local:
             if self.folder.is_symlink() and not self.folder.exists():

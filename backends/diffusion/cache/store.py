@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import uuid
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -44,7 +45,8 @@ from unitgraph.errors import OutputError
 
 from ..errors import BackendError
 
-__all__ = ["Store", "Journal", "LocalStore", "READ_THREADS"]
+__all__ = ["Store", "Journal", "LocalStore", "READ_THREADS", "take_flock", "release_flock", "missing_folders",
+           "remove_empty_folders"]
 
 READ_THREADS = 16  # concurrent GETs of a batched read
 
@@ -141,6 +143,78 @@ class Journal:
 
 
 # ------------------------------------------------------------------------------------------------
+# a local folder's lock: an flock on a file that is removed when its holder is done
+
+LOCK_NAME = ".lock"
+LOCK_TRIES = 100  # a lock file removed and made again between our open and our lock, this many times in a row: busy
+
+
+def take_flock(path: Path) -> int:
+    """An exclusive flock on the file `path` (created when absent), taken without waiting; its open descriptor.
+
+    BlockingIOError when another process holds it, OSError when the file cannot be opened (a read-only folder).
+    A holder removes the file when it is done (`release_flock`), so a process that opened the file just before
+    that and locks it just after would hold a lock on a file no longer there, while a third process creates a new
+    one and locks that: both would go ahead. So, once locked, the descriptor's file must still be the one `path`
+    names; when it is not, the lock is taken again on the file that is there now.
+    """
+    import fcntl
+
+    for _ in range(LOCK_TRIES):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _same_file(fd, path, follow=True):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # the file was removed (or replaced) after we opened it: lock the one there now
+    raise BlockingIOError(f"{path}: the lock file keeps being replaced")
+
+
+def release_flock(fd: int, path: Path) -> None:
+    """Remove the lock file (only while holding its lock, and only when `path` still names that very file: never a
+    newer lock file, a symlink or a user's file put in its place), then close the descriptor, which releases it."""
+    try:
+        if _same_file(fd, path, follow=False):
+            os.unlink(path)
+    except OSError:
+        pass  # left in place: an empty lock file is harmless and taken again by the next holder
+    finally:
+        os.close(fd)
+
+
+def _same_file(fd: int, path: Path, follow: bool) -> bool:
+    mine = os.fstat(fd)
+    try:
+        there = os.stat(path, follow_symlinks=follow)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(there.st_mode) and (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def missing_folders(folder: Path) -> list[Path]:
+    """`folder` and those of its parents that do not exist yet, deepest first: what creating it will create."""
+    missing = []
+    for path in (Path(folder), *Path(folder).parents):
+        if path.exists() or path.is_symlink():
+            break
+        missing.append(path)
+    return missing
+
+
+def remove_empty_folders(folders: list[Path]) -> None:
+    """Remove each of `folders` (deepest first) that is still an empty folder: one that holds anything stays."""
+    for path in folders:
+        try:
+            if path.is_dir() and not path.is_symlink():
+                path.rmdir()  # refused when not empty: nothing in it is ever removed
+        except OSError:
+            return  # not empty (or not ours to remove): its parents are not empty either
+
+
+# ------------------------------------------------------------------------------------------------
 # a local folder
 
 
@@ -222,19 +296,27 @@ class LocalStore(Store):
 
     @contextlib.contextmanager
     def locked(self, busy_message: str) -> Iterator[None]:
-        """Exclusive right to fill this cache (released by the kernel if the process dies)."""
-        import fcntl
-
+        """Exclusive right to fill this cache (released by the kernel if the process dies); the lock file is removed
+        when the holder is done. The folders it had to create (the cache folder, and its parents: OUTPUT of a
+        `:split`) are removed again when the holder fails and leaves them empty."""
+        created = missing_folders(self.root)
         self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        path = self.root / LOCK_NAME
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise BackendError(busy_message, source=self.location) from None
+            fd = take_flock(path)
+        except BlockingIOError:
+            remove_empty_folders(created)
+            raise BackendError(busy_message, source=self.location) from None
+        except BaseException:
+            remove_empty_folders(created)
+            raise
+        try:
             yield
-        finally:
-            os.close(fd)
+        except BaseException:
+            release_flock(fd, path)
+            remove_empty_folders(created)
+            raise
+        release_flock(fd, path)
 
     def journal(self, name: str) -> Journal:
         return _FileJournal(self.path(f"{name}.jsonl"))

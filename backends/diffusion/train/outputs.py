@@ -9,10 +9,15 @@ line, so a mistyped --output_path never mixes a run into someone's files. Unitgr
 A folder that already holds a run (finished or killed) is never silently written over: the run is
 refused unless `--overwrite`, which moves the old run's files aside into `OUTPUT/replaced-<time>/`
 (never deletes them; a cache inside the folder stays where it is and is reused when valid). While a
-run writes, it holds an exclusive lock on the folder (released by the kernel if it dies), so a
-second run into the same folder is refused instead of both exiting 0 with one's output lost.
-Temporary files of unitgraph's own naming (".<run file>.<8 random>.tmp", left by a kill during an atomic
-write of one of the run's files) are removed when a marked run starts; nothing else is.
+run writes, it holds an exclusive lock on the folder (released by the kernel if it dies; its file,
+`.unitgraph-run.lock`, is removed when the run ends), so a second run into the same folder is refused
+instead of both exiting 0 with one's output lost. Temporary files of unitgraph's own naming
+(".<run file>.<8 random>.tmp", left by a kill during an atomic write of one of the run's files) are
+removed when a marked run starts; nothing else is.
+
+A run that fails before it made anything of value (no checkpoint, no training state, no loss row: an error
+while it sets up, or at its first step) leaves the folder as it found it: the files it wrote are removed, an
+earlier run it moved aside is moved back, and a folder it created is removed when that leaves it empty.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import contextlib
 import fnmatch
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -28,6 +34,7 @@ from typing import Any, Iterator, Optional
 from unitgraph.atomic import make_folder, temp_target, write_text_atomic
 from unitgraph.errors import OutputError
 
+from ..cache.store import missing_folders, release_flock, remove_empty_folders, take_flock
 from .resume import STATE_DIR
 from .validation import SAMPLES_DIR, SAMPLES_PAGE
 
@@ -91,6 +98,15 @@ def _is_cache(folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and str(data.get("format", "")).startswith("unitgraph.cache/")
+
+
+def _has_rows(path: Path) -> bool:
+    """Whether a loss log holds a row beyond its header (an optimizer step was made)."""
+    try:
+        with path.open("rb") as handle:
+            return len(handle.read(1 << 16).splitlines()) > 1
+    except OSError:
+        return True  # cannot tell: keep it
 
 
 def remove_sample_temps(folder: Path) -> int:
@@ -167,46 +183,72 @@ class RunFolder:
     @contextlib.contextmanager
     def claimed(self, overwrite: bool, run: dict[str, Any], resume: bool = False) -> Iterator["RunFolder"]:
         """Check, lock, clean our temp files, move an old run aside (`overwrite`; with `resume` the run is
-        continued in place), write the marker; on a normal exit mark the run finished."""
-        import fcntl
-
+        continued in place), write the marker; on a normal exit mark the run finished. The lock file is removed
+        when the run ends; a run that fails before it made anything of value is rolled back (`_roll_back`)."""
         self.check(overwrite, run if resume else None)
-        created = not self.folder.exists()
+        created = missing_folders(self.folder)
         make_folder(self.folder)
+        lock = self.folder / LOCK
         try:
-            fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = take_flock(lock)
+        except BlockingIOError:
+            remove_empty_folders(created)
+            raise OutputError("another unitgraph run is writing into this folder; wait for it to finish or "
+                              "choose another --output_path", source=str(self.folder)) from None
         except OSError as exc:
-            self._undo(created)
+            remove_empty_folders(created)
             raise OutputError(f"cannot write into the folder ({exc.strerror})", source=str(self.folder)) from None
+        failed = True
         try:
+            self.check(overwrite, run if resume else None)  # again, now that no other run can change the folder
+            for entry in self.folder.iterdir():
+                if entry.is_file() and _is_temp(entry.name):
+                    entry.unlink(missing_ok=True)
+            remove_sample_temps(self.folder)
+            continued = resume and read_marker(self.folder) is not None  # the files here are the run's to continue
+            if read_marker(self.folder) is not None and not resume:
+                self.replaced = move_aside(self.folder)
+            before = {entry.name for entry in self.folder.iterdir()}  # what this run found (a cache, the moved run)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise OutputError("another unitgraph run is writing into this folder; wait for it to finish or "
-                                  "choose another --output_path", source=str(self.folder)) from None
-            try:
-                self.check(overwrite, run if resume else None)  # again, now that no other run can change the folder
-                for entry in self.folder.iterdir():
-                    if entry.is_file() and _is_temp(entry.name):
-                        entry.unlink(missing_ok=True)
-                remove_sample_temps(self.folder)
-                if read_marker(self.folder) is not None and not resume:
-                    self.replaced = move_aside(self.folder)
                 self._write_marker({**run, "status": "running"})
+                yield self
             except BaseException:
-                self._undo(created)
+                if not continued:
+                    self._roll_back(before)
                 raise
-            yield self
             self._write_marker({**run, "status": "finished"})
+            failed = False
         finally:
-            os.close(fd)
+            release_flock(fd, lock)
+            if failed:
+                remove_empty_folders(created)
 
-    def _undo(self, created: bool) -> None:
-        """A claim that failed before the run wrote anything leaves a new folder as it was: absent."""
-        if created:
+    def _roll_back(self, before: set[str]) -> bool:
+        """After a failed run: when it made nothing of value (no checkpoint, no training state, no loss row), remove
+        the run files it wrote (those whose names were not in the folder before it, `before`) and move back the files
+        of the earlier run `--overwrite` moved aside. Whether it did; a run that made something keeps all of it."""
+        folder = self.folder
+        new = [entry for entry in folder.iterdir() if entry.name not in before and entry.name != LOCK]
+        for entry in new:
+            if entry.is_symlink() or not (_is_run_file(entry.name) or _is_temp(entry.name) or entry.name in RUN_DIRS):
+                return False  # not a file this run writes: the folder is not as the run alone left it
+            if entry.name.endswith(".safetensors") or (entry.is_dir() and any(entry.rglob("*.safetensors"))):
+                return False  # a checkpoint or a training state
+            if entry.name == "loss.csv" and _has_rows(entry):
+                return False
+        for entry in new:
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)  # logs/ of a tracker started for this run
+            else:
+                entry.unlink(missing_ok=True)
+        if self.replaced is not None:
+            for entry in sorted(self.replaced.iterdir()):
+                if not (folder / entry.name).exists() and not (folder / entry.name).is_symlink():
+                    os.rename(entry, folder / entry.name)
             with contextlib.suppress(OSError):
-                (self.folder / LOCK).unlink(missing_ok=True)
-                self.folder.rmdir()
+                self.replaced.rmdir()
+                self.replaced = None
+        return True
 
     def _write_marker(self, run: dict[str, Any]) -> None:
         data = {"format": MARKER_FORMAT, **run, "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
