@@ -25,6 +25,11 @@ MIXED_PRECISION = ("no", "fp16", "bf16")  # accelerate's names
 MAX_SEED = 1 << 63
 LORA_FORMATS = ("diffusers", "diffsynth")
 REPORT_TO = ("none", "tensorboard", "wandb")
+VAE_LATENTS = ("mean", "sample")  # flowmatch.VAE_LATENTS
+LOSS_WEIGHTINGS = ("diffsynth", "none")  # flowmatch.LOSS_WEIGHTINGS
+# --lr_scheduler: DiffSynth's (torch's ConstantLR with its defaults) and diffusers' get_scheduler names (train/lr.py)
+LR_SCHEDULERS = ("diffsynth", "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
+                 "polynomial")
 
 
 def _f(default: Any, help: str, group: str) -> Any:
@@ -41,7 +46,7 @@ class TrainArgs:
     data_file_keys: str = _f("image", "Comma-separated metadata columns that name files to load.", "dataset")
     extra_inputs: Optional[str] = _f(None, "Comma-separated metadata columns handed to the pipeline (e.g. edit_image).", "dataset")
     # models
-    pipeline: Optional[str] = _f(None, "Pipeline to train (see 'unitgraph pipelines'; default: the family whose diffusers pipeline class the --model_paths folder's model_index.json names, else the first registered family).", "models")
+    pipeline: Optional[str] = _f(None, "Pipeline to train (see 'unitgraph pipelines'). Default: the one the command names: its model ids, the classes of its --model_paths folders (model_index.json, a component's config.json), a release file's layout, and the metadata's columns and --extra_inputs as the tie-breaker; else the first registered family. The run prints its choice and why first.", "models")
     model_paths: Optional[str] = _f(None, "A JSON list of model folders, or one path (a diffusers pipeline folder works).", "models")
     model_id_with_origin_paths: Optional[str] = _f(None, "'org/name:sub/pattern,...' resolved through modelscope.", "models")
     tokenizer_path: Optional[str] = _f(None, "Tokenizer folder of the (first) text encoder (default: beside the text encoder or in the pipeline folder).", "models")
@@ -65,6 +70,10 @@ class TrainArgs:
     task: str = _f("sft", "sft, sft:data_process, sft:train, sft:split, direct_distill[:data_process|:train|:split].", "training")
     max_timestep_boundary: float = _f(1.0, "End of the sampled range of the training schedule, as a fraction of its positions from the noisiest (DiffSynth's meaning: with a shift-5 schedule 0.358 keeps sigmas 1 to ~0.9, a high-noise expert's range).", "training")
     min_timestep_boundary: float = _f(0.0, "Start of the sampled range, as a fraction of the schedule's positions from the noisiest.", "training")
+    loss_weighting: str = _f("diffsynth", "Flow-matching loss weight per timestep: diffsynth (DiffSynth-Studio's training weight, a bell curve over the schedule with mean 1) or none (plain MSE).", "training")
+    vae_latents: str = _f("mean", "The latent a flow-matching step trains on: mean (the VAE posterior's mean, as DiffSynth encodes; computed once in stage 1) or sample (a fresh draw of the posterior each epoch; the cache then keeps the posterior's mean and log-variance).", "training")
+    lr_scheduler: str = _f("diffsynth", "Learning-rate schedule: diffsynth (as DiffSynth-Studio trains: torch's ConstantLR defaults, the first 5 steps at a third of --learning_rate), or one of diffusers' get_scheduler schedules: constant, constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial (over the run's optimizer steps).", "training")
+    lr_warmup_steps: int = _f(0, "Optimizer steps of linear warm-up for the schedules that have one (constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial).", "training")
     # output
     output_path: str = _f("./models", "Output folder (plan.json, training_args.json, loss.csv, checkpoints); for :data_process, the cache folder (or an s3://bucket/prefix URL).", "output")
     remove_prefix_in_ckpt: Optional[str] = _f(None, "Strip this prefix from checkpoint keys (diffusers format: keys are 'transformer.…'; diffsynth format: 'pipe.dit.…', so DiffSynth's 'pipe.dit.' leaves the model's own module names).", "output")
@@ -76,7 +85,7 @@ class TrainArgs:
     validation_steps: Optional[int] = _f(None, "Render the validation prompts every N optimizer steps (default: at each checkpoint).", "output")
     validation_inference_steps: int = _f(20, "Denoising steps of a validation sample.", "output")
     report_to: str = _f("none", "Also log loss, learning rate and step time to tensorboard or wandb (through accelerate; OUTPUT/logs), or none.", "output")
-    save_total_limit: Optional[int] = _f(None, "Keep only the newest K training states (the checkpoints themselves are all kept).", "output")
+    save_total_limit: Optional[int] = _f(1, "Keep only the newest K training states under OUTPUT/state (default 1: --resume needs only the newest, and a full fine-tune's state holds the model and its optimizer; 0 keeps every state). The checkpoints themselves are all kept.", "output")
     overwrite: bool = _f(False, "Start anew in an --output_path that holds an earlier run: its files are moved aside into OUTPUT/replaced-<time>/ (nothing is deleted; a cache in it is kept and reused).", "output")
     # LoRA
     lora_base_model: Optional[str] = _f(None, "Model that gets LoRA adapters (a model of the pipeline: dit, text_encoder, ...).", "lora")
@@ -156,8 +165,19 @@ class TrainArgs:
             needed = {"tensorboard": "tensorboard", "wandb": "wandb"}[self.report_to]
             if importlib.util.find_spec(needed) is None:
                 raise BackendError(f"--report_to {self.report_to} needs the {needed} package (pip install {needed})")
-        if self.save_total_limit is not None and self.save_total_limit < 1:
-            raise BackendError(f"--save_total_limit must be at least 1, got {self.save_total_limit}")
+        if self.loss_weighting not in LOSS_WEIGHTINGS:
+            raise BackendError(f"--loss_weighting must be one of {', '.join(LOSS_WEIGHTINGS)}, got {self.loss_weighting!r}")
+        if self.vae_latents not in VAE_LATENTS:
+            raise BackendError(f"--vae_latents must be one of {', '.join(VAE_LATENTS)}, got {self.vae_latents!r}")
+        if self.lr_scheduler not in LR_SCHEDULERS:
+            raise BackendError(f"--lr_scheduler must be one of {', '.join(LR_SCHEDULERS)}, got {self.lr_scheduler!r}")
+        if self.lr_warmup_steps < 0:
+            raise BackendError(f"--lr_warmup_steps must be 0 or more, got {self.lr_warmup_steps}")
+        if self.lr_warmup_steps and self.lr_scheduler in ("diffsynth", "constant"):
+            raise BackendError(f"--lr_warmup_steps needs a schedule with a warm-up (--lr_scheduler constant_with_warmup, "
+                               f"linear, cosine, ...); {self.lr_scheduler} has none")
+        if self.save_total_limit is not None and self.save_total_limit < 0:
+            raise BackendError(f"--save_total_limit must be 0 (keep every state) or more, got {self.save_total_limit}")
         if self.resume is not None and self.overwrite:
             raise BackendError("--resume continues the run in --output_path and --overwrite moves it aside: give one of them")
         if self.resume is not None and self.stage == "data_process":

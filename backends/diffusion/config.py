@@ -18,9 +18,10 @@ from .context import CACHE_DTYPES, DTYPE, ImageSize, UnitSettings
 from .errors import BackendError
 from .models.precision import COMPUTE_DTYPES
 from .family import Family, PipelineDef
+from .flowmatch import with_vae_latents
 from .models.hub import Hub
 from .models.sources import ModelSources
-from .registry import default_family, pipeline_for_task, pipeline_from_model_paths
+from .choice import choose
 
 
 def offline_from_env(environ: Any = None) -> bool:
@@ -56,7 +57,7 @@ class ModelConfig:
         """The family's slots resolved from these arguments (`offline` overrides the setting)."""
         hub = self.hub if offline is None or offline == self.hub.offline else \
             replace(self.hub, offline=offline, offline_reason=self.hub.offline_reason or "comparing stage-1 models")
-        return ModelSources(family.slots, self.model_paths, self.model_id_with_origin_paths, self.tokenizer_path,
+        return ModelSources(family, self.model_paths, self.model_id_with_origin_paths, self.tokenizer_path,
                             self.cache_dir, offline=hub.offline, hub=hub, processor_path=self.processor_path,
                             tokenizer_2_path=self.tokenizer_2_path)
 
@@ -82,6 +83,8 @@ class OptimConfig:
     trainable: tuple[str, ...] = ()
     gradient_checkpointing: bool = False
     find_unused_parameters: bool = False
+    lr_scheduler: str = "diffsynth"  # train/lr.py
+    lr_warmup_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,7 @@ class OutputConfig:
     overwrite: bool = False
     lora_format: str = "diffusers"
     resume: Optional[str] = None  # "latest" (the newest state in the output folder) or a state folder
-    save_total_limit: Optional[int] = None
+    save_total_limit: Optional[int] = 1  # the newest state only (--save_total_limit; 0 keeps them all)
     report_to: str = "none"  # accelerate's trackers: tensorboard, wandb
 
 
@@ -190,11 +193,14 @@ class RunConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     notes: tuple[str, ...] = field(default=())
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    choice: str = ""  # "pipeline: NAME (why)", the line a run and a dry run print first (choice.py)
 
     @classmethod
     def from_args(cls, args: TrainArgs, environ: Any = None) -> "RunConfig":
         args.validate()
-        family, pipeline = choose_pipeline(args)
+        chosen = choose(args)
+        family, pipeline = chosen.family, chosen.pipeline
+        pipeline = with_vae_latents(pipeline, args.vae_latents)
         models = pipeline.spec().models
         if args.lora_base_model and args.lora_base_model not in models:
             raise BackendError(f"--lora_base_model {args.lora_base_model!r} is not a model of pipeline {pipeline.name} "
@@ -226,7 +232,7 @@ class RunConfig:
         fp8 = fp8_slots(args, family, pipeline, _sources_for_names(model_config, family, args))
         if args.blocks_to_swap and not args.lora_base_model:
             raise BackendError("--blocks_to_swap moves blocks of a frozen LoRA base model; give --lora_base_model")
-        notes = []
+        notes = [chosen.line]
         if args.align_to_opensource_format:
             notes.append("note: --align_to_opensource_format: LoRA files are written in the diffusers format "
                          "(--lora_format), which diffusers' load_lora_weights and ComfyUI read; DiffSynth's own "
@@ -241,7 +247,7 @@ class RunConfig:
             cache_path=args.cache_path, seed=args.seed,
             units=UnitSettings(image_size=ImageSize(args.height, args.width, args.max_pixels), seed=args.seed,
                                timestep_bounds=(args.min_timestep_boundary, args.max_timestep_boundary),
-                               dtype=compute, cache_dtype=cache_dtype),
+                               dtype=compute, cache_dtype=cache_dtype, loss_weighting=args.loss_weighting),
             data=DataConfig(args.dataset_base_path, args.dataset_metadata_path, tuple(args.file_keys()),
                             tuple(n for n in args.extra_input_names() if n not in pipeline.derived_inputs),
                             args.dataset_repeat, workers, args.num_frames),
@@ -249,13 +255,14 @@ class RunConfig:
             optim=OptimConfig(args.learning_rate, args.weight_decay, args.num_epochs, args.gradient_accumulation_steps,
                               args.batch_size, tuple(args.trainable()),
                               args.use_gradient_checkpointing or args.use_gradient_checkpointing_offload,
-                              args.find_unused_parameters),
+                              args.find_unused_parameters, args.lr_scheduler, args.lr_warmup_steps),
             lora=LoraSpec(args.lora_base_model, targets, args.lora_rank, args.lora_alpha, args.lora_checkpoint,
                           args.preset_lora_path, preset_model if args.preset_lora_path else None),
             output=OutputConfig(args.output_path, args.remove_prefix_in_ckpt, args.save_steps, args.plot, args.progress,
                                 args.overwrite, args.lora_format, args.resume, args.save_total_limit, args.report_to),
             precision=PrecisionConfig(mixed, compute, fp8, args.use_gradient_checkpointing_offload, args.blocks_to_swap),
             notes=tuple(notes),
+            choice=chosen.line,
             validation=ValidationConfig(tuple(args.validation_prompt or ()), args.validation_steps,
                                         args.validation_inference_steps),
         )
@@ -288,18 +295,10 @@ def usable_cores() -> int:
 
 
 def choose_pipeline(args: TrainArgs) -> tuple[Family, PipelineDef]:
-    """--pipeline NAME, else the family whose diffusers pipeline class a --model_paths folder's
-    model_index.json names, else the first registered family; then that family's pipeline for --task."""
-    if args.pipeline:
-        return pipeline_for_task(args.pipeline, args.family)
-    from .models.folders import ModelLoadError
-    from .models.sources import parse_model_paths
-
-    try:
-        paths = parse_model_paths(args.model_paths)
-    except ModelLoadError:
-        paths = []  # reported when the models are resolved
-    return pipeline_from_model_paths(paths, args.family) or pipeline_for_task(default_family().name, args.family)
+    """(family, pipeline) the run trains: --pipeline NAME, else what the command's models and dataset name
+    (choice.py, which also says why)."""
+    chosen = choose(args)
+    return chosen.family, chosen.pipeline
 
 
 __all__ = ["DataConfig", "LoraSpec", "ModelConfig", "OptimConfig", "OutputConfig", "RunConfig", "choose_pipeline",

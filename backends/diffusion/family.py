@@ -21,6 +21,7 @@ as family modules import torch lazily (`lazy_module`).
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import importlib
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -31,6 +32,7 @@ from unitgraph.spec import Pipeline, Sink, Unit
 
 __all__ = [
     "Family",
+    "ModelRepo",
     "ModelSlot",
     "PipelineDef",
     "SETTINGS",
@@ -44,7 +46,7 @@ __all__ = [
 
 # The settings a unit may read from its context (see context.UnitSettings). A unit declares the ones
 # it reads; a stage-1 cache key holds exactly the settings of the plan's data_process units.
-SETTINGS = ("image_size", "dtype", "cache_dtype", "seed", "timestep_bounds")
+SETTINGS = ("image_size", "dtype", "cache_dtype", "seed", "timestep_bounds", "loss_weighting")
 
 
 class _LazyModule(ModuleType):
@@ -302,6 +304,10 @@ class ModelSlot:
     tokenizer: the tokenizer slot paired with this text encoder (a family may have several such pairs).
     default_config: for a scheduler, the family's published config, used when no folder gives one.
     origin: (model id, pattern) DiffSynth falls back to when only model ids are given (tokenizers, processors).
+    single_file: "module:ATTR" (the module relative to the family's package) naming the single-file layout a
+    release publishes this component in (one file at the top of the model's repository), imported when a file needs it:
+    an object with `description`, `class_name`, `matches(shapes)`, `config(shapes, beside)` (the diffusers
+    config.json content) and `convert(tensors)` (the diffusers state dict); see models/release.py.
     """
 
     name: str
@@ -317,6 +323,7 @@ class ModelSlot:
     tokenizer: Optional[str] = None
     default_config: Optional[Mapping[str, Any]] = None
     origin: Optional[tuple[str, str]] = None
+    single_file: Optional[str] = None
 
     @property
     def class_names(self) -> tuple[str, ...]:
@@ -334,6 +341,34 @@ class ModelSlot:
 
 
 @dataclass(frozen=True)
+class ModelRepo:
+    """Model repositories a family's commands name (DiffSynth's `--model_id_with_origin_paths "org/name:pattern"`).
+
+    ids: the model ids, as fnmatch patterns (`org/Model-T2V-*`); a command naming one trains `pipeline` (None:
+    one of the family's pipelines, which the dataset's columns decide). release_files: files of the original
+    release layout these repositories hold (fnmatch patterns, `models_t5_*.pth`) -> where the diffusers layout
+    keeps the same component (`text_encoder/*.safetensors`), in the repository `diffusers_repo` names
+    (`{id}`: the same one; `{id}-Diffusers`: its diffusers twin). A message about a file it cannot read names
+    that path instead.
+    """
+
+    ids: tuple[str, ...]
+    pipeline: Optional[str] = None
+    release_files: Mapping[str, str] = field(default_factory=dict, hash=False)
+    diffusers_repo: str = "{id}"
+
+    def names(self, model_id: str) -> bool:
+        return any(fnmatch.fnmatchcase(model_id, pattern) for pattern in self.ids)
+
+    def diffusers_path(self, model_id: str, pattern: str) -> Optional[str]:
+        """'org/name:sub/pattern' of the diffusers layout holding what the release file `pattern` holds, or None."""
+        for release, diffusers in self.release_files.items():
+            if fnmatch.fnmatchcase(pattern, release):
+                return f"{self.diffusers_repo.format(id=model_id)}:{diffusers}"
+        return None
+
+
+@dataclass(frozen=True)
 class Family:
     """A model family: everything the generic machinery needs to train it.
 
@@ -345,7 +380,9 @@ class Family:
     along dim 1 in a batch, each with its 0/1 mask param. demo: flags the demo trains with. render: the module
     (relative to the package) whose `render(pipeline, models, embeds, width, height, steps, generator) -> PIL`
     draws a validation sample with the family's diffusers pipeline; render_models: the models it needs beyond
-    the stage's (the VAE, for its decoder), loaded only while rendering.
+    the stage's (the VAE, for its decoder), loaded only while rendering. repos: the model repositories its
+    commands name (`ModelRepo`), most specific first: how a run tells the family and pipeline from model ids,
+    and where a release file's diffusers twin is.
     """
 
     name: str
@@ -363,6 +400,7 @@ class Family:
     demo: Mapping[str, Any] = field(default_factory=dict)
     render: Optional[str] = None
     render_models: tuple[str, ...] = ()
+    repos: tuple[ModelRepo, ...] = ()
 
     def __post_init__(self) -> None:
         names = [s.name for s in self.slots]
@@ -379,6 +417,22 @@ class Family:
                 unknown = sorted({model, *aux} - set(names))
                 if unknown:
                     raise ValueError(f"family {self.name}: pipeline {pipeline.name} has companions of undeclared slots {unknown}")
+        pipelines = {p.name for p in self.pipelines}
+        for repo in self.repos:
+            if repo.pipeline is not None and repo.pipeline not in pipelines:
+                raise ValueError(f"family {self.name}: model ids {repo.ids} name unknown pipeline {repo.pipeline}")
+
+    def repo(self, model_id: str) -> Optional[ModelRepo]:
+        """The first of `repos` whose ids name `model_id`, or None."""
+        return next((repo for repo in self.repos if repo.names(model_id)), None)
+
+    def single_file_format(self, slot: str) -> Any:
+        """The single-file layout object a slot declares (`ModelSlot.single_file`), imported now; None without one."""
+        where = self.slot(slot).single_file
+        if where is None:
+            return None
+        module, _, attr = where.partition(":")
+        return getattr(importlib.import_module(module, self.package), attr)
 
     def slot(self, name: str) -> ModelSlot:
         for slot in self.slots:

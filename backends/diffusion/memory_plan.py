@@ -473,6 +473,7 @@ def settings(cfg: RunConfig, plan: Plan, dims: dict[str, Any]) -> dict[str, Any]
     precision = cfg.precision
     return {
         "pipeline": cfg.pipeline.name,
+        "pipeline_choice": cfg.choice,  # "pipeline: NAME (why)" (choice.py)
         "mixed_precision": precision.mixed,
         "compute_dtype": precision.compute_dtype,
         "fp8": list(precision.fp8),
@@ -514,6 +515,8 @@ def format_memory_plan(plan: dict[str, Any]) -> list[str]:
     """The plan as lines of text: per stage its models (dtype, GiB), trainable state, activations and peak."""
     lines = []
     s = plan.get("settings") or {}
+    if s.get("pipeline_choice"):
+        lines.append(s["pipeline_choice"])
     if s:
         size = s.get("size") or {}
         what = [f"pipeline {s.get('pipeline')}", f"--mixed_precision {s.get('mixed_precision')}"]

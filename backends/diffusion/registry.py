@@ -12,10 +12,8 @@ diffusers or transformers.
 from __future__ import annotations
 
 import importlib
-import json
 from functools import lru_cache
-from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable
 
 from unitgraph.spec import Pipeline
 
@@ -71,37 +69,6 @@ def pipeline_for_task(name: str, task: str) -> tuple[Family, PipelineDef]:
             return fam, candidate
     raise BackendError(f"pipeline {pipeline.name} does not train --task {task} (its family {fam.name} has: "
                        f"{', '.join(f'{p.name} ({p.task})' for p in fam.pipelines)})")
-
-
-def _class_name(folder: Path, name: str) -> Optional[str]:
-    try:
-        value = json.loads((folder / name).read_text(encoding="utf-8")).get("_class_name")
-    except (OSError, ValueError, AttributeError, RecursionError):
-        return None
-    return value if isinstance(value, str) else None
-
-
-def pipeline_from_model_paths(paths: Iterable[str], task: str) -> Optional[tuple[Family, PipelineDef]]:
-    """The pipeline a given folder's model_index.json names by its diffusers class (a pipeline of `task` whose
-    own class it is, else its family's pipeline for `task`), else the family whose denoiser class a component
-    folder's config.json names (a weight file stands for its folder); None when no folder names a registered class."""
-    paths = [Path(p).expanduser() for p in paths]
-    for given in paths:
-        class_name = _class_name(given, "model_index.json")
-        if class_name is None:
-            continue
-        for fam in families():
-            own = [p for p in fam.pipelines if p.diffusers_pipeline == class_name and p.task == task]
-            if own:
-                return fam, own[0]
-            if class_name in fam.diffusers_pipelines or any(p.diffusers_pipeline == class_name for p in fam.pipelines):
-                return pipeline_for_task(fam.name, task)
-    for given in paths:
-        class_name = _class_name(given.parent if given.suffix == ".safetensors" else given, "config.json")
-        for fam in families():
-            if class_name is not None and class_name in fam.slot(fam.model_slots[0]).class_names:
-                return pipeline_for_task(fam.name, task)
-    return None
 
 
 def default_family() -> Family:

@@ -107,6 +107,34 @@ def read_metadata(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def metadata_columns(path: "str | Path | None") -> Optional[set[str]]:
+    """The columns of a metadata file, or None when there is no file or it cannot be read (the dataset says
+    why when it is read): a csv's header line, a jsonl's first row, the keys of a json's rows. Only a csv's
+    first line and a jsonl's first row are read, so a large file costs nothing here."""
+    if not path:
+        return None
+    path = Path(path)
+    suffix = path.suffix.lower()
+    try:
+        if not path.is_file():  # a FIFO or a device is never opened (read_metadata refuses it in one line)
+            return None
+        if suffix in (".csv", ".jsonl"):
+            with path.open("r", encoding="utf-8-sig", newline="") as handle:
+                while True:
+                    line = handle.readline(1 << 20)
+                    if not line or line.strip():
+                        break
+            if not line.strip():
+                return None
+            if suffix == ".csv":
+                return {c.strip() for c in next(csv.reader([line])) if c.strip()}
+            row = parse_user_json(line, str(path), BackendError)
+            return set(row) if isinstance(row, dict) else None
+        return set().union(*(row.keys() for row in read_metadata(path)))
+    except (OSError, UnicodeDecodeError, ValueError, StopIteration, BackendError, csv.Error):
+        return None
+
+
 class DiffusionDataset:
     """Samples of a DiffSynth-style dataset for one pipeline.
 

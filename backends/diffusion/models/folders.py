@@ -43,18 +43,28 @@ class ModelLoadError(Exception):
         return f"{self.path}: {self.problem}"
 
 
+class UnreadableLayout(ModelLoadError):
+    """A file or folder a command names that unitgraph cannot read in its layout (a single file of no known
+    format, a pickle, a class it does not know): collected, and reported with every other such file in one line
+    (models/release.py)."""
+
+
 @dataclass(frozen=True)
 class ComponentSource:
     """Where one slot comes from.
 
     path is the component folder (None only for the built-in default scheduler); class_name
-    is the class its config names; origin is the user-given entry it was found through.
+    is the class its config names; origin is the user-given entry it was found through. A release single file
+    (models/release.py) is `path` itself, read in the `single_file` layout (the family's format object), with the
+    diffusers config.json of the same component found `beside` it, if any.
     """
 
     slot: str
     path: Path | None
     class_name: str
     origin: str = ""
+    single_file: Any = field(default=None, compare=False)
+    beside: Path | None = None
 
     @property
     def is_default(self) -> bool:
@@ -71,6 +81,8 @@ class _Entry:
     class_name: str = ""
     model_id: str | None = None  # modelscope model id, when resolved through modelscope
     subfolders: dict[str, str] = field(default_factory=dict)  # pipeline: slot -> subfolder
+    single_file: Any = None  # a release single file: the format it is read in (path is the file)
+    beside: Path | None = None  # ... and the diffusers config.json of the same component beside it
 
 
 def _short(text: str, limit: int = 120) -> str:
@@ -160,7 +172,7 @@ def classify_folder(path: Path | str, table: SlotTable, origin: str | None = Non
     if p.is_file():
         if p.suffix in (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt"):
             if not any((p.parent / name).is_file() for name in ("config.json", "model_index.json", "scheduler_config.json")):
-                raise ModelLoadError(p, SINGLE_FILE_PROBLEM)
+                raise UnreadableLayout(p, SINGLE_FILE_PROBLEM)
             entry = classify_folder(p.parent, table, origin)
             if entry.kind == "pipeline":
                 raise ModelLoadError(p, "is a file at the top of a pipeline folder; give the folder itself")
@@ -187,7 +199,7 @@ def classify_folder(path: Path | str, table: SlotTable, origin: str | None = Non
             slot = table.by_class.get(class_name)
             if slot is None:
                 expected = " or ".join(s.class_name for s in models if s.library == "diffusers")
-                raise ModelLoadError(p, f"unsupported diffusers model class {class_name} (expected {expected})")
+                raise UnreadableLayout(p, f"unsupported diffusers model class {class_name} (expected {expected})")
             return _Entry(origin=origin, path=p, kind=slot, class_name=class_name)
         architectures = [str(a) for a in config.get("architectures") or []]
         model_type = config.get("model_type")
@@ -198,8 +210,8 @@ def classify_folder(path: Path | str, table: SlotTable, origin: str | None = Non
                 return _Entry(origin=origin, path=p, kind=slot,
                               class_name=architectures[0] if architectures else table.expected(slot))
             expected = " or ".join(s.class_name for s in models if s.library == "transformers")
-            raise ModelLoadError(p, f"unsupported transformers model {architectures[0] if architectures else model_type} "
-                                    f"(expected {expected})")
+            raise UnreadableLayout(p, f"unsupported transformers model {architectures[0] if architectures else model_type} "
+                                      f"(expected {expected})")
         raise ModelLoadError(p, "config.json names neither a diffusers _class_name nor transformers architectures/model_type")
 
     if (p / "scheduler_config.json").is_file():
@@ -312,6 +324,8 @@ def component_files(source: ComponentSource, kind: str, include_config: bool = T
     """
     if source.path is None:
         return []
+    if source.single_file is not None:  # a release single file: the file, and the config read beside it
+        return sorted([source.path, *([source.beside] if include_config and source.beside else [])])
     folder = source.path
     files: list[Path] = []
     if kind == "model":

@@ -65,6 +65,8 @@ def load_component(source: ComponentSource, slot: ModelSlot, torch_dtype: Any = 
     if folder is None:  # the family's published scheduler config
         return cls(**dict(slot.default_config or {}))
     try:
+        if source.single_file is not None:
+            return load_single_file(source, slot, dtype)
         if slot.kind == "model":
             check_config_sizes(folder)  # before a layer is allocated
             component_files(source, slot.kind, include_config=False)  # clean error when weights are missing
@@ -86,3 +88,92 @@ def load_component(source: ComponentSource, slot: ModelSlot, torch_dtype: Any = 
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ModelLoadError(folder, f"cannot load {slot.name} ({slot.class_name}): {type(exc).__name__}"
                                      + (f": {detail}" if detail else "")) from None
+
+
+# --------------------------------------------------------------------------------------------
+# Release single files
+
+
+def load_single_file(source: ComponentSource, slot: ModelSlot, dtype: Any) -> Any:
+    """A release single file (models/release.py) as the slot's class: the model built from the config its format
+    derives from the header (and the config beside it), without initialising a weight, then given the converted
+    tensors. Each tensor is cast to `dtype` as it is read, so a file already in `dtype` is never copied to fp32
+    first; the class's keep-in-fp32 modules stay fp32, as `from_pretrained` keeps them."""
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+
+    from .release import header, single_file_config
+
+    path, fmt, where = source.path, source.single_file, source.origin or str(source.path)
+    config = single_file_config(path, fmt, source.beside, where)
+    cls = _class(slot)
+    try:
+        with init_empty_weights(include_buffers=False):
+            if slot.library == "diffusers":
+                model = cls.from_config(config)
+            else:
+                model = cls._from_config(cls.config_class.from_dict({k: v for k, v in config.items()
+                                                                      if not k.startswith("_")}))
+    except Exception as exc:
+        raise ModelLoadError(where, f"cannot build {slot.class_name} from the config of {fmt.description}: "
+                                    f"{type(exc).__name__}: {_first_line(exc)}") from None
+    head = header(path, where)
+    tensors: dict[str, Any] = {}
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            for name, info in head.tensors.items():
+                tensor = handle.get_tensor(name)
+                if tuple(tensor.shape) != info.shape:
+                    raise ModelLoadError(where, f"changed while it was read (tensor {name!r})")
+                tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # safetensors' own error types for a damaged file
+        raise ModelLoadError(where, f"unreadable safetensors file ({type(exc).__name__}: {_first_line(exc)})") from None
+    try:
+        state = fmt.convert(tensors)
+    except ValueError as exc:
+        raise ModelLoadError(where, f"cannot read it as {fmt.description}: {exc}") from None
+    del tensors
+    keep = _keep_in_fp32(cls, slot.library, dtype)
+    if keep:
+        state = {name: value.float() if value.is_floating_point() and any(part in keep for part in name.split("."))
+                 else value for name, value in state.items()}
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if result.missing_keys or result.unexpected_keys:
+        raise ModelLoadError(where, f"{fmt.description} converted does not fit {slot.class_name}: "
+                                    f"{_names(result.missing_keys, 'missing')}{_names(result.unexpected_keys, 'unexpected')}")
+    if hasattr(model, "tie_weights") and slot.library != "diffusers":
+        model.tie_weights()
+    on_meta = [name for name, value in [*model.named_parameters(), *model.named_buffers()] if value.is_meta]
+    if on_meta:
+        raise ModelLoadError(where, f"{slot.class_name} has weights the file does not give: {', '.join(on_meta[:3])}")
+    model.eval()
+    return model
+
+
+def _keep_in_fp32(cls: Any, library: str, dtype: Any) -> set[str]:
+    """The module names `from_pretrained` keeps in fp32 at `dtype` (diffusers below fp32; transformers its strict list
+    at fp16 and bf16, its other list at fp16)."""
+    import torch
+
+    if dtype == torch.float32:
+        return set()
+    if library == "diffusers":
+        return set(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    names = set(getattr(cls, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:
+        names |= set(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    return names
+
+
+def _names(names: list[str], what: str) -> str:
+    if not names:
+        return ""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f" {len(names)} {what} ({shown})"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -9,7 +9,9 @@ or a Python list; each entry a whole diffusers pipeline folder or one component 
 from ``model_id_with_origin_paths`` (DiffSynth's ``"org/name:sub/pattern,..."``, resolved
 through the modelscope cache; with ``offline=True`` the local cache only). Only the requested
 slots are loaded: a pipeline folder's other subfolders are never opened, and component folders
-are only classified by their small config files.
+are only classified by their small config files. A release single file (a `.safetensors` file with no
+config.json beside it) is classified by its header against the family's single-file formats, and every
+file of the arguments that cannot be read is named in one message (models/release.py).
 
 Every problem is raised as :class:`ModelLoadError`, whose message is one line naming the path
 and the problem. Weights are read from safetensors only (never pickle).
@@ -20,17 +22,20 @@ is cheap.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from ..family import ModelSlot
-from .folders import (OFFLINE_ENV, SINGLE_FILE_PROBLEM, ComponentSource, ModelLoadError, SlotTable, _config_file, _Entry,
+from ..family import Family, ModelSlot
+from .folders import (OFFLINE_ENV, ComponentSource, ModelLoadError, SlotTable, UnreadableLayout, _config_file, _Entry,
                       _is_processor_folder, _is_tokenizer_folder, _processor_class, _short, _tokenizer_class,
                       check_config_sizes, classify_folder, component_files)
 from .hub import Hub, origin_subfolder as _origin_subfolder
 from .loading import _class, load_component
+from .release import (PICKLE_PROBLEM, Unusable, beside_config, is_pickle, no_layout, recognise, release_problem,
+                      single_file_config, unusable_message)
 
 # --------------------------------------------------------------------------------------------
 # Parsing the user's arguments
@@ -109,12 +114,19 @@ class ModelSources:
     `tokenizer_path` (DiffSynth's --tokenizer_path, or --tokenizer_1_path) is the tokenizer of the
     first text encoder, `tokenizer_2_path` (--tokenizer_2_path) that of the second;
     `processor_path` (DiffSynth's --processor_path) the family's first processor.
+
+    Given a whole `Family` (not only its slots), release single files are read through its declared formats
+    and a file the command names that cannot be read is reported with the family's hints (models/release.py):
+    every such file of the arguments in one ModelLoadError line, when the sources are made.
     """
 
-    def __init__(self, slots: Sequence[ModelSlot] | SlotTable, model_paths: Any = None,
+    def __init__(self, slots: Family | Sequence[ModelSlot] | SlotTable, model_paths: Any = None,
                  model_id_with_origin_paths: Any = None, tokenizer_path: Any = None, cache_dir: Any = None,
                  offline: bool = False, hub: Optional[Hub] = None, processor_path: Any = None,
                  tokenizer_2_path: Any = None):
+        self.family = slots if isinstance(slots, Family) else None
+        if self.family is not None:
+            slots = self.family.slots
         self.table = slots if isinstance(slots, SlotTable) else SlotTable(slots)
         self.cache_dir = cache_dir
         self.offline = bool(offline)
@@ -129,13 +141,52 @@ class ModelSources:
         self._remote = parse_model_id_with_origin_paths(model_id_with_origin_paths)
         self.entries: list[_Entry] = []
         self._seen: set[Path] = set()
+        unusable: list[Unusable] = []
         for given in parse_model_paths(model_paths):
-            self._add(classify_folder(given, self.table))
+            try:
+                self._add(self._classify_given(given))
+            except UnreadableLayout as exc:
+                unusable.append(Unusable(given, exc.problem))
         self._remote_done: set[int] = set()
-        # Entries with no slot hint must be fetched to know what they are.
+        other: Optional[ModelLoadError] = None
         for i, (model_id, pattern) in enumerate(self._remote):
-            if self.table.by_subfolder.get(_origin_subfolder(pattern)) is None:
+            label = f"{model_id}:{pattern}"
+            known = release_problem(self.family, model_id, pattern)  # a pickle or a release file: never fetched
+            if known is not None:
+                self._remote_done.add(i)
+                unusable.append(Unusable(label, known, model_id, pattern))
+                continue
+            if self.table.by_subfolder.get(_origin_subfolder(pattern)) is not None:
+                continue  # fetched when its slot is asked for
+            try:  # an entry with no slot hint must be fetched to know what it is
                 self._fetch_remote(i)
+            except UnreadableLayout as exc:
+                unusable.append(Unusable(label, exc.problem, model_id, pattern))
+            except ModelLoadError as exc:  # not found: said after the files that cannot be read, which say more
+                other = other or exc
+        if unusable:
+            raise ModelLoadError(None, unusable_message(unusable, self.family, self._remote))
+        if other is not None:
+            raise other
+
+    def _classify_given(self, given: str) -> _Entry:
+        """What a --model_paths entry is: a release single file (read in a family's format), else a folder."""
+        path = Path(given).expanduser()
+        if path.is_file() and is_pickle(path.name):
+            raise UnreadableLayout(path, PICKLE_PROBLEM)
+        if path.is_file() and path.suffix == ".safetensors" and not (path.parent / "config.json").is_file():
+            return self._single_file(path, given)
+        return classify_folder(given, self.table)
+
+    def _single_file(self, path: Path, origin: str) -> _Entry:
+        """A .safetensors file with no config.json beside it, classified by its header against the family's
+        single-file formats (only the header is read)."""
+        found = recognise(path, self.family, origin)
+        if found is None:
+            raise UnreadableLayout(origin, no_layout(self.family))
+        slot, fmt = found
+        return _Entry(origin=origin, path=path, kind=slot, class_name=fmt.class_name, single_file=fmt,
+                      beside=beside_config(path, self.table[slot]))
 
     def _add(self, entry: _Entry) -> None:
         key = entry.path.resolve()
@@ -155,14 +206,19 @@ class ModelSources:
             return
         self._remote_done.add(i)
         model_id, pattern = self._remote[i]
+        label = f"{model_id}:{pattern}"
+        if is_pickle(pattern):
+            raise UnreadableLayout(label, PICKLE_PROBLEM)
         folder = self._snapshot(model_id, pattern)
-        if "/" not in pattern and pattern.endswith((".safetensors", ".ckpt", ".bin", ".pth")) \
-                and not (folder / "config.json").is_file():
-            # DiffSynth reads release files at a repository's top (a DiT in its original layout); a diffusers
-            # pipeline repository holds the same weights in per-component folders
-            denoiser = self.table[self.table.denoiser].subfolder
-            raise ModelLoadError(f"{model_id}:{pattern}", f"{SINGLE_FILE_PROBLEM}: e.g. {model_id}:{denoiser}/*.safetensors")
-        entry = classify_folder(folder, self.table, origin=f"{model_id}:{pattern}")
+        if not _origin_subfolder(pattern) and pattern.endswith(".safetensors") and not (folder / "config.json").is_file():
+            # DiffSynth reads release files at a repository's top (a DiT in its original layout, say): one file,
+            # read through the family's single-file formats, or named in the one message
+            files = sorted(f for f in folder.iterdir() if f.is_file() and fnmatch.fnmatchcase(f.name, pattern))
+            if len(files) != 1:
+                raise UnreadableLayout(label, no_layout(self.family) if files else f"no file in {folder} matches {pattern}")
+            entry = self._single_file(files[0], label)
+        else:
+            entry = classify_folder(folder, self.table, origin=label)
         entry.model_id = model_id
         self._add(entry)
 
@@ -217,7 +273,7 @@ class ModelSources:
         self._fetch_remote_for(slot)
         entry = self._component(slot)
         if entry is not None:
-            return ComponentSource(slot, entry.path, entry.class_name, entry.origin)
+            return ComponentSource(slot, entry.path, entry.class_name, entry.origin, entry.single_file, entry.beside)
         source = self._pipeline_source(slot)
         if source is not None:
             return source
@@ -346,23 +402,35 @@ class ModelSources:
     # -- files and loading -----------------------------------------------------------------------
 
     def files(self, slot: str, include_config: bool = True) -> list[Path]:
-        """The files the given slot would read (safetensors weights, plus configs by default), for hashing.
+        """The files the given slot would read (safetensors weights, plus configs by default), for hashing: a
+        release single file is itself and the config.json read beside it.
 
         The family's default scheduler config yields [].
         """
         return component_files(self.resolve(slot), self.table[slot].kind, include_config=include_config)
 
     def config_files(self, slot: str) -> list[Path]:
-        """The file a configuration-only read of a model slot opens: its config.json."""
-        return [_config_file(self.resolve(slot))]
+        """The files a configuration-only read of a model slot opens: its config.json (a release single file: the
+        file, whose header it reads, and the config.json beside it)."""
+        source = self.resolve(slot)
+        if source.single_file is not None:
+            return component_files(source, "model")
+        return [_config_file(source)]
 
     def load_config(self, slot: str) -> Any:
-        """A model slot's configuration, from its config.json alone (its weights are never opened): a diffusers
-        FrozenDict or a transformers PretrainedConfig, as `model.config` would be."""
+        """A model slot's configuration, from its config.json alone (its weights are never opened; a release single
+        file's from its header): a diffusers FrozenDict or a transformers PretrainedConfig, as `model.config` would be."""
         source = self.resolve(slot)
+        spec = self.table[slot]
+        if source.single_file is not None:
+            config = single_file_config(source.path, source.single_file, source.beside, source.origin)
+            if spec.library == "diffusers":
+                from diffusers.configuration_utils import FrozenDict
+
+                return FrozenDict(config)
+            return _class(spec).config_class.from_dict({k: v for k, v in config.items() if not k.startswith("_")})
         folder = _config_file(source).parent
         check_config_sizes(folder)  # a unit or the memory plan may build from it
-        spec = self.table[slot]
         try:
             if spec.library == "diffusers":
                 from diffusers.configuration_utils import FrozenDict

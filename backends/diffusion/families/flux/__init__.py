@@ -12,7 +12,8 @@ random-weight configs in `tiny.py`. No torch is imported here.
 
 from __future__ import annotations
 
-from ...family import Family, ModelSlot, PipelineDef
+from ...family import Family, ModelRepo, ModelSlot, PipelineDef
+from ...flowmatch import posterior_mean
 from . import losses, units as u
 
 # FLUX.1-dev's scheduler (scheduler/scheduler_config.json): a shift that grows with the image's token
@@ -53,15 +54,22 @@ CLIP_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")  # CLIPAttention
 T5_LORA_TARGETS = ("q", "k", "v", "o")  # T5Attention
 
 FLUX_MODEL = "black-forest-labs/FLUX.1-dev"
+# The release files DiffSynth's FLUX commands name at a repository's top (Black Forest Labs' single files, read
+# through `single_file.py`) -> the diffusers folders of the same repositories holding the same weights.
+RELEASE_FILES = {"flux1-*.safetensors": "transformer/*.safetensors", "ae.safetensors": "vae/*.safetensors"}
+REPOS = (
+    ModelRepo(("black-forest-labs/FLUX.1-Kontext-*",), "flux_kontext", RELEASE_FILES),
+    ModelRepo((FLUX_MODEL, "black-forest-labs/FLUX.1-Krea-dev"), "flux", RELEASE_FILES),
+)
 
 SLOTS = (
     ModelSlot("dit", "diffusers", "FluxTransformer2DModel", "transformer", lora_prefix="transformer",
-              lora_targets=DIT_LORA_TARGETS, lora_aliases=DIT_LORA_ALIASES),
+              lora_targets=DIT_LORA_TARGETS, lora_aliases=DIT_LORA_ALIASES, single_file=".single_file:TRANSFORMER"),
     ModelSlot("text_encoder_1", "transformers", "CLIPTextModel", "text_encoder", model_types=("clip_text_model",),
               lora_prefix="text_encoder", lora_targets=CLIP_LORA_TARGETS, tokenizer="tokenizer_1"),
     ModelSlot("text_encoder_2", "transformers", "T5EncoderModel", "text_encoder_2", model_types=("t5",),
               lora_prefix="text_encoder_2", lora_targets=T5_LORA_TARGETS, tokenizer="tokenizer_2"),
-    ModelSlot("vae_encoder", "diffusers", "AutoencoderKL", "vae", lora_prefix="vae"),
+    ModelSlot("vae_encoder", "diffusers", "AutoencoderKL", "vae", lora_prefix="vae", single_file=".single_file:AUTOENCODER"),
     ModelSlot("tokenizer_1", "transformers", "CLIPTokenizer", "tokenizer", kind="tokenizer",
               accepts=("CLIPTokenizerFast",), origin=(FLUX_MODEL, "tokenizer/")),
     ModelSlot("tokenizer_2", "transformers", "T5TokenizerFast", "tokenizer_2", kind="tokenizer",
@@ -71,7 +79,7 @@ SLOTS = (
 )
 
 _TEXT = (u.clip_prompt_encoder, u.t5_prompt_encoder, u.guidance_embedder)
-_FRESH = (u.latent_sampler, u.noise_initializer, u.latent_packer, u.timestep_sampler)
+_FRESH = (posterior_mean, u.noise_initializer, u.latent_packer, u.timestep_sampler)
 
 FLUX = PipelineDef(
     "flux", "sft",
@@ -106,4 +114,5 @@ FAMILY = Family(
     demo={"lora_target_modules": "to_q,to_k,to_v,to_out.0", "lora_rank": 8, "learning_rate": 1e-3},
     render=".render",
     render_models=("vae_encoder",),
+    repos=REPOS,
 )

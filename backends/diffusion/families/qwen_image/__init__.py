@@ -12,7 +12,8 @@ tiny random-weight configs in `tiny.py`. No torch is imported here.
 
 from __future__ import annotations
 
-from ...family import Family, ModelSlot, PipelineDef
+from ...family import Family, ModelRepo, ModelSlot, PipelineDef
+from ...flowmatch import posterior_mean
 from . import losses, units as u
 
 # Qwen-Image's published scheduler configuration (scheduler/scheduler_config.json); used when no
@@ -39,6 +40,15 @@ DIT_LORA_TARGETS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_p
                     "img_mlp.net.2", "img_mod.1", "txt_mlp.net.2", "txt_mod.1")
 TEXT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
+# The model ids DiffSynth's Qwen-Image commands name (diffusers layouts all), most specific first; the others of
+# the line name the family, and the dataset's columns choose its pipeline.
+REPOS = (
+    ModelRepo(("Qwen/Qwen-Image-Edit-25*",), "qwen_image_edit_plus"),
+    ModelRepo(("Qwen/Qwen-Image-Edit",), "qwen_image_edit"),
+    ModelRepo(("Qwen/Qwen-Image", "Qwen/Qwen-Image-2512"), "qwen_image"),
+    ModelRepo(("Qwen/Qwen-Image*", "DiffSynth-Studio/Qwen-Image*")),
+)
+
 SLOTS = (
     ModelSlot("dit", "diffusers", "QwenImageTransformer2DModel", "transformer", lora_prefix="transformer",
               lora_targets=DIT_LORA_TARGETS),
@@ -61,7 +71,7 @@ _ENCODERS = (u.shape_checker, u.image_encoder, u.edit_image_encoder, u.prompt_en
 
 QWEN_IMAGE = PipelineDef(
     "qwen_image", "sft",
-    units=(*_ENCODERS, u.latent_sampler, u.noise_initializer, u.latent_packer, u.timestep_sampler),
+    units=(*_ENCODERS, posterior_mean, u.noise_initializer, u.latent_packer, u.timestep_sampler),
     loss=losses.flow_matching_loss,
     description="Qwen-Image text-to-image (and edit) fine-tuning with the flow-matching loss",
     image_params=_IMAGES,
@@ -79,7 +89,7 @@ def _edit_pipeline(name: str, diffusers_class: str, resizers: tuple, prompt_enco
     return PipelineDef(
         name, "sft",
         units=(u.target_shape_checker, u.image_encoder, edit_resizer, u.edit_images_encoder, condition_resizer,
-               prompt_encoder, u.latent_sampler, u.noise_initializer, u.latent_packer, u.timestep_sampler),
+               prompt_encoder, posterior_mean, u.noise_initializer, u.latent_packer, u.timestep_sampler),
         loss=losses.flow_matching_loss,
         description=description,
         required=("image", "prompt", "edit_image"),
@@ -123,4 +133,5 @@ FAMILY = Family(
     demo={"lora_target_modules": "to_q,to_k,to_v,to_out.0", "lora_rank": 8, "learning_rate": 1e-3},
     render=".render",
     render_models=("vae",),
+    repos=REPOS,
 )

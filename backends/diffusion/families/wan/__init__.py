@@ -13,7 +13,8 @@ every model in both stages. No torch is imported here.
 
 from __future__ import annotations
 
-from ...family import Family, ModelSlot, PipelineDef
+from ...family import Family, ModelRepo, ModelSlot, PipelineDef
+from ...flowmatch import posterior_mean
 from . import losses, units as u
 
 # Wan 2.1's diffusers scheduler (used for sampling; training draws from DiffSynth's shift-5 schedule).
@@ -39,6 +40,27 @@ DIT_LORA_TARGETS = tuple(m for t in DIFFSYNTH_DIT_TARGETS for m in DIT_LORA_ALIA
 TEXT_LORA_TARGETS = ("q", "k", "v", "o")  # UMT5's T5Attention
 WAN_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 
+# The model ids DiffSynth's Wan commands name. Their release files (the DiT in Wan's own layout, the text encoder,
+# VAE and CLIP as pickled .pth files) are not read here: the `-Diffusers` repository of each holds the same models
+# in the folders of diffusers' WanPipeline, which a message names instead.
+RELEASE_FILES = {
+    "diffusion_pytorch_model*.safetensors": "transformer/*.safetensors",
+    "models_t5_umt5-xxl-enc-bf16.pth": "text_encoder/*.safetensors",
+    "Wan2.*_VAE.pth": "vae/*.safetensors",
+    "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth": "image_encoder/*.safetensors",
+}
+_T2V = ("Wan-AI/Wan2.1-T2V-*", "Wan-AI/Wan2.2-T2V-*")
+_I2V = ("Wan-AI/Wan2.1-I2V-*", "Wan-AI/Wan2.2-I2V-*")
+_TI2V = ("Wan-AI/Wan2.2-TI2V-5B",)  # text and image to video: the dataset's columns and --extra_inputs decide
+REPOS = (
+    ModelRepo(tuple(f"{i}-Diffusers" for i in _T2V), "wan"),
+    ModelRepo(tuple(f"{i}-Diffusers" for i in _I2V), "wan_i2v"),
+    ModelRepo(tuple(f"{i}-Diffusers" for i in _TI2V)),
+    ModelRepo(_T2V, "wan", RELEASE_FILES, "{id}-Diffusers"),
+    ModelRepo(_I2V, "wan_i2v", RELEASE_FILES, "{id}-Diffusers"),
+    ModelRepo(_TI2V, None, RELEASE_FILES, "{id}-Diffusers"),
+)
+
 SLOTS = (
     ModelSlot("dit", "diffusers", "WanTransformer3DModel", "transformer", lora_prefix="transformer",
               lora_targets=DIT_LORA_TARGETS, lora_aliases=DIT_LORA_ALIASES),
@@ -55,7 +77,7 @@ SLOTS = (
               accepts=("FlowMatchEulerDiscreteScheduler",), default_config=SCHEDULER_CONFIG),
 )
 
-_FRESH = (u.latent_sampler, u.noise_initializer, u.timestep_sampler)
+_FRESH = (posterior_mean, u.noise_initializer, u.timestep_sampler)
 
 WAN = PipelineDef(
     "wan", "sft",
@@ -92,4 +114,5 @@ FAMILY = Family(
     demo={"lora_target_modules": "q,k,v,o,ffn.0,ffn.2", "lora_rank": 8, "learning_rate": 1e-3, "num_frames": 9},
     render=".render",
     render_models=("vae",),
+    repos=REPOS,
 )
