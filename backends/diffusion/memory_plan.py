@@ -139,6 +139,8 @@ def build_meta(slot: Any, config: Any, dtype: str) -> Any:
     import torch
     from accelerate import init_empty_weights
 
+    from .models.loading import keep_in_fp32
+
     cls = model_class(slot)
     with _quiet_libraries(), init_empty_weights(include_buffers=False):
         if slot.library == "diffusers":
@@ -147,7 +149,7 @@ def build_meta(slot: Any, config: Any, dtype: str) -> Any:
             model = cls._from_config(config)
     _tie(model)
     target = getattr(torch, dtype)
-    keep = _keep_in_fp32(cls, slot.library, target)
+    keep = keep_in_fp32(cls, slot.library, target)
     for name, param in model.named_parameters():
         wanted = torch.float32 if keep and any(part in keep for part in name.split(".")) else target
         if param.dtype != wanted:
@@ -155,21 +157,6 @@ def build_meta(slot: Any, config: Any, dtype: str) -> Any:
     model.requires_grad_(False)
     model.eval()
     return model
-
-
-def _keep_in_fp32(cls: Any, library: str, dtype: Any) -> set[str]:
-    """Module names `from_pretrained` keeps in fp32 at `dtype`: diffusers at any dtype below fp32, transformers its
-    strict list at fp16 and bf16 and its other list at fp16 only."""
-    import torch
-
-    if dtype == torch.float32:
-        return set()
-    if library == "diffusers":
-        return set(getattr(cls, "_keep_in_fp32_modules", None) or ())
-    names = set(getattr(cls, "_keep_in_fp32_modules_strict", None) or ())
-    if dtype == torch.float16:
-        names |= set(getattr(cls, "_keep_in_fp32_modules", None) or ())
-    return names
 
 
 def _tie(model: Any) -> None:

@@ -135,7 +135,7 @@ def load_single_file(source: ComponentSource, slot: ModelSlot, dtype: Any) -> An
     except ValueError as exc:
         raise ModelLoadError(where, f"cannot read it as {fmt.description}: {exc}") from None
     del tensors
-    keep = _keep_in_fp32(cls, slot.library, dtype)
+    keep = keep_in_fp32(cls, slot.library, dtype)
     if keep:
         state = {name: value.float() if value.is_floating_point() and any(part in keep for part in name.split("."))
                  else value for name, value in state.items()}
@@ -152,7 +152,7 @@ def load_single_file(source: ComponentSource, slot: ModelSlot, dtype: Any) -> An
     return model
 
 
-def _keep_in_fp32(cls: Any, library: str, dtype: Any) -> set[str]:
+def keep_in_fp32(cls: Any, library: str, dtype: Any) -> set[str]:
     """The module names `from_pretrained` keeps in fp32 at `dtype` (diffusers below fp32; transformers its strict list
     at fp16 and bf16, its other list at fp16)."""
     import torch
