@@ -316,7 +316,7 @@ def demo_command(
     console.print(f"dataset: {images} captioned {resolution}x{resolution} {what} -> {metadata}")
 
     common = dict(dataset_base_path=str(data_dir), dataset_metadata_path=str(metadata), model_paths=str(models_dir),
-                  pipeline=chosen.name, lora_base_model="dit", max_pixels=resolution * resolution,
+                  pipeline=chosen.name, lora_base_model=family.model_slots[0], max_pixels=resolution * resolution,
                   seed=seed, **({"extra_inputs": ",".join(extras)} if extras else {}), **dict(family.demo))
     args = make_args(task="sft:split", output_path=str(out / "train"), num_epochs=num_epochs, overwrite=True, **common)
 

@@ -260,7 +260,11 @@ class ModelSources:
         if not folder.is_dir():
             raise ModelLoadError(folder, f"pipeline folder lacks its {entry.subfolders[slot]}/ subfolder (needed for {slot})")
         sub = classify_folder(folder, self.table, origin=entry.origin)
-        if sub.kind != slot:
+        # the pipeline's subfolder names the slot; its files only have to fit it (two tokenizers of one class, say,
+        # classify as the first of them)
+        fits = sub.kind in self.table and self.table[sub.kind].kind == self.table[slot].kind \
+            and sub.class_name in self.table[slot].class_names
+        if sub.kind != slot and not fits:
             raise ModelLoadError(folder, f"holds a {sub.kind} ({sub.class_name}), but {slot} needs {self.table.expected(slot)}")
         return ComponentSource(slot, folder, sub.class_name, entry.origin)
 
