@@ -169,7 +169,8 @@ def child(models: Path, cache: Path, out: Path, setting_index: int, steps: int) 
             "step_s": result.median_step_s, "steps": result.steps, "estimate": estimate}
 
 
-def measure(size: str, steps: int, workdir: Path) -> list[dict[str, Any]]:
+def measure(size: str, steps: int, workdir: Path, only: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    """A row per setting (those named in `only`, else all): each a stage-2 run in a process of its own."""
     from unitgraph.backends.diffusion import stages
     from unitgraph.backends.diffusion.args import make_args
     from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset
@@ -185,6 +186,8 @@ def measure(size: str, steps: int, workdir: Path) -> list[dict[str, Any]]:
                              dataset_metadata_path=str(data / "metadata.csv"), **stage1), echo=lambda _t: None)
     rows = []
     for index, setting in enumerate(SETTINGS):
+        if only is not None and setting[0] not in only:
+            continue
         out = workdir / f"train-{index}"
         cmd = [sys.executable, __file__, "--child", str(index), "--models", str(models), "--cache",
                str(caches[setting[1]]), "--out", str(out), "--steps", str(steps)]

@@ -17,7 +17,7 @@ def convert_command(
     source: Annotated[str, typer.Argument(metavar="IN", help="A LoRA safetensors file (either layout).", show_default=False)],
     target: Annotated[str, typer.Argument(metavar="OUT", help="The file to write.", show_default=False)],
     to: Annotated[str, typer.Option("--to", help="diffusers or diffsynth.")] = "diffsynth",
-    model: Annotated[str, typer.Option("--model", help="The model the LoRA is on (a model slot: dit, text_encoder, ...).")] = "dit",
+    model: Annotated[Optional[str], typer.Option("--model", help="The model the LoRA is on (a model slot: dit, unet, text_encoder, ...; default: the family's denoiser).", show_default=False)] = None,
     pipeline: Annotated[Optional[str], typer.Option("--pipeline", help="The family's pipeline or family (default: the first registered family).")] = None,
     remove_prefix_in_ckpt: Annotated[Optional[str], typer.Option("--remove_prefix_in_ckpt", "--remove-prefix-in-ckpt", help="Strip this prefix from the written keys (DiffSynth's 'pipe.dit.').")] = None,
 ) -> None:
@@ -30,6 +30,7 @@ def convert_command(
         raise BackendError(f"--to must be diffusers or diffsynth, got {to!r}")
     family = registry.find_pipeline(pipeline)[0] if pipeline else registry.default_family()
     prefixes = {s.name: s.lora_prefix or s.name for s in family.slots if s.kind == "model"}
+    model = model or family.model_slots[0]
     if model not in prefixes:
         raise BackendError(f"--model {model!r} is not a model of the {family.title} family (models: {', '.join(prefixes)})")
     if os.path.exists(target) and os.path.exists(source) and os.path.samefile(source, target):

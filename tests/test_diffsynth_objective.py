@@ -326,3 +326,23 @@ def test_bad_objective_flags_are_one_line(capsys, tiny, data, tmp_path):
     code, _, err = cli(capsys, *base, "--lr_warmup_steps", "3")
     one_error_line(code, err, "--lr_warmup_steps needs a schedule with a warm-up")
     assert not (tmp_path / "out").exists()
+
+
+def test_vae_latents_swaps_the_latent_unit_either_way_and_none_keeps_the_declaration():
+    from unitgraph.backends.diffusion.flowmatch import latent_sampler, posterior_mean, with_vae_latents
+    from unitgraph.backends.diffusion.registry import families
+
+    swapped = 0
+    for family in families():
+        for pipeline in family.pipelines:
+            assert with_vae_latents(pipeline, None) is pipeline
+            units = set(pipeline.units)
+            if not units & {posterior_mean, latent_sampler}:  # a distillation: its target is the mean whatever the flag
+                assert with_vae_latents(pipeline, "sample") is pipeline
+                continue
+            mean, sample = with_vae_latents(pipeline, "mean"), with_vae_latents(pipeline, "sample")
+            assert posterior_mean in mean.units and latent_sampler not in mean.units
+            assert latent_sampler in sample.units and posterior_mean not in sample.units
+            assert [u.name for u in mean.units].index("PosteriorMean") == [u.name for u in sample.units].index("LatentSampler")
+            swapped += 1
+    assert swapped >= 8

@@ -71,7 +71,7 @@ class TrainArgs:
     max_timestep_boundary: float = _f(1.0, "End of the sampled range of the training schedule, as a fraction of its positions from the noisiest (DiffSynth's meaning: with a shift-5 schedule 0.358 keeps sigmas 1 to ~0.9, a high-noise expert's range).", "training")
     min_timestep_boundary: float = _f(0.0, "Start of the sampled range, as a fraction of the schedule's positions from the noisiest.", "training")
     loss_weighting: str = _f("diffsynth", "Flow-matching loss weight per timestep: diffsynth (DiffSynth-Studio's training weight, a bell curve over the schedule with mean 1) or none (plain MSE).", "training")
-    vae_latents: str = _f("mean", "The latent a flow-matching step trains on: mean (the VAE posterior's mean, as DiffSynth encodes; computed once in stage 1) or sample (a fresh draw of the posterior each epoch; the cache then keeps the posterior's mean and log-variance).", "training")
+    vae_latents: Optional[str] = _f(None, "The latent a step trains on: mean (the VAE posterior's mean, computed once in stage 1) or sample (a fresh draw of the posterior each epoch; the cache then keeps the posterior's mean and log-variance). Default: what DiffSynth-Studio trains the pipeline on, as it declares (the mean for the flow-matching families, a sample for the UNet families).", "training")
     lr_scheduler: str = _f("diffsynth", "Learning-rate schedule: diffsynth (as DiffSynth-Studio trains: torch's ConstantLR defaults, the first 5 steps at a third of --learning_rate), or one of diffusers' get_scheduler schedules: constant, constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial (over the run's optimizer steps).", "training")
     lr_warmup_steps: int = _f(0, "Optimizer steps of linear warm-up for the schedules that have one (constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial).", "training")
     # output
@@ -167,7 +167,7 @@ class TrainArgs:
                 raise BackendError(f"--report_to {self.report_to} needs the {needed} package (pip install {needed})")
         if self.loss_weighting not in LOSS_WEIGHTINGS:
             raise BackendError(f"--loss_weighting must be one of {', '.join(LOSS_WEIGHTINGS)}, got {self.loss_weighting!r}")
-        if self.vae_latents not in VAE_LATENTS:
+        if self.vae_latents is not None and self.vae_latents not in VAE_LATENTS:
             raise BackendError(f"--vae_latents must be one of {', '.join(VAE_LATENTS)}, got {self.vae_latents!r}")
         if self.lr_scheduler not in LR_SCHEDULERS:
             raise BackendError(f"--lr_scheduler must be one of {', '.join(LR_SCHEDULERS)}, got {self.lr_scheduler!r}")

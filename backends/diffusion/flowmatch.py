@@ -178,10 +178,11 @@ def draw_latents(ctx: Any, mean: Any, logvar: Any) -> Any:
     return mean + torch.exp(0.5 * logvar) * eps.to(mean.device)
 
 
-# The latent a flow-matching family trains on, from the VAE posterior its encoder unit gives (latent_mean,
-# latent_logvar). By default the posterior mean, as DiffSynth-Studio encodes images and videos: deterministic, so
-# the unit runs in stage 1 and the cache holds the one latent instead of the two posterior tensors.
-# `--vae_latents sample` puts the sampler in its place (config.latents_variant): a fresh posterior draw each epoch.
+# The latent a family trains on, from the VAE posterior its encoder unit gives (latent_mean, latent_logvar): what
+# DiffSynth-Studio trains the family on, as the family's pipelines declare it. The flow-matching families declare
+# the posterior mean (deterministic, so the unit runs in stage 1 and the cache holds the one latent instead of the
+# two posterior tensors), the UNet families a draw of the posterior each step. `--vae_latents mean|sample` puts the
+# other unit in its place (`with_vae_latents`).
 
 
 @unit("PosteriorMean", inputs=("latent_mean",), outputs=("input_latents",), settings=("cache_dtype",))
@@ -198,15 +199,17 @@ def latent_sampler(ctx: Any, latent_mean: Any, latent_logvar: Any) -> dict[str, 
 VAE_LATENTS = ("mean", "sample")
 
 
-def with_vae_latents(pipeline: Any, mode: str) -> Any:
-    """`pipeline` training on the posterior `mode`: "mean" is the pipelines' own declaration; "sample" replaces
-    its PosteriorMean unit by LatentSampler (a pipeline without one, a distillation that targets the mean, is
-    returned as it is)."""
+def with_vae_latents(pipeline: Any, mode: Optional[str]) -> Any:
+    """`pipeline` training on the posterior's "mean" (PosteriorMean) or a "sample" of it (LatentSampler): the one
+    unit put in the other's place; None, or a pipeline with neither unit (a distillation that targets the mean),
+    gives the pipeline as it is declared."""
     import dataclasses
 
-    if mode == "mean" or not any(u is posterior_mean for u in pipeline.units):
+    swap = {"mean": (latent_sampler, posterior_mean), "sample": (posterior_mean, latent_sampler)}.get(mode or "")
+    if swap is None or not any(u is swap[0] for u in pipeline.units):
         return pipeline
-    return dataclasses.replace(pipeline, units=tuple(latent_sampler if u is posterior_mean else u for u in pipeline.units))
+    old, new = swap
+    return dataclasses.replace(pipeline, units=tuple(new if u is old else u for u in pipeline.units))
 
 
 def draw_noise(ctx: Any, like: Any) -> Any:
