@@ -48,6 +48,8 @@ MODELS = {
     "flux": ("flux", {"height": 1024, "width": 1024}, {"height": 64, "width": 64}, "FLUX.1-dev, 1024x1024"),
     "wan": ("wan", {"height": 480, "width": 832, "num_frames": 81}, {"height": 32, "width": 32, "num_frames": 5},
             "Wan 2.1 T2V 14B, 832x480 x 81 frames"),
+    "sd15": ("sd15", {"height": 512, "width": 512}, {"height": 64, "width": 64}, "Stable Diffusion 1.5, 512x512"),
+    "sdxl": ("sdxl", {"height": 1024, "width": 1024}, {"height": 64, "width": 64}, "SDXL base 1.0, 1024x1024"),
 }
 PRECISIONS = [  # (label, flags)
     ("fp32", {"mixed_precision": "no"}),
@@ -110,8 +112,10 @@ def plan_of(family: str, folder: Path, flags: dict[str, Any], lora_targets: Opti
 
     pipeline = MODELS[family][0]
     extra = {"lora_target_modules": lora_targets} if lora_targets else {}
-    args = make_args(pipeline=pipeline, model_paths=str(folder), dataset_base_path=str(folder), lora_base_model="dit",
-                     lora_rank=32, batch_size=1, **extra, **flags)
+    denoiser = families()[family].model_slots[0]  # "dit" in the flags below stands for it (a UNet family's "unet")
+    flags = {k: (denoiser if k == "fp8_models" and v == "dit" else v) for k, v in flags.items()}
+    args = make_args(pipeline=pipeline, model_paths=str(folder), dataset_base_path=str(folder),
+                     lora_base_model=denoiser, lora_rank=32, batch_size=1, **extra, **flags)
     cfg = RunConfig.from_args(args)
     return memory_plan(cfg, plan_for(cfg))
 

@@ -71,8 +71,9 @@ CONFIGS = ("stage1", "unsplit", "train", "loader", "limit")
 ROUNDED = tuple(size for size, s in SIZES.items() if s.get("train_rounds"))  # sizes whose train runs come in rounds
 BATCH_SIZES = (1, 4, 8)
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
-# LoRA on the family's default DiT targets (family.slot("dit").lora_targets, DiffSynth's)
-LORA = {"lora_base_model": "dit", "lora_rank": 32}
+# LoRA on the family's denoiser (its first model slot: `dit`, a UNet family's `unet`), its default targets
+# (DiffSynth's)
+LORA = {"lora_rank": 32}
 SEED = 0
 
 
@@ -121,7 +122,8 @@ def train_args(workdir: Path, size: str, task: str, output: Path, **extra: Any):
     settings = load_settings(workdir)
     s = settings["sizes"][size]
     p = paths(workdir, size)
-    _, pipeline = chosen_pipeline(workdir)
+    family, pipeline = chosen_pipeline(workdir)
+    extra.setdefault("lora_base_model", family.model_slots[0])
     extras = [c for c in pipeline.required if c not in ("image", "prompt", *pipeline.video_params)]
     if extras:
         extra.setdefault("extra_inputs", ",".join(extras))
@@ -271,17 +273,18 @@ class Stage2:
                                       dataset_metadata_path=None, dataset_repeat=self.settings["train_repeat"])
         self.cfg = cfg = RunConfig.from_args(args)
         self.family, self.pipeline = chosen_pipeline(workdir)
-        self.plan = unitgraph.split(self.pipeline.spec_pipeline, lora_base_model="dit")
+        self.denoiser = denoiser = self.family.model_slots[0]
+        self.plan = unitgraph.split(self.pipeline.spec_pipeline, lora_base_model=denoiser)
         self.accelerator = make_accelerator(cfg)
         device = self.accelerator.device
         # the DiT and the scheduler, frozen, in eval mode, on the device
         models = load_models(cfg, self.plan.train_models, training=True, device=device)
-        dit = models["dit"]
-        add_lora(dit, "dit", list(cfg.lora.targets), cfg.lora.rank, cfg.lora.alpha, cfg.seed)
+        dit = models[denoiser]
+        add_lora(dit, denoiser, list(cfg.lora.targets), cfg.lora.rank, cfg.lora.alpha, cfg.seed)
         dit.train()
         params = [p for p in dit.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
-        models["dit"] = self.accelerator.prepare(dit)
+        models[denoiser] = self.accelerator.prepare(dit)
         self.optimizer = self.accelerator.prepare(optimizer)
         self.ctx = make_context(cfg, models, device)
         self.sink = self.pipeline.loss
@@ -403,7 +406,7 @@ def child_limit(workdir: Path, size: str, out: Path, rep: int) -> dict[str, Any]
         seen.setdefault(element.item.sample_id, element)
     dtype_results: dict[str, Any] = {}
     reference: dict[str, float] = {}
-    model = stage.ctx.models["dit"]
+    model = stage.ctx.models[stage.denoiser]
     model.eval()
     for name in CACHE_DTYPES:
         dtype = getattr(torch, name)
@@ -475,7 +478,9 @@ def spawn(config: str, workdir: Path, size: str, rep: int = 0) -> dict[str, Any]
 
 
 def plan_command(pipeline: str) -> list[str]:
-    return ["plan", f"diffusion:{pipeline}", "--lora-base-model", "dit"]
+    from unitgraph.backends.diffusion.registry import find_pipeline
+
+    return ["plan", f"diffusion:{pipeline}", "--lora-base-model", find_pipeline(pipeline)[0].model_slots[0]]
 
 
 def planner_startup(repeats: int, pipeline: str = DEFAULT_PIPELINE) -> list[float]:
