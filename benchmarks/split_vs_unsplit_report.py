@@ -135,7 +135,7 @@ def markdown(summary: dict[str, Any], plot_name: Optional[str] = None) -> str:
         out.append(f"| {r['size']} | {_mb(r['rss_unsplit'])} | {_mb(r['rss_stage1'])} | {_mb(r['rss_train'])} | "
                    f"{_mb(r['rss_loader'])} | {_mb(r['rss_limit'])} | {_x(r['rss_train_vs_unsplit'])} | "
                    f"{_mark(r['rss_train_vs_limit'], 1.10)} | {_mark(r['rss_loader_vs_limit'], 1.10)} | "
-                   f"{_mb(sum(mb.values()))} | {_mb(mb['dit'])} |")
+                   f"{_mb(sum(mb.values()))} | {_mb(next(iter(mb.values())))} |")  # the denoiser is first
     out.append("")
     ok = [r for r in rows if r["rss_loader_vs_limit"] is not None]
     if ok:
