@@ -14,6 +14,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Optional
 
 from .errors import BackendError
+from .flowmatch import LOSS_WEIGHTINGS, VAE_LATENTS
 
 
 TASKS = (
@@ -25,8 +26,6 @@ MIXED_PRECISION = ("no", "fp16", "bf16")  # accelerate's names
 MAX_SEED = 1 << 63
 LORA_FORMATS = ("diffusers", "diffsynth")
 REPORT_TO = ("none", "tensorboard", "wandb")
-VAE_LATENTS = ("mean", "sample")  # flowmatch.VAE_LATENTS
-LOSS_WEIGHTINGS = ("diffsynth", "none")  # flowmatch.LOSS_WEIGHTINGS
 # --lr_scheduler: DiffSynth's (torch's ConstantLR with its defaults) and diffusers' get_scheduler names (train/lr.py)
 LR_SCHEDULERS = ("diffsynth", "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
                  "polynomial")

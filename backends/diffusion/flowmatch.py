@@ -130,8 +130,7 @@ def sample_training_timestep(ctx: Any, schedule: TrainingSchedule) -> dict[str, 
         ctx.memo[key] = (schedule.sigmas(), schedule.weights())
     sigmas, weights = ctx.memo[key]
     index = _draw_index(ctx, schedule.steps)
-    weighting = getattr(ctx.settings, "loss_weighting", "diffsynth")
-    weight = weights[index].reshape(1).to(ctx.device) if weighting == "diffsynth" else None
+    weight = weights[index].reshape(1).to(ctx.device) if ctx.settings.loss_weighting == "diffsynth" else None
     return {"timestep": (sigmas[index] * 1000.0).reshape(1).to(ctx.device), "loss_weight": weight}
 
 
