@@ -221,10 +221,11 @@ def report(rows: list[dict[str, Any]], size: str, steps: int) -> str:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        ratio = above(r, "steady") / above(fp32, "steady") if above(fp32, "steady") > 0 else float("nan")
+        # a tiny model can leave the resident set where it was: no ratio then, rather than a division by zero
+        ratio = f"{above(r, 'steady') / above(fp32, 'steady'):.2f}" if above(fp32, "steady") > 0 else "-"
         est = r["estimate"]
         err = f"{est / above(r, 'peak'):.2f}" if est and above(r, "peak") > 0 else "-"
-        lines.append(f"| {r['setting']} | {_gib(above(r, 'steady'))} | {ratio:.2f} | {_gib(above(r, 'peak'))} | "
+        lines.append(f"| {r['setting']} | {_gib(above(r, 'steady'))} | {ratio} | {_gib(above(r, 'peak'))} | "
                      f"{_gib(est)} | {err} | {r['step_s']:.1f} |")
     base = statistics.median(r["baseline"] for r in rows)
     lines += ["", f"The baseline was {_gib(base)} GiB in every process (median). Targets: bf16 steady <= 0.55x fp32, "
