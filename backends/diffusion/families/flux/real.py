@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from ...models.config_folders import write_config_folder
+from ...models.config_folders import clip_vit_l14_text_config, write_config_folder
 from . import SCHEDULER_CONFIG
 
 RELEASE = "black-forest-labs/FLUX.1-dev"
@@ -55,27 +55,7 @@ VAE = {
 }
 
 # black-forest-labs/FLUX.1-dev text_encoder/config.json (openai/clip-vit-large-patch14's text model)
-CLIP = {
-    "architectures": ["CLIPTextModel"],
-    "attention_dropout": 0.0,
-    "bos_token_id": 0,
-    "dropout": 0.0,
-    "eos_token_id": 2,
-    "hidden_act": "quick_gelu",
-    "hidden_size": 768,
-    "initializer_factor": 1.0,
-    "initializer_range": 0.02,
-    "intermediate_size": 3072,
-    "layer_norm_eps": 1e-05,
-    "max_position_embeddings": 77,
-    "model_type": "clip_text_model",
-    "num_attention_heads": 12,
-    "num_hidden_layers": 12,
-    "pad_token_id": 1,
-    "projection_dim": 768,
-    "torch_dtype": "bfloat16",
-    "vocab_size": 49408,
-}
+CLIP = clip_vit_l14_text_config("bfloat16")
 
 # black-forest-labs/FLUX.1-dev text_encoder_2/config.json (google/t5-v1_1-xxl's encoder)
 T5 = {
