@@ -283,6 +283,68 @@ def test_an_fp8_linear_keeps_only_its_fp8_weight_for_the_backward_pass():
     assert grads and all(torch.equal(g, dict(plain.named_parameters())[n].grad) for n, g in grads.items())
 
 
+def _convs(channels: int = 8) -> "torch.nn.Module":
+    return torch.nn.Sequential(torch.nn.Conv2d(4, channels, 3, padding=1), torch.nn.SiLU(),
+                               torch.nn.Conv2d(channels, channels, 3, stride=2, padding=1, groups=2), torch.nn.SiLU(),
+                               torch.nn.Conv2d(channels, 4, 1)).to(torch.bfloat16)
+
+
+def test_an_fp8_convolution_keeps_only_its_fp8_weight_and_computes_the_unsplit_gradients():
+    """A UNet's frozen convolutions train LoRA through them: theirs is the stored-weight path too (the input's gradient
+    taken from the fp8 weight cast again), with the gradients of plain bf16 arithmetic on fp8-rounded weights."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from unitgraph.backends.diffusion.models.precision import adapters_to_fp32, store_fp8
+
+    targets = ["0", "4"]  # the strided, grouped convolution between them trains nothing but passes the gradient on
+    torch.manual_seed(0)
+    model = _convs()
+    inject_adapter_in_model(LoraConfig(r=2, target_modules=targets, init_lora_weights=False), model)
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name)
+    adapters_to_fp32(model)
+    reference = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert store_fp8(model, "m", "bfloat16") == 8 * 4 * 9 + 8 * 4 * 9 + 4 * 8
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    x = torch.randn(2, 4, 8, 8)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x.to(torch.bfloat16)).float().pow(2).mean()
+    frozen = lambda n: n.endswith("weight") and "lora_" not in n  # noqa: E731
+    base_shapes = {tuple(p.shape) for n, p in model.named_parameters() if frozen(n)}
+    weight_like = [t for t in saved if tuple(t.shape) in base_shapes]
+    assert weight_like and {t.dtype for t in weight_like} == {torch.float8_e4m3fn}
+    loss.backward()
+    plain = _convs()
+    inject_adapter_in_model(LoraConfig(r=2, target_modules=targets, init_lora_weights=False), plain)
+    with torch.no_grad():
+        for name, param in plain.named_parameters():
+            value = reference[name]
+            param.data = value.to(torch.float8_e4m3fn).to(torch.bfloat16) if frozen(name) else value
+            param.requires_grad_("lora_" in name)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain(x.to(torch.bfloat16)).float().pow(2).mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert len(grads) == 2 * len(targets)
+    assert all(torch.equal(g, dict(plain.named_parameters())[n].grad) for n, g in grads.items())
+
+
+def test_convolutions_the_stored_path_cannot_take_keep_diffusers_hook():
+    from unitgraph.backends.diffusion.models.precision import store_fp8
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding="same"), torch.nn.Conv2d(4, 4, 3, padding=1,
+                                padding_mode="reflect"), torch.nn.ConvTranspose2d(4, 4, 2, stride=2),
+                                torch.nn.Conv2d(4, 4, 3, padding=1)).to(torch.bfloat16).requires_grad_(False)
+    store_fp8(model, "m", "bfloat16")
+    hooked = [hasattr(m, "_diffusers_hook") for m in model]
+    assert hooked == [True, True, True, False] and "forward" in vars(model[3])
+    assert model(torch.randn(1, 4, 6, 6, dtype=torch.bfloat16)).shape == (1, 4, 12, 12)
+
+
 def test_a_swapped_linear_computes_the_same_and_keeps_only_its_stored_weight():
     """--blocks_to_swap routes a block's frozen Linear layers through the same stored-weight function with a target
     device; on this CPU the device is the CPU itself, so what is checked is the arithmetic and what autograd keeps."""

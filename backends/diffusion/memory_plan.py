@@ -19,8 +19,8 @@ How the estimate is made:
   its backward. A TorchDispatchMode (`StorageLog`) logs every storage created and freed meanwhile; the activations
   are the peak of the live bytes, leaving out the trained parameters' gradients (in the trainable state). Gradient
   checkpointing runs as the run's (`precision.enable_checkpointing`), with its recomputation in the backward;
-  fp8 storage runs as `store_fp8` set it up (a Linear layer casts its fp8 weight for each product, forward and
-  backward; Conv and Embedding layers through diffusers' layerwise casting hook, which fake tensors run with
+  fp8 storage runs as `store_fp8` set it up (a Linear or zero-padded convolution layer casts its fp8 weight for each
+  product, forward and backward; other Conv and Embedding layers through diffusers' layerwise casting hook, which fake tensors run with
   compute-dtype copies in place of the stored parameters, `trace_layerwise_casting`);
   `--use_gradient_checkpointing_offload` moves every tensor autograd saves off the device (as `save_on_cpu`
   does) and counts it as host bytes. Stage 1's activations are the largest of its encoders' no-grad forwards at

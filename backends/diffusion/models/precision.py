@@ -55,12 +55,14 @@ def store_fp8(model: Any, slot: str, compute_dtype: str) -> int:
     """Store `model`'s weights in float8_e4m3fn, computed layer by layer in `compute_dtype`. Returns the number of
     parameters now stored in fp8.
 
-    A frozen Linear layer computes through `_StoredLinear`, which keeps only its fp8 weight for the backward pass and
-    casts it again there: diffusers' layerwise casting, made for inference, would leave the compute-dtype copy of
-    every layer alive until the backward pass (autograd saves the weight a linear layer used), so a training step
-    would hold the model in the compute dtype after all. Conv and Embedding layers (in the encoders, which run
-    without gradients) take diffusers' layerwise casting hook. Modules matching FP8_SKIP_PATTERNS are left as they
-    are, as diffusers leaves them.
+    A frozen Linear layer computes through `_StoredLinear`, and a frozen zero-padded Conv1d/2d/3d layer (a UNet's)
+    through `_StoredConv`: each keeps only its fp8 weight for the backward pass and casts it again there. diffusers'
+    layerwise casting, made for inference, would leave the compute-dtype copy of every layer alive until the backward
+    pass (autograd saves the weight a linear or convolution layer used), so a training step would hold the model in
+    the compute dtype after all: measured on Stable Diffusion 1.5's UNet at 512 px, the dry run's activations were
+    2.13 GiB with the hook against 1.03 GiB in plain bf16. Other convolutions (transposed, padded by name or by
+    another mode) and Embedding layers take diffusers' layerwise casting hook. Modules matching FP8_SKIP_PATTERNS
+    are left as they are, as diffusers leaves them.
     """
     import re
 
@@ -79,6 +81,9 @@ def store_fp8(model: Any, slot: str, compute_dtype: str) -> int:
             return
         if type(module) is torch.nn.Linear:
             _fp8_linear(module, compute)
+            return
+        if type(module) in (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d) and _plain_padding(module):
+            _fp8_conv(module, compute)
             return
         if isinstance(module, hooked):
             apply_layerwise_casting_hook(module, torch.float8_e4m3fn, compute, non_blocking=False)
@@ -115,6 +120,22 @@ def _fp8_linear(module: Any, compute: Any) -> None:
     _stored_forward(module, compute)
 
 
+def _plain_padding(conv: Any) -> bool:
+    """Whether a convolution pads with zeros by a number per side, which its input gradient can take as given."""
+    return conv.padding_mode == "zeros" and not isinstance(conv.padding, str)
+
+
+def _fp8_conv(module: Any, compute: Any) -> None:
+    """A frozen convolution with its weight stored in fp8 (its bias in the compute dtype), run through `_StoredConv`."""
+    import torch
+
+    module.weight.data = module.weight.data.to(torch.float8_e4m3fn)
+    if module.bias is not None:
+        module.bias.data = module.bias.data.to(compute)
+    module._unitgraph_compute = compute
+    module.forward = lambda x: _StoredConv.apply(x, module.weight, module.bias, module._unitgraph_compute, module)
+
+
 def _stored_forward(module: Any, compute: Any, device: Any = None) -> None:
     """Route a frozen Linear layer through `_StoredLinear`: its weight is cast to `compute` (and brought to `device`
     when it is stored elsewhere) each time it is used, forward and backward, and never kept in that form."""
@@ -149,18 +170,52 @@ def _stored_function() -> Any:
     return StoredLinear
 
 
-class _LazyFunction:
-    """The autograd function, made on first use (importing this module must not import torch)."""
+def _stored_conv_function() -> Any:
+    import torch
+    import torch.nn.functional as F
 
-    _made: Any = None
+    forwards = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+    input_grads = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input, 3: torch.nn.grad.conv3d_input}
+
+    class StoredConv(torch.autograd.Function):
+        """A zero-padded convolution with its fp8 weight cast for the product; the backward pass (the input's gradient
+        only: the layer is frozen) casts it again instead of keeping the cast copy."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, weight: Any, bias: Any, compute: Any, conv: Any) -> Any:
+            ctx.save_for_backward(weight)
+            ctx.compute, ctx.conv, ctx.input_dtype, ctx.input_shape = compute, conv, x.dtype, x.shape
+            dims = weight.dim() - 2
+            w = weight.to(dtype=compute)
+            b = None if bias is None else bias.to(compute)
+            return forwards[dims](x.to(compute), w, b, conv.stride, conv.padding, conv.dilation, conv.groups)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            (weight,) = ctx.saved_tensors
+            conv, dims = ctx.conv, weight.dim() - 2
+            w = weight.to(dtype=ctx.compute)
+            grad_x = input_grads[dims](ctx.input_shape, w, grad.to(ctx.compute), conv.stride, conv.padding,
+                                       conv.dilation, conv.groups)
+            return grad_x.to(ctx.input_dtype), None, None, None, None
+
+    return StoredConv
+
+
+class _LazyFunction:
+    """An autograd function, made on first use (importing this module must not import torch)."""
+
+    def __init__(self, make: Any) -> None:
+        self._make, self._made = make, None
 
     def apply(self, *args: Any) -> Any:
-        if _LazyFunction._made is None:
-            _LazyFunction._made = _stored_function()
-        return _LazyFunction._made.apply(*args)
+        if self._made is None:
+            self._made = self._make()
+        return self._made.apply(*args)
 
 
-_StoredLinear = _LazyFunction()
+_StoredLinear = _LazyFunction(_stored_function)
+_StoredConv = _LazyFunction(_stored_conv_function)
 
 
 def enable_checkpointing(model: Any) -> bool:
