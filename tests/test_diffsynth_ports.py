@@ -1,9 +1,11 @@
-"""DiffSynth-Studio's FLUX.1-dev and Wan 2.1 LoRA commands as a DiffSynth user runs them, models at DiffSynth's paths.
+"""DiffSynth-Studio's FLUX.1-dev, FLUX.1 Kontext and Wan 2.1 LoRA commands as a DiffSynth user runs them, models at
+DiffSynth's paths.
 
 examples/flux/model_training/lora/FLUX.1-dev.sh names FLUX.1's release single files (`flux1-dev.safetensors`,
 `ae.safetensors`, in Black Forest Labs' layout): they are read through the family's single-file formats
 (models/release.py, families/flux/single_file.py), so the command runs verbatim but for the program name and
-trains what the same command on the diffusers folders trains, bit for bit. examples/wanvideo/model_training/lora/
+trains what the same command on the diffusers folders trains, bit for bit; FLUX.1-Kontext-dev.sh's Kontext DiT file
+beside FLUX.1-dev's encoders trains `flux_kontext` with its reference images. examples/wanvideo/model_training/lora/
 Wan2.1-T2V-1.3B.sh names the DiT in Wan's own layout and two pickles: one error line names all three and the
 -Diffusers paths to give instead, and with those the command trains. Tiny models sit where DiffSynth downloads
 (./models/<org>/<name>/...), written in the release layouts by tests/bfl_files.py; only sizes are lowered
@@ -254,6 +256,47 @@ def test_the_dry_run_of_the_flux_command_reads_headers_only(flux_release, monkey
     assert lines[1].startswith("memory plan: pipeline flux") and any(line.strip().startswith("dit ") for line in lines)
     code, out, err = cli(capsys, "train", *shlex.split(FLUX_COMMAND), "--dry_run", "--json")
     assert code == 0 and json.loads(out)["settings"]["pipeline_choice"] == lines[0]
+
+
+# examples/flux/model_training/lora/FLUX.1-Kontext-dev.sh; --dataset_repeat 400 lowered to 1
+KONTEXT_COMMAND = """
+  --dataset_base_path data/diffsynth_example_dataset/flux/FLUX.1-Kontext-dev
+  --dataset_metadata_path data/diffsynth_example_dataset/flux/FLUX.1-Kontext-dev/metadata.csv
+  --data_file_keys "image,kontext_images"
+  --max_pixels 1048576
+  --dataset_repeat 1
+  --model_id_with_origin_paths "black-forest-labs/FLUX.1-Kontext-dev:flux1-kontext-dev.safetensors,black-forest-labs/FLUX.1-dev:text_encoder/model.safetensors,black-forest-labs/FLUX.1-dev:text_encoder_2/*.safetensors,black-forest-labs/FLUX.1-dev:ae.safetensors"
+  --learning_rate 1e-4
+  --num_epochs 5
+  --remove_prefix_in_ckpt "pipe.dit."
+  --output_path "./models/train/FLUX.1-Kontext-dev_lora"
+  --lora_base_model "dit"
+  --lora_target_modules "a_to_qkv,b_to_qkv,ff_a.0,ff_a.2,ff_b.0,ff_b.2,a_to_out,b_to_out,proj_out,norm.linear,norm1_a.linear,norm1_b.linear,to_qkv_mlp"
+  --lora_rank 32
+  --align_to_opensource_format
+  --extra_inputs "kontext_images"
+  --use_gradient_checkpointing
+"""
+
+
+@pytest.mark.slow
+def test_diffsynths_kontext_lora_command_runs_verbatim(flux_models, flux_release, tmp_path):
+    """The Kontext DiT's release file beside FLUX.1-dev's encoders and autoencoder (as the command names them), a
+    dataset with reference images: the command chooses flux_kontext from the DiT's model id and trains."""
+    root = tmp_path / "diffsynth-kontext"
+    shutil.copytree(flux_release / FLUX_REPO, root / FLUX_REPO)
+    kontext = root / "models" / "black-forest-labs" / "FLUX.1-Kontext-dev"
+    kontext.mkdir(parents=True)
+    shutil.copy(root / FLUX_REPO / "flux1-dev.safetensors", kontext / "flux1-kontext-dev.safetensors")
+    write_synthetic_dataset(root / "data" / "diffsynth_example_dataset" / "flux" / "FLUX.1-Kontext-dev", count=2, size=32,
+                            seed=4, images=["kontext_images"])
+    done = unitgraph(root, KONTEXT_COMMAND)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pipeline: flux_kontext (the model id black-forest-labs/FLUX.1-Kontext-dev)" in done.stdout.splitlines()
+    out = root / "models" / "train" / "FLUX.1-Kontext-dev_lora"
+    assert sorted(p.name for p in out.glob("epoch-*.safetensors")) == [f"epoch-{k}.safetensors" for k in range(5)]
+    rows = (out / "loss.csv").read_text().splitlines()[1:]
+    assert len(rows) == 10 and all(float(row.split(",")[2]) > 0 for row in rows)
 
 
 # --------------------------------------------------------------------------------------------
