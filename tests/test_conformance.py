@@ -63,7 +63,7 @@ def quiet(_text: str) -> None:
 
 def diffusers_class(family, pipeline) -> str:
     """The diffusers pipeline class a pipeline's tiny folder loads with."""
-    return pipeline.diffusers_pipeline or family.diffusers_pipelines[0]
+    return family.diffusers_class(pipeline)
 
 
 def pipeline_slots(family, pipeline) -> list[str]:

@@ -122,7 +122,7 @@ def _index_signals(index: dict, given: str, task: str) -> list[Signal]:
     class_name = index.get("_class_name")
     out = []
     for family in families():
-        own = [p for p in family.pipelines if (p.diffusers_pipeline or family.diffusers_pipelines[0]) == class_name]
+        own = [p for p in family.pipelines if family.diffusers_class(p) == class_name]
         if own or class_name in family.diffusers_pipelines:
             named = next((p.name for p in own if p.task == task), None)
             out.append(Signal(family, named, f"the class {class_name} in {Path(given) / 'model_index.json'}", True))

@@ -456,6 +456,22 @@ class Family:
                 return pipeline
         raise KeyError(name)
 
+    def pipeline_for(self, pipeline: Any = None) -> PipelineDef:
+        """The PipelineDef for a name or a PipelineDef, None meaning the family's first: what the tiny-model and
+        config-folder writers take. An unknown name is a ValueError naming the family's pipelines."""
+        if pipeline is None:
+            return self.pipelines[0]
+        name = str(getattr(pipeline, "name", pipeline))
+        try:
+            return self.pipeline(name)
+        except KeyError:
+            raise ValueError(f"unknown {self.title} pipeline {name!r} "
+                             f"(pipelines: {', '.join(p.name for p in self.pipelines)})") from None
+
+    def diffusers_class(self, pipeline: Any = None) -> str:
+        """The diffusers pipeline class a pipeline's folder loads with: its own, else the family's first."""
+        return self.pipeline_for(pipeline).diffusers_pipeline or self.diffusers_pipelines[0]
+
     @property
     def tasks(self) -> list[str]:
         return list(dict.fromkeys(p.task for p in self.pipelines))

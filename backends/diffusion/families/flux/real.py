@@ -104,9 +104,9 @@ def write_real_configs(outdir: Any, size: str = "real", pipeline: Optional[str] 
 
     if size not in RELEASES:
         raise ValueError(f"unknown real size {size!r} (sizes: {', '.join(RELEASES)})")
-    definition = FAMILY.pipeline(pipeline) if pipeline else FAMILY.pipelines[0]
+    definition = FAMILY.pipeline_for(pipeline)
     index = {
-        "_class_name": definition.diffusers_pipeline or FAMILY.diffusers_pipelines[0],
+        "_class_name": FAMILY.diffusers_class(definition),
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "text_encoder": ["transformers", "CLIPTextModel"],
         "text_encoder_2": ["transformers", "T5EncoderModel"],

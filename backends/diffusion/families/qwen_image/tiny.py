@@ -284,22 +284,11 @@ def _text_encoder_config(spec: dict[str, Any], tokenizer, edit: bool = False):
     return Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **ids)
 
 
-def _pipeline(pipeline: Any):
-    """The family's PipelineDef for a name or a PipelineDef; None means the first (text-to-image) pipeline."""
-    from . import FAMILY
-
-    if pipeline is None:
-        return FAMILY.pipelines[0]
-    name = str(getattr(pipeline, "name", pipeline))
-    try:
-        return FAMILY.pipeline(name)
-    except KeyError:
-        raise ValueError(f"unknown Qwen-Image pipeline {name!r} (pipelines: {', '.join(p.name for p in FAMILY.pipelines)})") from None
-
-
 def is_edit(pipeline: Any) -> bool:
     """Whether a pipeline's folder has a processor: its text encoder reads the edit images through one."""
-    return any("processor" in aux for aux in _pipeline(pipeline).companions.values())
+    from . import FAMILY
+
+    return any("processor" in aux for aux in FAMILY.pipeline_for(pipeline).companions.values())
 
 
 def build_tiny_image_processor(size: str = "test"):
@@ -390,9 +379,8 @@ def write_tiny_models(outdir, size: str = "test", seed: int = 0, pipeline: Any =
 
     from . import FAMILY
 
-    definition = _pipeline(pipeline)
-    name = definition.name
-    class_name = definition.diffusers_pipeline or FAMILY.diffusers_pipelines[0]
+    name = FAMILY.pipeline_for(pipeline).name
+    class_name = FAMILY.diffusers_class(pipeline)
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
     components = build_tiny_components(size=size, seed=seed, pipeline=name)

@@ -112,19 +112,6 @@ def build_tiny_components(size: str = "test", seed: int = 0) -> dict[str, Any]:
     return components
 
 
-def _class_name(pipeline: Any) -> str:
-    from . import FAMILY
-
-    if pipeline is None:
-        return FAMILY.diffusers_pipelines[0]
-    name = str(getattr(pipeline, "name", pipeline))
-    try:
-        definition = FAMILY.pipeline(name)
-    except KeyError:
-        raise ValueError(f"unknown SDXL pipeline {name!r} (pipelines: {', '.join(p.name for p in FAMILY.pipelines)})") from None
-    return definition.diffusers_pipeline or FAMILY.diffusers_pipelines[0]
-
-
 def write_tiny_models(outdir, size: str = "test", seed: int = 0, pipeline: Any = None) -> Path:
     """Write a complete random-weight SDXL diffusers pipeline folder; return its path.
 
@@ -133,7 +120,9 @@ def write_tiny_models(outdir, size: str = "test", seed: int = 0, pipeline: Any =
     """
     import diffusers
 
-    class_name = _class_name(pipeline)
+    from . import FAMILY
+
+    class_name = FAMILY.diffusers_class(pipeline)
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
     components = build_tiny_components(size=size, seed=seed)

@@ -125,8 +125,8 @@ def write_real_configs(outdir: Any, size: str = "real", pipeline: Optional[str] 
 
     if size not in RELEASES:
         raise ValueError(f"unknown real size {size!r} (sizes: {', '.join(RELEASES)})")
-    definition = FAMILY.pipeline(pipeline) if pipeline else FAMILY.pipelines[0]
-    class_name = definition.diffusers_pipeline or FAMILY.diffusers_pipelines[0]
+    definition = FAMILY.pipeline_for(pipeline)
+    class_name = FAMILY.diffusers_class(definition)
     i2v = class_name == "WanImageToVideoPipeline"
     release, transformer = (I2V_RELEASE, TRANSFORMER_I2V_14B) if i2v else RELEASES[size]
     index = {

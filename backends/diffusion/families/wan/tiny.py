@@ -53,19 +53,6 @@ SIZES: dict[str, dict[str, Any]] = {
 _SEED_OFFSETS = {"transformer": 0, "vae": 1, "text_encoder": 2, "image_encoder": 3}
 
 
-
-def _definition(pipeline: Any):
-    from . import FAMILY
-
-    if pipeline is None:
-        return FAMILY.pipelines[0]
-    name = str(getattr(pipeline, "name", pipeline))
-    try:
-        return FAMILY.pipeline(name)
-    except KeyError:
-        raise ValueError(f"unknown Wan pipeline {name!r} (pipelines: {', '.join(p.name for p in FAMILY.pipelines)})") from None
-
-
 def build_tiny_components(size: str = "test", seed: int = 0, i2v: bool = False) -> dict[str, Any]:
     """The pipeline's components in memory (keys: diffusers component names)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
@@ -106,8 +93,7 @@ def write_tiny_models(outdir, size: str = "test", seed: int = 0, pipeline: Any =
 
     from . import FAMILY
 
-    definition = _definition(pipeline)
-    class_name = definition.diffusers_pipeline or FAMILY.diffusers_pipelines[0]
+    class_name = FAMILY.diffusers_class(pipeline)
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
     components = build_tiny_components(size=size, seed=seed, i2v=class_name == "WanImageToVideoPipeline")
