@@ -113,6 +113,7 @@ def tiny_models_command(
     pipeline: PipelineOption = None,
     size: Annotated[str, typer.Option("--size", help="test (a train step ~10 ms) or demo (~0.15 s at 256 px); real: the released model's config.json files only, no weights (for train --dry_run; Wan also real-1.3b).")] = "test",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
+    experts: Annotated[bool, typer.Option("--experts", help="A denoiser of two experts (Wan 2.2 A14B's layout: transformer/ for high noise, transformer_2/ for low, boundary_ratio); train one with --expert.")] = False,
 ) -> None:
     """Write a random-weight diffusers pipeline folder of a family (it loads with the family's diffusers pipeline class),
     or with --size real the released model's configuration files alone."""
@@ -121,6 +122,11 @@ def tiny_models_command(
     from unitgraph.backends.diffusion.errors import BackendError
 
     family, chosen = _choice(pipeline)
+    if experts and family.experts is None:
+        raise BackendError(f"--experts: the {family.title} family's denoiser is a single model")
+    if experts and (size.startswith("real") or (chosen is not None and chosen.name != family.pipelines[0].name)):
+        raise BackendError(f"--experts: tiny two-expert folders are written for {family.pipelines[0].name} at the test "
+                           "and demo sizes")
     claim_model_folder(Path(outdir))
     start = time.perf_counter()
     if size.startswith("real"):
@@ -136,7 +142,8 @@ def tiny_models_command(
     tiny = family.tiny_module()
     if size not in tiny.SIZES:
         raise BackendError(f"--size must be one of {', '.join([*tiny.SIZES, 'real'])}, got {size!r}")
-    path = tiny.write_tiny_models(outdir, size=size, seed=seed, pipeline=chosen.name if chosen else None)
+    path = tiny.write_tiny_models(outdir, size=size, seed=seed, pipeline=chosen.name if chosen else None,
+                                  **({"experts": True} if experts else {}))
     cls = (chosen.diffusers_pipeline if chosen else None) or family.diffusers_pipelines[0]
     typer.echo(f"wrote {size}-size {family.title} pipeline ({cls}) to {path} in {time.perf_counter() - start:.1f} s")
 

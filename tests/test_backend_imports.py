@@ -3,7 +3,7 @@
 The backend is a few modules that tie a run together above four rooms (models/, data/, cache/, train/) and
 the families, all standing on a small foundation of shared vocabulary (CONTRIBUTING.md has the map):
 
-    run        args, choice, config, memory_plan, memory_trace, registry, session, stage1, stage1_key, stages
+    run        args, choice, config, experts, memory_plan, memory_trace, registry, session, stage1, stage1_key, stages
     rooms 2    train/, families/          (each may use the rooms below, never the other)
     rooms 1    models/, data/, cache/     (each uses only itself and the foundation)
     foundation errors, randomness, family, context, flowmatch, report, result, tensorfile
@@ -30,8 +30,8 @@ BACKEND = REPO / "backends" / "diffusion"
 PACKAGE = "unitgraph.backends.diffusion"
 
 FOUNDATION = ("errors", "randomness", "family", "context", "flowmatch", "ddpm", "report", "result", "tensorfile")
-RUN = ("args", "choice", "config", "memory_plan", "memory_trace", "registry", "session", "stage1", "stage1_key",
-       "stages")
+RUN = ("args", "choice", "config", "experts", "memory_plan", "memory_trace", "registry", "session", "stage1",
+       "stage1_key", "stages")
 # rank of each room: an import may go to a lower rank, or stay in its own room
 ROOMS = {"models": 1, "data": 1, "cache": 1, "train": 2, "families": 2}
 

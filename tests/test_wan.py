@@ -177,7 +177,7 @@ def test_stage1_reads_the_dits_config_but_never_its_weights(models, data, tmp_pa
     assert "dit" not in result.plan.data_process_models
     manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
     key = manifest["key_inputs"]
-    assert list(key["configs"]["dit"]) == ["transformer/config.json"] and "dit" not in key["models"]  # config digested
+    assert list(key["configs"]["dit"]) == ["config.json"] and "dit" not in key["models"]  # config digested, by name
     code, shown, _ = cli(capsys, "inspect", "diffusion:wan_i2v", "--lora_base_model", "dit")
     assert code == 0 and "(config only: dit)" in shown
     # a DiT without image conditioning (Wan 2.2 style) gives no image embedding, decided from its config alone

@@ -55,6 +55,7 @@ class TrainArgs:
     modelscope_cache_dir: Optional[str] = _f(None, "modelscope cache folder (default: modelscope's own).", "models")
     offload_models: Optional[str] = _f(None, "Accepted for compatibility (no effect: each stage loads only its models).", "models")
     fp8_models: Optional[str] = _f(None, "Frozen models whose weights are stored in float8_e4m3fn and computed layer by layer in the compute dtype (norms, embeddings and LoRA adapters stay): slot names (dit,text_encoder) or, as DiffSynth takes them, the same model paths or ids as --model_paths / --model_id_with_origin_paths. A model whose own weights train cannot be fp8.", "models")
+    expert: Optional[str] = _f(None, "The expert of a two-expert DiT to train (high_noise: the pipeline folder's transformer/, low_noise: its transformer_2/); it trains on its own timesteps unless the boundaries narrow them further. Default: the expert the model paths name (transformer_2/, DiffSynth's low_noise_model/), else the one whose timesteps --min/max_timestep_boundary select.", "models")
     # training
     learning_rate: float = _f(1e-4, "AdamW learning rate.", "training")
     weight_decay: float = _f(0.01, "AdamW weight decay.", "training")

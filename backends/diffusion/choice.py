@@ -64,8 +64,12 @@ class Signal:
 # signals of the models
 
 
-def _denoiser_subfolder(family: Family) -> str:
-    return family.slot(family.model_slots[0]).subfolder  # a family declares its denoiser first
+def _gives_denoiser(family: Family, subfolder: str) -> bool:
+    """Whether a pipeline subfolder (or an expert's release folder) holds the family's denoiser (declared first)."""
+    slot = family.slot_of_subfolder(subfolder)
+    if slot is not None:
+        return slot.name == family.model_slots[0]
+    return family.experts is not None and family.experts.of_subfolder(subfolder) is not None
 
 
 def model_id_signals(items: Iterable[tuple[str, str]], task: str) -> list[Signal]:
@@ -81,7 +85,7 @@ def model_id_signals(items: Iterable[tuple[str, str]], task: str) -> list[Signal
                 target = repo.diffusers_path(model_id, pattern)
                 sub = origin_subfolder(target.partition(":")[2]) if target else ""
             out.append(Signal(family, _of_task(family, repo.pipeline, task), f"the model id {model_id}",
-                              sub == _denoiser_subfolder(family)))
+                              _gives_denoiser(family, sub)))
     return out
 
 

@@ -22,6 +22,7 @@ from .flowmatch import with_vae_latents
 from .models.hub import Hub
 from .models.sources import ModelSources
 from .choice import choose
+from .experts import choose_expert
 
 
 def offline_from_env(environ: Any = None) -> bool:
@@ -52,12 +53,15 @@ class ModelConfig:
     hub: Hub = field(default_factory=Hub)  # where model ids are found (DiffSynth's ./models, the modelscope cache)
     processor_path: Optional[str] = None  # DiffSynth's --processor_path (a multimodal processor folder or model id)
     tokenizer_2_path: Optional[str] = None  # the second text encoder's tokenizer (DiffSynth's --tokenizer_2_path in two-encoder families)
+    expert: Optional[str] = None  # the expert of a two-expert denoiser the run loads in its slot (experts.py)
+    boundary_ratio: Optional[float] = None  # between the experts, when known: a validation sample renders with both
 
     def sources(self, family: Family, offline: Optional[bool] = None) -> ModelSources:
-        """The family's slots resolved from these arguments (`offline` overrides the setting)."""
+        """The family's slots resolved from these arguments (`offline` overrides the setting); the expert slot
+        from the chosen expert's subfolder."""
         hub = self.hub if offline is None or offline == self.hub.offline else \
             replace(self.hub, offline=offline, offline_reason=self.hub.offline_reason or "comparing stage-1 models")
-        return ModelSources(family, self.model_paths, self.model_id_with_origin_paths, self.tokenizer_path,
+        return ModelSources(family.with_expert(self.expert), self.model_paths, self.model_id_with_origin_paths, self.tokenizer_path,
                             self.cache_dir, offline=hub.offline, hub=hub, processor_path=self.processor_path,
                             tokenizer_2_path=self.tokenizer_2_path)
 
@@ -226,13 +230,15 @@ class RunConfig:
         compute = COMPUTE_DTYPES[mixed]
         cache_dtype = CACHE_DTYPES[args.cache_dtype] if args.cache_dtype else compute
         hub = Hub.from_env(args.modelscope_cache_dir, environ)
+        expert = choose_expert(args, family)
         model_config = ModelConfig(args.model_paths, args.model_id_with_origin_paths, args.first_tokenizer_path(),
                                    args.modelscope_cache_dir, offline=hub.offline, hub=hub,
-                                   processor_path=args.processor_path, tokenizer_2_path=args.tokenizer_2_path)
+                                   processor_path=args.processor_path, tokenizer_2_path=args.tokenizer_2_path,
+                                   expert=expert.expert, boundary_ratio=expert.ratio)
         fp8 = fp8_slots(args, family, pipeline, _sources_for_names(model_config, family, args))
         if args.blocks_to_swap and not args.lora_base_model:
             raise BackendError("--blocks_to_swap moves blocks of a frozen LoRA base model; give --lora_base_model")
-        notes = [chosen.line]
+        notes = [chosen.line, *([expert.line] if expert.line else [])]
         if args.align_to_opensource_format:
             notes.append("note: --align_to_opensource_format: LoRA files are written in the diffusers format "
                          "(--lora_format), which diffusers' load_lora_weights and ComfyUI read; DiffSynth's own "
@@ -246,7 +252,7 @@ class RunConfig:
             args=args, family=family, pipeline=pipeline, task=args.family, stage=args.stage, cache_mode=args.cache_mode,
             cache_path=args.cache_path, seed=args.seed,
             units=UnitSettings(image_size=ImageSize(args.height, args.width, args.max_pixels), seed=args.seed,
-                               timestep_bounds=(args.min_timestep_boundary, args.max_timestep_boundary),
+                               timestep_bounds=expert.bounds,
                                dtype=compute, cache_dtype=cache_dtype, loss_weighting=args.loss_weighting),
             data=DataConfig(args.dataset_base_path, args.dataset_metadata_path, tuple(args.file_keys()),
                             tuple(n for n in args.extra_input_names() if n not in pipeline.derived_inputs),

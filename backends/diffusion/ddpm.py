@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .flowmatch import position_range
+
 __all__ = ["DdpmSchedule", "PREDICTION_TYPES", "ddpm_loss", "noisy_latents", "sample_ddpm_timestep", "training_target"]
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
@@ -97,9 +99,7 @@ def sample_ddpm_timestep(ctx: Any) -> dict[str, Any]:
     import torch
 
     steps = _schedule(ctx).num_train_timesteps
-    lo, hi = ctx.timestep_bounds
-    first = min(steps - 1, int(lo * steps))
-    last = max(first + 1, min(steps, int(hi * steps)))
+    first, last = position_range(ctx.timestep_bounds, steps)
     position = int(torch.randint(first, last, (1,), generator=ctx.rng("timestep")).item())
     return {"timestep": torch.tensor([steps - 1 - position], dtype=torch.long, device=ctx.device), "loss_weight": None}
 

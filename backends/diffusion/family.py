@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import ModuleType
 from typing import Any, Callable, Mapping, Optional
@@ -369,6 +369,52 @@ class ModelRepo:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A denoiser released as experts over ranges of noise, one pipeline subfolder each, of which a run trains one.
+
+    A two-expert video model's diffusers folders hold `transformer` (the high-noise expert) and `transformer_2` (the low-noise
+    one), and `boundary_ratio` in model_index.json: diffusers' pipeline denoises timesteps >= ratio x 1000 with the
+    first and the rest with the second. DiffSynth-Studio trains one expert per command, naming its release folder
+    (`high_noise_model/`, `low_noise_model/`) and narrowing the drawn timesteps with --min/max_timestep_boundary.
+
+    slot: the model slot the experts fill. subfolders: (expert, pipeline subfolder) pairs, the noisiest expert
+    first. release_folders: (expert, folder of the original release). schedule: the family's training schedule
+    (a `flowmatch.TrainingSchedule`), through which a boundary ratio becomes positions of the drawn timesteps.
+    boundary_key: model_index.json's key of the ratio. published: (model id pattern, ratio) of the releases, for
+    commands that name a repository's files rather than its pipeline folder.
+    """
+
+    slot: str
+    subfolders: tuple[tuple[str, str], ...]
+    release_folders: tuple[tuple[str, str], ...] = ()
+    schedule: Any = None
+    boundary_key: str = "boundary_ratio"
+    published: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.subfolders)
+
+    def subfolder(self, expert: str) -> str:
+        return dict(self.subfolders)[expert]
+
+    def of_subfolder(self, subfolder: str) -> Optional[str]:
+        """The expert a pipeline subfolder or a release folder holds, or None."""
+        return next((name for name, sub in (*self.subfolders, *self.release_folders) if sub == subfolder), None)
+
+    def positions(self, ratio: float) -> int:
+        """How many of the schedule's positions, from the noisiest, have a timestep >= ratio x 1000: the first
+        expert's positions (the second's are the rest).
+
+        >>> from unitgraph.backends.diffusion.flowmatch import TrainingSchedule
+        >>> Experts("dit", (("high", "transformer"), ("low", "transformer_2")), schedule=TrainingSchedule(shift=5.0)).positions(0.875)
+        417
+        """
+        timesteps = self.schedule.sigmas() * 1000.0
+        return int((timesteps >= ratio * 1000.0).sum())
+
+
+@dataclass(frozen=True)
 class Family:
     """A model family: everything the generic machinery needs to train it.
 
@@ -382,7 +428,8 @@ class Family:
     draws a validation sample with the family's diffusers pipeline; render_models: the models it needs beyond
     the stage's (the VAE, for its decoder), loaded only while rendering. repos: the model repositories its
     commands name (`ModelRepo`), most specific first: how a run tells the family and pipeline from model ids,
-    and where a release file's diffusers twin is.
+    and where a release file's diffusers twin is. experts: a denoiser released as experts over noise levels
+    (`Experts`), of which a run trains one (`with_expert`).
     """
 
     name: str
@@ -401,6 +448,7 @@ class Family:
     render: Optional[str] = None
     render_models: tuple[str, ...] = ()
     repos: tuple[ModelRepo, ...] = ()
+    experts: Optional[Experts] = None
 
     def __post_init__(self) -> None:
         names = [s.name for s in self.slots]
@@ -421,6 +469,24 @@ class Family:
         for repo in self.repos:
             if repo.pipeline is not None and repo.pipeline not in pipelines:
                 raise ValueError(f"family {self.name}: model ids {repo.ids} name unknown pipeline {repo.pipeline}")
+
+    def with_expert(self, expert: Optional[str]) -> "Family":
+        """The family with its expert slot read from `expert`'s subfolder (the family itself for None): the folders
+        of a two-expert pipeline then resolve that slot to the chosen expert everywhere models are found."""
+        if expert is None:
+            return self
+        if self.experts is None or expert not in self.experts.names:
+            raise ValueError(f"family {self.name} has no expert {expert!r}")
+        subfolder = self.experts.subfolder(expert)
+        slots = tuple(replace(s, subfolder=subfolder) if s.name == self.experts.slot else s for s in self.slots)
+        return replace(self, slots=slots)
+
+    def slot_of_subfolder(self, subfolder: str) -> Optional[ModelSlot]:
+        """The model slot a pipeline subfolder holds: a slot's own, or any expert's of the expert slot."""
+        own = next((s for s in self.slots if s.subfolder == subfolder and s.kind == "model"), None)
+        if own is None and self.experts is not None and subfolder in dict(self.experts.subfolders).values():
+            return self.slot(self.experts.slot)
+        return own
 
     def repo(self, model_id: str) -> Optional[ModelRepo]:
         """The first of `repos` whose ids name `model_id`, or None."""

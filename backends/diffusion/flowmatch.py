@@ -22,8 +22,8 @@ from typing import Any, Optional
 from .family import unit
 
 __all__ = ["LOSS_WEIGHTINGS", "TrainingSchedule", "VAE_LATENTS", "calculate_shift", "draw_latents", "draw_noise",
-           "flow_matching_mse", "latent_sampler", "posterior_mean", "sample_training_timestep", "schedule_sigmas",
-           "with_vae_latents"]
+           "flow_matching_mse", "latent_sampler", "position_range", "posterior_mean", "sample_training_timestep",
+           "schedule_sigmas", "with_vae_latents"]
 
 
 def calculate_shift(seq_len: int, config: Any) -> float:
@@ -143,10 +143,20 @@ def _draw_index(ctx: Any, steps: int) -> int:
     """
     import torch
 
-    lo, hi = ctx.timestep_bounds
-    first = min(steps - 1, int(lo * steps))
-    last = max(first + 1, min(steps, int(hi * steps)))
+    first, last = position_range(ctx.timestep_bounds, steps)
     return int(torch.randint(first, last, (1,), generator=ctx.rng("timestep")).item())
+
+
+def position_range(bounds: tuple[float, float], steps: int) -> tuple[int, int]:
+    """[first, last) of the schedule positions --min/max_timestep_boundary leave, DiffSynth's int() of each
+    fraction times the positions (at least one position).
+
+    >>> position_range((0.0, 0.417), 1000), position_range((0.417, 1.0), 1000)
+    ((0, 417), (417, 1000))
+    """
+    lo, hi = bounds
+    first = min(steps - 1, int(lo * steps))
+    return first, max(first + 1, min(steps, int(hi * steps)))
 
 
 def flow_matching_mse(pred: Any, target: Any, loss_weight: Any = None) -> Any:

@@ -73,7 +73,9 @@ def key_inputs(cfg: RunConfig, plan: Plan, memo: HashMemo) -> dict[str, Any]:
 
 def config_key(cfg: RunConfig, plan: Plan, memo: HashMemo) -> dict[str, Any]:
     """{"configs": digests of the config.json files stage 1 reads without loading the model
-    (plan.data_process_configs)}, or nothing: keys of pipelines without config reads are as before."""
+    (plan.data_process_configs), each by its file name}, or nothing: keys of pipelines without config reads are as
+    before. Not by its folder: two experts of one architecture (a pipeline folder's transformer/ and transformer_2/) have
+    the same config, and stage 1, which reads only that, serves the runs of either."""
     from .models.sources import ModelLoadError
 
     slots = list(plan.data_process_configs)
@@ -81,7 +83,7 @@ def config_key(cfg: RunConfig, plan: Plan, memo: HashMemo) -> dict[str, Any]:
         return {}
     try:
         sources = cfg.models.sources(cfg.family)
-        return {"configs": model_files_digest({slot: sources.config_files(slot) for slot in slots}, memo.digest)}
+        return {"configs": {slot: {p.name: memo.digest(p) for p in sources.config_files(slot)} for slot in sorted(slots)}}
     except ModelLoadError as exc:
         raise BackendError(str(exc)) from None
 

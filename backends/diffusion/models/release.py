@@ -121,19 +121,13 @@ def release_problem(family: Optional[Family], model_id: str, pattern: str) -> Op
     if is_pickle(pattern):
         return PICKLE_PROBLEM
     repo = family.repo(model_id) if family is not None else None
-    if repo is None or origin_subfolder(pattern):
+    target = None if repo is None else repo.diffusers_path(model_id, pattern)
+    if target is None:  # a diffusers path, or nothing the family's hints know: fetch it and see
         return None
-    target = repo.diffusers_path(model_id, pattern)
-    if target is None:
-        return None
-    slot = _slot_of_subfolder(family, origin_subfolder(target.partition(":")[2]))
+    slot = family.slot_of_subfolder(origin_subfolder(target.partition(":")[2]))
     if slot is None or slot.single_file:
         return None  # read through the family's single-file format, if the header matches
     return f"the {slot.name} in its release layout, which unitgraph does not read"
-
-
-def _slot_of_subfolder(family: Family, subfolder: str) -> Optional[ModelSlot]:
-    return next((s for s in family.slots if s.subfolder == subfolder and s.kind == "model"), None)
 
 
 def diffusers_path(family: Optional[Family], model_id: str, pattern: str) -> Optional[str]:

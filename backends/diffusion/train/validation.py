@@ -23,6 +23,7 @@ import gc
 import html
 import importlib
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -158,7 +159,13 @@ class Validator:
         raw = {slot: accelerator.unwrap_model(m) if isinstance(m, torch.nn.Module) else m for slot, m in models.items()}
         extra = [s for s in self.cfg.family.render_models if s not in raw]
         loaded = self.cfg.models.sources(self.cfg.family).load(extra, torch_dtype=torch.float32) if extra else {}
+        loaded.update(self._other_experts(torch))
         everything = {**raw, **loaded}
+        if self.cfg.models.expert is not None and self.cfg.models.boundary_ratio is not None:
+            experts = self.cfg.family.experts
+            own = {self.cfg.models.expert: everything[experts.slot]}
+            everything["experts"] = {experts.subfolder(n): own.get(n, everything.get(f"expert:{n}")) for n in experts.names}
+            everything["boundary_ratio"] = self.cfg.models.boundary_ratio
         embeds = self.encoded if self.encoded is not None else encode_prompts(ctx, self.cfg.pipeline, self.prompts)
         width, height = self.cfg.units.image_size.target(1024, 1024, 16)
         modes = {slot: m.training for slot, m in everything.items() if isinstance(m, torch.nn.Module)}
@@ -185,6 +192,16 @@ class Validator:
         self._sheet(name, paths)
         self._page(name)
         return paths
+
+    def _other_experts(self, torch: Any) -> dict[str, Any]:
+        """{"expert:NAME": model} of the experts a run does not train, loaded frozen in the compute dtype for the
+        time of a render: a sample of a two-expert model is drawn by both, the trained one with its LoRA."""
+        models, experts = self.cfg.models, self.cfg.family.experts
+        if models.expert is None or experts is None or models.boundary_ratio is None:
+            return {}
+        dtype = getattr(torch, self.cfg.precision.compute_dtype)
+        return {f"expert:{name}": replace(models, expert=name).sources(self.cfg.family).load([experts.slot], torch_dtype=dtype)[experts.slot]
+                for name in experts.names if name != models.expert}
 
     def _sheet(self, name: str, paths: list[Path]) -> None:
         from PIL import Image

@@ -8,12 +8,14 @@ the classes and subfolders are those of diffusers' `WanPipeline` / `WanImageToVi
 q/k/v/o and its MLP ffn.0/ffn.2: they are mapped to diffusers' (`DIT_LORA_ALIASES`), so its
 `--lora_target_modules "q,k,v,o,ffn.0,ffn.2"` ports. The I2V units that need the DiT's `image_dim` read
 its config only (`configs=("dit",)`), so stage 1 never loads the DiT's weights, where DiffSynth loads
-every model in both stages. No torch is imported here.
+every model in both stages. Wan 2.2 A14B's two experts (`EXPERTS`: `transformer` for high noise,
+`transformer_2` for low) share one stage 1; a run trains the one --expert names or the timestep boundaries
+select. No torch is imported here.
 """
 
 from __future__ import annotations
 
-from ...family import Family, ModelRepo, ModelSlot, PipelineDef
+from ...family import Experts, Family, ModelRepo, ModelSlot, PipelineDef
 from ...flowmatch import posterior_mean
 from . import losses, units as u
 
@@ -45,6 +47,8 @@ WAN_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 # in the folders of diffusers' WanPipeline, which a message names instead.
 RELEASE_FILES = {
     "diffusion_pytorch_model*.safetensors": "transformer/*.safetensors",
+    "high_noise_model/diffusion_pytorch_model*.safetensors": "transformer/*.safetensors",  # Wan 2.2 A14B's experts
+    "low_noise_model/diffusion_pytorch_model*.safetensors": "transformer_2/*.safetensors",
     "models_t5_umt5-xxl-enc-bf16.pth": "text_encoder/*.safetensors",
     "Wan2.*_VAE.pth": "vae/*.safetensors",
     "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth": "image_encoder/*.safetensors",
@@ -76,6 +80,13 @@ SLOTS = (
     ModelSlot("scheduler", "diffusers", "UniPCMultistepScheduler", "scheduler", kind="scheduler",
               accepts=("FlowMatchEulerDiscreteScheduler",), default_config=SCHEDULER_CONFIG),
 )
+
+# Wan 2.2 A14B: two DiTs of one architecture, `transformer` denoising the timesteps >= boundary_ratio x 1000 (0.875
+# for T2V, 0.9 for I2V) and `transformer_2` the rest; DiffSynth's release keeps them in high_noise_model/ and
+# low_noise_model/. A run trains one (--expert, or the one --min/max_timestep_boundary select).
+EXPERTS = Experts("dit", (("high_noise", "transformer"), ("low_noise", "transformer_2")),
+                  (("high_noise", "high_noise_model"), ("low_noise", "low_noise_model")), schedule=u.TRAINING_SCHEDULE,
+                  published=(("Wan-AI/Wan2.2-T2V-A14B*", 0.875), ("Wan-AI/Wan2.2-I2V-A14B*", 0.9)))
 
 _FRESH = (posterior_mean, u.noise_initializer, u.timestep_sampler)
 
@@ -115,4 +126,5 @@ FAMILY = Family(
     render=".render",
     render_models=("vae",),
     repos=REPOS,
+    experts=EXPERTS,
 )

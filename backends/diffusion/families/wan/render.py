@@ -1,5 +1,7 @@
 """Validation samples of Wan text-to-video: diffusers' WanPipeline with the trained DiT and stage 1's UMT5
-embeddings (no text encoder is loaded); the clip's frames side by side as one image."""
+embeddings (no text encoder is loaded); the clip's frames side by side as one image. A run of one of Wan 2.2 A14B's
+experts renders through both (`models["experts"]`: subfolder -> model, the trained one with its LoRA), switching
+at the boundary ratio as the pipeline does."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ def render(pipeline: Any, models: dict[str, Any], embeds: dict[str, Any], width:
     from diffusers import WanPipeline
     from PIL import Image
 
+    experts = models.get("experts") or {"transformer": models["dit"]}
     pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=models["vae"], scheduler=copy.deepcopy(models["scheduler"]),
-                       transformer=models["dit"])
+                       transformer=experts["transformer"], transformer_2=experts.get("transformer_2"),
+                       boundary_ratio=models.get("boundary_ratio") if "transformer_2" in experts else None)
     pipe.set_progress_bar_config(disable=True)
     frames = pipe(prompt_embeds=embeds["prompt_emb"], width=width, height=height, num_frames=FRAMES,
                   num_inference_steps=steps, guidance_scale=1.0, generator=generator, output_type="pil").frames[0]

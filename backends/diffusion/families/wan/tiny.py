@@ -50,11 +50,13 @@ SIZES: dict[str, dict[str, Any]] = {
     },
 }
 
-_SEED_OFFSETS = {"transformer": 0, "vae": 1, "text_encoder": 2, "image_encoder": 3}
+_SEED_OFFSETS = {"transformer": 0, "vae": 1, "text_encoder": 2, "image_encoder": 3, "transformer_2": 4}
+T2V_BOUNDARY_RATIO = 0.875  # Wan 2.2 T2V A14B's model_index.json: timesteps >= 875 go to `transformer`
 
 
-def build_tiny_components(size: str = "test", seed: int = 0, i2v: bool = False) -> dict[str, Any]:
-    """The pipeline's components in memory (keys: diffusers component names)."""
+def build_tiny_components(size: str = "test", seed: int = 0, i2v: bool = False, experts: bool = False) -> dict[str, Any]:
+    """The pipeline's components in memory (keys: diffusers component names). `experts`: Wan 2.2 A14B's layout, a
+    second DiT of the same config (`transformer_2`, other weights) for the low-noise steps and the boundary ratio."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
 
@@ -75,20 +77,26 @@ def build_tiny_components(size: str = "test", seed: int = 0, i2v: bool = False) 
         "tokenizer": tokenizer,
         "scheduler": UniPCMultistepScheduler(**SCHEDULER_CONFIG),
     }
+    if experts:
+        if i2v:
+            raise ValueError("the tiny two-expert folders are text-to-video (WanPipeline) only")
+        components["transformer_2"] = seeded(seed + _SEED_OFFSETS["transformer_2"], lambda: WanTransformer3DModel(**dit))
+        components["boundary_ratio"] = T2V_BOUNDARY_RATIO
     if i2v:
         vision = spec["clip_vision"]
         components["image_encoder"] = seeded(seed + _SEED_OFFSETS["image_encoder"], lambda: CLIPVisionModel(CLIPVisionConfig(**vision)))
         side = vision["image_size"]
         components["image_processor"] = CLIPImageProcessorPil(size={"shortest_edge": side},
                                                               crop_size={"height": side, "width": side})
-    for name in ("transformer", "vae", "text_encoder", "image_encoder"):
+    for name in ("transformer", "transformer_2", "vae", "text_encoder", "image_encoder"):
         if name in components:
             components[name].eval()
     return components
 
 
-def write_tiny_models(outdir, size: str = "test", seed: int = 0, pipeline: Any = None) -> Path:
-    """Write a complete random-weight Wan diffusers pipeline folder for `pipeline` (None: wan); return its path."""
+def write_tiny_models(outdir, size: str = "test", seed: int = 0, pipeline: Any = None, experts: bool = False) -> Path:
+    """Write a complete random-weight Wan diffusers pipeline folder for `pipeline` (None: wan); return its path.
+    `experts`: Wan 2.2 A14B's two-expert text-to-video layout (`transformer`, `transformer_2`, `boundary_ratio`)."""
     import diffusers
 
     from . import FAMILY
@@ -96,8 +104,8 @@ def write_tiny_models(outdir, size: str = "test", seed: int = 0, pipeline: Any =
     class_name = FAMILY.diffusers_class(pipeline)
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
-    components = build_tiny_components(size=size, seed=seed, i2v=class_name == "WanImageToVideoPipeline")
+    components = build_tiny_components(size=size, seed=seed, i2v=class_name == "WanImageToVideoPipeline", experts=experts)
     getattr(diffusers, class_name)(**components).save_pretrained(str(out), safe_serialization=True)
-    info = {"size": size, "seed": int(seed), "config": SIZES[size], "pipeline_class": class_name}
+    info = {"size": size, "seed": int(seed), "config": SIZES[size], "pipeline_class": class_name, "experts": bool(experts)}
     (out / "unitgraph_tiny.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return out
