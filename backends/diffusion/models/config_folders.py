@@ -43,6 +43,63 @@ def clip_vit_l14_text_config(torch_dtype: str, **extra: Any) -> dict[str, Any]:
     }
 
 
+def qwen3_4b_config() -> dict[str, Any]:
+    """Qwen3-4B's config.json, the text encoder several image families' releases ship in text_encoder/."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2560,
+        "initializer_range": 0.02,
+        "intermediate_size": 9728,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 36,
+        "model_type": "qwen3",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    }
+
+
+def autoencoder_16ch_config() -> dict[str, Any]:
+    """Black Forest Labs' 16-channel AutoencoderKL as its vae/config.json is published, shipped by the releases of
+    more than one family (scaling 0.3611 after a shift of 0.1159)."""
+    return {
+        "_class_name": "AutoencoderKL",
+        "act_fn": "silu",
+        "block_out_channels": [128, 256, 512, 512],
+        "down_block_types": ["DownEncoderBlock2D"] * 4,
+        "force_upcast": True,
+        "in_channels": 3,
+        "latent_channels": 16,
+        "latents_mean": None,
+        "latents_std": None,
+        "layers_per_block": 2,
+        "mid_block_add_attention": True,
+        "norm_num_groups": 32,
+        "out_channels": 3,
+        "sample_size": 1024,
+        "scaling_factor": 0.3611,
+        "shift_factor": 0.1159,
+        "up_block_types": ["UpDecoderBlock2D"] * 4,
+        "use_post_quant_conv": False,
+        "use_quant_conv": False,
+    }
+
+
 def write_config_folder(outdir: Any, index: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]],
                         source: str) -> Path:
     """Write `index` as model_index.json and each `files` entry ("<subfolder>/<name>.json" -> its content) beside it,

@@ -112,7 +112,12 @@ class SlotTable:
 
     def __init__(self, slots: Sequence[ModelSlot]):
         self.slots: dict[str, ModelSlot] = {s.name: s for s in slots}
-        self.by_subfolder = {s.subfolder: s.name for s in slots}
+        # several slots may share a subfolder (two text-encoder classes a family's releases keep in text_encoder/):
+        # by_subfolder names the first, shared_subfolder all of them; the folder's config tells them apart
+        self.shared_subfolder: dict[str, tuple[str, ...]] = {}
+        for s in slots:
+            self.shared_subfolder[s.subfolder] = (*self.shared_subfolder.get(s.subfolder, ()), s.name)
+        self.by_subfolder = {sub: names[0] for sub, names in self.shared_subfolder.items()}
         self.by_class = {c: s.name for s in slots if s.kind != "tokenizer" for c in s.class_names}
         self.by_model_type = {t: s.name for s in slots for t in s.model_types}
         self.tokenizers = [s.name for s in slots if s.kind == "tokenizer"]
@@ -185,8 +190,7 @@ def classify_folder(path: Path | str, table: SlotTable, origin: str | None = Non
         for key, value in index.items():
             if key.startswith("_") or not isinstance(value, list):
                 continue
-            slot = table.by_subfolder.get(key)
-            if slot is not None:
+            for slot in table.shared_subfolder.get(key, ()):
                 subfolders[slot] = key
         return _Entry(origin=origin, path=p, kind="pipeline",
                       class_name=str(index.get("_class_name", "")), subfolders=subfolders)

@@ -230,16 +230,16 @@ class ModelSources:
                 return entry.kind
         for i, (model_id, pattern) in enumerate(self._remote):
             if f"{model_id}:{pattern}" == given:
-                slot = self.table.by_subfolder.get(_origin_subfolder(pattern))
-                if slot is not None:
-                    return slot
+                slots = self.table.shared_subfolder.get(_origin_subfolder(pattern), ())
+                if len(slots) == 1:
+                    return slots[0]
                 self._fetch_remote(i)
                 return next((e.kind for e in self.entries if e.origin == given and e.kind != "pipeline"), None)
         return None
 
     def _fetch_remote_for(self, slot: str) -> None:
         for i, (_, pattern) in enumerate(self._remote):
-            if self.table.by_subfolder.get(_origin_subfolder(pattern)) == slot:
+            if slot in self.table.shared_subfolder.get(_origin_subfolder(pattern), ()):
                 self._fetch_remote(i)
 
     def _unique(self, entries: list[_Entry], slot: str) -> _Entry | None:

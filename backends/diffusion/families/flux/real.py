@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from ...models.config_folders import clip_vit_l14_text_config, write_config_folder
+from ...models.config_folders import autoencoder_16ch_config, clip_vit_l14_text_config, write_config_folder
 from . import SCHEDULER_CONFIG
 
 RELEASE = "black-forest-labs/FLUX.1-dev"
@@ -32,27 +32,7 @@ TRANSFORMER = {
 }
 
 # black-forest-labs/FLUX.1-dev vae/config.json
-VAE = {
-    "_class_name": "AutoencoderKL",
-    "act_fn": "silu",
-    "block_out_channels": [128, 256, 512, 512],
-    "down_block_types": ["DownEncoderBlock2D"] * 4,
-    "force_upcast": True,
-    "in_channels": 3,
-    "latent_channels": 16,
-    "latents_mean": None,
-    "latents_std": None,
-    "layers_per_block": 2,
-    "mid_block_add_attention": True,
-    "norm_num_groups": 32,
-    "out_channels": 3,
-    "sample_size": 1024,
-    "scaling_factor": 0.3611,
-    "shift_factor": 0.1159,
-    "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "use_post_quant_conv": False,
-    "use_quant_conv": False,
-}
+VAE = autoencoder_16ch_config()
 
 # black-forest-labs/FLUX.1-dev text_encoder/config.json (openai/clip-vit-large-patch14's text model)
 CLIP = clip_vit_l14_text_config("bfloat16")

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...data.imaging import image_to_pixels
+from ...data.text import prompt_text
 from ...errors import BackendError
 from ...family import lazy_module, unit
 from ...flowmatch import TrainingSchedule, draw_noise, sample_training_timestep
@@ -114,16 +115,11 @@ def kontext_image_encoder(ctx, kontext_pixels: list) -> dict[str, Any]:
 # text
 
 
-def _prompt(prompt: Any) -> str:
-    if not isinstance(prompt, str):
-        raise BackendError(f"prompt must be a string, got {type(prompt).__name__}")
-    return prompt
-
 
 def clip_pooled(ctx, prompts: list[Any]) -> torch.Tensor:
     """CLIP's pooled output over each prompt padded to 77 tokens (FluxPipeline._get_clip_prompt_embeds): (n, D)."""
     tokenizer = ctx.model("tokenizer_1")
-    ids = tokenizer([_prompt(p) for p in prompts], padding="max_length", max_length=CLIP_MAX_LENGTH, truncation=True,
+    ids = tokenizer([prompt_text(p) for p in prompts], padding="max_length", max_length=CLIP_MAX_LENGTH, truncation=True,
                     return_tensors="pt").input_ids
     out = ctx.model("text_encoder_1")(ids.to(ctx.device), output_hidden_states=False)
     return out.pooler_output.to(ctx.dtype)
@@ -143,7 +139,7 @@ def clip_prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
 def t5_hidden(ctx, prompts: list[Any]) -> torch.Tensor:
     """T5's last hidden state over each prompt padded to 512 tokens (FluxPipeline._get_t5_prompt_embeds): (n, 512, D)."""
     tokenizer = ctx.model("tokenizer_2")
-    ids = tokenizer([_prompt(p) for p in prompts], padding="max_length", max_length=T5_SEQUENCE_LENGTH,
+    ids = tokenizer([prompt_text(p) for p in prompts], padding="max_length", max_length=T5_SEQUENCE_LENGTH,
                     truncation=True, return_tensors="pt").input_ids
     out = ctx.model("text_encoder_2")(ids.to(ctx.device), output_hidden_states=False)
     return out[0].to(ctx.dtype)

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...data.imaging import image_to_pixels
+from ...data.text import prompt_text
 from ...errors import BackendError
 from ...family import lazy_module, unit
 from ...flowmatch import TrainingSchedule, draw_noise, sample_training_timestep
@@ -255,15 +256,10 @@ def encode_prompts(ctx, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]
     return emb.to(ctx.dtype), emb_mask
 
 
-def _prompt(prompt: Any) -> str:
-    if not isinstance(prompt, str):
-        raise BackendError(f"prompt must be a string, got {type(prompt).__name__}")
-    return prompt
-
 
 def _prompt_batch(ctx, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Prompts of equal token length encoded together: no padding, so each gets what it gets alone."""
-    prompts = [_prompt(s["prompt"]) for s in samples]
+    prompts = [prompt_text(s["prompt"]) for s in samples]
     tokenizer = ctx.model("tokenizer")
     lengths = [len(ids) for ids in tokenizer([PROMPT_TEMPLATE.format(p) for p in prompts], truncation=True,
                                              max_length=TOKENIZER_MAX_LENGTH + PROMPT_TEMPLATE_DROP).input_ids]
@@ -281,7 +277,7 @@ def _prompt_batch(ctx, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @unit("PromptEncoder", inputs=("prompt",), outputs=("prompt_emb", "prompt_emb_mask"), models=("text_encoder",),
       settings=("dtype", "cache_dtype"), batch=_prompt_batch)
 def prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
-    emb, mask = encode_prompts(ctx, [_prompt(prompt)])
+    emb, mask = encode_prompts(ctx, [prompt_text(prompt)])
     return {"prompt_emb": emb, "prompt_emb_mask": mask}
 
 

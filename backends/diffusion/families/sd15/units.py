@@ -23,6 +23,7 @@ from typing import Any
 
 from ...data.imaging import image_to_pixels
 from ...ddpm import sample_ddpm_timestep
+from ...data.text import prompt_text
 from ...errors import BackendError
 from ...family import lazy_module, unit
 from ...flowmatch import draw_noise
@@ -74,11 +75,6 @@ def image_encoder(ctx, image: torch.Tensor) -> dict[str, Any]:
 # text
 
 
-def _prompt(prompt: Any) -> str:
-    if not isinstance(prompt, str):
-        raise BackendError(f"prompt must be a string, got {type(prompt).__name__}")
-    return prompt
-
 
 def clip_hidden(ctx, prompts: list[Any]) -> torch.Tensor:
     """CLIP's last hidden state (after its final layer norm) over each prompt padded to 77 tokens: (n, 77, D).
@@ -87,7 +83,7 @@ def clip_hidden(ctx, prompts: list[Any]) -> torch.Tensor:
     text encoder whose config asks for one), and as DiffSynth's SDUnit_PromptEmbedder does."""
     tokenizer = ctx.model("tokenizer")
     encoder = ctx.model("text_encoder")
-    tokens = tokenizer([_prompt(p) for p in prompts], padding="max_length", max_length=CLIP_MAX_LENGTH,
+    tokens = tokenizer([prompt_text(p) for p in prompts], padding="max_length", max_length=CLIP_MAX_LENGTH,
                        truncation=True, return_tensors="pt")
     mask = None
     if getattr(ctx.raw("text_encoder").config, "use_attention_mask", False):

@@ -38,6 +38,7 @@ from typing import Any
 
 from ...data.imaging import image_to_pixels
 from ...ddpm import sample_ddpm_timestep
+from ...data.text import prompt_text
 from ...errors import BackendError
 from ...family import lazy_module, unit
 from ...flowmatch import draw_noise
@@ -112,15 +113,10 @@ def image_encoder(ctx, image: torch.Tensor) -> dict[str, Any]:
 # text
 
 
-def _prompt(prompt: Any) -> str:
-    if not isinstance(prompt, str):
-        raise BackendError(f"prompt must be a string, got {type(prompt).__name__}")
-    return prompt
-
 
 def token_ids(tokenizer: Any, prompts: list[Any]) -> torch.Tensor:
     """Each prompt padded (and cut) to the tokenizer's model_max_length, as encode_prompt tokenizes it."""
-    return tokenizer([_prompt(p) for p in prompts], padding="max_length", max_length=tokenizer.model_max_length,
+    return tokenizer([prompt_text(p) for p in prompts], padding="max_length", max_length=tokenizer.model_max_length,
                      truncation=True, return_tensors="pt").input_ids
 
 

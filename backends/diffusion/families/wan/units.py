@@ -28,6 +28,7 @@ import re
 from typing import Any
 
 from ...data.imaging import cover_crop, image_to_pixels
+from ...data.text import prompt_text
 from ...errors import BackendError
 from ...family import lazy_module, unit
 from ...flowmatch import TrainingSchedule, draw_noise, sample_training_timestep
@@ -144,10 +145,7 @@ def clean_prompt(text: str) -> str:
 
 def encode_prompts(ctx, prompts: list[Any]) -> torch.Tensor:
     """UMT5 over each prompt padded to 512 tokens, zeroed after its own (WanPipeline._get_t5_prompt_embeds): (n, 512, D)."""
-    for prompt in prompts:
-        if not isinstance(prompt, str):
-            raise BackendError(f"prompt must be a string, got {type(prompt).__name__}")
-    tokens = ctx.model("tokenizer")([clean_prompt(p) for p in prompts], padding="max_length", max_length=TEXT_LENGTH,
+    tokens = ctx.model("tokenizer")([clean_prompt(prompt_text(p)) for p in prompts], padding="max_length", max_length=TEXT_LENGTH,
                                     truncation=True, add_special_tokens=True, return_attention_mask=True,
                                     return_tensors="pt")
     ids, mask = tokens.input_ids.to(ctx.device), tokens.attention_mask.to(ctx.device)
