@@ -42,7 +42,8 @@ BEGIN, END = "<!-- memory-plan:begin -->", "<!-- memory-plan:end -->"
 TITLE = "## The memory plan (`--dry_run`) of the released models, and its measured error"
 GIB = 1 << 30
 
-# family -> (pipeline, size flags at real size, size flags at test size, what it is)
+# row -> (pipeline, size flags at real size, size flags at test size, what it is); a row is a family's first pipeline
+# or, where a family holds several releases (FLUX.2's klein and dev), one of its pipelines
 MODELS = {
     "qwen_image": ("qwen_image", {"height": 1024, "width": 1024}, {"height": 64, "width": 64}, "Qwen-Image, 1024x1024"),
     "flux": ("flux", {"height": 1024, "width": 1024}, {"height": 64, "width": 64}, "FLUX.1-dev, 1024x1024"),
@@ -50,6 +51,10 @@ MODELS = {
             "Wan 2.1 T2V 14B, 832x480 x 81 frames"),
     "sd15": ("sd15", {"height": 512, "width": 512}, {"height": 64, "width": 64}, "Stable Diffusion 1.5, 512x512"),
     "sdxl": ("sdxl", {"height": 1024, "width": 1024}, {"height": 64, "width": 64}, "SDXL base 1.0, 1024x1024"),
+    "z_image": ("z_image", {"height": 1024, "width": 1024}, {"height": 64, "width": 64}, "Z-Image, 1024x1024"),
+    "flux2_klein": ("flux2_klein", {"height": 1024, "width": 1024}, {"height": 64, "width": 64},
+                    "FLUX.2 [klein] 4B, 1024x1024"),
+    "flux2": ("flux2", {"height": 1024, "width": 1024}, {"height": 64, "width": 64}, "FLUX.2-dev, 1024x1024"),
 }
 PRECISIONS = [  # (label, flags)
     ("fp32", {"mixed_precision": "no"}),
@@ -84,9 +89,10 @@ def gib(value: float) -> str:
 
 
 def families() -> dict[str, Any]:
-    from unitgraph.backends.diffusion.registry import families as registered
+    """{row of MODELS (or a family's name): its family}."""
+    from unitgraph.backends.diffusion.registry import families as registered, find_pipeline
 
-    return {f.name: f for f in registered()}
+    return {**{f.name: f for f in registered()}, **{row: find_pipeline(spec[0])[0] for row, spec in MODELS.items()}}
 
 
 def model_folder(family: str, size: str, work: Path) -> Path:
@@ -97,10 +103,14 @@ def model_folder(family: str, size: str, work: Path) -> Path:
         if size == "real":
             import importlib
 
-            importlib.import_module(".real", fam.package).write_real_configs(folder, "real")
+            importlib.import_module(".real", fam.package).write_real_configs(folder, "real", pipeline=_pipeline(family))
         else:
-            fam.tiny_module().write_tiny_models(folder, size=size, seed=0)
+            fam.tiny_module().write_tiny_models(folder, size=size, seed=0, pipeline=_pipeline(family))
     return folder
+
+
+def _pipeline(row: str) -> str:
+    return MODELS[row][0] if row in MODELS else families()[row].pipelines[0].name
 
 
 def plan_of(family: str, folder: Path, flags: dict[str, Any], lora_targets: Optional[str] = None) -> dict[str, Any]:
