@@ -131,7 +131,7 @@ def train_args(workdir: Path, size: str, task: str, output: Path, **extra: Any):
         extra.setdefault("num_frames", s["frames"])
     kwargs = dict(task=task, pipeline=pipeline.name, dataset_base_path=str(p["data"]), dataset_metadata_path=str(p["data"] / "metadata.csv"),
                   model_paths=str(p["models"]), height=s["px"], width=s["px"], seed=SEED, learning_rate=1e-4,
-                  output_path=str(output), progress=False, plot=False, **LORA)
+                  output_path=str(output), progress=False, plot=False, mixed_precision="no", **LORA)
     kwargs.update(extra)
     return make_args(**kwargs)
 
