@@ -274,10 +274,13 @@ def pipelines_command(
         console.print(slots)
 
 
+DEMO_SIZES = ("images", "resolution")  # Family.demo keys that size the demo's data rather than set a run flag
+
+
 def demo_command(
     output_path: Annotated[Optional[str], typer.Option("--output_path", "--output-path", help="Where everything goes (a folder per pipeline; default: ./output/demo for the first family's first pipeline, ./output/demo-<pipeline> for any other).", show_default=False)] = None,
-    images: Annotated[int, typer.Option("--images", help="Synthetic captioned images.")] = 32,
-    resolution: Annotated[int, typer.Option("--resolution", help="Image side in pixels (multiple of 16).")] = 256,
+    images: Annotated[Optional[int], typer.Option("--images", help="Synthetic captioned images (default 32, or the family's demo default).", show_default=False)] = None,
+    resolution: Annotated[Optional[int], typer.Option("--resolution", help="Image side in pixels, a multiple of 16 (default 256, or the family's demo default).", show_default=False)] = None,
     num_epochs: Annotated[int, typer.Option("--num_epochs", "--num-epochs", help="Epochs of stage 2.")] = 10,
     compare_steps: Annotated[int, typer.Option("--compare_steps", "--compare-steps", help="Unsplit steps timed for comparison (0: skip).")] = 8,
     size: Annotated[str, typer.Option("--size", help="Tiny model size: demo or test.")] = "demo",
@@ -292,6 +295,10 @@ def demo_command(
     from unitgraph.backends.diffusion.args import make_args
     from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset
 
+    family, chosen = _choice(pipeline)
+    demo_flags = {k: v for k, v in dict(family.demo).items() if k not in DEMO_SIZES}  # the rest are run flags
+    images = int(dict(family.demo).get("images", 32)) if images is None else images
+    resolution = int(dict(family.demo).get("resolution", 256)) if resolution is None else resolution
     if resolution < 16 or resolution % 16:
         raise BackendError(f"--resolution must be a positive multiple of 16, got {resolution}")
     for name, value in (("--images", images), ("--num_epochs", num_epochs)):
@@ -300,7 +307,6 @@ def demo_command(
     if compare_steps < 0:
         raise BackendError(f"--compare_steps must be 0 or more, got {compare_steps}")
     console = Console()
-    family, chosen = _choice(pipeline)
     chosen = chosen or family.pipelines[0]
     # the required columns beyond image and prompt (an edit or reference image): mirrored copies of the image
     extras = [c for c in chosen.required if c not in ("image", "prompt", *chosen.video_params)]
@@ -324,7 +330,7 @@ def demo_command(
 
     common = dict(dataset_base_path=str(data_dir), dataset_metadata_path=str(metadata), model_paths=str(models_dir),
                   pipeline=chosen.name, lora_base_model=family.model_slots[0], max_pixels=resolution * resolution,
-                  seed=seed, **({"extra_inputs": ",".join(extras)} if extras else {}), **dict(family.demo))
+                  seed=seed, **({"extra_inputs": ",".join(extras)} if extras else {}), **demo_flags)
     args = make_args(task="sft:split", output_path=str(out / "train"), num_epochs=num_epochs, overwrite=True, **common)
 
     from unitgraph.backends.diffusion.config import RunConfig

@@ -4,7 +4,8 @@
 
 * **the models**: a model id of `--model_id_with_origin_paths` that a family declares (`Family.repos`: its
   patterns name a pipeline, or only the family), the diffusers class of a `--model_paths` folder's
-  model_index.json (a pipeline's own class names it, another of the family's classes the family), the class
+  model_index.json (a pipeline's own class names it, its `index_marks` among pipelines of one class, another of
+  the family's classes the family), the class
   of a component folder's config.json (a class only one family loads: its denoiser, its VAE, its text
   encoders) and the layout of a release single file (the family whose single-file format its header matches);
 * **the dataset**: the metadata's columns and `--extra_inputs` (a `video` column fits only the video
@@ -127,6 +128,8 @@ def _index_signals(index: dict, given: str, task: str) -> list[Signal]:
     out = []
     for family in families():
         own = [p for p in family.pipelines if family.diffusers_class(p) == class_name]
+        marked = [p for p in own if p.index_marks and all(index.get(k) == v for k, v in p.index_marks.items())]
+        own = marked or [p for p in own if not p.index_marks]
         if own or class_name in family.diffusers_pipelines:
             named = next((p.name for p in own if p.task == task), None)
             out.append(Signal(family, named, f"the class {class_name} in {Path(given) / 'model_index.json'}", True))
@@ -300,6 +303,13 @@ def _from_data(data: Data, task: str) -> Choice:
     within = [p for p in family.pipelines if p.task == task and data.fits(p)]
     if within:
         pipeline = _best(within, data)
+    elif data.columns is not None and fitting:  # the data fits several families, not the default: the first of them
+        names = list(dict.fromkeys(_family_of(p).name for p in fitting))
+        chosen = _best([p for p in fitting if _family_of(p).name == names[0]], data)
+        words = data.why(chosen, pool, named_only=False) or ["the metadata's columns"]
+        return Choice(_family_of(chosen), chosen, f"{'; '.join(dict.fromkeys(words))}: no model names a family; the "
+                                                  f"first registered of {', '.join(names)}, whose pipelines fit the "
+                                                  "data; --pipeline NAME chooses another")
     return Choice(family, pipeline, "nothing in the command names a model family: the first registered; "
                                     "--pipeline NAME chooses another")
 

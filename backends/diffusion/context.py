@@ -52,6 +52,9 @@ class UnitSettings:
     dtype: str = DTYPE
     cache_dtype: str = DTYPE  # the dtype stage 1 stores floating tensors in
     loss_weighting: str = "diffsynth"  # --loss_weighting: the timestep sampler's loss weight (flowmatch.py)
+    # the pipeline's derived inputs --extra_inputs names: DiffSynth computes such an input (a clip's first frame as
+    # `input_image`) only when asked, and what is trained changes with it
+    derived_inputs: tuple[str, ...] = ()
 
     def key_values(self, names: Any = None) -> dict[str, Any]:
         """JSON values of the named settings (all when None), as a cache key records them.
@@ -64,6 +67,8 @@ class UnitSettings:
                                       "loss_weighting": self.loss_weighting}
         if self.cache_dtype != self.dtype:
             everything["cache_dtype"] = self.cache_dtype
+        if self.derived_inputs:  # left out when none is asked for, so keys made before it existed still match
+            everything["derived_inputs"] = sorted(self.derived_inputs)
         wanted = everything if names is None else set(names)
         return {name: everything[name] for name in sorted(wanted) if name in everything}
 
@@ -80,6 +85,8 @@ def describe_setting(name: str, value: Any) -> str:
         return f"--seed {value}"
     if name == "loss_weighting":
         return f"--loss_weighting {value}"
+    if name == "derived_inputs":
+        return f"--extra_inputs {','.join(value)}" if value else "no derived --extra_inputs"
     if name == "cache_dtype":
         flags = {v: k for k, v in CACHE_DTYPES.items()}
         return f"--cache_dtype {flags.get(value or DTYPE, value)}"  # absent: the model's dtype

@@ -46,7 +46,7 @@ __all__ = [
 
 # The settings a unit may read from its context (see context.UnitSettings). A unit declares the ones
 # it reads; a stage-1 cache key holds exactly the settings of the plan's data_process units.
-SETTINGS = ("image_size", "dtype", "cache_dtype", "seed", "timestep_bounds", "loss_weighting")
+SETTINGS = ("image_size", "dtype", "cache_dtype", "seed", "timestep_bounds", "loss_weighting", "derived_inputs")
 
 
 class _LazyModule(ModuleType):
@@ -250,12 +250,16 @@ class PipelineDef:
     dataset params that name image files (loaded as RGB images, a list of files giving a list);
     `param_types` converts metadata strings (csv carries only strings) for the params that are numbers;
     `video_params` name video files (a clip: the first --num_frames frames, as PIL frames; a still image is
-    one frame); `derived_inputs` are --extra_inputs names the pipeline computes itself (DiffSynth's
+    one frame); `audio_params` name files whose sound track is the input (data/audio.py: (float32 samples
+    (channels, n), rate), None for a file without one); `derived_inputs` are --extra_inputs names the pipeline computes itself (DiffSynth's
     `input_image`, a clip's first frame), accepted without a metadata column.
     `diffusers_pipeline` is the diffusers pipeline class its tiny folders load with and its LoRA files
     are checked with (None: the family's first). `companions` are the auxiliary slots (a processor,
     say) a stage loads together with a model for this pipeline, beside the tokenizer a text encoder
     pairs with: {"text_encoder": ("processor",)} loads the processor wherever the text encoder runs.
+    `index_marks` are model_index.json entries that tell this pipeline's folders from those of other pipelines of
+    the same diffusers class (a release that sets a flag of that class, say): a folder with them chooses it, a
+    folder without them the class's unmarked pipelines.
     """
 
     name: str
@@ -269,8 +273,10 @@ class PipelineDef:
     param_types: Mapping[str, type] = field(default_factory=dict, hash=False)
     video_params: tuple[str, ...] = ()
     derived_inputs: tuple[str, ...] = ()
+    audio_params: tuple[str, ...] = ()
     diffusers_pipeline: Optional[str] = None
     companions: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
+    index_marks: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     @cached_property
     def spec_pipeline(self) -> Pipeline:
@@ -308,6 +314,8 @@ class ModelSlot:
     release publishes this component in (one file at the top of the model's repository), imported when a file needs it:
     an object with `description`, `class_name`, `matches(shapes)`, `config(shapes, beside)` (the diffusers
     config.json content) and `convert(tensors)` (the diffusers state dict); see models/release.py.
+    module: the module the class is imported from when the library does not export it at its top (a model
+    class diffusers keeps beside its pipeline, say); None: the library itself.
     """
 
     name: str
@@ -324,6 +332,7 @@ class ModelSlot:
     default_config: Optional[Mapping[str, Any]] = None
     origin: Optional[tuple[str, str]] = None
     single_file: Optional[str] = None
+    module: Optional[str] = None
 
     @property
     def class_names(self) -> tuple[str, ...]:
@@ -423,7 +432,7 @@ class Family:
     denoiser first (a scheduler folder is looked for beside it). tiny: the module (relative to the family's
     package) with `SIZES` and `write_tiny_models(outdir, size, seed, pipeline=None)` (the folder for a
     pipeline's diffusers class; None: the family's first pipeline's). pad: params padded
-    along dim 1 in a batch, each with its 0/1 mask param. demo: flags the demo trains with. render: the module
+    along dim 1 in a batch, each with its 0/1 mask param. demo: flags the demo trains with (`images` and `resolution`: its data's defaults). render: the module
     (relative to the package) whose `render(pipeline, models, embeds, width, height, steps, generator) -> PIL`
     draws a validation sample with the family's diffusers pipeline; render_models: the models it needs beyond
     the stage's (the VAE, for its decoder), loaded only while rendering. repos: the model repositories its

@@ -107,8 +107,8 @@ class Built:
 
 
 def model_class(slot: Any) -> Any:
-    """The slot's class (`ModelSlot.library`, `class_name`)."""
-    return getattr(importlib.import_module(slot.library), slot.class_name)
+    """The slot's class (`ModelSlot.library` or its `module`, `class_name`)."""
+    return getattr(importlib.import_module(slot.module or slot.library), slot.class_name)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from .errors import BackendError
 from .family import Family, PipelineDef
 
 # The registered families, the first being the default when nothing else decides.
-FAMILY_MODULES = ("qwen_image", "flux", "wan", "sd15", "sdxl", "z_image", "flux2")
+FAMILY_MODULES = ("qwen_image", "flux", "wan", "sd15", "sdxl", "z_image", "flux2", "ltx2")
 
 
 @lru_cache(maxsize=None)

@@ -60,7 +60,8 @@ def make_dataset(cfg: RunConfig) -> DiffusionDataset:
                             data_file_keys=cfg.data.file_keys, extra_inputs=cfg.data.extra_inputs,
                             required=cfg.pipeline.required, optional=cfg.pipeline.optional,
                             image_params=cfg.pipeline.image_params, param_types=cfg.pipeline.param_types,
-                            video_params=cfg.pipeline.video_params, num_frames=cfg.data.num_frames)
+                            video_params=cfg.pipeline.video_params, num_frames=cfg.data.num_frames,
+                            audio_params=cfg.pipeline.audio_params)
 
 
 def unit_grad(unit: Any, backward: set[str], inputs: dict[str, Any]) -> Any:

@@ -155,6 +155,7 @@ class DiffusionDataset:
         param_types: Optional[dict[str, type]] = None,
         video_params: Iterable[str] = (),
         num_frames: int = 81,
+        audio_params: Iterable[str] = (),
     ):
         self.base_path = Path(base_path or ".")
         if not self.base_path.is_dir():
@@ -167,6 +168,7 @@ class DiffusionDataset:
         self.dataset_params = list(dict.fromkeys(dataset_params))
         self.image_params = tuple(image_params)
         self.video_params = tuple(video_params)
+        self.audio_params = tuple(audio_params)
         self.num_frames = int(num_frames)
         self.param_types = dict(PARAM_TYPES if param_types is None else param_types)
         columns = set().union(*(r.keys() for r in self.rows))
@@ -179,7 +181,7 @@ class DiffusionDataset:
         self.file_keys = [k for k in dict.fromkeys(list(data_file_keys)) if k in columns]
         self.inputs = [p for p in self.dataset_params if p in self.required or p in self.extra_inputs]
         for p in self.inputs:
-            if (p in self.image_params or p in self.video_params) and p not in self.file_keys:
+            if (p in self.image_params or p in self.video_params or p in self.audio_params) and p not in self.file_keys:
                 self.file_keys.append(p)
         for n, row in enumerate(self.rows):
             for name in self.required:
@@ -258,6 +260,9 @@ class DiffusionDataset:
         for param in self.inputs:
             for path in files.get(param, []):
                 where = f"row {index + 1}: {path.name!r} (column {param!r})"
+                if param in self.audio_params:
+                    self._check_audio(index, path, where)
+                    continue
                 if param in self.video_params and path.suffix.lower() not in STILL_SUFFIXES:
                     self._check_video(index, param, path, where)
                     continue
@@ -289,6 +294,23 @@ class DiffusionDataset:
             check_pixels(width, height)  # the pixel limit of images, before a frame is decoded
         except VideoProblem as exc:
             raise SampleError(f"{where} {exc}", index=index, source=str(self.metadata_path)) from None
+
+    def _check_audio(self, index: int, path: Path, where: str) -> None:
+        from .audio import has_audio
+
+        try:
+            has_audio(path)  # a file without a sound track is a sample without audio, as DiffSynth reads it
+        except VideoProblem as exc:
+            raise SampleError(f"{where} {exc}", index=index, source=str(self.metadata_path)) from None
+
+    def _audio(self, index: int, param: str, path: Path) -> Any:
+        from .audio import read_audio
+
+        try:
+            return read_audio(path)
+        except VideoProblem as exc:
+            raise SampleError(f"row {index + 1}: {path.name!r} (column {param!r}) {exc}", index=index,
+                              source=str(self.metadata_path)) from None
 
     def _clip(self, index: int, param: str, path: Path) -> list[Any]:
         try:
@@ -332,6 +354,10 @@ class DiffusionDataset:
                 clips = [self._clip(index, param, path) for path in files[param]]
                 state[param] = clips[0] if len(clips) == 1 else clips
                 continue
+            if param in files and param in self.audio_params:  # (samples, rate) of the file's sound track, or None
+                tracks = [self._audio(index, param, path) for path in files[param]]
+                state[param] = tracks[0] if len(tracks) == 1 else tracks
+                continue
             if param in files:
                 images = []
                 for path in files[param]:
@@ -349,6 +375,15 @@ class DiffusionDataset:
                 continue
             state[param] = self._value(index, param)
         return state
+
+
+def _tone(index: int, seconds: float, rate: int = 16000) -> tuple[Any, int]:
+    """A stereo sine tone of `seconds` (the clip's length at its 8 fps), its pitch set by the row: a synthetic sound track."""
+    import numpy as np
+
+    t = np.arange(int(round(seconds * rate)), dtype=np.float32) / rate
+    wave = 0.3 * np.sin(2 * np.pi * (220.0 + 55.0 * index) * t)
+    return np.stack([wave, 0.5 * wave]).astype(np.float32), rate
 
 
 def _not_a_file(path: Path) -> Optional[str]:
@@ -447,13 +482,14 @@ def _converts_to_rgb(mode: str) -> bool:
 
 def write_synthetic_dataset(folder: str | Path, count: int = 8, size: int = 64, seed: int = 0,
                             edit: bool = False, distill: bool = False, images: Iterable[str] = (),
-                            videos: Iterable[str] = (), frames: int = 5) -> Path:
+                            videos: Iterable[str] = (), frames: int = 5, audio: bool = False) -> Path:
     """A small captioned image set (coloured shapes on a background) with metadata.csv; returns the csv path.
 
     For tests and the demo. `images` adds a column per name, each naming a mirrored copy of the row's
     image (a reference or edit image); `videos` a column per name, each naming an mp4 clip of `frames`
     frames in which the row's image scrolls sideways (2 px a frame); `edit` adds the edit_image column;
-    `distill` adds seed, num_inference_steps and cfg_scale columns.
+    `distill` adds seed, num_inference_steps and cfg_scale columns; `audio` gives the clips a sound track (a tone of
+    the row's own pitch, 16 kHz stereo) and an `input_audio` column naming the first clip (DiffSynth's column).
     """
     import random
 
@@ -495,8 +531,11 @@ def write_synthetic_dataset(folder: str | Path, count: int = 8, size: int = 64, 
             from .video import write_clip
 
             clip_name = f"images/{i:03d}_{column}.mp4"
-            write_clip(folder / clip_name, [ImageChops.offset(img, 2 * k, 0) for k in range(frames)])
+            write_clip(folder / clip_name, [ImageChops.offset(img, 2 * k, 0) for k in range(frames)],
+                       audio=_tone(i, frames / 8.0) if audio else None)
             row[column] = clip_name
+            if audio:
+                row.setdefault("input_audio", clip_name)
         if distill:
             row.update({"seed": i, "num_inference_steps": 2, "cfg_scale": 1.0})
         rows.append(row)

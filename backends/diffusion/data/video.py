@@ -102,8 +102,9 @@ def read_clip(path: Path, num_frames: int) -> list[Any]:
     return frames[: frames_for(len(frames), num_frames)]
 
 
-def write_clip(path: Path, frames: Sequence[Any], fps: int = 8) -> Path:
-    """Write RGB PIL frames (even sides) as an H.264 mp4 (yuv420p): the synthetic datasets' clips."""
+def write_clip(path: Path, frames: Sequence[Any], fps: int = 8, audio: Any = None) -> Path:
+    """Write RGB PIL frames (even sides) as an H.264 mp4 (yuv420p): the synthetic datasets' clips. `audio`:
+    (float32 samples (channels, n), rate), a sound track written beside the frames (AAC)."""
     import av
     import numpy as np
 
@@ -113,12 +114,21 @@ def write_clip(path: Path, frames: Sequence[Any], fps: int = 8) -> Path:
         stream.width, stream.height = frames[0].size
         stream.pix_fmt = "yuv420p"
         stream.options = {"crf": "12"}
+        sound = None
+        if audio is not None:  # every stream is added before the first packet is written
+            samples, rate = np.ascontiguousarray(audio[0], dtype=np.float32), int(audio[1])
+            sound = container.add_stream("aac", rate=rate, layout="stereo" if samples.shape[0] == 2 else "mono")
         for image in frames:
             frame = av.VideoFrame.from_ndarray(np.asarray(image.convert("RGB")), format="rgb24")
             for packet in stream.encode(frame):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+        if sound is not None:
+            track = av.AudioFrame.from_ndarray(samples, format="fltp", layout=sound.layout.name)
+            track.sample_rate, track.pts = rate, 0
+            for packet in [*sound.encode(track), *sound.encode(None)]:
+                container.mux(packet)
     return path
 
 

@@ -32,7 +32,7 @@ def _dtype(torch_dtype: Any):
 
 
 def _class(slot: ModelSlot) -> Any:
-    module = importlib.import_module(slot.library)
+    module = importlib.import_module(slot.module or slot.library)
     return getattr(module, slot.class_name)
 
 

@@ -1,6 +1,9 @@
-"""The Wan family: text-to-video fine-tuning (`wan`, Wan 2.1/2.2 T2V) and image-to-video (`wan_i2v`: the
+"""The Wan family: text-to-video fine-tuning (`wan`, Wan 2.1/2.2 T2V), image-to-video (`wan_i2v`: the
 clip's first frame VAE-encoded into the conditioning latents with its mask, and CLIP image features for
-Wan 2.1 I2V).
+Wan 2.1 I2V) and Wan 2.2 TI2V-5B (`wan_ti2v`: its 4x16x16 VAE of 48 channels, one timestep per video token as
+diffusers' WanPipeline with expand_timesteps gives it; text-to-video, or image-to-video with DiffSynth's
+`--extra_inputs input_image`: the clip's first frame, encoded alone, replaces the first latent frame clean, at
+timestep 0, and is left out of the loss, as DiffSynth's TI2V training does).
 
 Model names follow DiffSynth-Studio's WanVideoPipeline (`dit`, `text_encoder`, `vae`, `image_encoder`);
 the classes and subfolders are those of diffusers' `WanPipeline` / `WanImageToVideoPipeline` folders
@@ -10,7 +13,10 @@ q/k/v/o and its MLP ffn.0/ffn.2: they are mapped to diffusers' (`DIT_LORA_ALIASE
 its config only (`configs=("dit",)`), so stage 1 never loads the DiT's weights, where DiffSynth loads
 every model in both stages. Wan 2.2 A14B's two experts (`EXPERTS`: `transformer` for high noise,
 `transformer_2` for low) share one stage 1; a run trains the one --expert names or the timestep boundaries
-select. No torch is imported here.
+select. TI2V-5B keeps DiffSynth's `input_image` (derived from the clip, never a column) and its
+`first_frame_latents`; its DiT's `seperated_timestep` / `fuse_vae_embedding_in_latents` are diffusers'
+`expand_timesteps`, which model_index.json of a TI2V folder sets and which chooses `wan_ti2v` for it. No torch is
+imported here.
 """
 
 from __future__ import annotations
@@ -55,14 +61,14 @@ RELEASE_FILES = {
 }
 _T2V = ("Wan-AI/Wan2.1-T2V-*", "Wan-AI/Wan2.2-T2V-*")
 _I2V = ("Wan-AI/Wan2.1-I2V-*", "Wan-AI/Wan2.2-I2V-*")
-_TI2V = ("Wan-AI/Wan2.2-TI2V-5B",)  # text and image to video: the dataset's columns and --extra_inputs decide
+_TI2V = ("Wan-AI/Wan2.2-TI2V-5B",)  # text and image to video in one pipeline: --extra_inputs input_image decides
 REPOS = (
     ModelRepo(tuple(f"{i}-Diffusers" for i in _T2V), "wan"),
     ModelRepo(tuple(f"{i}-Diffusers" for i in _I2V), "wan_i2v"),
-    ModelRepo(tuple(f"{i}-Diffusers" for i in _TI2V)),
+    ModelRepo(tuple(f"{i}-Diffusers" for i in _TI2V), "wan_ti2v"),
     ModelRepo(_T2V, "wan", RELEASE_FILES, "{id}-Diffusers"),
     ModelRepo(_I2V, "wan_i2v", RELEASE_FILES, "{id}-Diffusers"),
-    ModelRepo(_TI2V, None, RELEASE_FILES, "{id}-Diffusers"),
+    ModelRepo(_TI2V, "wan_ti2v", RELEASE_FILES, "{id}-Diffusers"),
 )
 
 SLOTS = (
@@ -115,12 +121,28 @@ WAN_I2V = PipelineDef(
     companions={"image_encoder": ("image_processor",)},
 )
 
+# Wan 2.2 TI2V-5B (DiffSynth's Wan2.2-TI2V-5B.sh): WanPipeline's folder with expand_timesteps. Text-to-video unless
+# --extra_inputs input_image names the clip's first frame as the image it starts from (DiffSynth derives it from
+# data["video"][0]: no metadata column); the flag is a unit setting, so the two trainings keep separate caches.
+WAN_TI2V = PipelineDef(
+    "wan_ti2v", "sft",
+    units=(u.ti2v_shape_checker, u.video_encoder, u.first_frame_latents, u.prompt_encoder, *_FRESH),
+    loss=losses.ti2v_flow_matching_loss,
+    description="Wan 2.2 TI2V-5B fine-tuning: text-to-video, or image-to-video from each clip's first frame with "
+                "--extra_inputs input_image (a timestep per token, the first frame kept clean)",
+    required=("video", "prompt"),
+    image_params=(),
+    video_params=("video",),
+    derived_inputs=("input_image",),
+    index_marks={"expand_timesteps": True},  # a TI2V folder (model_index.json) chooses it over `wan`
+)
+
 FAMILY = Family(
     name="wan",
     title="Wan",
     package=__name__,
     slots=SLOTS,
-    pipelines=(WAN, WAN_I2V),
+    pipelines=(WAN, WAN_I2V, WAN_TI2V),
     diffusers_pipelines=("WanPipeline", "WanImageToVideoPipeline"),
     demo={"lora_target_modules": "q,k,v,o,ffn.0,ffn.2", "lora_rank": 8, "learning_rate": 1e-3, "num_frames": 9},
     render=".render",

@@ -1,4 +1,5 @@
-"""Wan's sink: the flow-matching loss, for text-to-video (`wan`) and with image conditioning (`wan_i2v`).
+"""Wan's sink: the flow-matching loss, for text-to-video (`wan`), with image conditioning (`wan_i2v`) and for
+Wan 2.2 TI2V-5B (`wan_ti2v`: a timestep per token, the first latent frame given clean when an image is).
 
 The transformer is called as diffusers' WanPipeline / WanImageToVideoPipeline call it in a denoising
 step: the noisy latents (with the I2V conditioning `condition` concatenated along the channels), the
@@ -52,3 +53,41 @@ def _loss(i2v: bool) -> Any:
 
 flow_matching_loss = _loss(i2v=False)
 i2v_flow_matching_loss = _loss(i2v=True)
+
+
+def ti2v_predict(ctx, latents: torch.Tensor, timestep: torch.Tensor, prompt_emb: Any,
+                 first_frame_latents: Any = None) -> torch.Tensor:
+    """The TI2V DiT's velocity as WanPipeline / WanImageToVideoPipeline with expand_timesteps call it: one timestep
+    per video token ((B, T x h/2 x w/2)); with an image, its latents replace the first latent frame and that
+    frame's tokens get timestep 0 (diffusers' first_frame_mask; DiffSynth's seperated_timestep)."""
+    dit = ctx.model("dit")
+    dtype = ctx.model_dtype("dit")
+    _, ph, pw = ctx.raw("dit").config.patch_size
+    b, _, t, h, w = latents.shape
+    mask = latents.new_ones(b, t, h // ph, w // pw, dtype=torch.float32)
+    if first_frame_latents is not None:
+        latents = torch.cat([ctx.tensor(first_frame_latents).to(latents.dtype), latents[:, :, 1:]], dim=2)
+        mask[:, 0] = 0
+    per_token = (mask * timestep.float().reshape(-1, 1, 1, 1).expand(b, 1, 1, 1)).flatten(1)
+    return dit(
+        hidden_states=latents.to(dtype),
+        timestep=per_token.to(dtype),
+        encoder_hidden_states=ctx.tensor(prompt_emb).to(dtype),
+        return_dict=False,
+    )[0]
+
+
+@sink(inputs=("input_latents", "noise", "timestep", "loss_weight", "prompt_emb", "first_frame_latents"), models=("dit",))
+def ti2v_flow_matching_loss(ctx, input_latents, noise, timestep, loss_weight, prompt_emb, first_frame_latents=None):
+    """DiffSynth's FlowMatchSFTLoss for TI2V-5B: x_t = (1 - s) x0 + s noise, target noise - x0; with the first
+    frame's latents (--extra_inputs input_image) that frame is given clean and left out of the MSE (it is the
+    condition, not a prediction), else every frame is trained (text-to-video)."""
+    x0, noise = ctx.tensor(input_latents), ctx.tensor(noise)
+    t = ctx.tensor(timestep).to(x0.dtype)
+    s = (t / 1000.0).view(-1, 1, 1, 1, 1)
+    noisy = (1.0 - s) * x0 + s * noise
+    pred = ti2v_predict(ctx, noisy, t, prompt_emb, first_frame_latents)
+    target = noise - x0
+    if first_frame_latents is not None:
+        pred, target = pred[:, :, 1:], target[:, :, 1:]
+    return flow_matching_mse(pred, target, ctx.tensor(loss_weight))

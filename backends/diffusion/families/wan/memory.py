@@ -22,11 +22,13 @@ def dims(cfg: Any, configs: Mapping[str, Any], text_tokens: Optional[int] = None
     """The sizes one sample has at this run's settings (JSON)."""
     vae, dit = configs["vae"], configs["dit"]
     downsample = list(vae["temperal_downsample"])
-    scale, temporal = 2 ** len(downsample), 2 ** sum(bool(d) for d in downsample)
-    width, height = run_pixels(cfg.units.image_size, MULTIPLE)
+    # TI2V-5B's VAE says its factors (2x2 pixel patches on top of 8x: 16); Wan 2.1's config leaves them out
+    scale = int(vae.get("scale_factor_spatial") or 2 ** len(downsample))
+    temporal = int(vae.get("scale_factor_temporal") or 2 ** sum(bool(d) for d in downsample))
+    pt, ph, pw = dit["patch_size"]
+    width, height = run_pixels(cfg.units.image_size, max(MULTIPLE, scale * ph))
     frames = int(cfg.data.num_frames)
     t, h, w = (frames - 1) // temporal + 1, height // scale, width // scale
-    pt, ph, pw = dit["patch_size"]
     out = {"width": width, "height": height, "frames": frames, "latent": [int(vae["z_dim"]), t, h, w],
            "image_tokens": (t // pt) * (h // ph) * (w // pw), "text_tokens": int(text_tokens or TEXT_LENGTH)}
     if dit.get("image_dim") is not None and "image_embeds" in cfg.pipeline.loss.declaration.inputs:
@@ -50,6 +52,9 @@ def sink_inputs(cfg: Any, dims: Mapping[str, Any], configs: Mapping[str, Any], b
         "loss_weight": torch.ones(batch),
         "prompt_emb": torch.randn(batch, dims["text_tokens"], int(dit["text_dim"]), dtype=dtype),
     }
+    if "first_frame_latents" in cfg.pipeline.loss.declaration.inputs:  # TI2V: image-to-video with --extra_inputs input_image
+        asked = "input_image" in cfg.units.derived_inputs
+        inputs["first_frame_latents"] = torch.randn(batch, z, 1, h, w, dtype=dtype) if asked else None
     if "condition" in cfg.pipeline.loss.declaration.inputs:
         inputs["condition"] = torch.randn(batch, int(dit["in_channels"]) - z, t, h, w, dtype=dtype)
         inputs["image_embeds"] = None

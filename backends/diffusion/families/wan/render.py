@@ -1,14 +1,15 @@
 """Validation samples of Wan text-to-video: diffusers' WanPipeline with the trained DiT and stage 1's UMT5
 embeddings (no text encoder is loaded); the clip's frames side by side as one image. A run of one of Wan 2.2 A14B's
 experts renders through both (`models["experts"]`: subfolder -> model, the trained one with its LoRA), switching
-at the boundary ratio as the pipeline does."""
+at the boundary ratio as the pipeline does. Wan 2.2 TI2V-5B (`wan_ti2v`) renders text-to-video through the same
+pipeline with expand_timesteps, as its release's model_index.json sets it."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any
 
-PIPELINES = ("wan",)
+PIPELINES = ("wan", "wan_ti2v")
 FRAMES = 5  # two latent frames: enough to see motion, cheap to render
 
 
@@ -17,10 +18,14 @@ def render(pipeline: Any, models: dict[str, Any], embeds: dict[str, Any], width:
     from diffusers import WanPipeline
     from PIL import Image
 
+    ti2v = getattr(pipeline, "name", pipeline) == "wan_ti2v"
+    if ti2v:  # sides the 16x VAE and the DiT's 2x2 patches divide
+        width, height = max(32, width // 32 * 32), max(32, height // 32 * 32)
     experts = models.get("experts") or {"transformer": models["dit"]}
     pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=models["vae"], scheduler=copy.deepcopy(models["scheduler"]),
                        transformer=experts["transformer"], transformer_2=experts.get("transformer_2"),
-                       boundary_ratio=models.get("boundary_ratio") if "transformer_2" in experts else None)
+                       boundary_ratio=models.get("boundary_ratio") if "transformer_2" in experts else None,
+                       expand_timesteps=ti2v)
     pipe.set_progress_bar_config(disable=True)
     frames = pipe(prompt_embeds=embeds["prompt_emb"], width=width, height=height, num_frames=FRAMES,
                   num_inference_steps=steps, guidance_scale=1.0, generator=generator, output_type="pil").frames[0]

@@ -13,6 +13,9 @@ and WanImageToVideoPipeline compute them and DiffSynth-Studio's Wan training fee
              zero after the prompt's own tokens
   latents    input_latents: the posterior mean (--vae_latents sample: a draw of the posterior, non-deterministic)
   fresh      noise; timestep and loss_weight: a position of TRAINING_SCHEDULE and its weight (non-deterministic)
+  wan_ti2v   (Wan 2.2 TI2V-5B, its 4x16x16 VAE of z 48: frame sides multiples of 32) first_frame_latents
+             (1, z, 1, h, w): the VAE mode of the clip's first frame alone, normalised, with `--extra_inputs
+             input_image` (image-to-video); None without (text-to-video)
   wan_i2v    input_image: the clip's first frame (DiffSynth's `input_image`, data["video"][0]);
              condition (1, 4 + z, T, h, w): the first-frame mask and the VAE mode of [frame, zeros...];
              image_embeds (1, 257, D_clip): CLIP vision's penultimate hidden states of the first frame, or
@@ -37,6 +40,7 @@ torch = lazy_module("torch")
 
 MULTIPLE = 16  # frame sides are multiples of this (VAE factor 8 x 2x2 patches)
 TEXT_LENGTH = 512  # diffusers' max_sequence_length; the I2V attention splits text from image tokens at 512
+TI2V_MULTIPLE = 32  # Wan 2.2 TI2V-5B: VAE factor 16 x 2x2 patches
 # DiffSynth-Studio's "Wan" training template: a static shift of 5 over 1000 sigmas from 1 towards 0 (0 itself left out)
 TRAINING_SCHEDULE = TrainingSchedule(shift=5.0)
 
@@ -56,13 +60,29 @@ def clip_frames(video: Any) -> list[Any]:
     return frames
 
 
-@unit("VideoShapeChecker", inputs=("video",), outputs=("video", "height", "width", "num_frames"),
-      settings=("image_size", "dtype", "cache_dtype"))
-def video_shape_checker(ctx, video: Any) -> dict[str, Any]:
-    frames = [image_to_pixels(f, ctx.size, ctx.dtype, MULTIPLE) for f in clip_frames(video)]
+def shaped_clip(ctx, video: Any, multiple: int) -> dict[str, Any]:
+    frames = [image_to_pixels(f, ctx.size, ctx.dtype, multiple) for f in clip_frames(video)]
     pixels = torch.stack(frames, dim=2)  # (1, 3, F, H, W)
     return {"video": pixels, "height": int(pixels.shape[-2]), "width": int(pixels.shape[-1]),
             "num_frames": int(pixels.shape[2])}
+
+
+@unit("VideoShapeChecker", inputs=("video",), outputs=("video", "height", "width", "num_frames"),
+      settings=("image_size", "dtype", "cache_dtype"))
+def video_shape_checker(ctx, video: Any) -> dict[str, Any]:
+    return shaped_clip(ctx, video, MULTIPLE)
+
+
+@unit("TI2VShapeChecker", inputs=("video",), outputs=("video", "height", "width", "num_frames"),
+      settings=("image_size", "dtype", "cache_dtype"))
+def ti2v_shape_checker(ctx, video: Any) -> dict[str, Any]:
+    """As VideoShapeChecker, sides multiples of 32: TI2V-5B's VAE downsamples 16x and its DiT takes 2x2 patches, so
+    a side of 16 (k odd) would leave the DiT a latent row it cannot patch; --height/--width must be such sides."""
+    size = ctx.size
+    if size.height is not None and size.width is not None and (size.height % TI2V_MULTIPLE or size.width % TI2V_MULTIPLE):
+        raise BackendError(f"wan_ti2v needs --height and --width multiples of {TI2V_MULTIPLE} (its VAE downsamples 16x "
+                           f"and its DiT takes 2x2 patches), got {size.height}x{size.width}")
+    return shaped_clip(ctx, video, TI2V_MULTIPLE)
 
 
 @unit("FirstFrame", inputs=("video",), outputs=("input_image",), settings=("image_size",))
@@ -120,6 +140,25 @@ def image_conditioner(ctx, video: torch.Tensor, num_frames: int) -> dict[str, An
     _, _, t, h, w = latents.shape
     mask = first_frame_mask(int(num_frames), t, h, w, factor).to(latents.device, latents.dtype)
     return {"condition": torch.cat([mask, latents], dim=1)}
+
+
+@unit("FirstFrameLatents", inputs=("video", "num_frames"), outputs=("first_frame_latents",), models=("vae",),
+      settings=("dtype", "cache_dtype", "derived_inputs"))
+def first_frame_latents(ctx, video: torch.Tensor, num_frames: int) -> dict[str, Any]:
+    """TI2V-5B's image conditioning, asked for with `--extra_inputs input_image` as DiffSynth's command asks: the
+    VAE mode of the clip's first frame encoded alone, normalised (WanImageToVideoPipeline.prepare_latents with
+    expand_timesteps; DiffSynth's WanVideoUnit_ImageEmbedderFused). The loss puts it in place of the first latent
+    frame, clean. Without the flag None: the sample trains text-to-video, as DiffSynth's does."""
+    if "input_image" not in ctx.settings.derived_inputs:
+        return {"first_frame_latents": None}
+    if int(num_frames) < 5:
+        raise BackendError(f"wan_ti2v with --extra_inputs input_image needs clips of 5 frames or more (a clip of "
+                           f"{int(num_frames)} has no frame after the given one to train; --num_frames)")
+    raw = ctx.raw("vae")
+    pixels = ctx.tensor(video).to(raw.dtype)[:, :, :1]
+    latents = ctx.model("vae").encode(pixels).latent_dist.mode()
+    mean, std = _stats(raw, latents)
+    return {"first_frame_latents": (latents - mean) / std}
 
 
 @unit("ImageEmbedder", inputs=("input_image",), outputs=("image_embeds",), models=("image_encoder",),
