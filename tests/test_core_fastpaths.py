@@ -11,7 +11,7 @@ its wording and order, is the same.
 from __future__ import annotations
 
 import json
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -10,15 +10,13 @@ a run records of them: loss.csv's timestep column.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import types
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from diffsynth_wheel import wheel_modules  # noqa: E402
 from unitgraph.backends.diffusion.context import UnitContext, UnitSettings  # noqa: E402
 from unitgraph.backends.diffusion.families.flux import losses as flux_losses, units as flux_units  # noqa: E402
 from unitgraph.backends.diffusion.families.qwen_image import losses as qwen_losses, units as qwen_units  # noqa: E402
@@ -37,34 +35,13 @@ FAMILIES = {
 }
 
 
-def _load(name: str, path: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture(scope="module")
 def diffsynth():
     """DiffSynth's flow_match and loss modules, loaded from the wheel's files (loss.py's one package import, the
     pipeline base class it names in an annotation, stood in for)."""
-    package = types.ModuleType("_diffsynth_diffusion")
-    package.__path__ = [str(WHEEL)]
-    base = types.ModuleType("_diffsynth_diffusion.base_pipeline")
-    base.BasePipeline = object
-    saved = {k: sys.modules.get(k) for k in ("_diffsynth_diffusion", "_diffsynth_diffusion.base_pipeline")}
-    sys.modules["_diffsynth_diffusion"], sys.modules["_diffsynth_diffusion.base_pipeline"] = package, base
-    try:
-        flow_match = _load("_diffsynth_diffusion.flow_match", WHEEL / "flow_match.py")
-        loss = _load("_diffsynth_diffusion.loss", WHEEL / "loss.py")
-        yield flow_match, loss
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                sys.modules.pop(key, None)
-            else:
-                sys.modules[key] = value
+    with wheel_modules("_diffsynth_diffusion", "flow_match", "loss") as modules:
+        yield modules
 
 
 def _theirs(flow_match, template: str):

@@ -5,7 +5,6 @@ DiffSynth's klein split-training commands run verbatim but for the program name.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -22,6 +21,7 @@ pytest.importorskip("peft")
 
 from safetensors.torch import load_file  # noqa: E402
 
+from diffsynth_wheel import wheel_modules  # noqa: E402
 from clitools import cli  # noqa: E402
 from unitgraph.backends.diffusion.args import make_args  # noqa: E402
 from unitgraph.backends.diffusion.choice import choose  # noqa: E402
@@ -368,33 +368,13 @@ def test_each_text_encoder_slot_takes_its_own_class_from_a_text_encoder_folder(m
 # the objective against DiffSynth-Studio's own code
 
 
-def _load(name: str, path: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture(scope="module")
 def diffsynth():
     """DiffSynth's flow_match and loss modules, loaded from the wheel's files (loss.py's one package import stood
     in for)."""
-    names = ("_flux2_diffsynth", "_flux2_diffsynth.base_pipeline")
-    package = types.ModuleType(names[0])
-    package.__path__ = [str(WHEEL)]
-    base = types.ModuleType(names[1])
-    base.BasePipeline = object
-    saved = {k: sys.modules.get(k) for k in names}
-    sys.modules[names[0]], sys.modules[names[1]] = package, base
-    try:
-        yield _load(f"{names[0]}.flow_match", WHEEL / "flow_match.py"), _load(f"{names[0]}.loss", WHEEL / "loss.py")
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                sys.modules.pop(key, None)
-            else:
-                sys.modules[key] = value
+    with wheel_modules("_flux2_diffsynth", "flow_match", "loss") as modules:
+        yield modules
 
 
 def _training_scheduler(flow_match):

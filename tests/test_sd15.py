@@ -10,7 +10,6 @@ wheel the setup unpacks beside the venv (`diffsynth` itself is not importable: i
 from __future__ import annotations
 
 import ast
-import importlib.util
 import inspect
 import json
 import os
@@ -29,6 +28,7 @@ diffusers = pytest.importorskip("diffusers")
 from PIL import Image  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from diffsynth_wheel import load_module, wheel_modules  # noqa: E402
 from clitools import cli  # noqa: E402
 from unitgraph.backends.diffusion import ddpm  # noqa: E402
 from unitgraph.backends.diffusion.args import make_args  # noqa: E402
@@ -133,34 +133,13 @@ def test_the_losss_unet_call_is_the_pipelines_denoising_step(pipe):
 # the objective against DiffSynth's DDIM scheduler and loss
 
 
-def _load(name: str, path: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture(scope="module")
 def diffsynth():
     """DiffSynth's ddim_scheduler and loss modules from the wheel's files (loss.py's one package import, the pipeline
     base class it names in an annotation, stood in for)."""
-    package = types.ModuleType("_diffsynth_sd")
-    package.__path__ = [str(WHEEL / "diffusion")]
-    base = types.ModuleType("_diffsynth_sd.base_pipeline")
-    base.BasePipeline = object
-    names = ("_diffsynth_sd", "_diffsynth_sd.base_pipeline", "_diffsynth_sd.ddim_scheduler", "_diffsynth_sd.loss")
-    saved = {k: sys.modules.get(k) for k in names}
-    sys.modules["_diffsynth_sd"], sys.modules["_diffsynth_sd.base_pipeline"] = package, base
-    try:
-        yield (_load("_diffsynth_sd.ddim_scheduler", WHEEL / "diffusion" / "ddim_scheduler.py"),
-               _load("_diffsynth_sd.loss", WHEEL / "diffusion" / "loss.py"))
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                sys.modules.pop(key, None)
-            else:
-                sys.modules[key] = value
+    with wheel_modules("_diffsynth_sd", "ddim_scheduler", "loss") as modules:
+        yield modules
 
 
 # scheduler configs: SD 1.5's, a v-prediction one, linear betas, and zero terminal SNR (a DDIM config's key)
@@ -306,7 +285,7 @@ def _linear_names(model) -> list[str]:
 
 @needs_wheel
 def test_diffsynths_unet_names_its_modules_as_diffusers_and_the_default_targets_cover_its_search():
-    dsunet = _load("_diffsynth_sd_unet", WHEEL / "models" / "stable_diffusion_unet.py")
+    dsunet = load_module("_diffsynth_sd_unet", WHEEL / "models" / "stable_diffusion_unet.py")
     accepted = inspect.signature(dsunet.UNet2DConditionModel).parameters
     with torch.device("meta"):
         theirs = dsunet.UNet2DConditionModel(**{k: v for k, v in real.UNET.items() if k in accepted})
@@ -327,7 +306,7 @@ def test_diffsynths_unet_names_its_modules_as_diffusers_and_the_default_targets_
 
 @needs_wheel
 def test_the_text_encoder_default_is_diffsynths_search_exactly():
-    dsclip = _load("_diffsynth_sd_clip", WHEEL / "models" / "stable_diffusion_text_encoder.py")
+    dsclip = load_module("_diffsynth_sd_clip", WHEEL / "models" / "stable_diffusion_text_encoder.py")
     from transformers import CLIPTextConfig, CLIPTextModel
 
     with torch.device("meta"):
@@ -454,7 +433,7 @@ def test_diffsynths_sd15_lora_command_ports_by_swapping_the_program_name(models,
                        "--to", "diffsynth", "--pipeline", "sd15", "--model", "unet", "--remove_prefix_in_ckpt", "pipe.unet.")
     assert code == 0, err
     if (WHEEL / "utils" / "lora" / "general.py").is_file():
-        general = _load("_diffsynth_sd_lora", WHEEL / "utils" / "lora" / "general.py")
+        general = load_module("_diffsynth_sd_lora", WHEEL / "utils" / "lora" / "general.py")
         unet = diffusers.UNet2DConditionModel.from_pretrained(str(models), subfolder="unet")
         general.GeneralLoRALoader().fuse_lora_to_base_model(unet, load_file(str(tmp_path / "ds.safetensors")))
         theirs = unet.state_dict()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -25,6 +24,7 @@ pytest.importorskip("peft")
 
 from safetensors.torch import load_file  # noqa: E402
 
+from diffsynth_wheel import load_module, wheel_modules  # noqa: E402
 from clitools import cli  # noqa: E402
 from unitgraph.backends.diffusion.args import make_args  # noqa: E402
 from unitgraph.backends.diffusion.choice import choose  # noqa: E402
@@ -267,33 +267,13 @@ def test_render_draws_what_the_pipeline_draws(pipe):
 # the objective against DiffSynth-Studio's own code
 
 
-def _load(name: str, path: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture(scope="module")
 def diffsynth():
     """DiffSynth's DDIM scheduler and loss modules, loaded from the wheel's files (loss.py's one package import
     stood in for)."""
-    names = ("_sdxl_diffsynth", "_sdxl_diffsynth.base_pipeline")
-    package = types.ModuleType(names[0])
-    package.__path__ = [str(WHEEL)]
-    base = types.ModuleType(names[1])
-    base.BasePipeline = object
-    saved = {k: sys.modules.get(k) for k in names}
-    sys.modules[names[0]], sys.modules[names[1]] = package, base
-    try:
-        yield _load(f"{names[0]}.ddim_scheduler", WHEEL / "ddim_scheduler.py"), _load(f"{names[0]}.loss", WHEEL / "loss.py")
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                sys.modules.pop(key, None)
-            else:
-                sys.modules[key] = value
+    with wheel_modules("_sdxl_diffsynth", "ddim_scheduler", "loss") as modules:
+        yield modules
 
 
 def _model_fn(unet, latents=None, timestep=None, prompt_embeds=None, pooled_prompt_embeds=None, add_time_ids=None,
@@ -524,7 +504,7 @@ def test_diffsynths_sdxl_lora_command_runs_verbatim(models, tmp_path):
                            "--remove_prefix_in_ckpt", "pipe.unet."],
                           capture_output=True, text=True, env=clean_env()).returncode
     assert code == 0
-    general = _load("_sdxl_diffsynth_lora_general", WHEEL.parent / "utils" / "lora" / "general.py")
+    general = load_module("_sdxl_diffsynth_lora_general", WHEEL.parent / "utils" / "lora" / "general.py")
     unet = diffusers.UNet2DConditionModel.from_pretrained(str(models / "unet"))
     general.GeneralLoRALoader().fuse_lora_to_base_model(unet, load_file(str(tmp_path / "ds.safetensors")))
     fused = {n.replace(".base_layer.", "."): p for n, p in pipe.unet.named_parameters() if "lora_" not in n}

@@ -170,6 +170,27 @@ def test_one_stage1_cache_serves_both_experts(experts_folder, clips, tmp_path):
     assert again.cache_reused
 
 
+@pytest.mark.slow
+def test_a_low_noise_lora_loads_into_the_two_expert_pipelines_second_transformer(experts_folder, clips, tmp_path):
+    """diffusers' WanPipeline takes an expert's LoRA file as it is, `load_into_transformer_2=True` for the low-noise
+    one: fused, it changes transformer_2 by exactly the trained delta and leaves transformer as it was."""
+    result = run(make_args(task="sft:split", output_path=str(tmp_path / "out"), expert="low_noise", lora_alpha=8.0,
+                           **flags(experts_folder, clips)), echo=lambda *_: None)
+    saved = load_file(str(result.last_checkpoint))
+    pipe = diffusers.WanPipeline.from_pretrained(str(experts_folder))
+    before = {name: {k: v.clone() for k, v in getattr(pipe, name).state_dict().items()}
+              for name in ("transformer", "transformer_2")}
+    pipe.load_lora_weights(str(result.last_checkpoint), load_into_transformer_2=True)
+    pipe.fuse_lora(components=["transformer", "transformer_2"])
+    high = {k: v for k, v in pipe.transformer.state_dict().items() if "lora_" not in k}
+    assert all(torch.equal(v, before["transformer"][k.replace(".base_layer", "")]) for k, v in high.items())
+    low = {k.replace(".base_layer", ""): v for k, v in pipe.transformer_2.state_dict().items() if "lora_" not in k}
+    name = next(k for k in saved if k.endswith("lora_A.weight"))
+    module = name[len("transformer."): -len(".lora_A.weight")]
+    delta = (saved[name.replace("lora_A", "lora_B")] @ saved[name]) * (8.0 / 4)
+    assert torch.allclose(low[f"{module}.weight"] - before["transformer_2"][f"{module}.weight"], delta, atol=1e-6)
+
+
 def test_a_sample_of_one_expert_renders_through_both_as_the_two_expert_pipeline_does(experts_folder):
     from PIL import Image
 

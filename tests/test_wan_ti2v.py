@@ -9,7 +9,6 @@ temporal, a DiT of the VAE's latent width, expand_timesteps in model_index.json)
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -17,7 +16,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -28,6 +26,7 @@ pytest.importorskip("av")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from diffsynth_wheel import wheel_modules  # noqa: E402
 from clitools import cli, one_error_line  # noqa: E402
 from unitgraph.backends.diffusion.args import make_args  # noqa: E402
 from unitgraph.backends.diffusion.context import ImageSize, UnitContext, UnitSettings  # noqa: E402
@@ -216,34 +215,12 @@ def test_render_draws_what_the_pipeline_draws(pipe):
 # the loss against DiffSynth-Studio's
 
 
-def _load(name: str, path: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture(scope="module")
 def diffsynth():
     """DiffSynth's flow_match and loss modules from the wheel's files (loss.py's package import stood in for)."""
-    if not (WHEEL / "loss.py").is_file():
-        pytest.skip("the diffsynth wheel is not unpacked")
-    names = ("_ti2v_diffsynth", "_ti2v_diffsynth.base_pipeline")
-    package = types.ModuleType(names[0])
-    package.__path__ = [str(WHEEL)]
-    base = types.ModuleType(names[1])
-    base.BasePipeline = object
-    saved = {k: sys.modules.get(k) for k in names}
-    sys.modules.update(dict(zip(names, (package, base))))
-    try:
-        yield _load(f"{names[0]}.flow_match", WHEEL / "flow_match.py"), _load(f"{names[0]}.loss", WHEEL / "loss.py")
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                sys.modules.pop(key, None)
-            else:
-                sys.modules[key] = value
+    with wheel_modules("_ti2v_diffsynth", "flow_match", "loss") as modules:
+        yield modules
 
 
 class _Pipe:
