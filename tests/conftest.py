@@ -38,3 +38,11 @@ def s3(s3_server, monkeypatch):
     s3fs.S3FileSystem.clear_instance_cache()
     yield s3_server
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def user_shell(capsys, monkeypatch):
+    """A DiffSynth user's shell run in this process (tests/pasted.py): ported commands without an interpreter each."""
+    from pasted import UserShell
+
+    return UserShell(capsys, monkeypatch)

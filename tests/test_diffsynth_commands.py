@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +25,6 @@ from safetensors.torch import load_file  # noqa: E402
 from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-UNITGRAPH = str(Path(sys.executable).parent / "unitgraph")
 DIFFSYNTH_LOADER = REPO / ".venv" / "diffsynth-wheel" / "diffsynth" / "utils" / "lora" / "general.py"
 
 STAGE1 = """
@@ -68,16 +64,8 @@ STAGE2 = """
 """  # DiffSynth's --dataset_repeat 50 lowered to 2
 
 
-def clean_env() -> dict[str, str]:
-    """The environment of a DiffSynth user: none of unitgraph's variables, no offline switch."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNITGRAPH_", "DIFFSYNTH_", "MODELSCOPE_", "HF_HUB_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def unitgraph(cwd: Path, flags: str, *extra: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([UNITGRAPH, "train", *shlex.split(flags), *extra], cwd=cwd, capture_output=True, text=True,
-                          env=clean_env(), timeout=600)
+def unitgraph(shell, cwd: Path, flags: str, *extra: str):
+    done = shell.train(cwd, flags, *extra)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -92,11 +80,11 @@ def workdir(tiny, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_diffsynths_split_commands_port_by_swapping_the_program_name(workdir):
-    first = unitgraph(workdir, STAGE1)
+def test_diffsynths_split_commands_port_by_swapping_the_program_name(workdir, user_shell):
+    first = unitgraph(user_shell, workdir, STAGE1)
     assert "note: --dataset_num_workers 8 capped" in first.stdout or os.cpu_count() >= 8
     assert "--num_epochs" in first.stdout and "stage 1 computes each entry once" in first.stdout
-    second = unitgraph(workdir, STAGE2)
+    second = unitgraph(user_shell, workdir, STAGE2)
     out = workdir / "models" / "train" / "Qwen-Image-LoRA-splited"
     assert sorted(p.name for p in out.glob("epoch-*.safetensors")) == [f"epoch-{k}.safetensors" for k in range(5)]
     assert "--remove_prefix_in_ckpt pipe.dit.: no key starts with it" in second.stdout
@@ -110,10 +98,10 @@ def test_diffsynths_split_commands_port_by_swapping_the_program_name(workdir):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not DIFFSYNTH_LOADER.is_file(), reason="the diffsynth wheel is not unpacked (scripts/setup.sh does it)")
-def test_with_the_diffsynth_layout_diffsynths_loader_fuses_the_checkpoint(workdir):
-    unitgraph(workdir, STAGE1)
+def test_with_the_diffsynth_layout_diffsynths_loader_fuses_the_checkpoint(workdir, user_shell):
+    unitgraph(user_shell, workdir, STAGE1)
     flags = STAGE2.replace("Qwen-Image-LoRA-splited\"", "Qwen-Image-LoRA-splited-ds\"")
-    unitgraph(workdir, flags, "--lora_format", "diffsynth")
+    unitgraph(user_shell, workdir, flags, "--lora_format", "diffsynth")
     ckpt = workdir / "models" / "train" / "Qwen-Image-LoRA-splited-ds" / "epoch-4.safetensors"
     state = load_file(str(ckpt))
     assert state and all(k.startswith("transformer_blocks.") for k in state)

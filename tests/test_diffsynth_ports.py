@@ -19,12 +19,9 @@ loading, and a file no format reads is named with the diffusers path of the same
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -43,7 +40,6 @@ from unitgraph.backends.diffusion.models.folders import ModelLoadError  # noqa: 
 from unitgraph.backends.diffusion.models.hub import Hub  # noqa: E402
 from unitgraph.backends.diffusion.models.sources import ModelSources  # noqa: E402
 
-UNITGRAPH = str(Path(sys.executable).parent / "unitgraph")
 FLUX_REPO = Path("models") / "black-forest-labs" / "FLUX.1-dev"
 
 # examples/flux/model_training/lora/FLUX.1-dev.sh; --dataset_repeat 50 lowered to 1
@@ -86,18 +82,6 @@ WAN_COMMAND = """
 """
 WAN_DIFFUSERS_IDS = ",".join(f"Wan-AI/Wan2.1-T2V-1.3B-Diffusers:{sub}/*.safetensors"
                              for sub in ("transformer", "text_encoder", "vae"))
-
-
-def clean_env() -> dict[str, str]:
-    """The environment of a DiffSynth user: none of unitgraph's variables, no offline switch."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNITGRAPH_", "DIFFSYNTH_", "MODELSCOPE_", "HF_HUB_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def unitgraph(cwd: Path, flags: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([UNITGRAPH, "train", *shlex.split(flags), *extra], cwd=cwd, capture_output=True, text=True,
-                          env=clean_env(), timeout=900)
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,15 +205,15 @@ def test_files_it_cannot_read_are_one_line_naming_the_diffusers_paths(flux_model
 
 @pytest.mark.slow
 def test_diffsynths_flux_lora_command_runs_verbatim_and_trains_what_the_diffusers_folders_train(
-        flux_models, flux_release, tmp_path_factory):
-    done = unitgraph(flux_release, FLUX_COMMAND)
+        flux_models, flux_release, tmp_path_factory, user_shell):
+    done = user_shell.train(flux_release, FLUX_COMMAND)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pipeline: flux (the model id black-forest-labs/FLUX.1-dev)" in done.stdout.splitlines()
     out = flux_release / "models" / "train" / "FLUX.1-dev_lora"
     assert sorted(p.name for p in out.glob("epoch-*.safetensors")) == [f"epoch-{k}.safetensors" for k in range(5)]
     # the same command on the diffusers folders of the same weights: the same LoRA, bit for bit
     other = flux_workdir(tmp_path_factory.mktemp("diffsynth-flux-diffusers"), flux_models, "diffusers")
-    done = unitgraph(other, FLUX_COMMAND.replace(FLUX_RELEASE_IDS, FLUX_DIFFUSERS_IDS))
+    done = user_shell.train(other, FLUX_COMMAND.replace(FLUX_RELEASE_IDS, FLUX_DIFFUSERS_IDS))
     assert done.returncode == 0, done.stderr[-3000:]
     ours, theirs = (load_file(str(root / "models" / "train" / "FLUX.1-dev_lora" / "epoch-4.safetensors"))
                     for root in (flux_release, other))
@@ -280,7 +264,7 @@ KONTEXT_COMMAND = """
 
 
 @pytest.mark.slow
-def test_diffsynths_kontext_lora_command_runs_verbatim(flux_models, flux_release, tmp_path):
+def test_diffsynths_kontext_lora_command_runs_verbatim(flux_models, flux_release, tmp_path, user_shell):
     """The Kontext DiT's release file beside FLUX.1-dev's encoders and autoencoder (as the command names them), a
     dataset with reference images: the command chooses flux_kontext from the DiT's model id and trains."""
     root = tmp_path / "diffsynth-kontext"
@@ -290,7 +274,7 @@ def test_diffsynths_kontext_lora_command_runs_verbatim(flux_models, flux_release
     shutil.copy(root / FLUX_REPO / "flux1-dev.safetensors", kontext / "flux1-kontext-dev.safetensors")
     write_synthetic_dataset(root / "data" / "diffsynth_example_dataset" / "flux" / "FLUX.1-Kontext-dev", count=2, size=32,
                             seed=4, images=["kontext_images"])
-    done = unitgraph(root, KONTEXT_COMMAND)
+    done = user_shell.train(root, KONTEXT_COMMAND)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pipeline: flux_kontext (the model id black-forest-labs/FLUX.1-Kontext-dev)" in done.stdout.splitlines()
     out = root / "models" / "train" / "FLUX.1-Kontext-dev_lora"
@@ -318,12 +302,13 @@ def wan_workdir(root: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_diffsynths_wan_command_names_every_unusable_file_in_one_line_then_trains_with_the_diffusers_paths(tmp_path):
+def test_diffsynths_wan_command_names_every_unusable_file_in_one_line_then_trains_with_the_diffusers_paths(
+        tmp_path, user_shell):
     pytest.importorskip("av")
     from unitgraph.backends.diffusion.families.wan import tiny as wan_tiny
 
     root = wan_workdir(tmp_path)
-    done = unitgraph(root, WAN_COMMAND)
+    done = user_shell.train(root, WAN_COMMAND)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     line = lines[0]
@@ -339,7 +324,7 @@ def test_diffsynths_wan_command_names_every_unusable_file_in_one_line_then_train
     wan_tiny.write_tiny_models(root / "models" / "Wan-AI" / "Wan2.1-T2V-1.3B-Diffusers", size="test", seed=0,
                                pipeline="wan")
     flags = WAN_COMMAND.replace(re.search(r'--model_id_with_origin_paths "([^"]+)"', WAN_COMMAND).group(1), suggested)
-    done = unitgraph(root, flags)
+    done = user_shell.train(root, flags)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pipeline: wan (the model id Wan-AI/Wan2.1-T2V-1.3B-Diffusers)" in done.stdout.splitlines()
     out = root / "models" / "train" / "Wan2.1-T2V-1.3B_lora"

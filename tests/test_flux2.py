@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -34,7 +32,6 @@ from unitgraph.backends.diffusion.stages import run  # noqa: E402
 
 SIZE = 32
 REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
 WHEEL = REPO / ".venv" / "diffsynth-wheel" / "diffsynth" / "diffusion"
 needs_wheel = pytest.mark.skipif(not (WHEEL / "flow_match.py").is_file(), reason="the diffsynth wheel is not unpacked")
 KLEIN_REPO = Path("models") / "black-forest-labs" / "FLUX.2-klein-4B"
@@ -559,26 +556,15 @@ def test_validation_samples_render_in_a_stage_2(models, tmp_path):
     assert result.steps == 3 and Image.open(tmp_path / "out" / "samples" / "epoch-0" / "0.png").size == (SIZE, SIZE)
 
 
-def clean_env() -> dict[str, str]:
-    """The environment of a DiffSynth user: none of unitgraph's variables, no offline switch; `unitgraph` on PATH."""
-    import os
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNITGRAPH_", "DIFFSYNTH_", "MODELSCOPE_", "HF_HUB_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    return env
-
-
 @pytest.mark.slow
-def test_diffsynths_klein_split_training_commands_run_verbatim(models, tmp_path):
+def test_diffsynths_klein_split_training_commands_run_verbatim(models, tmp_path, user_shell):
     """The tiny models where DiffSynth downloads black-forest-labs/FLUX.2-klein-4B and -base-4B (./models/<org>/<name>),
-    the example data where its command reads it; both commands run by the shell as a user pastes them: stage 1
+    the example data where its command reads it; both commands run as a user pastes them (tests/pasted.py): stage 1
     with the text encoder and the VAE, stage 2 with the base DiT alone, from the first's cache."""
     shutil.copytree(models, tmp_path / KLEIN_REPO)
     shutil.copytree(models, tmp_path / KLEIN_BASE_REPO)
     write_synthetic_dataset(tmp_path / DATA, count=3, size=48, seed=8)
-    done = subprocess.run(["bash", "-c", "set -e\n" + DIFFSYNTH_COMMANDS], cwd=tmp_path, capture_output=True, text=True,
-                          env=clean_env(), timeout=900)
+    done = user_shell.script(DIFFSYNTH_COMMANDS, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pipeline: flux2_klein (the model id black-forest-labs/FLUX.2-klein-4B)" in done.stdout
     assert "pipeline: flux2_klein (the model id black-forest-labs/FLUX.2-klein-base-4B)" in done.stdout
@@ -599,13 +585,12 @@ def test_diffsynths_klein_split_training_commands_run_verbatim(models, tmp_path)
 
 
 @pytest.mark.slow
-def test_diffsynths_flux2_dev_lora_commands_run_verbatim(dev_models, tmp_path):
+def test_diffsynths_flux2_dev_lora_commands_run_verbatim(dev_models, tmp_path, user_shell):
     """examples/flux2/model_training/lora/FLUX.2-dev.sh: stage 1 with the Mistral text encoder and the VAE (the
     tokenizer from DiffSynth's default, FLUX.2-dev:tokenizer/), stage 2 with the DiT alone from the cache."""
     shutil.copytree(dev_models, tmp_path / DEV_REPO)
     write_synthetic_dataset(tmp_path / DEV_DATA, count=3, size=48, seed=8)
-    done = subprocess.run(["bash", "-c", "set -e\n" + DEV_COMMANDS], cwd=tmp_path, capture_output=True, text=True,
-                          env=clean_env(), timeout=900)
+    done = user_shell.script(DEV_COMMANDS, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("pipeline: flux2 (the model id black-forest-labs/FLUX.2-dev)") == 2
     out = tmp_path / "models" / "train" / "FLUX.2-dev-LoRA-splited"

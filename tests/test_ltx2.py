@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -38,7 +35,6 @@ from unitgraph.backends.diffusion.stages import run  # noqa: E402
 SIZE = 32
 FRAMES = 9
 REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
 WHEEL = REPO / ".venv" / "diffsynth-wheel" / "diffsynth"
 needs_wheel = pytest.mark.skipif(not (WHEEL / "diffusion" / "flow_match.py").is_file(),
                                  reason="the diffsynth wheel is not unpacked")
@@ -586,14 +582,6 @@ unitgraph train \
 }
 
 
-def clean_env() -> dict[str, str]:
-    """The environment of a DiffSynth user: none of unitgraph's variables, no offline switch; `unitgraph` on PATH."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNITGRAPH_", "DIFFSYNTH_", "MODELSCOPE_", "HF_HUB_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    return env
-
-
 def _place_models(models: Path, root: Path) -> None:
     """The tiny folder where DiffSynth downloads Lightricks/LTX-2, and its Gemma where it downloads the Gemma 3
     checkpoint: config.json, the tokenizer and the weights in shards named model-*.safetensors at the top."""
@@ -607,13 +595,9 @@ def _place_models(models: Path, root: Path) -> None:
         shutil.copy(file, root / GEMMA_REPO / file.name)
 
 
-def _shell(command: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", command], cwd=cwd, capture_output=True, text=True, env=clean_env(), timeout=600)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["noaudio", "splited"])
-def test_diffsynths_ltx2_split_commands_port(models, tmp_path, script):
+def test_diffsynths_ltx2_split_commands_port(models, tmp_path, script, user_shell):
     """Verbatim, each command names DiffSynth's repackaged single files, which unitgraph does not read: it stops with
     one line naming the diffusers layout of the same components (Lightricks/LTX-2's subfolders, Gemma kept). With
     that layout named instead (and nothing else changed), the tiny models at DiffSynth's paths and its example data
@@ -622,11 +606,11 @@ def test_diffsynths_ltx2_split_commands_port(models, tmp_path, script):
     _place_models(models, tmp_path)
     write_synthetic_dataset(tmp_path / data, count=2, size=SIZE, seed=8, videos=("video",), frames=FRAMES,
                             audio=script == "splited")
-    done = _shell(data_process.format(encoders=REPACKAGED), tmp_path)
+    done = user_shell.script(data_process.format(encoders=REPACKAGED), tmp_path)
     assert done.returncode != 0
     line = done.stderr.strip().splitlines()[-1]
     assert f'name the diffusers layout instead: --model_id_with_origin_paths "{DIFFUSERS_LAYOUT}"' in line
-    done = _shell(data_process.format(encoders=DIFFUSERS_LAYOUT), tmp_path)
+    done = user_shell.script(data_process.format(encoders=DIFFUSERS_LAYOUT), tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pipeline: ltx2" in done.stdout
     cache = tmp_path / "models" / "train" / f"{out_name}-splited-cache" / "entries"
@@ -634,11 +618,11 @@ def test_diffsynths_ltx2_split_commands_port(models, tmp_path, script):
     assert len(entries) == 2
     for entry in entries:  # the clips' sound went through the audio VAE, for splited only
         assert ("audio_latents" in load_file(str(entry))) == (script == "splited")
-    done = _shell(train.format(dit="DiffSynth-Studio/LTX-2-Repackage:transformer.safetensors"), tmp_path)
+    done = user_shell.script(train.format(dit="DiffSynth-Studio/LTX-2-Repackage:transformer.safetensors"), tmp_path)
     assert done.returncode != 0
     assert ('name the diffusers layout instead: --model_id_with_origin_paths "Lightricks/LTX-2:transformer/*.safetensors"'
             in done.stderr.strip().splitlines()[-1])
-    done = _shell(train.format(dit="Lightricks/LTX-2:transformer/*.safetensors"), tmp_path)
+    done = user_shell.script(train.format(dit="Lightricks/LTX-2:transformer/*.safetensors"), tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pipeline: ltx2" in done.stdout
     out = tmp_path / "models" / "train" / out_name

@@ -12,11 +12,7 @@ from __future__ import annotations
 import ast
 import inspect
 import json
-import os
-import shlex
 import shutil
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -47,7 +43,6 @@ SIZE = 32
 WHEEL = Path(__file__).resolve().parents[1] / ".venv" / "diffsynth-wheel" / "diffsynth"
 needs_wheel = pytest.mark.skipif(not (WHEEL / "diffusion" / "ddim_scheduler.py").is_file(),
                                  reason="the diffsynth wheel is not unpacked (scripts/setup.sh does it)")
-UNITGRAPH = str(Path(sys.executable).parent / "unitgraph")
 
 
 @pytest.fixture(scope="module")
@@ -387,15 +382,8 @@ COMMAND = """
 """
 
 
-def clean_env() -> dict[str, str]:
-    """The environment of a DiffSynth user: none of unitgraph's variables, no offline switch."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNITGRAPH_", "DIFFSYNTH_", "MODELSCOPE_", "HF_HUB_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 @pytest.mark.slow
-def test_diffsynths_sd15_lora_command_ports_by_swapping_the_program_name(models, tmp_path, capsys):
+def test_diffsynths_sd15_lora_command_ports_by_swapping_the_program_name(models, tmp_path, capsys, user_shell):
     """The tiny models where DiffSynth downloads AI-ModelScope/stable-diffusion-v1-5 (./models/<org>/<name>), the
     example data where its dataset goes; the command as DiffSynth's example gives it, but for the program name and the
     sizes. The empty --lora_target_modules trains the family's defaults; the LoRA loads in diffusers' pipeline, and in
@@ -403,8 +391,7 @@ def test_diffsynths_sd15_lora_command_ports_by_swapping_the_program_name(models,
     shutil.copytree(models, tmp_path / "models" / "AI-ModelScope" / "stable-diffusion-v1-5")
     write_synthetic_dataset(tmp_path / "data" / "diffsynth_example_dataset" / "stable_diffusion" / "stable-diffusion-v1-5",
                             count=2, size=80, seed=1)
-    done = subprocess.run([UNITGRAPH, "train", *shlex.split(COMMAND)], cwd=tmp_path, capture_output=True, text=True,
-                          env=clean_env(), timeout=600)
+    done = user_shell.train(tmp_path, COMMAND)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pipeline: sd15 (the model id AI-ModelScope/stable-diffusion-v1-5)" in done.stdout.splitlines()
     out = tmp_path / "models" / "train" / "stable-diffusion-v1-5_lora"

@@ -8,11 +8,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -39,7 +36,6 @@ from unitgraph.backends.diffusion.train.loop import read_loss_csv  # noqa: E402
 
 SIZE = 32
 REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
 WHEEL = REPO / ".venv" / "diffsynth-wheel" / "diffsynth" / "diffusion"
 needs_wheel = pytest.mark.skipif(not (WHEEL / "ddim_scheduler.py").is_file(), reason="the diffsynth wheel is not unpacked")
 SDXL_REPO = Path("models") / "stabilityai" / "stable-diffusion-xl-base-1.0"
@@ -457,18 +453,10 @@ def test_validation_samples_render_in_a_bf16_stage_2(models, data, tmp_path):
     assert result.steps == 3 and Image.open(tmp_path / "out" / "samples" / "epoch-0" / "0.png").size == (SIZE, SIZE)
 
 
-def clean_env() -> dict[str, str]:
-    """The environment of a DiffSynth user: none of unitgraph's variables, no offline switch; `unitgraph` on PATH."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNITGRAPH_", "DIFFSYNTH_", "MODELSCOPE_", "HF_HUB_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    return env
-
-
 @pytest.mark.slow
-def test_diffsynths_sdxl_lora_command_runs_verbatim(models, tmp_path):
+def test_diffsynths_sdxl_lora_command_runs_verbatim(models, tmp_path, user_shell):
     """The tiny models where DiffSynth downloads stabilityai/stable-diffusion-xl-base-1.0 (./models/<org>/<name>), its
-    example data where its command reads it; the command run by the shell as a user pastes it.
+    example data where its command reads it; the command run as a user pastes it (tests/pasted.py).
 
     The example names 722 modules of SDXL's UNet by their full paths; a tiny UNet of SDXL's layout has some of them
     (the first block of each attention level). DiffSynth hands the list to peft, which adapts every module the list
@@ -476,8 +464,7 @@ def test_diffsynths_sdxl_lora_command_runs_verbatim(models, tmp_path):
     tiny UNet has (a list naming none of them is one error line, test above)."""
     shutil.copytree(models, tmp_path / SDXL_REPO)
     write_synthetic_dataset(tmp_path / DATA, count=3, size=48, seed=8)
-    done = subprocess.run(["bash", "-c", DIFFSYNTH_COMMAND], cwd=tmp_path, capture_output=True, text=True,
-                          env=clean_env(), timeout=600)
+    done = user_shell.script(DIFFSYNTH_COMMAND, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pipeline: sdxl (the model id stabilityai/stable-diffusion-xl-base-1.0)" in done.stdout
     assert "--align_to_opensource_format" in done.stdout
@@ -499,11 +486,10 @@ def test_diffsynths_sdxl_lora_command_runs_verbatim(models, tmp_path):
     if not (WHEEL.parent / "utils" / "lora" / "general.py").is_file():
         return
     # in DiffSynth's layout, DiffSynth's loader fuses the same change into a UNet of its module names
-    code = subprocess.run([str(VENV_BIN / "unitgraph"), "lora", "convert", str(out / "epoch-1.safetensors"),
-                           str(tmp_path / "ds.safetensors"), "--to", "diffsynth", "--pipeline", "sdxl", "--model", "unet",
-                           "--remove_prefix_in_ckpt", "pipe.unet."],
-                          capture_output=True, text=True, env=clean_env()).returncode
-    assert code == 0
+    done = user_shell.command(["lora", "convert", str(out / "epoch-1.safetensors"), str(tmp_path / "ds.safetensors"),
+                               "--to", "diffsynth", "--pipeline", "sdxl", "--model", "unet",
+                               "--remove_prefix_in_ckpt", "pipe.unet."], tmp_path)
+    assert done.returncode == 0, done.stderr
     general = load_module("_sdxl_diffsynth_lora_general", WHEEL.parent / "utils" / "lora" / "general.py")
     unet = diffusers.UNet2DConditionModel.from_pretrained(str(models / "unet"))
     general.GeneralLoRALoader().fuse_lora_to_base_model(unet, load_file(str(tmp_path / "ds.safetensors")))

@@ -10,12 +10,8 @@ temporal, a DiT of the VAE's latent width, expand_timesteps in model_index.json)
 from __future__ import annotations
 
 import json
-import os
 import re
-import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -38,7 +34,6 @@ from unitgraph.backends.diffusion.train.loop import read_loss_csv  # noqa: E402
 
 SIZE = 64  # 4x4 latents of the 16x VAE: 2x2 tokens a latent frame
 FRAMES = 5  # two latent frames: the given one and one to train
-VENV_BIN = Path(sys.executable).parent
 WHEEL = Path(__file__).resolve().parents[1] / ".venv" / "diffsynth-wheel" / "diffsynth" / "diffusion"
 
 
@@ -343,20 +338,8 @@ TI2V_COMMAND = """
 TI2V_DIFFUSERS_IDS = ",".join(f"Wan-AI/Wan2.2-TI2V-5B-Diffusers:{sub}/*.safetensors" for sub in ("transformer", "text_encoder", "vae"))
 
 
-def _clean_env() -> dict[str, str]:
-    """The environment of a DiffSynth user: none of unitgraph's variables (tests/test_diffsynth_ports.py's)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNITGRAPH_", "DIFFSYNTH_", "MODELSCOPE_", "HF_HUB_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def _unitgraph(cwd: Path, flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(VENV_BIN / "unitgraph"), "train", *shlex.split(flags)], cwd=cwd, capture_output=True,
-                          text=True, env=_clean_env(), timeout=900)
-
-
 @pytest.mark.slow
-def test_diffsynths_ti2v_lora_command_runs_verbatim_with_the_diffusers_paths(models, tmp_path):
+def test_diffsynths_ti2v_lora_command_runs_verbatim_with_the_diffusers_paths(models, tmp_path, user_shell):
     """The release files DiffSynth's command names (Wan's own DiT layout, two pickles) are named in one error line
     with the -Diffusers paths; with those, tiny models at DiffSynth's path train wan_ti2v's image-to-video."""
     repo = tmp_path / "models" / "Wan-AI" / "Wan2.2-TI2V-5B"
@@ -368,14 +351,14 @@ def test_diffsynths_ti2v_lora_command_runs_verbatim_with_the_diffusers_paths(mod
         (repo / name).write_bytes(b"\x80\x04 a pickle: never opened")
     write_synthetic_dataset(tmp_path / "data" / "diffsynth_example_dataset" / "wanvideo" / "Wan2.2-TI2V-5B", count=2,
                             size=SIZE, seed=2, videos=["video"], frames=9)
-    done = _unitgraph(tmp_path, TI2V_COMMAND)
+    done = user_shell.train(tmp_path, TI2V_COMMAND)
     line = one_error_line(done.returncode, done.stderr, "3 model files this command names cannot be read",
                           "Wan-AI/Wan2.2-TI2V-5B:Wan2.2_VAE.pth (a pickle, which unitgraph never loads)")
     assert re.search(r'--model_id_with_origin_paths "([^"]+)"', line).group(1) == TI2V_DIFFUSERS_IDS
     shutil.copytree(models, tmp_path / "models" / "Wan-AI" / "Wan2.2-TI2V-5B-Diffusers")
     flags = TI2V_COMMAND.replace(re.search(r'--model_id_with_origin_paths "([^"]+)"', TI2V_COMMAND).group(1),
                                  TI2V_DIFFUSERS_IDS)
-    done = _unitgraph(tmp_path, flags)
+    done = user_shell.train(tmp_path, flags)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pipeline: wan_ti2v (the model id Wan-AI/Wan2.2-TI2V-5B-Diffusers" in done.stdout, done.stdout[:2000]
     out = tmp_path / "models" / "train" / "Wan2.2-TI2V-5B_lora"

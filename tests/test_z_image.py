@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -37,7 +34,6 @@ from unitgraph.backends.diffusion.stages import run  # noqa: E402
 
 SIZE = 32
 REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
 WHEEL = REPO / ".venv" / "diffsynth-wheel" / "diffsynth"
 needs_wheel = pytest.mark.skipif(not (WHEEL / "diffusion" / "flow_match.py").is_file(),
                                  reason="the diffsynth wheel is not unpacked")
@@ -424,24 +420,15 @@ def test_validation_samples_render_in_a_bf16_stage_2(models, data, tmp_path):
     assert result.steps == 3 and Image.open(tmp_path / "out" / "samples" / "epoch-0" / "0.png").size == (SIZE, SIZE)
 
 
-def clean_env() -> dict[str, str]:
-    """The environment of a DiffSynth user: none of unitgraph's variables, no offline switch; `unitgraph` on PATH."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNITGRAPH_", "DIFFSYNTH_", "MODELSCOPE_", "HF_HUB_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    return env
-
-
 @pytest.mark.slow
-def test_diffsynths_z_image_lora_command_runs_verbatim(models, tmp_path):
+def test_diffsynths_z_image_lora_command_runs_verbatim(models, tmp_path, user_shell):
     """The tiny models where DiffSynth downloads Tongyi-MAI/Z-Image (the DiT) and Tongyi-MAI/Z-Image-Turbo (text
-    encoder, VAE and its default tokenizer), its example data where its command reads it; the command run by the
-    shell as a user pastes it. The LoRA sits on every module the targets name, and diffusers loads it."""
+    encoder, VAE and its default tokenizer), its example data where its command reads it; the command run with
+    the arguments a shell would hand over (tests/pasted.py). The LoRA sits on every module the targets name, and diffusers loads it."""
     shutil.copytree(models, tmp_path / BASE_REPO)
     shutil.copytree(models, tmp_path / TURBO_REPO)
     write_synthetic_dataset(tmp_path / DATA, count=3, size=48, seed=8)
-    done = subprocess.run(["bash", "-c", DIFFSYNTH_COMMAND], cwd=tmp_path, capture_output=True, text=True,
-                          env=clean_env(), timeout=600)
+    done = user_shell.script(DIFFSYNTH_COMMAND, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pipeline: z_image (the model id Tongyi-MAI/Z-Image)" in done.stdout
     out = tmp_path / "models" / "train" / "Z-Image_lora"
@@ -589,7 +576,7 @@ def test_the_omni_released_configs_build_and_dry_run(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_diffsynths_z_image_omni_edit_lora_command_runs_verbatim(tmp_path):
+def test_diffsynths_z_image_omni_edit_lora_command_runs_verbatim(tmp_path, user_shell):
     """The tiny Omni-Base folder where DiffSynth downloads Tongyi-MAI/Z-Image-Omni-Base (DiT, SigLIP2 and its processor)
     and Tongyi-MAI/Z-Image-Turbo (text encoder, VAE, tokenizer), data with an edit_image column; the LoRA loads in
     ZImageOmniPipeline."""
@@ -597,8 +584,7 @@ def test_diffsynths_z_image_omni_edit_lora_command_runs_verbatim(tmp_path):
     shutil.copytree(folder, tmp_path / OMNI_REPO)
     shutil.copytree(folder, tmp_path / TURBO_REPO)
     write_synthetic_dataset(tmp_path / OMNI_DATA, count=2, size=64, seed=8, edit=True)
-    done = subprocess.run(["bash", "-c", DIFFSYNTH_OMNI_COMMAND], cwd=tmp_path, capture_output=True, text=True,
-                          env=clean_env(), timeout=600)
+    done = user_shell.script(DIFFSYNTH_OMNI_COMMAND, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pipeline: z_image_omni" in done.stdout
     out = tmp_path / "models" / "train" / "Z-Image-Omni-Base_lora_edit"
