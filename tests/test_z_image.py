@@ -423,8 +423,9 @@ def test_validation_samples_render_in_a_bf16_stage_2(models, data, tmp_path):
 @pytest.mark.slow
 def test_diffsynths_z_image_lora_command_runs_verbatim(models, tmp_path, user_shell):
     """The tiny models where DiffSynth downloads Tongyi-MAI/Z-Image (the DiT) and Tongyi-MAI/Z-Image-Turbo (text
-    encoder, VAE and its default tokenizer), its example data where its command reads it; the command run with
-    the arguments a shell would hand over (tests/pasted.py). The LoRA sits on every module the targets name, and diffusers loads it."""
+    encoder, VAE and its default tokenizer), its example data where its command reads it; the command run with the
+    arguments a shell would hand over (tests/pasted.py). The LoRA sits on every module the targets name, and
+    diffusers loads it."""
     shutil.copytree(models, tmp_path / BASE_REPO)
     shutil.copytree(models, tmp_path / TURBO_REPO)
     write_synthetic_dataset(tmp_path / DATA, count=3, size=48, seed=8)
