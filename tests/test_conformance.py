@@ -321,41 +321,78 @@ def test_dit_lora_loads_in_the_diffusers_pipeline(family, pipeline, tiny_models,
     assert torch.allclose(after[weight] - before[f"{module}.weight"], delta, atol=1e-6)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family, pipeline", PIPELINES, ids=IDS)
-def test_two_process_and_batched_stage1_give_the_same_entries(family, pipeline, tiny_models, tmp_path):
-    models = tiny_models(family, pipeline)
-    data = tmp_path / "data"
-    metadata = write_dataset(pipeline, data, count=5, seed=4)
+def stage1_argv(family, pipeline, models: Path, data: Path, metadata: Path) -> list[str]:
     argv = ["train", "--pipeline", pipeline.name, "--task", f"{pipeline.task}:data_process", "--dataset_base_path", str(data),
             "--dataset_metadata_path", str(metadata), "--model_paths", str(models),
             "--lora_base_model", family.model_slots[0], "--max_pixels", str(SIZE * SIZE), "--no-progress"]
     if extra_columns(pipeline):
         argv += ["--extra_inputs", ",".join(extra_columns(pipeline))]
+    return argv
+
+
+@pytest.fixture(scope="session")
+def two_process_stage1(tiny_models, tmp_path_factory):
+    """pipeline name -> (data folder, metadata file, the 2-process stage-1 cache folder, rank 0's output), for each
+    family's first pipeline: the families' stage 1 over 2 processes, all in one launch (tests/two_process_stage1.py:
+    the interpreters' start and imports, ~10 s a launch on 2 cores, paid once)."""
+    root = tmp_path_factory.mktemp("two-process")
+    firsts = [(f, f.pipelines[0]) for f in families()]
+    jobs, made = [], {}
+    for family, pipeline in firsts:
+        data = root / f"data-{pipeline.name}"
+        metadata = write_dataset(pipeline, data, count=5, seed=4)
+        output = root / f"two-{pipeline.name}"
+        jobs.append({"argv": stage1_argv(family, pipeline, tiny_models(family, pipeline), data, metadata),
+                     "output": str(output)})
+        made[pipeline.name] = (data, metadata, output)
+    (root / "jobs.json").write_text(json.dumps(jobs, indent=1), encoding="utf-8")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              str(Path(__file__).parent / "two_process_stage1.py"), str(root / "jobs.json")]
+    done = subprocess.run(launch, capture_output=True, text=True, env=ENV, timeout=900)
+
+    def get(pipeline):
+        data, metadata, output = made[pipeline.name]
+        out = output.parent / f"{output.name}.rank0.out"
+        code = output.parent / f"{output.name}.rank0.code"
+        assert code.is_file(), f"the launch ended before this run (exit {done.returncode}): {done.stderr[-3000:]}"
+        text = out.read_text(encoding="utf-8")
+        assert code.read_text() == "0", text[-3000:]
+        return data, metadata, output, text
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, pipeline", PIPELINES, ids=IDS)
+def test_two_process_and_batched_stage1_give_the_same_entries(family, pipeline, tiny_models, two_process_stage1,
+                                                              tmp_path):
+    models = tiny_models(family, pipeline)
+    first = pipeline.name == family.pipelines[0].name
+    if first:
+        data, metadata, two, stdout = two_process_stage1(pipeline)
+    else:
+        data = tmp_path / "data"
+        metadata = write_dataset(pipeline, data, count=5, seed=4)
     # the references: one process, in this one (same flags), and the same with the encoders' calls batched
     for name, batch in (("one", None), ("batched", 4)):
         run(make_args(task=f"{pipeline.task}:data_process", pipeline=pipeline.name, dataset_base_path=str(data),
                       dataset_metadata_path=str(metadata), model_paths=str(models), lora_base_model=family.model_slots[0],
                       max_pixels=SIZE * SIZE, output_path=str(tmp_path / name), progress=False, data_process_batch_size=batch,
                       **({"extra_inputs": ",".join(extra_columns(pipeline))} if extra_columns(pipeline) else {})), echo=quiet)
-    entries = lambda c: {p.name: p.read_bytes() for p in (tmp_path / c / "entries").iterdir()}  # noqa: E731
-    # two processes: once per family (the sharding is the family-agnostic stage 1; ~20 s a launch)
-    if pipeline.name == family.pipelines[0].name:
-        launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(VENV_BIN / "unitgraph")]
-        two = subprocess.run([*launch, *argv, "--output_path", str(tmp_path / "two")], capture_output=True, text=True,
-                             env=ENV, timeout=400)
-        assert two.returncode == 0, two.stderr[-3000:]
-        assert "computed 5 entries over 2 processes (3, 2)" in two.stdout, two.stdout
-        problems, stats = verify_cache(tmp_path / "two")
+    entries = lambda c: {p.name: p.read_bytes() for p in (Path(c) / "entries").iterdir()}  # noqa: E731
+    # two processes: once per family (the sharding is the family-agnostic stage 1), all families in one launch
+    if first:
+        assert "computed 5 entries over 2 processes (3, 2)" in stdout, stdout
+        problems, stats = verify_cache(two)
         assert problems == [] and stats["entries"] == 5
-        assert entries("one") == entries("two")  # same keys, same bytes
-        manifest = lambda c: json.loads((tmp_path / c / "manifest.json").read_text())  # noqa: E731
-        assert manifest("one") == manifest("two")
+        assert entries(tmp_path / "one") == entries(two)  # same keys, same bytes
+        manifest = lambda c: json.loads((Path(c) / "manifest.json").read_text())  # noqa: E731
+        assert manifest(tmp_path / "one") == manifest(two)
     problems, stats = verify_cache(tmp_path / "one")
     assert problems == [] and stats["entries"] == 5
     # batched encoder calls: the same entries, each value within the batched kernels' rounding of its unbatched one
-    one, batched = entries("one"), entries("batched")
+    one, batched = entries(tmp_path / "one"), entries(tmp_path / "batched")
     assert set(one) == set(batched)
     for name in one:
         a, b = load(one[name]), load(batched[name])
