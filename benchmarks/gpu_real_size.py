@@ -133,7 +133,8 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(families: list[str], budget: float, workdir: Path) -> list[dict[str, Any]]:
+def measure(families: list[str], budget: float, workdir: Path, only: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    """A row per family, setting (those named in `only`, else all) and run, each run in a process of its own."""
     import torch
 
     from unitgraph.backends.diffusion import stages
@@ -144,6 +145,9 @@ def measure(families: list[str], budget: float, workdir: Path) -> list[dict[str,
     size = "real" if device == "cuda" else "test"
     start, rows = time.perf_counter(), []
     for family in families:
+        if time.perf_counter() - start > budget:  # not even its models are made
+            rows.append({"family": family, "setting": "every setting", "stage": "-", "error": "not run (time budget)"})
+            continue
         pipeline, shape = RUNS[family]
         shape = shape if size == "real" else {k: v for k, v in TEST_SIZE.items() if k in shape}
         models = model_folder(family, pipeline, size, workdir, device)
@@ -159,6 +163,8 @@ def measure(families: list[str], budget: float, workdir: Path) -> list[dict[str,
                    echo=lambda _t: None)
         blocks = json.loads((models / "transformer" / "config.json").read_text()).get("num_layers", 2)
         for name, extra, unsplit in settings(int(blocks)):
+            if only is not None and name not in only:
+                continue
             runs = [("stage 2", dict(task="sft:train", dataset_base_path=str(cache), dataset_repeat=3))]
             if unsplit:
                 runs.append(("unsplit", dict(task="sft", dataset_base_path=str(data), dataset_repeat=3,
