@@ -113,7 +113,7 @@ def tiny_models_command(
     pipeline: PipelineOption = None,
     size: Annotated[str, typer.Option("--size", help="test (a train step ~10 ms) or demo (~0.15 s at 256 px); real: the released model's config.json files only, no weights (for train --dry_run; Wan also real-1.3b).")] = "test",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
-    experts: Annotated[bool, typer.Option("--experts", help="A denoiser of two experts (Wan 2.2 A14B's layout: transformer/ for high noise, transformer_2/ for low, boundary_ratio); train one with --expert.")] = False,
+    experts: Annotated[bool, typer.Option("--experts", help="A denoiser of two experts (Wan 2.2 A14B's layout: transformer/ for high noise, transformer_2/ for low, boundary_ratio; T2V A14B's for wan, I2V A14B's for wan_i2v); train one with --expert.")] = False,
 ) -> None:
     """Write a random-weight diffusers pipeline folder of a family (it loads with the family's diffusers pipeline class),
     or with --size real the released model's configuration files alone."""
@@ -124,8 +124,9 @@ def tiny_models_command(
     family, chosen = _choice(pipeline)
     if experts and family.experts is None:
         raise BackendError(f"--experts: the {family.title} family's denoiser is a single model")
-    if experts and (size.startswith("real") or (chosen is not None and chosen.name != family.pipelines[0].name)):
-        raise BackendError(f"--experts: tiny two-expert folders are written for {family.pipelines[0].name} at the test "
+    if experts and (size.startswith("real") or not family.experts.covers((chosen or family.pipelines[0]).name)):
+        names = [p.name for p in family.pipelines if family.experts.covers(p.name)]
+        raise BackendError(f"--experts: tiny two-expert folders are written for {' and '.join(names)} at the test "
                            "and demo sizes")
     claim_model_folder(Path(outdir))
     start = time.perf_counter()

@@ -12,7 +12,9 @@ alone. For each pipeline, on the family's `test`-size tiny models for that pipel
 - the DiT LoRA file loads with the diffusers pipeline's `load_lora_weights`, and fusing it changes the
   DiT's weights by exactly what our adapter adds (alpha included);
 - stage 1 over 2 processes computes every entry exactly once and makes the cache (entries and manifest)
-  1 process makes.
+  1 process makes (once per family: every family's first pipeline, all in one launch);
+- for a pipeline released as experts (`Family.experts`: Wan 2.2 A14B, T2V and I2V), on its two-expert folder: one
+  stage-1 cache serves each expert's stage 2, without the encoders and the data, exactly as its unsplit run.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
 
 PIPELINES = [(family, pipeline) for family in families() for pipeline in family.pipelines]
 IDS = [pipeline.name for _, pipeline in PIPELINES]
+# the pipelines released as a denoiser of experts (Wan 2.2 A14B: T2V and I2V), on the two-expert tiny folders
+EXPERT_CASES = [(family, pipeline) for family, pipeline in PIPELINES if family.experts and family.experts.covers(pipeline.name)]
 # every pipeline x every model a LoRA may sit on: the DiT and each text encoder the pipeline calls
 LORA_CASES = [(family, pipeline, slot) for family, pipeline in PIPELINES
               for slot in [family.model_slots[0], *family.text_encoders] if slot in pipeline.spec_pipeline.models]
@@ -120,16 +124,18 @@ def load_diffusers_pipeline(family, pipeline, root: Path):
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    """(family, pipeline) -> the test-size tiny pipeline folder for the pipeline's diffusers class, written once
-    per session (pipelines of one class share it, unless the folder marks the pipeline)."""
-    made: dict[tuple[str, str], Path] = {}
+    """(family, pipeline, experts=False) -> the test-size tiny pipeline folder for the pipeline's diffusers class,
+    written once per session (pipelines of one class share it, unless the folder marks the pipeline); `experts`:
+    the family's two-expert layout of it (Wan 2.2 A14B's)."""
+    made: dict[tuple[str, str, str | None, bool], Path] = {}
 
-    def get(family, pipeline) -> Path:
+    def get(family, pipeline, experts: bool = False) -> Path:
         # a pipeline its folder's model_index.json marks apart (Wan TI2V's expand_timesteps) has a folder of its own
-        key = (family.name, diffusers_class(family, pipeline), pipeline.name if pipeline.index_marks else None)
+        key = (family.name, diffusers_class(family, pipeline), pipeline.name if pipeline.index_marks else None, experts)
         if key not in made:
             made[key] = family.tiny_module().write_tiny_models(
-                tmp_path_factory.mktemp(f"tiny-{family.name}") / "models", size="test", seed=0, pipeline=pipeline.name)
+                tmp_path_factory.mktemp(f"tiny-{family.name}") / "models", size="test", seed=0, pipeline=pipeline.name,
+                **({"experts": True} if experts else {}))
         return made[key]
 
     return get
@@ -330,29 +336,36 @@ def stage1_argv(family, pipeline, models: Path, data: Path, metadata: Path) -> l
     return argv
 
 
+def first_expert_pipeline(family):
+    return next(p for p in family.pipelines if family.experts.covers(p.name))
+
+
 @pytest.fixture(scope="session")
 def two_process_stage1(tiny_models, tmp_path_factory):
-    """pipeline name -> (data folder, metadata file, the 2-process stage-1 cache folder, rank 0's output), for each
-    family's first pipeline: the families' stage 1 over 2 processes, all in one launch (tests/two_process_stage1.py:
-    the interpreters' start and imports, ~10 s a launch on 2 cores, paid once)."""
+    """(pipeline, experts=False) -> (data folder, metadata file, the 2-process stage-1 cache folder, rank 0's output),
+    for each family's first pipeline, and for the first pipeline of a family's experts on its two-expert folder: the
+    families' stage 1 over 2 processes, all in one launch (tests/two_process_stage1.py: the interpreters' start and
+    imports, ~10 s a launch on 2 cores, paid once)."""
     root = tmp_path_factory.mktemp("two-process")
-    firsts = [(f, f.pipelines[0]) for f in families()]
+    runs = [(f, f.pipelines[0], False) for f in families()]
+    runs += [(f, first_expert_pipeline(f), True) for f in families() if f.experts]
     jobs, made = [], {}
-    for family, pipeline in firsts:
-        data = root / f"data-{pipeline.name}"
+    for family, pipeline, experts in runs:
+        name = f"{pipeline.name}{'-experts' if experts else ''}"
+        data = root / f"data-{name}"
         metadata = write_dataset(pipeline, data, count=5, seed=4)
-        output = root / f"two-{pipeline.name}"
-        jobs.append({"argv": stage1_argv(family, pipeline, tiny_models(family, pipeline), data, metadata),
+        output = root / f"two-{name}"
+        jobs.append({"argv": stage1_argv(family, pipeline, tiny_models(family, pipeline, experts), data, metadata),
                      "output": str(output)})
-        made[pipeline.name] = (data, metadata, output)
+        made[(pipeline.name, experts)] = (data, metadata, output)
     (root / "jobs.json").write_text(json.dumps(jobs, indent=1), encoding="utf-8")
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
               str(Path(__file__).parent / "two_process_stage1.py"), str(root / "jobs.json")]
     done = subprocess.run(launch, capture_output=True, text=True, env=ENV, timeout=900)
 
-    def get(pipeline):
-        data, metadata, output = made[pipeline.name]
+    def get(pipeline, experts: bool = False):
+        data, metadata, output = made[(pipeline.name, experts)]
         out = output.parent / f"{output.name}.rank0.out"
         code = output.parent / f"{output.name}.rank0.code"
         assert code.is_file(), f"the launch ended before this run (exit {done.returncode}): {done.stderr[-3000:]}"
@@ -399,6 +412,53 @@ def test_two_process_and_batched_stage1_give_the_same_entries(family, pipeline, 
         assert set(a) == set(b)
         for key in a:
             assert a[key].shape == b[key].shape and torch.allclose(a[key], b[key], atol=BATCH_ATOL, rtol=0), (name, key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, pipeline", EXPERT_CASES, ids=[p.name for _, p in EXPERT_CASES])
+def test_the_experts_share_one_stage1_and_each_trains_without_the_encoders_and_the_data(
+        family, pipeline, tiny_models, two_process_stage1, tmp_path):
+    """On the two-expert folder: one stage-1 cache, with no expert chosen (over 2 processes for the family's first
+    such pipeline, exactly as 1 process makes it); each expert's stage 2 from it, the frozen encoders' folders deleted
+    and the clips gone, trains exactly as that expert's unsplit run."""
+    models = tiny_models(family, pipeline, experts=True)
+    dit = family.model_slots[0]
+    common = flags(family, pipeline, models, tmp_path, dit)
+    del common["dataset_base_path"], common["dataset_metadata_path"]
+    if pipeline.name == first_expert_pipeline(family).name:
+        data, metadata, cache, stdout = two_process_stage1(pipeline, experts=True)
+        assert "computed 5 entries over 2 processes (3, 2)" in stdout, stdout
+        one = tmp_path / "one"
+        run(make_args(task=f"{pipeline.task}:data_process", output_path=str(one), dataset_base_path=str(data),
+                      dataset_metadata_path=str(metadata), **common), echo=quiet)
+        assert {p.name: p.read_bytes() for p in (one / "entries").iterdir()} == \
+            {p.name: p.read_bytes() for p in (cache / "entries").iterdir()}
+    else:
+        data = tmp_path / "data"
+        metadata = write_dataset(pipeline, data, count=SAMPLES, seed=4)
+        cache = tmp_path / "cache"
+        run(make_args(task=f"{pipeline.task}:data_process", output_path=str(cache), dataset_base_path=str(data),
+                      dataset_metadata_path=str(metadata), **common), echo=quiet)
+    for expert in family.experts.names:
+        plan = run(make_args(task=pipeline.task, output_path=str(tmp_path / f"unsplit-{expert}"), expert=expert,
+                             dataset_base_path=str(data), dataset_metadata_path=str(metadata), **common),
+                   echo=quiet).plan
+    bare = tmp_path / "bare"
+    shutil.copytree(models, bare)
+    for slot in plan.data_process_models:
+        if (bare / family.slot(slot).subfolder).is_dir():
+            shutil.rmtree(bare / family.slot(slot).subfolder)
+    away = data.with_name(data.name + "-away")
+    data.rename(away)  # the clips are gone while stage 2 runs
+    try:
+        for expert in family.experts.names:
+            out = tmp_path / f"split-{expert}"
+            result = run(make_args(task=f"{pipeline.task}:train", output_path=str(out), expert=expert,
+                                   dataset_base_path=str(cache), **dict(common, model_paths=str(bare))), echo=quiet)
+            assert result.plan.train_models == [dit]
+            assert_same_training(tmp_path / f"unsplit-{expert}", out)
+    finally:
+        away.rename(data)
 
 
 def test_every_family_is_complete():

@@ -1,5 +1,7 @@
 """Wan 2.2 A14B's two experts: which one a run trains (backends/diffusion/experts.py), on which timesteps, from what
-the command names; one stage-1 cache for both; DiffSynth's per-expert commands, models at DiffSynth's paths.
+the command names; one stage-1 cache for both; DiffSynth's per-expert commands, models at DiffSynth's paths; I2V
+A14B's folder, which has no CLIP image encoder. (tests/test_conformance.py runs the two-expert folders through the
+conformance cases: 2-process stage 1, stage 2 without the encoders.)
 
 The tiny two-expert folder is diffusers' WanPipeline with `transformer` (high noise), `transformer_2` (low noise,
 other weights) and boundary_ratio 0.875, Wan 2.2 T2V A14B's. With DiffSynth's shift-5 training schedule the 417
@@ -52,9 +54,9 @@ def clips(tmp_path_factory) -> Path:
 
 
 def flags(models: Path, data: Path, **extra) -> dict:
-    return dict(pipeline="wan", dataset_base_path=str(data), dataset_metadata_path=str(data / "metadata.csv"),
-                model_paths=str(models), lora_base_model="dit", lora_rank=4, learning_rate=1e-3, height=SIZE,
-                width=SIZE, num_frames=FRAMES, progress=False, plot=False, **extra)
+    return {"pipeline": "wan", "dataset_base_path": str(data), "dataset_metadata_path": str(data / "metadata.csv"),
+            "model_paths": str(models), "lora_base_model": "dit", "lora_rank": 4, "learning_rate": 1e-3, "height": SIZE,
+            "width": SIZE, "num_frames": FRAMES, "progress": False, "plot": False, **extra}
 
 
 def choice(models: Path, data: Path, **extra):
@@ -67,10 +69,62 @@ def test_tiny_models_writes_the_two_expert_layout_on_request(tmp_path, capsys):
     assert code == 0, err
     index = json.loads((tmp_path / "a14b" / "model_index.json").read_text())
     assert index["boundary_ratio"] == 0.875 and index["transformer_2"] == ["diffusers", "WanTransformer3DModel"]
-    for argv in (["--pipeline", "flux"], ["--pipeline", "wan_i2v"], ["--pipeline", "wan", "--size", "real"]):
+    for argv in (["--pipeline", "flux"], ["--pipeline", "wan_ti2v"], ["--pipeline", "wan", "--size", "real"]):
         code, _, err = cli(capsys, "tiny-models", str(tmp_path / "no"), *argv, "--experts")
         one_error_line(code, err, "--experts")
         assert not (tmp_path / "no").exists()
+
+
+def test_the_i2v_experts_folder_goes_without_a_clip_image_encoder(tmp_path, capsys):
+    """Wan 2.2 I2V A14B's diffusers folder: image_encoder and image_processor null in model_index.json, a DiT of the
+    conditioning channels without image_dim, boundary_ratio 0.9; WanImageToVideoPipeline loads it."""
+    code, _, err = cli(capsys, "tiny-models", str(tmp_path / "i2v"), "--pipeline", "wan_i2v", "--experts")
+    assert code == 0, err
+    index = json.loads((tmp_path / "i2v" / "model_index.json").read_text())
+    assert index["boundary_ratio"] == 0.9 and index["image_encoder"] == [None, None] == index["image_processor"]
+    assert not (tmp_path / "i2v" / "image_encoder").exists()
+    dit = json.loads((tmp_path / "i2v" / "transformer" / "config.json").read_text())
+    z = json.loads((tmp_path / "i2v" / "vae" / "config.json").read_text())["z_dim"]
+    assert dit["image_dim"] is None and dit["in_channels"] == 2 * z + 4
+    pipe = diffusers.WanImageToVideoPipeline.from_pretrained(str(tmp_path / "i2v"))
+    assert pipe.image_encoder is None and pipe.transformer_2 is not None
+
+
+@pytest.mark.slow
+def test_i2v_experts_train_without_an_image_encoder_each_from_one_cache(tmp_path, clips):
+    """Stage 1 of an I2V A14B folder loads no image encoder (the folder has none, the DiT takes no image features);
+    each expert trains from that cache on timesteps either side of 900, as its unsplit run; a dry run plans it."""
+    models = tiny.write_tiny_models(tmp_path / "i2v", size="test", seed=0, pipeline="wan_i2v", experts=True)
+    quiet = lambda *_: None  # noqa: E731
+    common = flags(models, clips, pipeline="wan_i2v")
+    cache = tmp_path / "cache"
+    run(make_args(task="sft:data_process", output_path=str(cache), **common), echo=quiet)
+    for expert, low, high in (("high_noise", 900, 1000), ("low_noise", 0, 900)):
+        run(make_args(task="sft:train", output_path=str(tmp_path / expert), expert=expert,
+                      **dict(common, dataset_base_path=str(cache), dataset_metadata_path=None)), echo=quiet)
+        run(make_args(task="sft", output_path=str(tmp_path / f"{expert}-unsplit"), expert=expert, **common), echo=quiet)
+        rows = read_loss_csv(tmp_path / expert / "loss.csv")
+        assert [r["loss"] for r in rows] == pytest.approx(
+            [r["loss"] for r in read_loss_csv(tmp_path / f"{expert}-unsplit" / "loss.csv")], abs=1e-6, rel=0)
+        assert rows and all(low <= r["timestep"] < high for r in rows), rows
+    plan = run(make_args(task="sft", dry_run=True, output_path=str(tmp_path / "dry"), expert="low_noise", **common),
+               echo=quiet).memory_plan
+    assert "image_encoder" not in plan["stages"]["data_process"]["models"]
+    assert set(plan["stages"]["train"]["models"]) == {"dit"}
+
+
+def test_a_dit_of_image_features_without_an_image_encoder_is_one_line(tmp_path, clips, capsys):
+    """A Wan 2.1 I2V DiT (image_dim set) in a folder that declares no image encoder: stage 1 says what is missing."""
+    models = tiny.write_tiny_models(tmp_path / "i2v", size="test", seed=0, pipeline="wan_i2v")
+    index = json.loads((models / "model_index.json").read_text())
+    index.update(image_encoder=[None, None], image_processor=[None, None])
+    (models / "model_index.json").write_text(json.dumps(index))
+    shutil.rmtree(models / "image_encoder")
+    code, _, err = cli(capsys, "train", "--pipeline", "wan_i2v", "--task", "sft:data_process", "--model_paths",
+                       str(models), "--dataset_base_path", str(clips), "--dataset_metadata_path",
+                       str(clips / "metadata.csv"), "--num_frames", str(FRAMES), "--height", str(SIZE), "--width",
+                       str(SIZE), "--output_path", str(tmp_path / "cache"), "--no-progress")
+    one_error_line(code, err, "image_dim", "no image_encoder", "--model_paths")
 
 
 # --------------------------------------------------------------------------------------------

@@ -390,7 +390,8 @@ class Experts:
     first. release_folders: (expert, folder of the original release). schedule: the family's training schedule
     (a `flowmatch.TrainingSchedule`), through which a boundary ratio becomes positions of the drawn timesteps.
     boundary_key: model_index.json's key of the ratio. published: (model id pattern, ratio) of the releases, for
-    commands that name a repository's files rather than its pipeline folder.
+    commands that name a repository's files rather than its pipeline folder. pipelines: the family's pipelines
+    released as experts (empty: every one).
     """
 
     slot: str
@@ -399,6 +400,11 @@ class Experts:
     schedule: Any = None
     boundary_key: str = "boundary_ratio"
     published: tuple[tuple[str, float], ...] = ()
+    pipelines: tuple[str, ...] = ()
+
+    def covers(self, pipeline: str) -> bool:
+        """Whether `pipeline` is released as these experts."""
+        return not self.pipelines or pipeline in self.pipelines
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -219,7 +219,10 @@ class _Planner:
 
         self.cfg, self.plan = cfg, plan
         self.memory = family_memory(cfg)
-        self.models = list(cfg.pipeline.spec().models)
+        from .models.stage import declared_absent
+
+        self.absent = declared_absent(cfg, cfg.pipeline.spec().models)  # a stage loads none of these
+        self.models = [m for m in cfg.pipeline.spec().models if m not in self.absent]
         self.configs = read_configs(cfg, self.models)
         self.dims = self.memory.dims(cfg, self.configs, text_tokens)
         self.compute = cfg.precision.compute_dtype
@@ -401,6 +404,7 @@ class _Planner:
             slots = list(plan.train_models)
         else:
             slots = sorted(set(self.models) | set(plan.models_require_backward), key=self.models.index)
+        slots = [s for s in slots if s not in self.absent]
         built = {slot: self.model(slot, training) for slot in slots}
         batch1 = cfg.args.data_process_batch_size or cfg.family.data_process_batch_size
         host = 0

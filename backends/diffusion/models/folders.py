@@ -81,6 +81,7 @@ class _Entry:
     class_name: str = ""
     model_id: str | None = None  # modelscope model id, when resolved through modelscope
     subfolders: dict[str, str] = field(default_factory=dict)  # pipeline: slot -> subfolder
+    absent: frozenset = frozenset()  # pipeline: slots its model_index.json declares it has none of ([null, null])
     single_file: Any = None  # a release single file: the format it is read in (path is the file)
     beside: Path | None = None  # ... and the diffusers config.json of the same component beside it
 
@@ -186,14 +187,17 @@ def classify_folder(path: Path | str, table: SlotTable, origin: str | None = Non
 
     if (p / "model_index.json").is_file():
         index = _read_json(p / "model_index.json")
-        subfolders = {}
+        subfolders, absent = {}, set()
         for key, value in index.items():
             if key.startswith("_") or not isinstance(value, list):
                 continue
             for slot in table.shared_subfolder.get(key, ()):
-                subfolders[slot] = key
+                if value == [None, None]:  # diffusers' record of an optional component the pipeline goes without
+                    absent.add(slot)
+                else:
+                    subfolders[slot] = key
         return _Entry(origin=origin, path=p, kind="pipeline",
-                      class_name=str(index.get("_class_name", "")), subfolders=subfolders)
+                      class_name=str(index.get("_class_name", "")), subfolders=subfolders, absent=frozenset(absent))
 
     if (p / "config.json").is_file():
         config = _read_json(p / "config.json")

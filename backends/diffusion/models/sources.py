@@ -268,6 +268,13 @@ class ModelSources:
             raise ModelLoadError(folder, f"holds a {sub.kind} ({sub.class_name}), but {slot} needs {self.table.expected(slot)}")
         return ComponentSource(slot, folder, sub.class_name, entry.origin)
 
+    def declared_absent(self, slot: str) -> bool:
+        """Whether a pipeline folder declares it has no `slot` (model_index.json's [null, null], as Wan 2.2 I2V A14B's
+        image_encoder) and no other path provides one."""
+        if self._component(slot) is not None or any(slot in e.subfolders for e in self.entries if e.kind == "pipeline"):
+            return False
+        return any(slot in e.absent for e in self.entries if e.kind == "pipeline")
+
     def resolve(self, slot: str) -> ComponentSource:
         """Find the folder of one slot; raise ModelLoadError if no source provides it."""
         self.table.check([slot])

@@ -16,10 +16,23 @@ if TYPE_CHECKING:  # annotations only: the run's configuration sits above the ro
     from ..config import RunConfig
 
 
+def declared_absent(cfg: RunConfig, slots: Iterable[str]) -> set[str]:
+    """The slots the given pipeline folder declares it goes without (model_index.json's [null, null]: Wan 2.2 I2V
+    A14B has no CLIP image encoder): a stage loads none of them, and a unit that would call one says so."""
+    from .sources import ModelLoadError
+
+    try:
+        sources = cfg.models.sources(cfg.family)
+    except ModelLoadError:  # the loading that follows says what is wrong with the paths
+        return set()
+    return {slot for slot in slots if sources.declared_absent(slot)}
+
+
 def stage_slots(cfg: RunConfig, models: Iterable[str], training: bool) -> list[str]:
     """The slots a stage loads for its plan models: each model, the tokenizer paired with a text
     encoder, the pipeline's companions of the model (a processor beside a text encoder, say), and in
-    training the family's schedulers (timesteps and losses read them)."""
+    training the family's schedulers (timesteps and losses read them); never a slot the pipeline folder declares
+    it goes without (`declared_absent`)."""
     slots: list[str] = []
     for name in models:
         slots.append(name)
@@ -29,7 +42,9 @@ def stage_slots(cfg: RunConfig, models: Iterable[str], training: bool) -> list[s
         slots.extend(cfg.pipeline.companions.get(name, ()))
     if training:
         slots += [s.name for s in cfg.family.slots if s.kind == "scheduler"]
-    return list(dict.fromkeys(slots))
+    slots = list(dict.fromkeys(slots))
+    absent = declared_absent(cfg, slots)
+    return [s for s in slots if s not in absent]
 
 
 def _library_progress_bars(enabled: bool) -> None:

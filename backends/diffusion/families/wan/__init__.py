@@ -92,7 +92,8 @@ SLOTS = (
 # low_noise_model/. A run trains one (--expert, or the one --min/max_timestep_boundary select).
 EXPERTS = Experts("dit", (("high_noise", "transformer"), ("low_noise", "transformer_2")),
                   (("high_noise", "high_noise_model"), ("low_noise", "low_noise_model")), schedule=u.TRAINING_SCHEDULE,
-                  published=(("Wan-AI/Wan2.2-T2V-A14B*", 0.875), ("Wan-AI/Wan2.2-I2V-A14B*", 0.9)))
+                  published=(("Wan-AI/Wan2.2-T2V-A14B*", 0.875), ("Wan-AI/Wan2.2-I2V-A14B*", 0.9)),
+                  pipelines=("wan", "wan_i2v"))  # TI2V-5B is one DiT
 
 _FRESH = (posterior_mean, u.noise_initializer, u.timestep_sampler)
 

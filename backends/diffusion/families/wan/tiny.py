@@ -70,13 +70,16 @@ SIZES: dict[str, dict[str, Any]] = {
 
 _SEED_OFFSETS = {"transformer": 0, "vae": 1, "text_encoder": 2, "image_encoder": 3, "transformer_2": 4}
 T2V_BOUNDARY_RATIO = 0.875  # Wan 2.2 T2V A14B's model_index.json: timesteps >= 875 go to `transformer`
+I2V_BOUNDARY_RATIO = 0.9  # Wan 2.2 I2V A14B's
 TI2V_SCHEDULER_CONFIG = dict(SCHEDULER_CONFIG, flow_shift=5.0)  # Wan 2.2 TI2V-5B's sample_shift (wan/configs/wan_ti2v_5B.py)
 
 
 def build_tiny_components(size: str = "test", seed: int = 0, i2v: bool = False, experts: bool = False,
                           ti2v: bool = False) -> dict[str, Any]:
     """The pipeline's components in memory (keys: diffusers component names). `experts`: Wan 2.2 A14B's layout, a
-    second DiT of the same config (`transformer_2`, other weights) for the low-noise steps and the boundary ratio.
+    second DiT of the same config (`transformer_2`, other weights) for the low-noise steps and the boundary ratio;
+    with `i2v` too, Wan 2.2 I2V A14B's: no CLIP image encoder (image_encoder and image_processor None in
+    model_index.json), the DiT's image_dim None, the conditioning channels kept.
     `ti2v`: Wan 2.2 TI2V-5B's (the patchified VAE, a DiT of its latent width, expand_timesteps)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
@@ -93,7 +96,9 @@ def build_tiny_components(size: str = "test", seed: int = 0, i2v: bool = False, 
     vae = spec["vae_ti2v"] if ti2v else spec["vae"]
     if i2v:
         z = spec["vae"]["z_dim"]
-        dit.update(spec["i2v"], in_channels=2 * z + 4)  # noisy latents, the 4-channel first-frame mask, the image latents
+        dit.update(in_channels=2 * z + 4)  # noisy latents, the 4-channel first-frame mask, the image latents
+        if not experts:  # Wan 2.1 I2V's CLIP image features; Wan 2.2 I2V A14B takes none
+            dit.update(spec["i2v"])
     if ti2v:
         dit.update(in_channels=vae["z_dim"], out_channels=vae["z_dim"])  # the image is fused into the latents
     components: dict[str, Any] = {
@@ -106,18 +111,18 @@ def build_tiny_components(size: str = "test", seed: int = 0, i2v: bool = False, 
     if ti2v:
         components["expand_timesteps"] = True
     if experts:
-        if i2v:
-            raise ValueError("the tiny two-expert folders are text-to-video (WanPipeline) only")
         components["transformer_2"] = seeded(seed + _SEED_OFFSETS["transformer_2"], lambda: WanTransformer3DModel(**dit))
-        components["boundary_ratio"] = T2V_BOUNDARY_RATIO
-    if i2v:
+        components["boundary_ratio"] = I2V_BOUNDARY_RATIO if i2v else T2V_BOUNDARY_RATIO
+    if i2v and experts:
+        components.update(image_encoder=None, image_processor=None)
+    elif i2v:
         vision = spec["clip_vision"]
         components["image_encoder"] = seeded(seed + _SEED_OFFSETS["image_encoder"], lambda: CLIPVisionModel(CLIPVisionConfig(**vision)))
         side = vision["image_size"]
         components["image_processor"] = CLIPImageProcessorPil(size={"shortest_edge": side},
                                                               crop_size={"height": side, "width": side})
     for name in ("transformer", "transformer_2", "vae", "text_encoder", "image_encoder"):
-        if name in components:
+        if components.get(name) is not None:
             components[name].eval()
     return components
 
@@ -125,7 +130,8 @@ def build_tiny_components(size: str = "test", seed: int = 0, i2v: bool = False, 
 def write_tiny_models(outdir, size: str = "test", seed: int = 0, pipeline: Any = None, experts: bool = False) -> Path:
     """Write a complete random-weight Wan diffusers pipeline folder for `pipeline` (None: wan; wan_ti2v: TI2V-5B's
     layout); return its path.
-    `experts`: Wan 2.2 A14B's two-expert text-to-video layout (`transformer`, `transformer_2`, `boundary_ratio`)."""
+    `experts`: Wan 2.2 A14B's two-expert layout (`transformer`, `transformer_2`, `boundary_ratio`): T2V A14B's, or
+    I2V A14B's for `wan_i2v` (no CLIP image encoder)."""
     import diffusers
 
     from . import FAMILY
