@@ -55,7 +55,17 @@ MODELS = {
     "flux2_klein": ("flux2_klein", {"height": 1024, "width": 1024}, {"height": 64, "width": 64},
                     "FLUX.2 [klein] 4B, 1024x1024"),
     "flux2": ("flux2", {"height": 1024, "width": 1024}, {"height": 64, "width": 64}, "FLUX.2-dev, 1024x1024"),
+    "wan_a14b": ("wan", {"height": 480, "width": 832, "num_frames": 81, "expert": "low_noise"},
+                 {"height": 32, "width": 32, "num_frames": 5, "expert": "low_noise"},
+                 "Wan 2.2 T2V A14B (one expert), 832x480 x 81 frames"),
+    "wan_ti2v": ("wan_ti2v", {"height": 704, "width": 1280, "num_frames": 121, "extra_inputs": "input_image"},
+                 {"height": 32, "width": 32, "num_frames": 5, "extra_inputs": "input_image"},
+                 "Wan 2.2 TI2V-5B, 1280x704 x 121 frames"),
+    "ltx2": ("ltx2", {"height": 512, "width": 768, "num_frames": 121}, {"height": 32, "width": 32, "num_frames": 9},
+             "LTX-2 (19B), 768x512 x 121 frames with sound"),
 }
+# rows whose folder is another layout of the family's: (the released configs' --size, the tiny folder's options)
+FOLDERS = {"wan_a14b": ("real-a14b", {"experts": True})}
 PRECISIONS = [  # (label, flags)
     ("fp32", {"mixed_precision": "no"}),
     ("bf16", {"mixed_precision": "bf16"}),
@@ -100,12 +110,13 @@ def model_folder(family: str, size: str, work: Path) -> Path:
     folder = work / f"{family}-{size}"
     if not (folder / "model_index.json").is_file():
         fam = families()[family]
+        real_size, options = FOLDERS.get(family, ("real", {}))
         if size == "real":
             import importlib
 
-            importlib.import_module(".real", fam.package).write_real_configs(folder, "real", pipeline=_pipeline(family))
+            importlib.import_module(".real", fam.package).write_real_configs(folder, real_size, pipeline=_pipeline(family))
         else:
-            fam.tiny_module().write_tiny_models(folder, size=size, seed=0, pipeline=_pipeline(family))
+            fam.tiny_module().write_tiny_models(folder, size=size, seed=0, pipeline=_pipeline(family), **options)
     return folder
 
 

@@ -111,7 +111,7 @@ PipelineOption = Annotated[Optional[str], typer.Option("--pipeline", help="A pip
 def tiny_models_command(
     outdir: Annotated[str, typer.Argument(metavar="OUTDIR", help="Folder to write the pipeline into.", show_default=False)],
     pipeline: PipelineOption = None,
-    size: Annotated[str, typer.Option("--size", help="test (a train step ~10 ms) or demo (~0.15 s at 256 px); real: the released model's config.json files only, no weights (for train --dry_run; Wan also real-1.3b).")] = "test",
+    size: Annotated[str, typer.Option("--size", help="test (a train step ~10 ms) or demo (~0.15 s at 256 px); real: the released model's config.json files only, no weights (for train --dry_run; Wan also real-1.3b and real-a14b, Wan 2.2 A14B's two experts).")] = "test",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
     experts: Annotated[bool, typer.Option("--experts", help="A denoiser of two experts (Wan 2.2 A14B's layout: transformer/ for high noise, transformer_2/ for low, boundary_ratio; T2V A14B's for wan, I2V A14B's for wan_i2v); train one with --expert.")] = False,
 ) -> None:

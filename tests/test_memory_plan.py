@@ -249,6 +249,7 @@ RELEASES = {
     ("flux", "real"): {"dit": 11.90e9, "text_encoder_2": 4.76e9, "text_encoder_1": 0.123e9, "vae_encoder": 0.084e9},
     ("wan", "real"): {"dit": 14.29e9, "text_encoder": 5.68e9, "vae": 0.127e9},
     ("wan", "real-1.3b"): {"dit": 1.42e9},
+    ("wan", "real-a14b"): {"dit": 14.29e9},  # each of Wan 2.2 A14B's experts is a Wan 2.1 14B DiT
 }
 
 

@@ -127,6 +127,34 @@ def test_a_dit_of_image_features_without_an_image_encoder_is_one_line(tmp_path, 
     one_error_line(code, err, "image_dim", "no image_encoder", "--model_paths")
 
 
+def test_the_a14b_released_configs_plan_one_expert_without_a_clip_encoder(capsys, tmp_path):
+    """`tiny-models --size real-a14b`: T2V A14B's two experts of one config for wan, I2V A14B's folder (no image
+    encoder, a DiT without image features) for wan_i2v; a dry run plans the expert --expert names, at 832x480 x 81."""
+    from unitgraph.backends.diffusion.families.wan import real
+
+    for pipeline, ratio in (("wan", 0.875), ("wan_i2v", 0.9)):
+        code, _, err = cli(capsys, "tiny-models", str(tmp_path / pipeline), "--pipeline", pipeline, "--size", "real-a14b")
+        assert code == 0, err
+        index = json.loads((tmp_path / pipeline / "model_index.json").read_text())
+        assert index["boundary_ratio"] == ratio and index["transformer_2"] == ["diffusers", "WanTransformer3DModel"]
+        configs = [json.loads((tmp_path / pipeline / sub / "config.json").read_text()) for sub in ("transformer", "transformer_2")]
+        assert configs[0] == configs[1] and configs[0]["num_layers"] == 40 and configs[0]["image_dim"] is None
+    assert index["image_encoder"] == [None, None] and configs[0]["in_channels"] == 36
+    flags = ["train", "--dry_run", "--json", "--pipeline", "wan_i2v", "--model_paths", str(tmp_path / "wan_i2v"),
+             "--dataset_base_path", str(tmp_path), "--lora_base_model", "dit", "--height", "480", "--width", "832",
+             "--num_frames", "81"]
+    code, _, err = cli(capsys, *flags)
+    one_error_line(code, err, "--expert")
+    code, out, err = cli(capsys, *flags, "--expert", "low_noise")
+    assert code == 0, err
+    plan = json.loads(out[out.index("{"):])
+    assert set(plan["stages"]["data_process"]["models"]) == {"text_encoder", "vae"}
+    train = plan["stages"]["train"]["models"]
+    base = train["dit"]["params"] - train["dit"]["trainable_params"]  # without the LoRA
+    assert set(train) == {"dit"} and abs(base - 14.29e9) < 0.005 * 14.29e9
+    assert real.A14B_BOUNDARY == {"wan": 0.875, "wan_i2v": 0.9}
+
+
 # --------------------------------------------------------------------------------------------
 # the choice
 

@@ -153,7 +153,13 @@ RELEASES = {
     "real": ("Wan-AI/Wan2.1-T2V-14B-Diffusers", TRANSFORMER_14B),
     "real-14b": ("Wan-AI/Wan2.1-T2V-14B-Diffusers", TRANSFORMER_14B),
     "real-1.3b": ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", TRANSFORMER_1_3B),
+    "real-a14b": ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", TRANSFORMER_14B),  # two experts of Wan 2.1 14B's config
 }
+# Wan 2.2 A14B (--size real-a14b): `transformer` and `transformer_2` of one config and model_index.json's boundary
+# ratio; I2V A14B's DiT is Wan 2.1 I2V's without the CLIP image features (image_dim and added_kv_proj_dim null),
+# and its folder has no image encoder (image_encoder and image_processor null)
+A14B_BOUNDARY = {"wan": 0.875, "wan_i2v": 0.9}
+I2V_A14B_RELEASE = "Wan-AI/Wan2.2-I2V-A14B-Diffusers"
 I2V_RELEASE = "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"  # --pipeline wan_i2v (any --size real*: the one I2V release here)
 TI2V_RELEASE = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"  # --pipeline wan_ti2v (any --size real*)
 # its scheduler/scheduler_config.json: UniPC at flow shift 5 (Wan's sample_shift for TI2V-5B)
@@ -162,7 +168,8 @@ TI2V_SCHEDULER = {"_class_name": "UniPCMultistepScheduler", **SCHEDULER_CONFIG, 
 
 def write_real_configs(outdir: Any, size: str = "real", pipeline: Optional[str] = None) -> Path:
     """Write the release's config-only pipeline folder: T2V for `wan` (14B, or 1.3B with size real-1.3b), Wan 2.1
-    I2V 14B 480P for `wan_i2v` (its image encoder too), Wan 2.2 TI2V-5B for `wan_ti2v`."""
+    I2V 14B 480P for `wan_i2v` (its image encoder too), Wan 2.2 TI2V-5B for `wan_ti2v`; with size real-a14b Wan 2.2
+    T2V A14B for `wan` and I2V A14B for `wan_i2v` (two experts)."""
     from . import FAMILY
 
     if size not in RELEASES:
@@ -174,6 +181,11 @@ def write_real_configs(outdir: Any, size: str = "real", pipeline: Optional[str] 
     release, transformer = (I2V_RELEASE, TRANSFORMER_I2V_14B) if i2v else RELEASES[size]
     if ti2v:
         release, transformer = TI2V_RELEASE, TRANSFORMER_TI2V_5B
+    a14b = size == "real-a14b"
+    if a14b and ti2v:
+        raise ValueError("Wan 2.2 TI2V-5B is one DiT: --size real for wan_ti2v")
+    if a14b and i2v:
+        release, transformer = I2V_A14B_RELEASE, dict(TRANSFORMER_I2V_14B, image_dim=None, added_kv_proj_dim=None)
     index = {
         "_class_name": class_name,
         "scheduler": ["diffusers", "UniPCMultistepScheduler"],
@@ -187,7 +199,12 @@ def write_real_configs(outdir: Any, size: str = "real", pipeline: Optional[str] 
     if ti2v:  # one DiT, its timesteps expanded per token
         index.update(boundary_ratio=None, expand_timesteps=True, transformer_2=[None, None])
         files.update({"vae/config.json": VAE_TI2V, "scheduler/scheduler_config.json": TI2V_SCHEDULER})
-    if i2v:
+    if a14b:
+        index.update(transformer_2=["diffusers", "WanTransformer3DModel"], boundary_ratio=A14B_BOUNDARY[definition.name])
+        files["transformer_2/config.json"] = transformer
+    if i2v and a14b:
+        index.update(image_encoder=[None, None], image_processor=[None, None])
+    elif i2v:
         index.update(image_encoder=["transformers", "CLIPVisionModel"], image_processor=["transformers", "CLIPImageProcessor"])
         files["image_encoder/config.json"] = IMAGE_ENCODER
     return write_config_folder(outdir, index, files, release)
