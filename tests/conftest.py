@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
+
+
+def pytest_runtest_setup(item):
+    """Each test starts with what earlier tests left alive frozen out of the garbage collector's sight.
+
+    The suite's process holds ~900k long-lived objects (torch, diffusers and transformers as imported, the
+    session's fixtures); every full collection walks them all, and the collections the tests' allocations trigger
+    took a quarter of the suite's time (measured: 165 s of 686). Collecting first and then freezing (gc.freeze)
+    leaves only the objects a test makes itself to be walked. The frozen ones are still freed by reference
+    counting; only a reference cycle that dies later is kept until the end of the session.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")

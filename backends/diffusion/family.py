@@ -39,6 +39,7 @@ __all__ = [
     "SinkCode",
     "UnitCode",
     "lazy_module",
+    "padded_prompts",
     "sink",
     "stacked",
     "unit",
@@ -175,6 +176,19 @@ def _signature(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return ("value", value)
     return ("solo", id(value))  # anything else is never stacked
+
+
+def padded_prompts(encode: Callable[[Any, list[Any]], Any], *outputs: str) -> BatchFn:
+    """The batch form of a prompt unit whose encoder pads every prompt to one fixed length (CLIP's 77 tokens, UMT5's
+    512, ...), so that prompts encoded together get what each gets alone: `encode(ctx, prompts)` once on all the
+    samples' prompts, its tensor (or tuple of tensors, one per name in `outputs`) split back into rows of 1."""
+
+    def batch(ctx: Any, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        values = encode(ctx, [s["prompt"] for s in samples])
+        values = values if isinstance(values, tuple) else (values,)
+        return [{o: v[k:k + 1] for o, v in zip(outputs, values)} for k in range(len(samples))]
+
+    return batch
 
 
 def stacked(fn: Callable[..., dict[str, Any]], outputs: tuple[str, ...]) -> BatchFn:

@@ -226,3 +226,11 @@ def draw_noise(ctx: Any, like: Any) -> Any:
     import torch
 
     return torch.randn(like.shape, generator=ctx.rng("noise"), dtype=like.dtype).to(like.device)
+
+
+@unit("NoiseInitializer", inputs=("input_latents",), outputs=("noise",), deterministic=False,
+      settings=("seed", "cache_dtype"))
+def noise_initializer(ctx: Any, input_latents: Any) -> dict[str, Any]:
+    """The noise a training step mixes into the latents, every family's (flow-matching and DDPM alike): drawn from
+    the sample's `noise` stream, so a split run and an unsplit run draw the same."""
+    return {"noise": draw_noise(ctx, input_latents)}

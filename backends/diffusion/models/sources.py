@@ -269,8 +269,8 @@ class ModelSources:
         return ComponentSource(slot, folder, sub.class_name, entry.origin)
 
     def declared_absent(self, slot: str) -> bool:
-        """Whether a pipeline folder declares it has no `slot` (model_index.json's [null, null], as Wan 2.2 I2V A14B's
-        image_encoder) and no other path provides one."""
+        """Whether a pipeline folder declares it has no `slot` (model_index.json's [null, null], diffusers' record of an
+        optional component a release goes without, an image encoder say) and no other path provides one."""
         if self._component(slot) is not None or any(slot in e.subfolders for e in self.entries if e.kind == "pipeline"):
             return False
         return any(slot in e.absent for e in self.entries if e.kind == "pipeline")

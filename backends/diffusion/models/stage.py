@@ -17,8 +17,9 @@ if TYPE_CHECKING:  # annotations only: the run's configuration sits above the ro
 
 
 def declared_absent(cfg: RunConfig, slots: Iterable[str]) -> set[str]:
-    """The slots the given pipeline folder declares it goes without (model_index.json's [null, null]: Wan 2.2 I2V
-    A14B has no CLIP image encoder): a stage loads none of them, and a unit that would call one says so."""
+    """The slots the given pipeline folder declares it goes without (model_index.json's [null, null]: a release of an
+    image-to-video pipeline without an image encoder, say): a stage loads none of them, and a unit that would call
+    one says so."""
     from .sources import ModelLoadError
 
     try:

@@ -13,7 +13,7 @@ random-weight configs in `tiny.py`. No torch is imported here.
 from __future__ import annotations
 
 from ...family import Family, ModelRepo, ModelSlot, PipelineDef
-from ...flowmatch import posterior_mean
+from ...flowmatch import noise_initializer, posterior_mean
 from . import losses, units as u
 
 # FLUX.1-dev's scheduler (scheduler/scheduler_config.json): a shift that grows with the image's token
@@ -79,7 +79,7 @@ SLOTS = (
 )
 
 _TEXT = (u.clip_prompt_encoder, u.t5_prompt_encoder, u.guidance_embedder)
-_FRESH = (posterior_mean, u.noise_initializer, u.latent_packer, u.timestep_sampler)
+_FRESH = (posterior_mean, noise_initializer, u.latent_packer, u.timestep_sampler)
 
 FLUX = PipelineDef(
     "flux", "sft",

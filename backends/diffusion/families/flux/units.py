@@ -30,8 +30,8 @@ from typing import Any
 from ...data.imaging import image_to_pixels
 from ...data.text import prompt_text
 from ...errors import BackendError
-from ...family import lazy_module, unit
-from ...flowmatch import TrainingSchedule, draw_noise, sample_training_timestep
+from ...family import lazy_module, padded_prompts, unit
+from ...flowmatch import TrainingSchedule, sample_training_timestep
 
 torch = lazy_module("torch")
 
@@ -125,13 +125,8 @@ def clip_pooled(ctx, prompts: list[Any]) -> torch.Tensor:
     return out.pooler_output.to(ctx.dtype)
 
 
-def _clip_batch(ctx, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    pooled = clip_pooled(ctx, [s["prompt"] for s in samples])  # every prompt padded to 77: one batch
-    return [{"pooled_prompt_emb": pooled[k:k + 1]} for k in range(len(samples))]
-
-
 @unit("ClipPromptEncoder", inputs=("prompt",), outputs=("pooled_prompt_emb",), models=("text_encoder_1",),
-      settings=("dtype", "cache_dtype"), batch=_clip_batch)
+      settings=("dtype", "cache_dtype"), batch=padded_prompts(clip_pooled, "pooled_prompt_emb"))
 def clip_prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
     return {"pooled_prompt_emb": clip_pooled(ctx, [prompt])}
 
@@ -165,12 +160,6 @@ def guidance_embedder(ctx, embedded_guidance: Any) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------
 # noise, packing, timesteps
-
-
-@unit("NoiseInitializer", inputs=("input_latents",), outputs=("noise",), deterministic=False,
-      settings=("seed", "cache_dtype"))
-def noise_initializer(ctx, input_latents: torch.Tensor) -> dict[str, Any]:
-    return {"noise": draw_noise(ctx, input_latents)}
 
 
 @unit("LatentPacker", inputs=("input_latents", "noise"), outputs=("input_latents", "noise", "latent_grid"),

@@ -21,7 +21,7 @@ No torch is imported here.
 from __future__ import annotations
 
 from ...family import Family, ModelRepo, ModelSlot, PipelineDef
-from ...flowmatch import posterior_mean
+from ...flowmatch import noise_initializer, posterior_mean
 from . import losses, units as u
 
 DEV_MODEL = "black-forest-labs/FLUX.2-dev"
@@ -90,7 +90,7 @@ SLOTS = (
               default_config=SCHEDULER_CONFIG),
 )
 
-_LATENTS = (posterior_mean, u.noise_initializer, u.latent_packer, u.timestep_sampler)
+_LATENTS = (posterior_mean, noise_initializer, u.latent_packer, u.timestep_sampler)
 
 FLUX2 = PipelineDef(
     "flux2", "sft",

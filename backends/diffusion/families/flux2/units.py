@@ -30,8 +30,8 @@ from typing import Any
 from ...data.imaging import image_to_pixels
 from ...data.text import prompt_text
 from ...errors import BackendError
-from ...family import lazy_module, unit
-from ...flowmatch import TrainingSchedule, draw_noise, sample_training_timestep
+from ...family import lazy_module, padded_prompts, unit
+from ...flowmatch import TrainingSchedule, sample_training_timestep
 
 torch = lazy_module("torch")
 
@@ -164,25 +164,14 @@ def mistral_embeds(ctx, prompts: list[Any]) -> torch.Tensor:
     return stack_layers(out.hidden_states, MISTRAL_LAYERS).to(ctx.dtype)
 
 
-def _mistral_batch(ctx, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    embeds = mistral_embeds(ctx, [s["prompt"] for s in samples])
-    return [{"prompt_emb": embeds[k:k + 1]} for k in range(len(samples))]
-
-
 @unit("PromptEmbedder", inputs=("prompt",), outputs=("prompt_emb",), models=("text_encoder",),
-      settings=("dtype", "cache_dtype"), batch=_mistral_batch)
+      settings=("dtype", "cache_dtype"), batch=padded_prompts(mistral_embeds, "prompt_emb"))
 def prompt_embedder(ctx, prompt: Any) -> dict[str, Any]:
     return {"prompt_emb": mistral_embeds(ctx, [prompt])}
 
 
 # ------------------------------------------------------------------------------------------------
 # noise, packing, timesteps
-
-
-@unit("NoiseInitializer", inputs=("input_latents",), outputs=("noise",), deterministic=False,
-      settings=("seed", "cache_dtype"))
-def noise_initializer(ctx, input_latents: torch.Tensor) -> dict[str, Any]:
-    return {"noise": draw_noise(ctx, input_latents)}
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:

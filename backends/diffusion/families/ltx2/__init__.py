@@ -27,7 +27,7 @@ term enters the loss. No torch is imported here.
 from __future__ import annotations
 
 from ...family import Family, ModelRepo, ModelSlot, PipelineDef
-from ...flowmatch import posterior_mean
+from ...flowmatch import noise_initializer, posterior_mean
 from . import losses, units as u
 
 LTX2_MODEL = "Lightricks/LTX-2"
@@ -84,7 +84,7 @@ SLOTS = (
 LTX2 = PipelineDef(
     "ltx2", "sft",
     units=(u.video_shape_checker, u.video_encoder, u.audio_encoder, u.prompt_encoder, posterior_mean,
-           u.noise_initializer, u.audio_noise_initializer, u.timestep_sampler),
+           noise_initializer, u.audio_noise_initializer, u.timestep_sampler),
     loss=losses.flow_matching_loss,
     description="LTX-2 text-to-audio-video fine-tuning (video column: clips of --num_frames frames, 8k+1; the clip's "
                 "sound track, when it has one, trains the audio stream) with the joint flow-matching loss",

@@ -31,8 +31,8 @@ from typing import Any
 from ...data.imaging import image_to_pixels
 from ...data.text import prompt_text
 from ...errors import BackendError
-from ...family import lazy_module, unit
-from ...flowmatch import TrainingSchedule, draw_noise, sample_training_timestep
+from ...family import lazy_module, padded_prompts, unit
+from ...flowmatch import TrainingSchedule, sample_training_timestep
 
 torch = lazy_module("torch")
 
@@ -218,14 +218,9 @@ def encode_prompts(ctx, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor,
     return video.to(ctx.dtype), audio.to(ctx.dtype), context_mask
 
 
-def _prompt_batch(ctx, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    video, audio, mask = encode_prompts(ctx, [s["prompt"] for s in samples])  # every prompt padded to 1024: one batch
-    return [{"video_context": video[k:k + 1], "audio_context": audio[k:k + 1], "context_mask": mask[k:k + 1]}
-            for k in range(len(samples))]
-
-
 @unit("PromptEncoder", inputs=("prompt",), outputs=("video_context", "audio_context", "context_mask"),
-      models=("text_encoder", "text_encoder_post_modules"), settings=("dtype", "cache_dtype"), batch=_prompt_batch)
+      models=("text_encoder", "text_encoder_post_modules"), settings=("dtype", "cache_dtype"),
+      batch=padded_prompts(encode_prompts, "video_context", "audio_context", "context_mask"))
 def prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
     video, audio, mask = encode_prompts(ctx, [prompt])
     return {"video_context": video, "audio_context": audio, "context_mask": mask}
@@ -240,12 +235,6 @@ def audio_latent_frames(config: Any, num_frames: int, frame_rate: float = FRAME_
     / hop length / the audio VAE's temporal factor, read from the DiT's config), rounded (LTX2Pipeline.__call__)."""
     per_second = float(config["audio_sampling_rate"]) / float(config["audio_hop_length"]) / float(config["audio_scale_factor"])
     return max(1, round(int(num_frames) / float(frame_rate) * per_second))
-
-
-@unit("NoiseInitializer", inputs=("input_latents",), outputs=("noise",), deterministic=False,
-      settings=("seed", "cache_dtype"))
-def noise_initializer(ctx, input_latents: torch.Tensor) -> dict[str, Any]:
-    return {"noise": draw_noise(ctx, input_latents)}
 
 
 @unit("AudioNoiseInitializer", inputs=("num_frames", "audio_latents"), outputs=("audio_noise",), deterministic=False,

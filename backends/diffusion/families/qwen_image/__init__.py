@@ -13,7 +13,7 @@ tiny random-weight configs in `tiny.py`. No torch is imported here.
 from __future__ import annotations
 
 from ...family import Family, ModelRepo, ModelSlot, PipelineDef
-from ...flowmatch import posterior_mean
+from ...flowmatch import noise_initializer, posterior_mean
 from . import losses, units as u
 
 # Qwen-Image's published scheduler configuration (scheduler/scheduler_config.json); used when no
@@ -71,7 +71,7 @@ _ENCODERS = (u.shape_checker, u.image_encoder, u.edit_image_encoder, u.prompt_en
 
 QWEN_IMAGE = PipelineDef(
     "qwen_image", "sft",
-    units=(*_ENCODERS, posterior_mean, u.noise_initializer, u.latent_packer, u.timestep_sampler),
+    units=(*_ENCODERS, posterior_mean, noise_initializer, u.latent_packer, u.timestep_sampler),
     loss=losses.flow_matching_loss,
     description="Qwen-Image text-to-image (and edit) fine-tuning with the flow-matching loss",
     image_params=_IMAGES,
@@ -89,7 +89,7 @@ def _edit_pipeline(name: str, diffusers_class: str, resizers: tuple, prompt_enco
     return PipelineDef(
         name, "sft",
         units=(u.target_shape_checker, u.image_encoder, edit_resizer, u.edit_images_encoder, condition_resizer,
-               prompt_encoder, posterior_mean, u.noise_initializer, u.latent_packer, u.timestep_sampler),
+               prompt_encoder, posterior_mean, noise_initializer, u.latent_packer, u.timestep_sampler),
         loss=losses.flow_matching_loss,
         description=description,
         required=("image", "prompt", "edit_image"),

@@ -36,7 +36,7 @@ from ...data.imaging import image_to_pixels
 from ...data.text import prompt_text
 from ...errors import BackendError
 from ...family import lazy_module, unit
-from ...flowmatch import TrainingSchedule, draw_noise, sample_training_timestep
+from ...flowmatch import TrainingSchedule, sample_training_timestep
 
 torch = lazy_module("torch")
 
@@ -357,12 +357,6 @@ def negative_prompt_encoder(ctx, negative_prompt: Any, cfg_scale: Any) -> dict[s
 
 # ------------------------------------------------------------------------------------------------
 # noise, packing, timesteps
-
-
-@unit("NoiseInitializer", inputs=("input_latents",), outputs=("noise",), deterministic=False,
-      settings=("seed", "cache_dtype"))
-def noise_initializer(ctx, input_latents: torch.Tensor) -> dict[str, Any]:
-    return {"noise": draw_noise(ctx, input_latents)}
 
 
 @unit("SeededNoise", inputs=("input_latents", "seed"), outputs=("noise",), settings=("cache_dtype",))

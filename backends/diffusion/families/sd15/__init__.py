@@ -11,7 +11,7 @@ is the shared `ddpm.py`), the tiny random-weight configs in `tiny.py`. No torch 
 from __future__ import annotations
 
 from ...family import Family, ModelRepo, ModelSlot, PipelineDef
-from ...flowmatch import latent_sampler
+from ...flowmatch import latent_sampler, noise_initializer
 from . import losses, units as u
 
 # stable-diffusion-v1-5's scheduler/scheduler_config.json (a PNDM sampler over the scaled-linear DDPM betas the UNet
@@ -62,7 +62,7 @@ SD15 = PipelineDef(
     "sd15", "sft",
     # DiffSynth's SD pipeline trains on a draw of the VAE posterior (vae.encode(image).sample()): the sampler, in
     # stage 2 (--vae_latents mean puts the posterior mean, computed once in stage 1, in its place)
-    units=(u.shape_checker, u.image_encoder, u.prompt_encoder, latent_sampler, u.noise_initializer,
+    units=(u.shape_checker, u.image_encoder, u.prompt_encoder, latent_sampler, noise_initializer,
            u.timestep_sampler),
     loss=losses.ddpm_loss,
     description="Stable Diffusion 1.5 text-to-image fine-tuning of the UNet with the DDPM loss (epsilon or v "

@@ -25,8 +25,7 @@ from ...data.imaging import image_to_pixels
 from ...ddpm import sample_ddpm_timestep
 from ...data.text import prompt_text
 from ...errors import BackendError
-from ...family import lazy_module, unit
-from ...flowmatch import draw_noise
+from ...family import lazy_module, padded_prompts, unit
 
 torch = lazy_module("torch")
 
@@ -92,25 +91,14 @@ def clip_hidden(ctx, prompts: list[Any]) -> torch.Tensor:
     return out[0].to(ctx.dtype)
 
 
-def _clip_batch(ctx, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    hidden = clip_hidden(ctx, [s["prompt"] for s in samples])  # every prompt padded to 77: one batch
-    return [{"prompt_embeds": hidden[k:k + 1]} for k in range(len(samples))]
-
-
 @unit("PromptEncoder", inputs=("prompt",), outputs=("prompt_embeds",), models=("text_encoder",),
-      settings=("dtype", "cache_dtype"), batch=_clip_batch)
+      settings=("dtype", "cache_dtype"), batch=padded_prompts(clip_hidden, "prompt_embeds"))
 def prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
     return {"prompt_embeds": clip_hidden(ctx, [prompt])}
 
 
 # ------------------------------------------------------------------------------------------------
 # noise, timesteps
-
-
-@unit("NoiseInitializer", inputs=("input_latents",), outputs=("noise",), deterministic=False,
-      settings=("seed", "cache_dtype"))
-def noise_initializer(ctx, input_latents: torch.Tensor) -> dict[str, Any]:
-    return {"noise": draw_noise(ctx, input_latents)}
 
 
 @unit("TimestepSampler", inputs=(), outputs=("timestep", "loss_weight"), deterministic=False,

@@ -14,7 +14,7 @@ tiny random-weight configs in `tiny.py`. No torch is imported here.
 from __future__ import annotations
 
 from ...family import Family, ModelRepo, ModelSlot, PipelineDef
-from ...flowmatch import latent_sampler
+from ...flowmatch import latent_sampler, noise_initializer
 from . import losses, units as u
 
 SDXL_MODEL = "stabilityai/stable-diffusion-xl-base-1.0"
@@ -77,7 +77,7 @@ SDXL = PipelineDef(
     # DiffSynth's SDXL pipeline trains on a draw of the VAE posterior (vae.encode(image).sample()): the sampler, in
     # stage 2 (--vae_latents mean puts the posterior mean, computed once in stage 1, in its place)
     units=(u.shape_checker, u.image_encoder, u.clip_prompt_encoder, u.clip_2_prompt_encoder, u.prompt_embed_joiner,
-           u.add_time_ids_computer, latent_sampler, u.noise_initializer, u.timestep_sampler),
+           u.add_time_ids_computer, latent_sampler, noise_initializer, u.timestep_sampler),
     loss=losses.denoising_loss,
     description="SDXL text-to-image fine-tuning with the DDPM loss (the noise, or v for a v-prediction scheduler), "
                 "conditioned on both CLIP encoders, the pooled embedding and the size and crop ids",

@@ -40,8 +40,7 @@ from ...data.imaging import image_to_pixels
 from ...ddpm import sample_ddpm_timestep
 from ...data.text import prompt_text
 from ...errors import BackendError
-from ...family import lazy_module, unit
-from ...flowmatch import draw_noise
+from ...family import lazy_module, padded_prompts, unit
 
 torch = lazy_module("torch")
 
@@ -134,13 +133,8 @@ def clip_2_outputs(ctx, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]
     return out.hidden_states[PENULTIMATE].to(ctx.dtype), out.text_embeds.to(ctx.dtype)
 
 
-def _clip_batch(ctx, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    hidden = clip_hidden(ctx, [s["prompt"] for s in samples])  # every prompt padded to 77: one batch
-    return [{"prompt_emb_1": hidden[k:k + 1]} for k in range(len(samples))]
-
-
 @unit("ClipPromptEncoder", inputs=("prompt",), outputs=("prompt_emb_1",), models=("text_encoder",),
-      settings=("dtype", "cache_dtype"), batch=_clip_batch)
+      settings=("dtype", "cache_dtype"), batch=padded_prompts(clip_hidden, "prompt_emb_1"))
 def clip_prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
     return {"prompt_emb_1": clip_hidden(ctx, [prompt])}
 
@@ -182,12 +176,6 @@ def time_ids(original_size: tuple[int, int], crops_coords_top_left: tuple[int, i
 def add_time_ids_computer(ctx, height: int, width: int) -> dict[str, Any]:
     size = (int(height), int(width))
     return {"add_time_ids": time_ids(size, CROP_TOP_LEFT, size)}
-
-
-@unit("NoiseInitializer", inputs=("input_latents",), outputs=("noise",), deterministic=False,
-      settings=("seed", "cache_dtype"))
-def noise_initializer(ctx, input_latents: torch.Tensor) -> dict[str, Any]:
-    return {"noise": draw_noise(ctx, input_latents)}
 
 
 @unit("TimestepSampler", inputs=(), outputs=("timestep", "loss_weight"), deterministic=False,

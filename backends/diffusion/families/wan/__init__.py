@@ -22,7 +22,7 @@ imported here.
 from __future__ import annotations
 
 from ...family import Experts, Family, ModelRepo, ModelSlot, PipelineDef
-from ...flowmatch import posterior_mean
+from ...flowmatch import noise_initializer, posterior_mean
 from . import losses, units as u
 
 # Wan 2.1's diffusers scheduler (used for sampling; training draws from DiffSynth's shift-5 schedule).
@@ -95,7 +95,7 @@ EXPERTS = Experts("dit", (("high_noise", "transformer"), ("low_noise", "transfor
                   published=(("Wan-AI/Wan2.2-T2V-A14B*", 0.875), ("Wan-AI/Wan2.2-I2V-A14B*", 0.9)),
                   pipelines=("wan", "wan_i2v"))  # TI2V-5B is one DiT
 
-_FRESH = (posterior_mean, u.noise_initializer, u.timestep_sampler)
+_FRESH = (posterior_mean, noise_initializer, u.timestep_sampler)
 
 WAN = PipelineDef(
     "wan", "sft",

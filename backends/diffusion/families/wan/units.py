@@ -33,8 +33,8 @@ from typing import Any
 from ...data.imaging import cover_crop, image_to_pixels
 from ...data.text import prompt_text
 from ...errors import BackendError
-from ...family import lazy_module, unit
-from ...flowmatch import TrainingSchedule, draw_noise, sample_training_timestep
+from ...family import lazy_module, padded_prompts, unit
+from ...flowmatch import TrainingSchedule, sample_training_timestep
 
 torch = lazy_module("torch")
 
@@ -195,25 +195,14 @@ def encode_prompts(ctx, prompts: list[Any]) -> torch.Tensor:
     return torch.where(mask[..., None].bool(), hidden, hidden.new_zeros(())).to(ctx.dtype)  # exact zeros after
 
 
-def _prompt_batch(ctx, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    emb = encode_prompts(ctx, [s["prompt"] for s in samples])  # every prompt padded to 512: one batch
-    return [{"prompt_emb": emb[k:k + 1]} for k in range(len(samples))]
-
-
 @unit("PromptEncoder", inputs=("prompt",), outputs=("prompt_emb",), models=("text_encoder",),
-      settings=("dtype", "cache_dtype"), batch=_prompt_batch)
+      settings=("dtype", "cache_dtype"), batch=padded_prompts(encode_prompts, "prompt_emb"))
 def prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
     return {"prompt_emb": encode_prompts(ctx, [prompt])}
 
 
 # ------------------------------------------------------------------------------------------------
 # noise, timesteps
-
-
-@unit("NoiseInitializer", inputs=("input_latents",), outputs=("noise",), deterministic=False,
-      settings=("seed", "cache_dtype"))
-def noise_initializer(ctx, input_latents: torch.Tensor) -> dict[str, Any]:
-    return {"noise": draw_noise(ctx, input_latents)}
 
 
 @unit("TimestepSampler", inputs=(), outputs=("timestep", "loss_weight"), deterministic=False,

@@ -24,7 +24,7 @@ omni template, which the text encoder reads (`omni.py`). The units are in `units
 from __future__ import annotations
 
 from ...family import Family, ModelRepo, ModelSlot, PipelineDef
-from ...flowmatch import posterior_mean
+from ...flowmatch import noise_initializer, posterior_mean
 from . import losses, omni, units as u
 
 TURBO_MODEL = "Tongyi-MAI/Z-Image-Turbo"
@@ -74,7 +74,7 @@ SLOTS = (
 
 Z_IMAGE = PipelineDef(
     "z_image", "sft",
-    units=(u.shape_checker, u.image_encoder, u.prompt_encoder, posterior_mean, u.noise_initializer,
+    units=(u.shape_checker, u.image_encoder, u.prompt_encoder, posterior_mean, noise_initializer,
            u.timestep_sampler),
     loss=losses.flow_matching_loss,
     description="Z-Image / Z-Image-Turbo text-to-image fine-tuning with the flow-matching loss (Qwen3 prompt "
@@ -87,7 +87,7 @@ Z_IMAGE = PipelineDef(
 Z_IMAGE_OMNI = PipelineDef(
     "z_image_omni", "sft",
     units=(u.shape_checker, u.image_encoder, omni.edit_image_resizer, omni.edit_image_embedder_vae,
-           omni.edit_image_embedder_siglip, omni.omni_prompt_encoder, posterior_mean, u.noise_initializer,
+           omni.edit_image_embedder_siglip, omni.omni_prompt_encoder, posterior_mean, noise_initializer,
            u.timestep_sampler),
     loss=omni.omni_flow_matching_loss,
     description="Z-Image-Omni-Base edit fine-tuning: edit images (edit_image column, one or a JSON list) as clean "

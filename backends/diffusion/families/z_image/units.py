@@ -27,7 +27,7 @@ from ...data.imaging import image_to_pixels
 from ...data.text import prompt_text
 from ...errors import BackendError
 from ...family import lazy_module, unit
-from ...flowmatch import TrainingSchedule, draw_noise, sample_training_timestep
+from ...flowmatch import TrainingSchedule, sample_training_timestep
 
 torch = lazy_module("torch")
 
@@ -115,12 +115,6 @@ def prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------
 # noise, timesteps
-
-
-@unit("NoiseInitializer", inputs=("input_latents",), outputs=("noise",), deterministic=False,
-      settings=("seed", "cache_dtype"))
-def noise_initializer(ctx, input_latents: torch.Tensor) -> dict[str, Any]:
-    return {"noise": draw_noise(ctx, input_latents)}
 
 
 # DiffSynth-Studio's "Z-Image" training template (set_timesteps_z_image, as its training sets it up: 1000 steps,
