@@ -318,7 +318,8 @@ def test_validation_of_an_expert_run_loads_the_other_expert_for_the_render(exper
 
 
 # --------------------------------------------------------------------------------------------
-# DiffSynth's Wan 2.2 T2V A14B LoRA commands (examples/wanvideo/model_training/lora/Wan2.2-T2V-A14B.sh)
+# DiffSynth's Wan 2.2 A14B LoRA commands (examples/wanvideo/model_training/lora/Wan2.2-T2V-A14B.sh and
+# Wan2.2-I2V-A14B.sh)
 
 # each expert's command verbatim but for the program name and the sizes (480x832 -> 32x32, 49 frames -> 5,
 # --dataset_repeat 100 -> 1, --num_epochs 5 -> 1)
@@ -360,14 +361,58 @@ DIFFSYNTH = {
   --min_timestep_boundary 0.417
 """,
 }
+# DiffSynth's Wan 2.2 I2V A14B LoRA commands (examples/wanvideo/model_training/lora/Wan2.2-I2V-A14B.sh), changed
+# as the T2V ones: their experts meet at timestep 900 (0.358 of DiffSynth's schedule), and they name input_image
+DIFFSYNTH_I2V = {
+    "high_noise": """
+  --dataset_base_path data/diffsynth_example_dataset/wanvideo/Wan2.2-I2V-A14B
+  --dataset_metadata_path data/diffsynth_example_dataset/wanvideo/Wan2.2-I2V-A14B/metadata.csv
+  --height 32
+  --width 32
+  --num_frames 5
+  --dataset_repeat 1
+  --model_id_with_origin_paths "Wan-AI/Wan2.2-I2V-A14B:high_noise_model/diffusion_pytorch_model*.safetensors,Wan-AI/Wan2.2-I2V-A14B:models_t5_umt5-xxl-enc-bf16.pth,Wan-AI/Wan2.2-I2V-A14B:Wan2.1_VAE.pth"
+  --learning_rate 1e-4
+  --num_epochs 1
+  --remove_prefix_in_ckpt "pipe.dit."
+  --output_path "./models/train/Wan2.2-I2V-A14B_high_noise_lora"
+  --lora_base_model "dit"
+  --lora_target_modules "q,k,v,o,ffn.0,ffn.2"
+  --lora_rank 32
+  --extra_inputs "input_image"
+  --max_timestep_boundary 0.358
+  --min_timestep_boundary 0
+""",
+    "low_noise": """
+  --dataset_base_path data/diffsynth_example_dataset/wanvideo/Wan2.2-I2V-A14B
+  --dataset_metadata_path data/diffsynth_example_dataset/wanvideo/Wan2.2-I2V-A14B/metadata.csv
+  --height 32
+  --width 32
+  --num_frames 5
+  --dataset_repeat 1
+  --model_id_with_origin_paths "Wan-AI/Wan2.2-I2V-A14B:low_noise_model/diffusion_pytorch_model*.safetensors,Wan-AI/Wan2.2-I2V-A14B:models_t5_umt5-xxl-enc-bf16.pth,Wan-AI/Wan2.2-I2V-A14B:Wan2.1_VAE.pth"
+  --learning_rate 1e-4
+  --num_epochs 1
+  --remove_prefix_in_ckpt "pipe.dit."
+  --output_path "./models/train/Wan2.2-I2V-A14B_low_noise_lora"
+  --lora_base_model "dit"
+  --lora_target_modules "q,k,v,o,ffn.0,ffn.2"
+  --lora_rank 32
+  --extra_inputs "input_image"
+  --max_timestep_boundary 1
+  --min_timestep_boundary 0.358
+""",
+}
 RELEASE_DIT = {"high_noise": "high_noise_model", "low_noise": "low_noise_model"}
 DIFFUSERS_DIT = {"high_noise": "transformer", "low_noise": "transformer_2"}
+# variant -> (its commands, the pipeline of its tiny two-expert folder, the timestep where its experts meet)
+VARIANTS = {"T2V": (DIFFSYNTH, "wan", 875), "I2V": (DIFFSYNTH_I2V, "wan_i2v", 900)}
 
 
-def diffsynth_workdir(root: Path, experts_folder: Path) -> Path:
-    """Wan-AI/Wan2.2-T2V-A14B as DiffSynth downloads it (each expert's DiT in Wan's own layout, the text encoder
-    and VAE as .pth pickles), the -Diffusers twin beside it (the tiny two-expert folder), the example clips."""
-    repo = root / "models" / "Wan-AI" / "Wan2.2-T2V-A14B"
+def diffsynth_workdir(root: Path, experts_folder: Path, variant: str = "T2V") -> Path:
+    """Wan-AI/Wan2.2-<variant>-A14B as DiffSynth downloads it (each expert's DiT in Wan's own layout, the text
+    encoder and VAE as .pth pickles), the -Diffusers twin beside it (the tiny two-expert folder), the example clips."""
+    repo = root / "models" / "Wan-AI" / f"Wan2.2-{variant}-A14B"
     for folder in RELEASE_DIT.values():
         (repo / folder).mkdir(parents=True)
         (repo / folder / "config.json").write_text(json.dumps({"_class_name": "WanModel", "dim": 16, "num_layers": 1}))
@@ -375,33 +420,39 @@ def diffsynth_workdir(root: Path, experts_folder: Path) -> Path:
                   str(repo / folder / "diffusion_pytorch_model.safetensors"))
     for name in ("models_t5_umt5-xxl-enc-bf16.pth", "Wan2.1_VAE.pth"):
         (repo / name).write_bytes(b"\x80\x04 a pickle: never opened")
-    shutil.copytree(experts_folder, root / "models" / "Wan-AI" / "Wan2.2-T2V-A14B-Diffusers")
-    write_synthetic_dataset(root / "data" / "diffsynth_example_dataset" / "wanvideo" / "Wan2.2-T2V-A14B", count=2,
+    shutil.copytree(experts_folder, root / "models" / "Wan-AI" / f"Wan2.2-{variant}-A14B-Diffusers")
+    write_synthetic_dataset(root / "data" / "diffsynth_example_dataset" / "wanvideo" / f"Wan2.2-{variant}-A14B", count=2,
                             size=SIZE, seed=2, videos=["video"], frames=FRAMES)
     return root
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_diffsynths_expert_commands_name_the_diffusers_folders_then_train_each_expert(experts_folder, tmp_path,
-                                                                                        capsys, monkeypatch):
-    monkeypatch.chdir(diffsynth_workdir(tmp_path, experts_folder))
+                                                                                        capsys, monkeypatch, variant):
+    commands, pipeline, boundary = VARIANTS[variant]
+    folder = experts_folder if pipeline == "wan" else \
+        tiny.write_tiny_models(tmp_path / "tiny", size="test", seed=0, pipeline=pipeline, experts=True)
+    monkeypatch.chdir(diffsynth_workdir(tmp_path, folder, variant))
     monkeypatch.setenv("UNITGRAPH_OFFLINE", "1")
+    release = f"Wan-AI/Wan2.2-{variant}-A14B"
     trained = {}
-    for expert, command in DIFFSYNTH.items():
+    for expert, command in commands.items():
         code, _, err = cli(capsys, "train", *shlex.split(command))
         line = one_error_line(code, err, "3 model files this command names cannot be read: ",
-                              f"Wan-AI/Wan2.2-T2V-A14B:{RELEASE_DIT[expert]}/diffusion_pytorch_model*.safetensors "
+                              f"{release}:{RELEASE_DIT[expert]}/diffusion_pytorch_model*.safetensors "
                               "(the dit in its release layout")
         suggested = re.search(r'--model_id_with_origin_paths "([^"]+)"', line).group(1)
-        assert suggested == ",".join(f"Wan-AI/Wan2.2-T2V-A14B-Diffusers:{sub}/*.safetensors"
+        assert suggested == ",".join(f"{release}-Diffusers:{sub}/*.safetensors"
                                      for sub in (DIFFUSERS_DIT[expert], "text_encoder", "vae"))
         given = re.search(r'--model_id_with_origin_paths "([^"]+)"', command).group(1)
         code, out, err = cli(capsys, "train", *shlex.split(command.replace(given, suggested)))
         assert code == 0, err
-        assert f"expert: {expert} (Wan-AI/Wan2.2-T2V-A14B-Diffusers:{DIFFUSERS_DIT[expert]}/*.safetensors;" in out
-        folder = Path("models") / "train" / f"Wan2.2-T2V-A14B_{expert}_lora"
-        rows = read_loss_csv(folder / "loss.csv")
-        assert len(rows) == 2 and all((r["timestep"] >= 875) == (expert == "high_noise") for r in rows)
-        trained[expert] = load_file(str(folder / "epoch-0.safetensors"))
+        assert f"pipeline: {pipeline} " in out
+        assert f"expert: {expert} ({release}-Diffusers:{DIFFUSERS_DIT[expert]}/*.safetensors;" in out
+        out_folder = Path("models") / "train" / f"Wan2.2-{variant}-A14B_{expert}_lora"
+        rows = read_loss_csv(out_folder / "loss.csv")
+        assert len(rows) == 2 and all((r["timestep"] >= boundary) == (expert == "high_noise") for r in rows)
+        trained[expert] = load_file(str(out_folder / "epoch-0.safetensors"))
     assert set(trained["high_noise"]) == set(trained["low_noise"])
     assert any(not torch.equal(trained["high_noise"][k], trained["low_noise"][k]) for k in trained["high_noise"])
