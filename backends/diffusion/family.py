@@ -330,6 +330,9 @@ class ModelSlot:
     config.json content) and `convert(tensors)` (the diffusers state dict); see models/release.py.
     module: the module the class is imported from when the library does not export it at its top (a model
     class diffusers keeps beside its pipeline, say); None: the library itself.
+    optional: a model some releases of the family's pipelines go without (an image encoder whose features only
+    some DiTs take): a run that is given none loads none, and the unit that calls it says what is missing when
+    the other models need it after all.
     """
 
     name: str
@@ -347,6 +350,7 @@ class ModelSlot:
     origin: Optional[tuple[str, str]] = None
     single_file: Optional[str] = None
     module: Optional[str] = None
+    optional: bool = False
 
     @property
     def class_names(self) -> tuple[str, ...]:

@@ -269,11 +269,17 @@ class ModelSources:
         return ComponentSource(slot, folder, sub.class_name, entry.origin)
 
     def declared_absent(self, slot: str) -> bool:
-        """Whether a pipeline folder declares it has no `slot` (model_index.json's [null, null], diffusers' record of an
-        optional component a release goes without, an image encoder say) and no other path provides one."""
-        if self._component(slot) is not None or any(slot in e.subfolders for e in self.entries if e.kind == "pipeline"):
+        """Whether the run goes without `slot`: a pipeline folder declares it has none (model_index.json's [null, null],
+        diffusers' record of an optional component a release goes without) and no other path provides one; or the
+        slot is optional (`ModelSlot.optional`) and no path provides it at all."""
+        pipelines = [e for e in self.entries if e.kind == "pipeline"]
+        if any(slot in e.subfolders for e in pipelines):
             return False
-        return any(slot in e.absent for e in self.entries if e.kind == "pipeline")
+        if self.table[slot].optional:
+            self._fetch_remote_for(slot)
+        if self._component(slot) is not None:
+            return False
+        return any(slot in e.absent for e in pipelines) or self.table[slot].optional
 
     def resolve(self, slot: str) -> ComponentSource:
         """Find the folder of one slot; raise ModelLoadError if no source provides it."""

@@ -17,25 +17,29 @@ if TYPE_CHECKING:  # annotations only: the run's configuration sits above the ro
 
 
 def declared_absent(cfg: RunConfig, slots: Iterable[str]) -> set[str]:
-    """The slots the given pipeline folder declares it goes without (model_index.json's [null, null]: a release of an
-    image-to-video pipeline without an image encoder, say): a stage loads none of them, and a unit that would call
-    one says so."""
+    """The slots the run goes without (`ModelSources.declared_absent`: a pipeline folder's model_index.json says
+    it has none, or an optional model no path provides; an image-to-video release without an image encoder, say):
+    a stage loads none of them, nor their tokenizers and companions, and a unit that would call one says so."""
     from .sources import ModelLoadError
 
     try:
         sources = cfg.models.sources(cfg.family)
+        return {slot for slot in slots if sources.declared_absent(slot)}
     except ModelLoadError:  # the loading that follows says what is wrong with the paths
         return set()
-    return {slot for slot in slots if sources.declared_absent(slot)}
 
 
 def stage_slots(cfg: RunConfig, models: Iterable[str], training: bool) -> list[str]:
     """The slots a stage loads for its plan models: each model, the tokenizer paired with a text
     encoder, the pipeline's companions of the model (a processor beside a text encoder, say), and in
-    training the family's schedulers (timesteps and losses read them); never a slot the pipeline folder declares
-    it goes without (`declared_absent`)."""
+    training the family's schedulers (timesteps and losses read them); never a slot the run goes without
+    (`declared_absent`)."""
+    models = list(models)
+    absent = declared_absent(cfg, models)
     slots: list[str] = []
     for name in models:
+        if name in absent:
+            continue
         slots.append(name)
         tokenizer = cfg.family.slot(name).tokenizer
         if tokenizer is not None:

@@ -78,7 +78,7 @@ SLOTS = (
               lora_prefix="text_encoder", lora_targets=TEXT_LORA_TARGETS, tokenizer="tokenizer"),
     ModelSlot("vae", "diffusers", "AutoencoderKLWan", "vae", lora_prefix="vae"),
     ModelSlot("image_encoder", "transformers", "CLIPVisionModel", "image_encoder", model_types=("clip_vision_model",),
-              lora_prefix="image_encoder"),
+              lora_prefix="image_encoder", optional=True),  # Wan 2.2 I2V A14B has none (its DiT takes no image features)
     ModelSlot("tokenizer", "transformers", "T5TokenizerFast", "tokenizer", kind="tokenizer",
               accepts=("T5Tokenizer",), origin=(WAN_MODEL, "tokenizer/")),
     ModelSlot("image_processor", "transformers", "CLIPImageProcessor", "image_processor", kind="processor",

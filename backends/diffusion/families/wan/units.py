@@ -169,8 +169,9 @@ def image_embedder(ctx, input_image: Any) -> dict[str, Any]:
     if ctx.config("dit").get("image_dim") is None:
         return {"image_embeds": None}
     if "image_encoder" not in ctx.models:
-        raise BackendError("this DiT takes CLIP image features (its config's image_dim) but the pipeline folder has no "
-                           "image_encoder (model_index.json); give the image encoder's folder in --model_paths")
+        raise BackendError("this DiT takes CLIP image features (its config's image_dim), but no image_encoder was given "
+                           "(none in the pipeline folder or the model paths): add the image encoder's folder to "
+                           "--model_paths or --model_id_with_origin_paths")
     inputs = ctx.model("image_processor")(images=input_image, return_tensors="pt")
     out = ctx.model("image_encoder")(pixel_values=inputs["pixel_values"].to(ctx.device), output_hidden_states=True)
     return {"image_embeds": out.hidden_states[-2].to(ctx.dtype)}
