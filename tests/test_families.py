@@ -59,13 +59,15 @@ def test_pipeline_choice(tmp_path):
         folder.mkdir()
         (folder / "model_index.json").write_text(json.dumps({"_class_name": fam.diffusers_pipelines[0]}))
         assert choose_pipeline(make_args(model_paths=str(folder), lora_base_model="dit"))[0] is fam
-    for fam in registry.families():  # a class of one pipeline's own (e.g. an edit pipeline) selects that pipeline
-        for p in fam.pipelines:
+    for fam in registry.families():  # a class of one pipeline's own (e.g. an edit pipeline) selects that pipeline;
+        for p in fam.pipelines:      # of several (FLUX.2's, with and without edit images), the first without data
             if p.diffusers_pipeline:
                 folder = tmp_path / f"own-{p.name}"
                 folder.mkdir()
                 (folder / "model_index.json").write_text(json.dumps({"_class_name": p.diffusers_pipeline}))
-                assert choose_pipeline(make_args(model_paths=str(folder), task=p.task, lora_base_model="dit"))[1] is p
+                sharing = [q for q in fam.pipelines if q.task == p.task and fam.diffusers_class(q) == p.diffusers_pipeline]
+                chosen = choose_pipeline(make_args(model_paths=str(folder), task=p.task, lora_base_model="dit"))[1]
+                assert chosen is sharing[0]
     unknown = tmp_path / "other"
     unknown.mkdir()
     (unknown / "model_index.json").write_text(json.dumps({"_class_name": "SomeOtherPipeline"}))

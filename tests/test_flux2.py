@@ -26,7 +26,7 @@ from unitgraph.backends.diffusion.choice import choose  # noqa: E402
 from unitgraph.backends.diffusion.context import ImageSize, UnitContext, UnitSettings  # noqa: E402
 from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
 from unitgraph.backends.diffusion.families import flux2  # noqa: E402
-from unitgraph.backends.diffusion.families.flux2 import losses, real, render, tiny, units as u  # noqa: E402
+from unitgraph.backends.diffusion.families.flux2 import edit, losses, real, render, tiny, units as u  # noqa: E402
 from unitgraph.backends.diffusion.flowmatch import latent_sampler, posterior_mean  # noqa: E402
 from unitgraph.backends.diffusion.stages import run  # noqa: E402
 
@@ -116,6 +116,30 @@ unitgraph train \
   --dataset_num_workers 8 \
   --task "sft:train"
 """.replace("SINGLE", _SINGLE_DEV)
+
+EDIT_DATA = Path("data") / "diffsynth_example_dataset" / "qwen_image" / "Qwen-Image-Edit-2511"
+# examples/flux2/model_training/lora/FLUX.2-klein-4B.sh, its "Edit" command (shipped commented out, as a pattern:
+# "# " removed) verbatim but for the program name and the sizes: --max_pixels 1048576 lowered to 1024,
+# --dataset_repeat 50 to 1, --num_epochs 5 to 1.
+EDIT_COMMAND = r"""
+unitgraph train \
+  --dataset_base_path data/diffsynth_example_dataset/qwen_image/Qwen-Image-Edit-2511 \
+  --dataset_metadata_path data/diffsynth_example_dataset/qwen_image/Qwen-Image-Edit-2511/metadata.json \
+  --data_file_keys "image,edit_image" \
+  --extra_inputs "edit_image" \
+  --max_pixels 1024 \
+  --dataset_repeat 1 \
+  --model_id_with_origin_paths "black-forest-labs/FLUX.2-klein-4B:text_encoder/*.safetensors,black-forest-labs/FLUX.2-klein-4B:transformer/*.safetensors,black-forest-labs/FLUX.2-klein-4B:vae/diffusion_pytorch_model.safetensors" \
+  --tokenizer_path "black-forest-labs/FLUX.2-klein-4B:tokenizer/" \
+  --learning_rate 1e-4 \
+  --num_epochs 1 \
+  --remove_prefix_in_ckpt "pipe.dit." \
+  --output_path "./models/train/FLUX.2-klein-4B_lora" \
+  --lora_base_model "dit" \
+  --lora_target_modules "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,linear_in,linear_out,to_qkv_mlp_proj,SINGLE" \
+  --lora_rank 32 \
+  --use_gradient_checkpointing
+""".replace("SINGLE", _SINGLE_4B)
 
 
 def quiet(_text: str) -> None:
@@ -341,6 +365,150 @@ def test_flux2_renders_what_its_pipeline_draws(dev_pipe):
     expected = dev_pipe(prompt="a cat", width=SIZE, height=SIZE, num_inference_steps=2,
                         guidance_scale=render.DEV_GUIDANCE, generator=torch.Generator().manual_seed(1)).images[0]
     assert got.size == (SIZE, SIZE) and got.tobytes() == expected.tobytes()
+
+
+# ------------------------------------------------------------------------------------------------
+# reference images (flux2_klein_edit, flux2_edit) against the pipelines' `image` argument
+
+
+def noise_image(width: int, height: int, seed: int):
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (height, width, 3), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy())
+
+
+def edit_tokens(ctx, images) -> dict:
+    pixels = edit.edit_image_resizer(ctx, {"edit_image": images})["edit_pixels"]
+    return {"edit_pixels": pixels, **edit.edit_image_encoder(ctx, {"edit_pixels": pixels})}
+
+
+def test_edit_images_are_sized_as_diffsynth_sizes_them_within_the_runs_area():
+    """DiffSynth's edit_image_auto_resize: about 1024 x 1024 px with the image's aspect, sides rounded to multiples
+    of 32, up as well as down; here capped by the run's own area."""
+    from PIL import Image
+
+    assert edit.edit_size(Image.new("RGB", (512, 512)), ImageSize()) == ImageSize(height=1024, width=1024)
+    assert edit.edit_size(Image.new("RGB", (3000, 2000)), ImageSize()) == ImageSize(height=832, width=1248)
+    assert edit.edit_size(Image.new("RGB", (200, 100)), ImageSize(max_pixels=64 * 64)) == ImageSize(height=32, width=96)
+    assert edit.edit_size(Image.new("RGB", (40, 40)), ImageSize(64, 64)) == ImageSize(height=64, width=64)
+    shaped = edit.edit_image_resizer(UnitContext(models={}), {"edit_image": Image.new("RGB", (300, 200))})
+    assert [tuple(p.shape) for p in shaped["edit_pixels"]] == [(1, 3, 832, 1248)]
+    with pytest.raises(Exception, match="--extra_inputs edit_image"):
+        edit.edit_image_resizer(UnitContext(models={}), {"edit_image": None})
+
+
+def test_the_edit_units_give_the_pipelines_reference_tokens_and_ids(pipe):
+    """Two edit images the pipeline keeps at their size (multiples of 32, under the run's area): our pixels, packed
+    latents and RoPE ids are Flux2KleinPipeline.prepare_image_latents' (time ids 10 and 20)."""
+    ctx = context(pipe, image_size=ImageSize(max_pixels=64 * 32))
+    images = [noise_image(32, 32, 1), noise_image(64, 32, 2)]
+    out = edit_tokens(ctx, images)
+    processed = [pipe.image_processor.preprocess(im, height=im.size[1], width=im.size[0], resize_mode="crop")
+                 for im in images]
+    for ours, theirs in zip(out["edit_pixels"], processed):
+        assert ours.shape == theirs.shape and torch.allclose(ours, theirs, atol=1e-6, rtol=0)
+    latents, ids = pipe.prepare_image_latents(processed, batch_size=1, generator=None, device="cpu", dtype=torch.float32)
+    assert out["edit_grids"] == [[[2, 2], [2, 4]]] and out["edit_latents"].shape == latents.shape == (1, 12, 4 * pipe.vae.config.latent_channels)
+    assert torch.allclose(out["edit_latents"], latents, atol=1e-5, rtol=0)
+    assert torch.equal(edit.edit_ids(out["edit_grids"][0], latents).long(), ids[0])
+    assert sorted(set(ids[0, :, 0].tolist())) == [10, 20]
+
+
+@pytest.mark.parametrize("dev", [False, True], ids=["klein", "dev"])
+def test_the_edit_losss_dit_call_is_the_pipelines_denoising_step_with_reference_images(pipe, dev_pipe, dev):
+    """The DiT call Flux2KleinPipeline / Flux2Pipeline make with `image=[...]` (captured), made again by the loss's
+    predict() from our units' prompt embedding and edit tokens: the same output over the target's tokens."""
+    pipeline = dev_pipe if dev else pipe
+    # (the pipelines refuse reference images under 64 px a side; two at 64 x 64, the run's area)
+    ctx = context(pipeline, image_size=ImageSize(max_pixels=64 * 64))
+    images = [noise_image(64, 64, 1), noise_image(64, 64, 2)]
+    embeds, _ = pipeline.encode_prompt(prompt="a dog")
+    calls = []
+    hook = pipeline.transformer.register_forward_hook(lambda m, args, kwargs, out: calls.append((kwargs, out[0])),
+                                                      with_kwargs=True)
+    try:
+        with torch.no_grad():
+            pipeline(prompt_embeds=embeds, image=images, height=SIZE, width=SIZE, num_inference_steps=2,
+                     guidance_scale=losses.TRAINING_GUIDANCE if dev else 1.0, output_type="latent",
+                     generator=torch.Generator().manual_seed(0))
+    finally:
+        hook.remove()
+    kwargs, expected = calls[1]
+    tokens = (SIZE // 16) ** 2
+    assert kwargs["hidden_states"].shape[1] == tokens + 2 * 16  # the target's tokens, then the edit images'
+    embedder = u.prompt_embedder if dev else u.qwen3_prompt_embedder
+    prompt_emb = embedder(ctx, {"prompt": "a dog"})["prompt_emb"]
+    out = edit_tokens(ctx, images)
+    with torch.no_grad():
+        pred = losses.predict(ctx, kwargs["hidden_states"][:, :tokens], kwargs["timestep"], prompt_emb,
+                              [[SIZE // 16, SIZE // 16]], reference=out["edit_latents"],
+                              reference_ids=edit.edit_ids(out["edit_grids"][0], out["edit_latents"]))
+    assert pred.shape == expected[:, :tokens].shape
+    assert torch.allclose(pred, expected[:, :tokens], atol=1e-5, rtol=0)
+
+
+def test_the_edit_pipelines_keep_the_vae_and_the_edit_images_in_stage_1():
+    import unitgraph
+
+    for definition in (flux2.FLUX2_KLEIN_EDIT, flux2.FLUX2_EDIT):
+        pipeline = definition.spec_pipeline
+        plan = unitgraph.split(pipeline, lora_base_model="dit")
+        assert plan.train_models == ["dit"] and "vae" in plan.data_process_models
+        assert {"EditImageResizer", "EditImageEncoder"} <= set(plan.data_process_units)
+        assert {p for p, _ in plan.cache_entries} == {"input_latents", "prompt_emb", "edit_latents", "edit_grids"}
+        assert unitgraph.verify(pipeline, plan) == []
+
+
+def test_the_memory_plan_counts_the_edit_images_tokens(models, capsys, tmp_path):
+    """A dry run of the edit pipeline traces the DiT over the target's and one edit image's tokens: more activations
+    in stage 2 than text-to-image at the same size, the encoders' stage 1 alike."""
+    plans = {}
+    for name in ("flux2_klein", "flux2_klein_edit"):
+        code, out, err = cli(capsys, "train", "--dry_run", "--json", "--pipeline", name, "--model_paths", str(models),
+                             "--dataset_base_path", str(tmp_path), "--lora_base_model", "dit", "--height", "64",
+                             "--width", "64")
+        assert code == 0, err
+        plans[name] = json.loads(out[out.index("{"):])
+    edit_plan, plain = plans["flux2_klein_edit"], plans["flux2_klein"]
+    assert edit_plan["settings"]["size"]["edit_grid"] == [4, 4] and "edit_grid" not in plain["settings"]["size"]
+    assert "16 edit image tokens" in edit_plan["settings"]["size"]["description"]
+    assert edit_plan["stages"]["train"]["peak_bytes"] > plain["stages"]["train"]["peak_bytes"]
+    assert edit_plan["stages"]["train"]["models"] == plain["stages"]["train"]["models"]
+
+
+def test_a_diffusers_folder_trains_with_edit_images_when_the_dataset_hands_them_over(models, tmp_path):
+    edits = tmp_path / "edits"
+    write_synthetic_dataset(edits, count=1, size=16, seed=0, images=["edit_image"])
+    common = dict(model_paths=str(models), lora_base_model="dit", dataset_base_path=str(edits),
+                  dataset_metadata_path=str(edits / "metadata.csv"))
+    assert choose(make_args(**common)).pipeline.name == "flux2_klein"  # the column is there, but not handed over
+    chosen = choose(make_args(extra_inputs="edit_image", **common))
+    assert chosen.line.startswith("pipeline: flux2_klein_edit (the class Flux2KleinPipeline in ")
+    assert chosen.line.endswith("; the metadata column edit_image)")
+
+
+@pytest.mark.parametrize("model_id, edit_pipeline", [("black-forest-labs/FLUX.2-klein-4B", "flux2_klein_edit"),
+                                                     ("black-forest-labs/FLUX.2-dev", "flux2_edit")])
+def test_one_checkpoint_trains_with_or_without_edit_images_as_the_dataset_says(model_id, edit_pipeline, tmp_path):
+    """The same model ids train text-to-image, or with reference images when the command hands over edit images;
+    stage 2 of a cache trains the pipeline the cache was made for."""
+    ids, lora = f"{model_id}:transformer/*.safetensors", "dit"
+    plain = tmp_path / "plain"
+    write_synthetic_dataset(plain, count=1, size=16, seed=0)
+    edits = tmp_path / "edits"
+    write_synthetic_dataset(edits, count=1, size=16, seed=0, images=["edit_image"])
+    assert choose(make_args(model_id_with_origin_paths=ids, lora_base_model=lora, dataset_base_path=str(plain),
+                            dataset_metadata_path=str(plain / "metadata.csv"))).pipeline.name == edit_pipeline[:-5]
+    chosen = choose(make_args(model_id_with_origin_paths=ids, lora_base_model=lora, dataset_base_path=str(edits),
+                              dataset_metadata_path=str(edits / "metadata.csv"), extra_inputs="edit_image"))
+    assert chosen.line == f"pipeline: {edit_pipeline} (the model id {model_id}; the metadata column edit_image)"
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "manifest.json").write_text(json.dumps({"pipeline": edit_pipeline}), encoding="utf-8")
+    chosen = choose(make_args(task="sft:train", model_id_with_origin_paths=ids, lora_base_model=lora,
+                              dataset_base_path=str(cache)))
+    assert chosen.line == f"pipeline: {edit_pipeline} (the model id {model_id}; the cache was made for it)"
 
 
 def test_each_text_encoder_slot_takes_its_own_class_from_a_text_encoder_folder(models, dev_models):
@@ -602,3 +770,31 @@ def test_diffsynths_flux2_dev_lora_commands_run_verbatim(dev_models, tmp_path, u
     pipe.load_lora_weights(str(out / "epoch-1.safetensors"))
     pipe.fuse_lora()
     assert not torch.equal(pipe.transformer.transformer_blocks[0].ff.linear_in.weight, before)
+
+
+@pytest.mark.slow
+def test_diffsynths_klein_edit_command_runs_verbatim(models, tmp_path, user_shell):
+    """The edit command DiffSynth's klein LoRA example ships (commented out), on its Qwen-Image-Edit-2511 example
+    data's layout (metadata.json naming image and edit_image): it trains flux2_klein_edit, and the LoRA loads into
+    Flux2KleinPipeline."""
+    shutil.copytree(models, tmp_path / KLEIN_REPO)
+    data = tmp_path / EDIT_DATA
+    csv_path = write_synthetic_dataset(data, count=2, size=48, seed=8, images=["edit_image"])
+    import csv
+
+    with csv_path.open(newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    (data / "metadata.json").write_text(json.dumps(rows), encoding="utf-8")
+    csv_path.unlink()
+    done = user_shell.script(EDIT_COMMAND, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("pipeline: flux2_klein_edit (the model id black-forest-labs/FLUX.2-klein-4B; the metadata column "
+            "edit_image)") in done.stdout
+    out = tmp_path / "models" / "train" / "FLUX.2-klein-4B_lora" / "epoch-0.safetensors"
+    keys = load_file(str(out))
+    assert len({k.split(".lora_")[0] for k in keys}) == 14
+    pipe = diffusers.Flux2KleinPipeline.from_pretrained(str(tmp_path / KLEIN_REPO))
+    before = pipe.transformer.single_transformer_blocks[0].attn.to_out.weight.detach().clone()
+    pipe.load_lora_weights(str(out))
+    pipe.fuse_lora()
+    assert not torch.equal(pipe.transformer.single_transformer_blocks[0].attn.to_out.weight, before)

@@ -10,7 +10,7 @@
   encoders) and the layout of a release single file (the family whose single-file format its header matches);
 * **the dataset**: the metadata's columns and `--extra_inputs` (a `video` column fits only the video
   pipelines, an `edit_image` column the edit pipelines, `--extra_inputs` naming a pipeline's derived input
-  that pipeline).
+  that pipeline); in stage 2, the pipeline the cache it reads was made for (its manifest, a local folder's).
 
 The models name the family: two families named is an error, one line naming both and suggesting
 --pipeline. Between the family's pipelines of the run's --task, the signals that give the denoiser outweigh
@@ -23,11 +23,12 @@ one family's pipelines only, else the first registered family does. The choice i
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Optional
 
 from .args import TrainArgs
+from .cache.cache import MANIFEST
 from .data.dataset import metadata_columns
 from .errors import BackendError
 from .family import Family, PipelineDef
@@ -53,10 +54,11 @@ class Choice:
 
 @dataclass(frozen=True)
 class Signal:
-    """What one model argument says: the family, the pipeline it names (None: the family only), in words."""
+    """What one model argument says: the family, the pipelines it names (none: the family only; several: one
+    checkpoint trained with or without reference images, which the dataset decides), in words."""
 
     family: Family
-    pipeline: Optional[str]
+    pipelines: tuple[str, ...]
     what: str
     denoiser: bool  # it gives the family's denoiser (its word on the pipeline outweighs an encoder's)
 
@@ -85,16 +87,14 @@ def model_id_signals(items: Iterable[tuple[str, str]], task: str) -> list[Signal
             if not sub:  # a release file at the repository's top stands for the component it holds
                 target = repo.diffusers_path(model_id, pattern)
                 sub = origin_subfolder(target.partition(":")[2]) if target else ""
-            out.append(Signal(family, _of_task(family, repo.pipeline, task), f"the model id {model_id}",
+            out.append(Signal(family, _of_task(family, repo.pipelines, task), f"the model id {model_id}",
                               _gives_denoiser(family, sub)))
     return out
 
 
-def _of_task(family: Family, pipeline: Optional[str], task: str) -> Optional[str]:
-    """A named pipeline when it trains the run's task (another task's pipeline names only its family)."""
-    if pipeline is None:
-        return None
-    return pipeline if family.pipeline(pipeline).task == task else None
+def _of_task(family: Family, pipelines: tuple[str, ...], task: str) -> tuple[str, ...]:
+    """The named pipelines that train the run's task (another task's pipeline names only its family)."""
+    return tuple(p for p in pipelines if family.pipeline(p).task == task)
 
 
 def _read_json(path: Path) -> Optional[dict]:
@@ -131,7 +131,7 @@ def _index_signals(index: dict, given: str, task: str) -> list[Signal]:
         marked = [p for p in own if p.index_marks and all(index.get(k) == v for k, v in p.index_marks.items())]
         own = marked or [p for p in own if not p.index_marks]
         if own or class_name in family.diffusers_pipelines:
-            named = next((p.name for p in own if p.task == task), None)
+            named = tuple(p.name for p in own if p.task == task)
             out.append(Signal(family, named, f"the class {class_name} in {Path(given) / 'model_index.json'}", True))
     return out
 
@@ -153,7 +153,7 @@ def _config_signals(config: dict, folder: Path, given: str) -> list[Signal]:
     if len(found) != 1:
         return []
     family, hit, denoiser = next(iter(found.values()))
-    return [Signal(family, None, f"the class {hit} in {folder / 'config.json'}", denoiser)]
+    return [Signal(family, (), f"the class {hit} in {folder / 'config.json'}", denoiser)]
 
 
 def _single_file_signals(path: Path, given: str) -> list[Signal]:
@@ -165,7 +165,7 @@ def _single_file_signals(path: Path, given: str) -> list[Signal]:
     for family in families():
         for slot, fmt in formats(family):
             if fmt.matches(shapes):
-                out.append(Signal(family, None, f"the layout of {given} ({fmt.description})",
+                out.append(Signal(family, (), f"the layout of {given} ({fmt.description})",
                                   slot == family.model_slots[0]))
                 break
     return out
@@ -189,15 +189,18 @@ class Data:
     columns: Optional[frozenset[str]]
     extra: frozenset[str]
     named: frozenset[str]
+    cached: Optional[str] = None  # stage 2: the pipeline the cache was made for
 
     def fits(self, pipeline: PipelineDef) -> bool:
         return self.columns is None or set(pipeline.required) <= self.columns
 
-    def key(self, pipeline: PipelineDef) -> tuple[bool, int, int]:
-        """How well the data fits a pipeline: it has its required columns; how many of them the command names;
-        how many of its derived inputs --extra_inputs names (DiffSynth's `input_image`)."""
+    def key(self, pipeline: PipelineDef) -> tuple[bool, bool, int, int]:
+        """How well the data fits a pipeline: it has its required columns; the cache was made for it; how many of
+        its columns the command names; how many of its derived inputs --extra_inputs names (DiffSynth's
+        `input_image`)."""
         present = self.named if self.columns is None else self.named & self.columns
-        return self.fits(pipeline), len(set(pipeline.required) & present), len(self.extra & set(pipeline.derived_inputs))
+        return (self.fits(pipeline), pipeline.name == self.cached, len(set(pipeline.required) & present),
+                len(self.extra & set(pipeline.derived_inputs)))
 
     def why(self, chosen: PipelineDef, among: list[PipelineDef], named_only: bool = True) -> list[str]:
         """The columns (those the command names, unless `named_only` is false) and --extra_inputs that set
@@ -206,6 +209,8 @@ class Data:
         offered = self.named if self.columns is None else (self.named if named_only else self.columns) & self.columns
         apart = [c for c in chosen.required if c in offered and not all(c in p.required for p in others)]
         words = [f"the metadata column{'s' if len(apart) > 1 else ''} {', '.join(apart)}"] if apart else []
+        if chosen.name == self.cached:
+            words = ["the cache was made for it"]
         derived = sorted(self.extra & set(chosen.derived_inputs))
         if derived:
             words.append(f"--extra_inputs {','.join(derived)}")
@@ -238,7 +243,8 @@ def choose(args: TrainArgs) -> Choice:
     signals = folder_signals(paths, task) + model_id_signals(items, task)
     columns = metadata_columns(args.dataset_metadata_path)
     extra = frozenset(args.extra_input_names())
-    data = Data(None if columns is None else frozenset(columns), extra, extra | frozenset(args.file_keys()))
+    data = Data(None if columns is None else frozenset(columns), extra, extra | frozenset(args.file_keys()),
+                _cached_pipeline(args))
     named = list(dict.fromkeys(s.family.name for s in signals))
     if len(named) > 1:
         first = {name: next(s for s in signals if s.family.name == name) for name in named}
@@ -248,6 +254,17 @@ def choose(args: TrainArgs) -> Choice:
     if named:
         return _within(signals[0].family, signals, data, task)
     return _from_data(data, task)
+
+
+def _cached_pipeline(args: TrainArgs) -> Optional[str]:
+    """Stage 2 reading a local cache folder: the pipeline its manifest says it was made for (None otherwise; an
+    unreadable manifest is reported when the cache is opened)."""
+    if args.stage != "train" or args.dataset_metadata_path or not args.dataset_base_path:
+        return None
+    path = Path(args.dataset_base_path).expanduser() / MANIFEST
+    manifest = _read_json(path) if path.is_file() else None
+    name = manifest.get("pipeline") if manifest is not None else None
+    return name if isinstance(name, str) else None
 
 
 def _task_pipelines(family: Family, task: str) -> list[PipelineDef]:
@@ -260,9 +277,9 @@ def _task_pipelines(family: Family, task: str) -> list[PipelineDef]:
 def _within(family: Family, signals: list[Signal], data: Data, task: str) -> Choice:
     """The family's pipeline the models name (the denoiser's word first), the dataset deciding between equals."""
     pool = _task_pipelines(family, task)
-    naming = [s for s in signals if s.pipeline is not None]
+    naming = [s for s in signals if s.pipelines]
     strong = [s for s in naming if s.denoiser] or naming
-    named = [p for p in pool if any(s.pipeline == p.name for s in strong)]
+    named = [p for p in pool if any(p.name in s.pipelines for s in strong)]
     candidates = named or pool
     if data.columns is not None and not any(data.fits(p) for p in pool):
         others = [p for fam in families() if fam is not family for p in fam.pipelines if p.task == task and data.fits(p)]
@@ -272,10 +289,13 @@ def _within(family: Family, signals: list[Signal], data: Data, task: str) -> Cho
                 f"fit only {', '.join(dict.fromkeys(p.name for p in others))}; pass --pipeline with the pipeline to "
                 "train, or fix the metadata")
     chosen = _best(candidates, data)
-    because = [s for s in strong if s.pipeline == chosen.name] or [s for s in signals if s.denoiser] or signals
+    without_cache = replace(data, cached=None)
+    told = data if _best(candidates, without_cache) is not chosen else without_cache  # the cache said so only if it decided
+    because = [s for s in strong if chosen.name in s.pipelines] or [s for s in signals if s.denoiser] or signals
     words = [because[0].what]
     if len(candidates) > 1:
-        words += data.why(chosen, candidates) or [f"{family.name}'s first pipeline for --task {task}"]
+        # several pipelines a model names (one checkpoint, with or without edit images): the first is its own
+        words += told.why(chosen, candidates) or ([] if named else [f"{family.name}'s first pipeline for --task {task}"])
     return Choice(family, chosen, "; ".join(words))
 
 
@@ -292,7 +312,7 @@ def _from_data(data: Data, task: str) -> Choice:
     elif fitting:
         top = data.key(_best(fitting, data))
         best = [p for p in fitting if data.key(p) == top]
-        if len({_family_of(p).name for p in best}) == 1 and (top[1] or top[2]):
+        if len({_family_of(p).name for p in best}) == 1 and any(top[1:]):
             chosen, only = best[0], "read it"
             words = data.why(chosen, fitting)
     if chosen is not None and words:

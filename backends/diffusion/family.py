@@ -26,7 +26,7 @@ import importlib
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import ModuleType
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 from unitgraph.spec import Pipeline, Sink, Unit
 
@@ -371,8 +371,9 @@ class ModelSlot:
 class ModelRepo:
     """Model repositories a family's commands name (DiffSynth's `--model_id_with_origin_paths "org/name:pattern"`).
 
-    ids: the model ids, as fnmatch patterns (`org/Model-T2V-*`); a command naming one trains `pipeline` (None:
-    one of the family's pipelines, which the dataset's columns decide). release_files: files of the original
+    ids: the model ids, as fnmatch patterns (`org/Model-T2V-*`); a command naming one trains `pipeline`, or the
+    one of several (a tuple: one checkpoint trained with and without reference images) or of all the family's
+    pipelines (None) that the dataset's columns decide. release_files: files of the original
     release layout these repositories hold (fnmatch patterns, `models_t5_*.pth`) -> where the diffusers layout
     keeps the same component (`text_encoder/*.safetensors`), in the repository `diffusers_repo` names
     (`{id}`: the same one; `{id}-Diffusers`: its diffusers twin). A message about a file it cannot read names
@@ -380,12 +381,19 @@ class ModelRepo:
     """
 
     ids: tuple[str, ...]
-    pipeline: Optional[str] = None
+    pipeline: Union[None, str, tuple[str, ...]] = None
     release_files: Mapping[str, str] = field(default_factory=dict, hash=False)
     diffusers_repo: str = "{id}"
 
     def names(self, model_id: str) -> bool:
         return any(fnmatch.fnmatchcase(model_id, pattern) for pattern in self.ids)
+
+    @property
+    def pipelines(self) -> tuple[str, ...]:
+        """The pipelines these ids name (empty: the family only)."""
+        if self.pipeline is None:
+            return ()
+        return (self.pipeline,) if isinstance(self.pipeline, str) else tuple(self.pipeline)
 
     def diffusers_path(self, model_id: str, pattern: str) -> Optional[str]:
         """'org/name:sub/pattern' of the diffusers layout holding what the release file `pattern` holds, or None."""
@@ -500,8 +508,9 @@ class Family:
                     raise ValueError(f"family {self.name}: pipeline {pipeline.name} has companions of undeclared slots {unknown}")
         pipelines = {p.name for p in self.pipelines}
         for repo in self.repos:
-            if repo.pipeline is not None and repo.pipeline not in pipelines:
-                raise ValueError(f"family {self.name}: model ids {repo.ids} name unknown pipeline {repo.pipeline}")
+            unknown = sorted(set(repo.pipelines) - pipelines)
+            if unknown:
+                raise ValueError(f"family {self.name}: model ids {repo.ids} name unknown pipelines {unknown}")
 
     def with_expert(self, expert: Optional[str]) -> "Family":
         """The family with its expert slot read from `expert`'s subfolder (the family itself for None): the folders

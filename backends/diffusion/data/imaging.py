@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import BackendError
 
-__all__ = ["cover_crop", "image_to_pixels"]
+__all__ = ["area_dimensions", "capped_area", "cover_crop", "image_to_pixels"]
 
 
 def cover_crop(image: Any, size: Any, multiple: int) -> Any:
@@ -68,3 +68,22 @@ def run_pixels(size: Any, multiple: int) -> tuple[int, int]:
         return size.width // multiple * multiple, size.height // multiple * multiple
     side = max(multiple, int(math.isqrt(int(size.max_pixels))) // multiple * multiple)
     return side, side
+
+
+def area_dimensions(area: int, width: int, height: int, multiple: int) -> tuple[int, int]:
+    """(width, height) of an image of about `area` pixels with the aspect of width x height, each side rounded to
+    the nearest multiple of `multiple` (at least one multiple): how DiffSynth's and diffusers' edit pipelines size a
+    reference image (their calculate_dimensions, with 32), scaling up as well as down."""
+    import math
+
+    ratio = width / height
+    w = math.sqrt(area * ratio)
+    h = w / ratio
+    return max(multiple, round(w / multiple) * multiple), max(multiple, round(h / multiple) * multiple)
+
+
+def capped_area(size: Any, cap: int) -> int:
+    """The area reference images are sized to: `cap` (1024 x 1024 in the edit pipelines), or the run's target area
+    when that is smaller (--height x --width, else --max_pixels), so that small training runs stay small."""
+    target = size.height * size.width if size.height is not None and size.width is not None else size.max_pixels
+    return min(int(cap), int(target))

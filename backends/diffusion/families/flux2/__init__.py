@@ -1,6 +1,8 @@
 """The FLUX.2 family: text-to-image fine-tuning of FLUX.2-dev (`flux2`, Mistral-Small-3.1 text encoder, a 32 B DiT
 with a guidance embedding) and of FLUX.2 [klein] (`flux2_klein`: klein 4B/9B and their -base variants, a Qwen3 text
-encoder, a smaller DiT without one), both over the 32-channel AutoencoderKLFlux2's latents.
+encoder, a smaller DiT without one), both over the 32-channel AutoencoderKLFlux2's latents; and both with reference
+images (`flux2_klein_edit`, `flux2_edit`: DiffSynth's `--extra_inputs "edit_image"`, edit.py), whose tokens follow
+the target's. A model id of either release names its text-to-image and its edit pipeline, and the dataset chooses.
 
 Model names follow DiffSynth-Studio's Flux2ImagePipeline, so its commands port unchanged: `dit`, `vae`, `tokenizer`
 (one slot for both encoders, as DiffSynth's, `--tokenizer_path "black-forest-labs/FLUX.2-klein-4B:tokenizer/"`
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from ...family import Family, ModelRepo, ModelSlot, PipelineDef
 from ...flowmatch import noise_initializer, posterior_mean
-from . import losses, units as u
+from . import edit, losses, units as u
 
 DEV_MODEL = "black-forest-labs/FLUX.2-dev"
 KLEIN_MODEL = "black-forest-labs/FLUX.2-klein-4B"
@@ -64,9 +66,10 @@ QWEN3_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # Qwen3Attention
 MISTRAL_LORA_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 
 # The model ids DiffSynth's FLUX.2 klein commands name (diffusers layouts all).
+# (one checkpoint trains with and without edit images: the dataset's edit_image column decides)
 REPOS = (
-    ModelRepo(("black-forest-labs/FLUX.2-klein-*",), "flux2_klein"),
-    ModelRepo((DEV_MODEL,), "flux2"),
+    ModelRepo(("black-forest-labs/FLUX.2-klein-*",), ("flux2_klein", "flux2_klein_edit")),
+    ModelRepo((DEV_MODEL,), ("flux2", "flux2_edit")),
 )
 
 SLOTS = (
@@ -110,12 +113,35 @@ FLUX2_KLEIN = PipelineDef(
     diffusers_pipeline="Flux2KleinPipeline",
 )
 
+_EDIT = (u.shape_checker, u.image_encoder, edit.edit_image_resizer, edit.edit_image_encoder)
+_EDIT_DATA = dict(required=("image", "prompt", "edit_image"), image_params=("image", "edit_image"))
+
+FLUX2_KLEIN_EDIT = PipelineDef(
+    "flux2_klein_edit", "sft",
+    units=(*_EDIT, u.qwen3_prompt_embedder, *_LATENTS),
+    loss=edit.edit_flow_matching_loss,
+    description="FLUX.2 klein fine-tuning with reference images (edit_image column, one or a JSON list): their VAE "
+                "latents as tokens after the target's",
+    diffusers_pipeline="Flux2KleinPipeline",
+    **_EDIT_DATA,
+)
+
+FLUX2_EDIT = PipelineDef(
+    "flux2_edit", "sft",
+    units=(*_EDIT, u.prompt_embedder, *_LATENTS),
+    loss=edit.edit_flow_matching_loss,
+    description="FLUX.2-dev fine-tuning with reference images (edit_image column, one or a JSON list): their VAE "
+                "latents as tokens after the target's",
+    diffusers_pipeline="Flux2Pipeline",
+    **_EDIT_DATA,
+)
+
 FAMILY = Family(
     name="flux2",
     title="FLUX.2",
     package=__name__,
     slots=SLOTS,
-    pipelines=(FLUX2_KLEIN, FLUX2),
+    pipelines=(FLUX2_KLEIN, FLUX2, FLUX2_KLEIN_EDIT, FLUX2_EDIT),
     diffusers_pipelines=("Flux2KleinPipeline", "Flux2Pipeline"),
     demo={"lora_target_modules": "to_q,to_k,to_v,to_out.0", "lora_rank": 8, "learning_rate": 1e-3},
     render=".render",

@@ -35,15 +35,20 @@ def text_ids(length: int, like: torch.Tensor) -> torch.Tensor:
     return ids
 
 
-def predict(ctx, latents: torch.Tensor, sigma: torch.Tensor, prompt_emb: Any, latent_grid: Any) -> torch.Tensor:
-    """The transformer's velocity for packed latents at noise level sigma."""
+def predict(ctx, latents: torch.Tensor, sigma: torch.Tensor, prompt_emb: Any, latent_grid: Any,
+            reference: Any = None, reference_ids: Any = None) -> torch.Tensor:
+    """The transformer's velocity for packed latents at noise level sigma; `reference` tokens (B, N, C) with their
+    ids (N, 4) go after the target's, and the output is cut back to the target's tokens (edit.py)."""
     dit, raw = ctx.model("dit"), ctx.raw("dit")
     dtype = ctx.model_dtype("dit")
-    batch = latents.shape[0]
+    batch, tokens = latents.shape[0], latents.shape[1]
     text = ctx.tensor(prompt_emb).to(dtype)
     guided = bool(getattr(raw.config, "guidance_embeds", False))
     guidance = torch.full((batch,), TRAINING_GUIDANCE, dtype=torch.float32, device=latents.device) if guided else None
     img = image_ids(latent_grid[0], latents)
+    if reference is not None:
+        latents = torch.cat([latents, reference], dim=1)
+        img = torch.cat([img, reference_ids], dim=0)
     txt = text_ids(text.shape[1], latents)
     return dit(
         hidden_states=latents.to(dtype),
@@ -53,7 +58,7 @@ def predict(ctx, latents: torch.Tensor, sigma: torch.Tensor, prompt_emb: Any, la
         txt_ids=txt.unsqueeze(0).expand(batch, -1, -1),
         img_ids=img.unsqueeze(0).expand(batch, -1, -1),
         return_dict=False,
-    )[0]
+    )[0][:, :tokens]
 
 
 @sink(inputs=("input_latents", "noise", "timestep", "loss_weight", "prompt_emb", "latent_grid"), models=("dit",))

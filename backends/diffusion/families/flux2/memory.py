@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Optional
 
-from ...data.imaging import run_pixels
+from ...data.imaging import area_dimensions, capped_area, run_pixels
 from ...family import lazy_module
+from .edit import EDIT_AREA, EDIT_MULTIPLE
 from .units import MAX_SEQUENCE_LENGTH, MISTRAL_LAYERS, MULTIPLE, QWEN3_LAYERS
 
 torch = lazy_module("torch")
 
 NOTES = ("FLUX.2: prompts padded to 512 tokens, as the units pad them; the text embedding stacks three layers of "
-         "the text encoder (Qwen3 for klein, Mistral for FLUX.2-dev)",)
+         "the text encoder (Qwen3 for klein, Mistral for FLUX.2-dev); the edit pipelines: one edit image of the target's "
+         "aspect, sized as their units size it",)
 
 
 def dims(cfg: Any, configs: Mapping[str, Any], text_tokens: Optional[int] = None) -> dict[str, Any]:
@@ -27,7 +29,12 @@ def dims(cfg: Any, configs: Mapping[str, Any], text_tokens: Optional[int] = None
     h, w = height // scale // 2, width // scale // 2  # the patchified grid: one token per cell
     out = {"width": width, "height": height, "latent": [4 * int(vae["latent_channels"]), h, w], "image_tokens": h * w,
            "text_tokens": int(text_tokens or MAX_SEQUENCE_LENGTH)}
+    if "edit_latents" in cfg.pipeline.loss.declaration.inputs:
+        ew, eh = area_dimensions(capped_area(cfg.units.image_size, EDIT_AREA), width, height, EDIT_MULTIPLE)
+        out["edit_grid"] = [eh // scale // 2, ew // scale // 2]
     out["description"] = f"{width}x{height} px, {out['image_tokens']} image tokens, {out['text_tokens']} text tokens"
+    if "edit_grid" in out:
+        out["description"] += f", {out['edit_grid'][0] * out['edit_grid'][1]} edit image tokens"
     return out
 
 
@@ -36,7 +43,7 @@ def sink_inputs(cfg: Any, dims: Mapping[str, Any], configs: Mapping[str, Any], b
     c, h, w = dims["latent"]
     tokens = dims["image_tokens"]
     dit = configs["dit"]
-    return {
+    inputs = {
         "input_latents": torch.randn(batch, tokens, c, dtype=dtype),
         "noise": torch.randn(batch, tokens, c, dtype=dtype),
         "timestep": torch.full((batch,), 500.0),
@@ -44,6 +51,11 @@ def sink_inputs(cfg: Any, dims: Mapping[str, Any], configs: Mapping[str, Any], b
         "prompt_emb": torch.randn(batch, dims["text_tokens"], int(dit["joint_attention_dim"]), dtype=dtype),
         "latent_grid": [[h, w] for _ in range(batch)],
     }
+    if "edit_grid" in dims:
+        eh, ew = dims["edit_grid"]
+        inputs["edit_latents"] = torch.randn(batch, eh * ew, c, dtype=dtype)
+        inputs["edit_grids"] = [[[eh, ew]] for _ in range(batch)]
+    return inputs
 
 
 def encoder_calls(cfg: Any, dims: Mapping[str, Any], configs: Mapping[str, Any], batch: int,

@@ -1,5 +1,6 @@
 """Validation samples of FLUX.2: the pipeline's diffusers class (Flux2KleinPipeline for klein, Flux2Pipeline for
-FLUX.2-dev) with the trained DiT and stage 1's prompt embedding (no text encoder is loaded).
+FLUX.2-dev) with the trained DiT and stage 1's prompt embedding (no text encoder is loaded). The edit pipelines'
+DiTs render text-to-image the same way (a validation prompt has no edit image).
 
 klein renders with guidance 1: its classifier-free guidance would need the empty prompt's embedding, which stage 1
 does not compute (a step-distilled klein ignores guidance anyway). FLUX.2-dev's guidance is embedded in the DiT
@@ -10,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-PIPELINES = ("flux2_klein", "flux2")
+PIPELINES = ("flux2_klein", "flux2", "flux2_klein_edit", "flux2_edit")
 GUIDANCE = 1.0  # klein
 DEV_GUIDANCE = 4.0  # Flux2Pipeline's default embedded guidance
 

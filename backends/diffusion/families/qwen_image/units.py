@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...data.imaging import image_to_pixels
+from ...data.imaging import area_dimensions, capped_area, image_to_pixels
 from ...data.text import prompt_text
 from ...errors import BackendError
 from ...family import lazy_module, unit
@@ -122,19 +122,13 @@ def edit_images(edit_image: Any, many: bool) -> list[Any]:
 def edit_dimensions(area: int, width: int, height: int) -> tuple[int, int]:
     """(width, height) of an image of `area` pixels with the aspect of width x height, sides multiples of 32
     (diffusers' calculate_dimensions; at least 32)."""
-    import math
-
-    ratio = width / height
-    w = math.sqrt(area * ratio)
-    h = w / ratio
-    return max(EDIT_MULTIPLE, round(w / EDIT_MULTIPLE) * EDIT_MULTIPLE), max(EDIT_MULTIPLE, round(h / EDIT_MULTIPLE) * EDIT_MULTIPLE)
+    return area_dimensions(area, width, height, EDIT_MULTIPLE)
 
 
 def vae_edit_area(size: Any) -> int:
     """The area edit images reach the VAE at: 1024x1024 (as diffusers and DiffSynth), or the target size when
     that is smaller (--height x --width, else --max_pixels), so small training runs stay small."""
-    target = size.height * size.width if size.height is not None and size.width is not None else size.max_pixels
-    return min(VAE_IMAGE_AREA, int(target))
+    return capped_area(size, VAE_IMAGE_AREA)
 
 
 def resize_edit(image: Any, area: int) -> Any:
