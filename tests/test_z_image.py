@@ -63,11 +63,29 @@ unitgraph train \
 """
 DIFFSYNTH_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "w1", "w2", "w3")
 
-# examples/z_image/model_training/lora/Z-Image-Omni-Base.sh, its image(s)-to-image command (commented out there) verbatim
-# but for the program name and the sizes: --max_pixels 1048576 lowered to 4096 (64 x 64: diffusers' omni pipeline takes
-# edit images of 64 px and more), --dataset_repeat 50 to 1, --num_epochs 5 to 2.
+# examples/z_image/model_training/lora/Z-Image-Omni-Base.sh, its text-to-image command and its image(s)-to-image command
+# (commented out there), verbatim but for the program name and the sizes: --max_pixels 1048576 lowered to 4096 (64 x 64:
+# diffusers' omni pipeline takes edit images of 64 px and more), --dataset_repeat 50 to 1, --num_epochs 5 to 2.
 OMNI_REPO = Path("models") / "Tongyi-MAI" / "Z-Image-Omni-Base"
 OMNI_DATA = Path("data") / "diffsynth_example_dataset" / "z_image" / "Z-Image-Omni-Base"
+DIFFSYNTH_OMNI_T2I_COMMAND = r"""
+unitgraph train \
+  --dataset_base_path data/diffsynth_example_dataset/z_image/Z-Image-Omni-Base \
+  --dataset_metadata_path data/diffsynth_example_dataset/z_image/Z-Image-Omni-Base/metadata.csv \
+  --max_pixels 4096 \
+  --dataset_repeat 1 \
+  --model_id_with_origin_paths "Tongyi-MAI/Z-Image-Omni-Base:transformer/*.safetensors,Tongyi-MAI/Z-Image-Omni-Base:siglip/model.safetensors,Tongyi-MAI/Z-Image-Turbo:text_encoder/*.safetensors,Tongyi-MAI/Z-Image-Turbo:vae/diffusion_pytorch_model.safetensors" \
+  --learning_rate 1e-4 \
+  --num_epochs 2 \
+  --remove_prefix_in_ckpt "pipe.dit." \
+  --output_path "./models/train/Z-Image-Omni-Base_lora" \
+  --lora_base_model "dit" \
+  --lora_target_modules "to_q,to_k,to_v,to_out.0,w1,w2,w3" \
+  --lora_rank 32 \
+  --use_gradient_checkpointing \
+  --find_unused_parameters \
+  --dataset_num_workers 8
+"""
 DIFFSYNTH_OMNI_COMMAND = r"""
 unitgraph train \
   --dataset_base_path data/diffsynth_example_dataset/z_image/Z-Image-Omni-Base \
@@ -546,17 +564,58 @@ def test_an_omni_sample_without_an_edit_image_is_one_line(omni_pipe):
         omni.edit_image_resizer(omni_context(omni_pipe), {"edit_image": None})
 
 
-def test_the_omni_model_id_chooses_z_image_omni():
+def test_the_omni_model_id_chooses_by_the_dataset(tmp_path):
+    """The Omni model id names both Omni pipelines: text-to-image, or with edit images when the command hands them
+    over (DiffSynth's --extra_inputs edit_image)."""
     ids = (f"{z_image.OMNI_MODEL}:transformer/*.safetensors,{z_image.OMNI_MODEL}:siglip/model.safetensors,"
            f"{z_image.TURBO_MODEL}:text_encoder/*.safetensors,{z_image.TURBO_MODEL}:vae/diffusion_pytorch_model.safetensors")
     chosen = choose(make_args(model_id_with_origin_paths=ids, lora_base_model="dit"))
-    assert chosen.line.startswith("pipeline: z_image_omni")
+    assert chosen.line == f"pipeline: z_image_omni_t2i (the model id {z_image.OMNI_MODEL})"
+    data = tmp_path / "data"
+    write_synthetic_dataset(data, count=1, size=16, seed=0, edit=True)
+    chosen = choose(make_args(model_id_with_origin_paths=ids, lora_base_model="dit", dataset_base_path=str(data),
+                              dataset_metadata_path=str(data / "metadata.csv"), extra_inputs="edit_image"))
+    assert chosen.line == f"pipeline: z_image_omni (the model id {z_image.OMNI_MODEL}; the metadata column edit_image)"
+
+
+def test_the_omni_t2i_prompt_and_dit_call_are_the_pipelines_without_images(omni_pipe):
+    """ZImageOmniPipeline without `image` (captured): the omni template's one segment, the noisy target alone, noise
+    mask 1 and no SigLIP features; our unit's segments and the t2i loss's predict() make the same call."""
+    calls = []
+    hook = omni_pipe.transformer.register_forward_hook(lambda m, args, kwargs, out: calls.append((kwargs, out[0])),
+                                                       with_kwargs=True)
+    try:
+        latents = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            omni_pipe(prompt="a red circle", latents=latents, height=64, width=64, num_inference_steps=2,
+                      guidance_scale=0.0, output_type="latent")
+    finally:
+        hook.remove()
+    kwargs, out = calls[0]
+    (target,), = kwargs["x"]
+    assert kwargs["image_noise_mask"] == [[1]] and kwargs["siglip_feats"] == [None]
+    ctx = omni_context(omni_pipe)
+    segments = omni.omni_t2i_prompt_encoder(ctx, {"prompt": "a red circle"})["prompt_segments"]
+    assert len(segments[0]) == 1 and torch.equal(segments[0][0], kwargs["cap_feats"][0][0])
+    with torch.no_grad():
+        pred = omni.predict(ctx, target[:, 0][None], omni_pipe.scheduler.timesteps[:1], segments)
+    assert torch.equal(pred, -torch.stack([o.float() for o in out]).squeeze(2))
+
+
+def test_the_omni_t2i_render_draws_what_the_pipeline_draws(omni_pipe):
+    ctx = omni_context(omni_pipe)
+    embeds = omni.omni_t2i_prompt_encoder(ctx, {"prompt": "a cat"})
+    models = {"dit": omni_pipe.transformer, "vae_encoder": omni_pipe.vae, "scheduler": omni_pipe.scheduler}
+    got = render.render(z_image.Z_IMAGE_OMNI_T2I, models, embeds, 64, 64, 2, torch.Generator().manual_seed(1))
+    expected = omni_pipe(prompt="a cat", width=64, height=64, num_inference_steps=2, guidance_scale=render.GUIDANCE,
+                         generator=torch.Generator().manual_seed(1)).images[0]
+    assert got.size == (64, 64) and got.tobytes() == expected.tobytes()
 
 
 @pytest.mark.slow
 def test_the_omni_released_configs_build_and_dry_run(capsys, tmp_path):
     """Z-Image-Omni-Base's folder: the DiT with its SigLIP embedder, the SigLIP2 encoder of 428 M parameters (DiffSynth's
-    siglip_vision_model_428m); a DiT LoRA's stage 2 holds the DiT alone, stage 1 the three encoders."""
+    siglip_vision_model_428m); a DiT LoRA's stage 2 holds the DiT alone, stage 1 the three encoders (two text-to-image)."""
     from unitgraph.backends.diffusion.memory_plan import build_meta
     from unitgraph.backends.diffusion.models.sources import ModelSources
 
@@ -567,28 +626,33 @@ def test_the_omni_released_configs_build_and_dry_run(capsys, tmp_path):
     assert abs(sum(p.numel() for p in siglip.parameters()) - 0.428e9) < 0.005 * 0.428e9
     dit = build_meta(z_image.FAMILY.slot("dit"), sources.load_config("dit"), "bfloat16")
     assert dit.siglip_embedder is not None
-    code, out, err = cli(capsys, "train", "--dry_run", "--json", "--model_paths", str(tmp_path / "real"),
-                         "--dataset_base_path", str(tmp_path), "--lora_base_model", "dit", "--height", "512",
-                         "--width", "512")
-    assert code == 0, err
-    plan = json.loads(out[out.index("{"):])
-    assert plan["settings"]["pipeline"] == "z_image_omni" and set(plan["stages"]["train"]["models"]) == {"dit"}
-    assert set(plan["stages"]["data_process"]["models"]) == {"text_encoder", "vae_encoder", "image_encoder"}
+    stage1 = {"z_image_omni_t2i": {"text_encoder", "vae_encoder"},  # the folder alone: text-to-image
+              "z_image_omni": {"text_encoder", "vae_encoder", "image_encoder"}}
+    for pipeline, models in stage1.items():
+        code, out, err = cli(capsys, "train", "--dry_run", "--json", "--model_paths", str(tmp_path / "real"),
+                             "--dataset_base_path", str(tmp_path), "--lora_base_model", "dit", "--height", "512",
+                             "--width", "512", *(["--pipeline", pipeline] if pipeline == "z_image_omni" else []))
+        assert code == 0, err
+        plan = json.loads(out[out.index("{"):])
+        assert plan["settings"]["pipeline"] == pipeline and set(plan["stages"]["train"]["models"]) == {"dit"}
+        assert set(plan["stages"]["data_process"]["models"]) == models
 
 
 @pytest.mark.slow
-def test_diffsynths_z_image_omni_edit_lora_command_runs_verbatim(tmp_path, user_shell):
+@pytest.mark.parametrize("edit", [False, True], ids=["t2i", "edit"])
+def test_diffsynths_z_image_omni_lora_commands_run_verbatim(tmp_path, user_shell, edit):
     """The tiny Omni-Base folder where DiffSynth downloads Tongyi-MAI/Z-Image-Omni-Base (DiT, SigLIP2 and its processor)
-    and Tongyi-MAI/Z-Image-Turbo (text encoder, VAE, tokenizer), data with an edit_image column; the LoRA loads in
+    and Tongyi-MAI/Z-Image-Turbo (text encoder, VAE, tokenizer); its text-to-image command on captioned images trains
+    z_image_omni_t2i, its image(s)-to-image command on data with an edit_image column z_image_omni; each LoRA loads in
     ZImageOmniPipeline."""
     folder = tiny.write_tiny_models(tmp_path / "tiny", size="test", seed=0, pipeline="z_image_omni")
     shutil.copytree(folder, tmp_path / OMNI_REPO)
     shutil.copytree(folder, tmp_path / TURBO_REPO)
-    write_synthetic_dataset(tmp_path / OMNI_DATA, count=2, size=64, seed=8, edit=True)
-    done = user_shell.script(DIFFSYNTH_OMNI_COMMAND, tmp_path)
+    write_synthetic_dataset(tmp_path / OMNI_DATA, count=2, size=64, seed=8, edit=edit)
+    done = user_shell.script(DIFFSYNTH_OMNI_COMMAND if edit else DIFFSYNTH_OMNI_T2I_COMMAND, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "pipeline: z_image_omni" in done.stdout
-    out = tmp_path / "models" / "train" / "Z-Image-Omni-Base_lora_edit"
+    assert f"pipeline: {'z_image_omni' if edit else 'z_image_omni_t2i'} (the model id {z_image.OMNI_MODEL}" in done.stdout
+    out = tmp_path / "models" / "train" / ("Z-Image-Omni-Base_lora_edit" if edit else "Z-Image-Omni-Base_lora")
     assert sorted(p.name for p in out.glob("epoch-*.safetensors")) == ["epoch-0.safetensors", "epoch-1.safetensors"]
     pipe = diffusers.ZImageOmniPipeline.from_pretrained(str(tmp_path / OMNI_REPO))
     before = pipe.transformer.layers[0].attention.to_q.weight.detach().clone()

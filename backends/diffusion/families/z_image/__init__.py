@@ -17,7 +17,8 @@ the DiT as one unpadded sequence per sample, the DiT's own calling convention.
 
 `z_image_omni` trains Z-Image-Omni-Base on edit images, which reach the DiT as clean VAE latents, as SigLIP2 features
 (DiffSynth's `image_encoder`, diffusers' `siglip`, with its `siglip_processor`) and as their places in the prompt's
-omni template, which the text encoder reads (`omni.py`). The units are in `units.py`, the loss in
+omni template, which the text encoder reads (`omni.py`); `z_image_omni_t2i` trains it text-to-image, through the
+same omni template and DiT call without images. The Omni model id names both, and the dataset chooses. The units are in `units.py`, the loss in
 `losses.py`, the tiny random-weight configs in `tiny.py`. No torch is imported here.
 """
 
@@ -48,7 +49,7 @@ TEXT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # Qwen3Attention
 # The model ids DiffSynth's Z-Image commands name. Its Z-Image.sh takes the DiT of Z-Image and the text encoder and
 # VAE of Z-Image-Turbo (the same components): both ids mean the text-to-image pipeline.
 REPOS = (
-    ModelRepo((OMNI_MODEL,), "z_image_omni"),
+    ModelRepo((OMNI_MODEL,), ("z_image_omni_t2i", "z_image_omni")),  # without or with edit images
     ModelRepo((BASE_MODEL, TURBO_MODEL), "z_image"),
 )
 
@@ -98,12 +99,23 @@ Z_IMAGE_OMNI = PipelineDef(
     companions={"image_encoder": ("siglip_processor",)},
 )
 
+# Z-Image-Omni-Base's text-to-image training (DiffSynth's Z-Image-Omni-Base.sh, its first command): the omni template
+# without images and the Omni DiT's call with the noisy target alone
+Z_IMAGE_OMNI_T2I = PipelineDef(
+    "z_image_omni_t2i", "sft",
+    units=(u.shape_checker, u.image_encoder, omni.omni_t2i_prompt_encoder, posterior_mean, noise_initializer,
+           u.timestep_sampler),
+    loss=omni.omni_t2i_flow_matching_loss,
+    description="Z-Image-Omni-Base text-to-image fine-tuning: the omni prompt template and DiT call without images",
+    diffusers_pipeline="ZImageOmniPipeline",
+)
+
 FAMILY = Family(
     name="z_image",
     title="Z-Image",
     package=__name__,
     slots=SLOTS,
-    pipelines=(Z_IMAGE, Z_IMAGE_OMNI),
+    pipelines=(Z_IMAGE, Z_IMAGE_OMNI_T2I, Z_IMAGE_OMNI),
     diffusers_pipelines=("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline", "ZImageOmniPipeline"),
     # padded along dim 1 to the longest in a batch; the mask marks the real tokens (1), the loss drops the rest
     pad={"prompt_emb": "prompt_emb_mask"},

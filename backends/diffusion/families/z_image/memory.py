@@ -18,7 +18,8 @@ from .units import HIDDEN_LAYER, MAX_SEQUENCE_LENGTH, MULTIPLE
 torch = lazy_module("torch")
 
 NOTES = ("Z-Image: prompts at their longest (512 tokens with the chat template), as the text encoder is called; "
-         "z_image_omni: one edit image at the target's size",)
+         "z_image_omni: one edit image at the target's size; z_image_omni_t2i: the prompt as the omni template's one "
+         "segment",)
 OMNI_TEMPLATE_TOKENS = 4  # the omni template's segments around the prompt's (a few tokens each)
 
 
@@ -58,6 +59,8 @@ def sink_inputs(cfg: Any, dims: Mapping[str, Any], configs: Mapping[str, Any], b
         "prompt_emb": torch.randn(batch, dims["text_tokens"], width, dtype=dtype),
         "prompt_emb_mask": None,
     }
+    if "prompt_segments" in cfg.pipeline.loss.declaration.inputs and "edit_latent" not in dims:
+        inputs["prompt_segments"] = [[torch.randn(dims["text_tokens"], width, dtype=dtype)] for _ in range(batch)]
     if "edit_latent" in dims:  # z_image_omni: one edit image, the omni template's three segments
         grid, eh, ew = dims["siglip_grid"], *dims["edit_latent"]
         segments = (OMNI_TEMPLATE_TOKENS, dims["text_tokens"], OMNI_TEMPLATE_TOKENS)

@@ -1,4 +1,5 @@
-"""Z-Image-Omni-Base's edit training (`z_image_omni`): its units and loss, each declaration right above its code.
+"""Z-Image-Omni-Base's edit training (`z_image_omni`) and its text-to-image training (`z_image_omni_t2i`): their units
+and losses, each declaration right above its code.
 
 Params beyond the z_image pipeline's (one sample), computed as DiffSynth-Studio's ZImagePipeline computes them for a
 DiT with a SigLIP embedder, and as diffusers' ZImageOmniPipeline feeds its transformer:
@@ -17,6 +18,11 @@ DiT with a SigLIP embedder, and as diffusers' ZImageOmniPipeline feeds its trans
 Lists are per-sample lists inside a one-element list (a batch concatenates them). The loss gives the DiT the edit
 latents before the noisy target (noise mask 0 for them, 1 for the target), the segments as the caption, the SigLIP
 features with None for the target, t = (1000 - timestep) / 1000, and negates its output: ZImageOmniPipeline's call.
+
+Without edit images (`z_image_omni_t2i`, DiffSynth's uncommented Z-Image-Omni-Base.sh command) the prompt is the omni
+template's one segment ("user\n" + prompt + the assistant's turn) and the DiT sees the noisy target alone, noise
+mask 1 and no SigLIP features (None for the sample): ZImageOmniPipeline's call without `image`, and DiffSynth's
+model_fn_z_image for an Omni DiT given no edit image.
 
 Where this knowingly differs from DiffSynth-Studio's own pipeline: its model_fn_z_image passes the SigLIP features
 without the target's None, so its DiT sees no block of SigLIP pad tokens for the target image, where diffusers'
@@ -110,20 +116,41 @@ def omni_prompt_encoder(ctx, prompt: Any, edit_image: Any) -> dict[str, Any]:
     return {"prompt_segments": [encode_segments(ctx, omni_segments(prompt_text(prompt), count))]}
 
 
-def predict(ctx, latents: torch.Tensor, timestep: torch.Tensor, prompt_segments: list, edit_latents: list,
-            siglip_embeds: list) -> torch.Tensor:
-    """The velocity at noisy target latents (B, C, h, w): ZImageOmniPipeline's transformer call, output negated."""
+@unit("OmniPromptEncoder", inputs=("prompt",), outputs=("prompt_segments",), models=("text_encoder",),
+      settings=("dtype", "cache_dtype"))
+def omni_t2i_prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
+    """z_image_omni_t2i: the omni template without images, one segment."""
+    return {"prompt_segments": [encode_segments(ctx, omni_segments(prompt_text(prompt), 0))]}
+
+
+def predict(ctx, latents: torch.Tensor, timestep: torch.Tensor, prompt_segments: list, edit_latents: Any = None,
+            siglip_embeds: Any = None) -> torch.Tensor:
+    """The velocity at noisy target latents (B, C, h, w): ZImageOmniPipeline's transformer call, output negated
+    (edit_latents None: text-to-image, no SigLIP features)."""
     dit = ctx.model("dit")
     dtype = ctx.model_dtype("dit")
     t = (1000 - timestep.float().reshape(-1).expand(latents.shape[0])) / 1000
     targets = list(latents.to(dtype).unsqueeze(2).unbind(0))
-    x = [[ctx.tensor(e)[0].to(dtype).unsqueeze(1) for e in edits] + [target]
-         for edits, target in zip(edit_latents, targets)]
     captions = [[ctx.tensor(s).to(dtype) for s in segments] for segments in prompt_segments]
-    siglip = [[ctx.tensor(s).to(dtype) for s in feats] + [None] for feats in siglip_embeds]
-    noise_mask = [[0] * len(edits) + [1] for edits in edit_latents]
+    if edit_latents is None:
+        x, siglip, noise_mask = [[target] for target in targets], [None] * len(targets), [[1]] * len(targets)
+    else:
+        x = [[ctx.tensor(e)[0].to(dtype).unsqueeze(1) for e in edits] + [target]
+             for edits, target in zip(edit_latents, targets)]
+        siglip = [[ctx.tensor(s).to(dtype) for s in feats] + [None] for feats in siglip_embeds]
+        noise_mask = [[0] * len(edits) + [1] for edits in edit_latents]
     out = dit(x=x, t=t, cap_feats=captions, siglip_feats=siglip, image_noise_mask=noise_mask, return_dict=False)[0]
     return -torch.stack(list(out), dim=0).squeeze(2)
+
+
+def _loss(ctx, input_latents, noise, timestep, loss_weight, prompt_segments, edit_latents=None,
+          siglip_embeds=None) -> torch.Tensor:
+    x0, noise = ctx.tensor(input_latents), ctx.tensor(noise)
+    t = ctx.tensor(timestep)
+    sigma = t.to(x0.dtype).reshape(-1, 1, 1, 1) / 1000.0
+    noisy = (1.0 - sigma) * x0 + sigma * noise
+    pred = predict(ctx, noisy, t, prompt_segments, edit_latents, siglip_embeds)
+    return flow_matching_mse(pred, noise - x0, ctx.tensor(loss_weight))
 
 
 @sink(inputs=("input_latents", "noise", "timestep", "loss_weight", "prompt_segments", "edit_latents", "siglip_embeds"),
@@ -131,9 +158,10 @@ def predict(ctx, latents: torch.Tensor, timestep: torch.Tensor, prompt_segments:
 def omni_flow_matching_loss(ctx, input_latents, noise, timestep, loss_weight, prompt_segments, edit_latents,
                             siglip_embeds) -> torch.Tensor:
     """The z_image loss (flow matching, DiffSynth's weight) with the edit images' latents and SigLIP features."""
-    x0, noise = ctx.tensor(input_latents), ctx.tensor(noise)
-    t = ctx.tensor(timestep)
-    sigma = t.to(x0.dtype).reshape(-1, 1, 1, 1) / 1000.0
-    noisy = (1.0 - sigma) * x0 + sigma * noise
-    pred = predict(ctx, noisy, t, prompt_segments, edit_latents, siglip_embeds)
-    return flow_matching_mse(pred, noise - x0, ctx.tensor(loss_weight))
+    return _loss(ctx, input_latents, noise, timestep, loss_weight, prompt_segments, edit_latents, siglip_embeds)
+
+
+@sink(inputs=("input_latents", "noise", "timestep", "loss_weight", "prompt_segments"), models=("dit",))
+def omni_t2i_flow_matching_loss(ctx, input_latents, noise, timestep, loss_weight, prompt_segments) -> torch.Tensor:
+    """The z_image loss through the Omni DiT's own call, without edit images."""
+    return _loss(ctx, input_latents, noise, timestep, loss_weight, prompt_segments)
