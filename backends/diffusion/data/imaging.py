@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import BackendError
 
-__all__ = ["area_dimensions", "capped_area", "cover_crop", "image_to_pixels"]
+__all__ = ["area_dimensions", "capped_area", "cover_crop", "image_list", "image_to_pixels"]
 
 
 def cover_crop(image: Any, size: Any, multiple: int) -> Any:
@@ -87,3 +87,19 @@ def capped_area(size: Any, cap: int) -> int:
     when that is smaller (--height x --width, else --max_pixels), so that small training runs stay small."""
     target = size.height * size.width if size.height is not None and size.width is not None else size.max_pixels
     return min(int(cap), int(target))
+
+
+def image_list(value: Any, noun: str, missing: str) -> list[Any]:
+    """A sample's reference images (one PIL image, or a list of them) as a list of PIL images; a BackendError line
+    `missing` when there are none, and one naming the `noun` ("edit image") for an empty list or a non-image."""
+    from PIL import Image
+
+    if value is None:
+        raise BackendError(missing)
+    images = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not images:
+        raise BackendError(f"sample has an empty list of {noun}s")
+    for image in images:
+        if not isinstance(image, Image.Image):
+            raise BackendError(f"expected an image for each {noun}, got {type(image).__name__}")
+    return images

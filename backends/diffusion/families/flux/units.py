@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...data.imaging import image_to_pixels
+from ...data.imaging import image_list, image_to_pixels
 from ...data.text import prompt_text
 from ...errors import BackendError
 from ...family import lazy_module, padded_prompts, unit
@@ -55,13 +55,8 @@ def shape_checker(ctx, image: Any) -> dict[str, Any]:
 
 def kontext_list(kontext_images: Any) -> list[Any]:
     """A sample's Kontext reference images as a list (one image, or a list of them)."""
-    if kontext_images is None:
-        raise BackendError("sample has no kontext image (flux_kontext needs a kontext_images column: "
-                           "--extra_inputs kontext_images)")
-    images = list(kontext_images) if isinstance(kontext_images, (list, tuple)) else [kontext_images]
-    if not images:
-        raise BackendError("sample has an empty list of kontext images")
-    return images
+    return image_list(kontext_images, "kontext image", "sample has no kontext image (flux_kontext needs a "
+                      "kontext_images column: --extra_inputs kontext_images)")
 
 
 @unit("KontextShapeChecker", inputs=("kontext_images",), outputs=("kontext_pixels",),

@@ -32,8 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...context import ImageSize
-from ...data.imaging import area_dimensions, capped_area, image_to_pixels
-from ...errors import BackendError
+from ...data.imaging import area_dimensions, capped_area, image_list, image_to_pixels
 from ...family import lazy_module, sink, unit
 from ...flowmatch import flow_matching_mse
 from .losses import image_ids, predict
@@ -48,18 +47,8 @@ ID_STEP = 10  # the time coordinate of reference image i is ID_STEP * (i + 1) (d
 
 def edit_list(edit_image: Any) -> list[Any]:
     """A sample's edit images as a list of PIL images (one image, or a list of them)."""
-    from PIL import Image
-
-    if edit_image is None:
-        raise BackendError("sample has no edit image (the FLUX.2 edit pipelines need an edit_image column: "
-                           "--extra_inputs edit_image)")
-    images = list(edit_image) if isinstance(edit_image, (list, tuple)) else [edit_image]
-    if not images:
-        raise BackendError("sample has an empty list of edit images")
-    for image in images:
-        if not isinstance(image, Image.Image):
-            raise BackendError(f"expected an edit image, got {type(image).__name__}")
-    return images
+    return image_list(edit_image, "edit image", "sample has no edit image (the FLUX.2 edit pipelines need an "
+                      "edit_image column: --extra_inputs edit_image)")
 
 
 def edit_size(image: Any, run_size: Any) -> ImageSize:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...data.imaging import area_dimensions, capped_area, image_to_pixels
+from ...data.imaging import area_dimensions, capped_area, image_list, image_to_pixels
 from ...data.text import prompt_text
 from ...errors import BackendError
 from ...family import lazy_module, unit
@@ -102,20 +102,11 @@ def target_shape_checker(ctx, image: Any) -> dict[str, Any]:
 
 def edit_images(edit_image: Any, many: bool) -> list[Any]:
     """A sample's edit images as a list of RGB PIL images: one for qwen_image_edit, one or more for _plus."""
-    from PIL import Image
-
-    if edit_image is None:
-        raise BackendError("sample has no edit image (the edit pipelines need an edit_image column: "
-                           "--extra_inputs edit_image)")
-    images = list(edit_image) if isinstance(edit_image, (list, tuple)) else [edit_image]
-    if not images:
-        raise BackendError("sample has an empty list of edit images")
+    images = image_list(edit_image, "edit image", "sample has no edit image (the edit pipelines need an edit_image "
+                        "column: --extra_inputs edit_image)")
     if not many and len(images) != 1:
         raise BackendError(f"qwen_image_edit takes one edit image per sample, got {len(images)} "
                            "(qwen_image_edit_plus takes several)")
-    for image in images:
-        if not isinstance(image, Image.Image):
-            raise BackendError(f"expected an edit image, got {type(image).__name__}")
     return [image if image.mode == "RGB" else image.convert("RGB") for image in images]
 
 

@@ -36,9 +36,8 @@ from __future__ import annotations
 from typing import Any
 
 from ...context import ImageSize
-from ...data.imaging import cover_crop, image_to_pixels
+from ...data.imaging import cover_crop, image_list, image_to_pixels
 from ...data.text import prompt_text
-from ...errors import BackendError
 from ...family import lazy_module, sink, unit
 from ...flowmatch import flow_matching_mse
 from .units import HIDDEN_LAYER, MAX_SEQUENCE_LENGTH, MULTIPLE, encode_distribution
@@ -51,16 +50,8 @@ VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 
 def edit_list(edit_image: Any) -> list[Any]:
     """A sample's edit images as a list of RGB PIL images."""
-    from PIL import Image
-
-    if edit_image is None:
-        raise BackendError("sample has no edit image (z_image_omni needs an edit_image column: --extra_inputs edit_image)")
-    images = list(edit_image) if isinstance(edit_image, (list, tuple)) else [edit_image]
-    if not images:
-        raise BackendError("sample has an empty list of edit images")
-    for image in images:
-        if not isinstance(image, Image.Image):
-            raise BackendError(f"expected an edit image, got {type(image).__name__}")
+    images = image_list(edit_image, "edit image", "sample has no edit image (z_image_omni needs an edit_image column: "
+                        "--extra_inputs edit_image)")
     return [image if image.mode == "RGB" else image.convert("RGB") for image in images]
 
 
