@@ -182,6 +182,20 @@ def context(pipe, **settings) -> UnitContext:
     return UnitContext(models=loaded, settings=UnitSettings(**settings))
 
 
+def dit_calls(pipeline, **call) -> list:
+    """(kwargs, output) of each transformer call the pipeline makes when called with `call` (2 steps, latents out)."""
+    calls = []
+    hook = pipeline.transformer.register_forward_hook(lambda m, args, kwargs, out: calls.append((kwargs, out[0])),
+                                                      with_kwargs=True)
+    try:
+        with torch.no_grad():
+            pipeline(height=SIZE, width=SIZE, num_inference_steps=2, output_type="latent",
+                     generator=torch.Generator().manual_seed(0), **call)
+    finally:
+        hook.remove()
+    return calls
+
+
 # ------------------------------------------------------------------------------------------------
 # the plan
 
@@ -267,16 +281,7 @@ def test_the_losss_dit_call_is_the_pipelines_denoising_step(pipe):
     ctx = context(pipe)
     prompt = "a dog"
     embeds, _ = pipe.encode_prompt(prompt=prompt)
-    calls = []
-    hook = pipe.transformer.register_forward_hook(lambda m, args, kwargs, out: calls.append((kwargs, out[0])),
-                                                  with_kwargs=True)
-    try:
-        with torch.no_grad():
-            pipe(prompt_embeds=embeds, height=SIZE, width=SIZE, num_inference_steps=2, guidance_scale=1.0,
-                 output_type="latent", generator=torch.Generator().manual_seed(0))
-    finally:
-        hook.remove()
-    kwargs, expected = calls[1]
+    kwargs, expected = dit_calls(pipe, prompt_embeds=embeds, guidance_scale=1.0)[1]
     assert kwargs["guidance"] is None and 0 < float(kwargs["timestep"]) < 1
     ours = u.qwen3_prompt_embedder(ctx, {"prompt": prompt})["prompt_emb"]
     grid = [[SIZE // 16, SIZE // 16]]
@@ -339,17 +344,7 @@ def test_the_losss_dit_call_is_flux2_pipelines_denoising_step_with_the_training_
     the pipeline makes the very call the loss makes."""
     ctx = context(dev_pipe)
     embeds, _ = dev_pipe.encode_prompt(prompt="a dog")
-    calls = []
-    hook = dev_pipe.transformer.register_forward_hook(lambda m, args, kwargs, out: calls.append((kwargs, out[0])),
-                                                      with_kwargs=True)
-    try:
-        with torch.no_grad():
-            dev_pipe(prompt_embeds=embeds, height=SIZE, width=SIZE, num_inference_steps=2,
-                     guidance_scale=losses.TRAINING_GUIDANCE, output_type="latent",
-                     generator=torch.Generator().manual_seed(0))
-    finally:
-        hook.remove()
-    kwargs, expected = calls[0]
+    kwargs, expected = dit_calls(dev_pipe, prompt_embeds=embeds, guidance_scale=losses.TRAINING_GUIDANCE)[0]
     assert dev_pipe.transformer.config.guidance_embeds and kwargs["guidance"].tolist() == [1.0]
     ours = u.prompt_embedder(ctx, {"prompt": "a dog"})["prompt_emb"]
     with torch.no_grad():
@@ -388,10 +383,10 @@ def test_edit_images_are_sized_as_diffsynth_sizes_them_within_the_runs_area():
     of 32, up as well as down; here capped by the run's own area."""
     from PIL import Image
 
-    assert edit.edit_size(Image.new("RGB", (512, 512)), ImageSize()) == ImageSize(height=1024, width=1024)
-    assert edit.edit_size(Image.new("RGB", (3000, 2000)), ImageSize()) == ImageSize(height=832, width=1248)
-    assert edit.edit_size(Image.new("RGB", (200, 100)), ImageSize(max_pixels=64 * 64)) == ImageSize(height=32, width=96)
-    assert edit.edit_size(Image.new("RGB", (40, 40)), ImageSize(64, 64)) == ImageSize(height=64, width=64)
+    assert edit.edit_size(512, 512, ImageSize()) == ImageSize(height=1024, width=1024)
+    assert edit.edit_size(3000, 2000, ImageSize()) == ImageSize(height=832, width=1248)
+    assert edit.edit_size(200, 100, ImageSize(max_pixels=64 * 64)) == ImageSize(height=32, width=96)
+    assert edit.edit_size(40, 40, ImageSize(64, 64)) == ImageSize(height=64, width=64)
     shaped = edit.edit_image_resizer(UnitContext(models={}), {"edit_image": Image.new("RGB", (300, 200))})
     assert [tuple(p.shape) for p in shaped["edit_pixels"]] == [(1, 3, 832, 1248)]
     with pytest.raises(Exception, match="--extra_inputs edit_image"):
@@ -424,17 +419,8 @@ def test_the_edit_losss_dit_call_is_the_pipelines_denoising_step_with_reference_
     ctx = context(pipeline, image_size=ImageSize(max_pixels=64 * 64))
     images = [noise_image(64, 64, 1), noise_image(64, 64, 2)]
     embeds, _ = pipeline.encode_prompt(prompt="a dog")
-    calls = []
-    hook = pipeline.transformer.register_forward_hook(lambda m, args, kwargs, out: calls.append((kwargs, out[0])),
-                                                      with_kwargs=True)
-    try:
-        with torch.no_grad():
-            pipeline(prompt_embeds=embeds, image=images, height=SIZE, width=SIZE, num_inference_steps=2,
-                     guidance_scale=losses.TRAINING_GUIDANCE if dev else 1.0, output_type="latent",
-                     generator=torch.Generator().manual_seed(0))
-    finally:
-        hook.remove()
-    kwargs, expected = calls[1]
+    kwargs, expected = dit_calls(pipeline, prompt_embeds=embeds, image=images,
+                                 guidance_scale=losses.TRAINING_GUIDANCE if dev else 1.0)[1]
     tokens = (SIZE // 16) ** 2
     assert kwargs["hidden_states"].shape[1] == tokens + 2 * 16  # the target's tokens, then the edit images'
     embedder = u.prompt_embedder if dev else u.qwen3_prompt_embedder

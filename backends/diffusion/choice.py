@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from .args import TrainArgs
 from .cache.cache import MANIFEST
@@ -243,8 +244,8 @@ def choose(args: TrainArgs) -> Choice:
     signals = folder_signals(paths, task) + model_id_signals(items, task)
     columns = metadata_columns(args.dataset_metadata_path)
     extra = frozenset(args.extra_input_names())
-    data = Data(None if columns is None else frozenset(columns), extra, extra | frozenset(args.file_keys()),
-                _cached_pipeline(args))
+    data = Data(None if columns is None else frozenset(columns), extra, extra | frozenset(args.file_keys()))
+    cached = partial(_cached_pipeline, args)  # read only when the choice is open: a cache's manifest can be large
     named = list(dict.fromkeys(s.family.name for s in signals))
     if len(named) > 1:
         first = {name: next(s for s in signals if s.family.name == name) for name in named}
@@ -252,8 +253,8 @@ def choose(args: TrainArgs) -> Choice:
         raise BackendError(f"the models of this command name different families ({said}); pass --pipeline with "
                            "the pipeline to train (see 'unitgraph pipelines')")
     if named:
-        return _within(signals[0].family, signals, data, task)
-    return _from_data(data, task)
+        return _within(signals[0].family, signals, data, task, cached)
+    return _from_data(replace(data, cached=cached()), task)
 
 
 def _cached_pipeline(args: TrainArgs) -> Optional[str]:
@@ -274,8 +275,10 @@ def _task_pipelines(family: Family, task: str) -> list[PipelineDef]:
     return pool
 
 
-def _within(family: Family, signals: list[Signal], data: Data, task: str) -> Choice:
-    """The family's pipeline the models name (the denoiser's word first), the dataset deciding between equals."""
+def _within(family: Family, signals: list[Signal], data: Data, task: str,
+            cached: Callable[[], Optional[str]] = lambda: None) -> Choice:
+    """The family's pipeline the models name (the denoiser's word first), the dataset (and `cached()`, the pipeline a
+    stage-2 cache was made for) deciding between equals."""
     pool = _task_pipelines(family, task)
     naming = [s for s in signals if s.pipelines]
     strong = [s for s in naming if s.denoiser] or naming
@@ -288,9 +291,12 @@ def _within(family: Family, signals: list[Signal], data: Data, task: str) -> Cho
                 f"{signals[0].what} names {family.name}, but the metadata's columns ({', '.join(sorted(data.columns))}) "
                 f"fit only {', '.join(dict.fromkeys(p.name for p in others))}; pass --pipeline with the pipeline to "
                 "train, or fix the metadata")
-    chosen = _best(candidates, data)
-    without_cache = replace(data, cached=None)
-    told = data if _best(candidates, without_cache) is not chosen else without_cache  # the cache said so only if it decided
+    told, chosen = data, _best(candidates, data)
+    if len(candidates) > 1:
+        with_cache = replace(data, cached=cached())
+        by_cache = _best(candidates, with_cache)
+        if by_cache is not chosen:  # the cache is named as the reason only when it decided
+            told, chosen = with_cache, by_cache
     because = [s for s in strong if chosen.name in s.pipelines] or [s for s in signals if s.denoiser] or signals
     words = [because[0].what]
     if len(candidates) > 1:

@@ -34,8 +34,7 @@ from typing import Any
 from ...context import ImageSize
 from ...data.imaging import area_dimensions, capped_area, image_list, image_to_pixels
 from ...family import lazy_module, sink, unit
-from ...flowmatch import flow_matching_mse
-from .losses import image_ids, predict
+from .losses import flow_matching, image_ids
 from .units import encode_distribution, pack
 
 torch = lazy_module("torch")
@@ -51,15 +50,15 @@ def edit_list(edit_image: Any) -> list[Any]:
                       "edit_image column: --extra_inputs edit_image)")
 
 
-def edit_size(image: Any, run_size: Any) -> ImageSize:
-    """The fixed size an edit image is cropped to (see the module docstring)."""
-    width, height = area_dimensions(capped_area(run_size, EDIT_AREA), *image.size, EDIT_MULTIPLE)
+def edit_size(width: int, height: int, run_size: Any) -> ImageSize:
+    """The fixed size an edit image of width x height px is cropped to (see the module docstring)."""
+    width, height = area_dimensions(capped_area(run_size, EDIT_AREA), width, height, EDIT_MULTIPLE)
     return ImageSize(height=height, width=width)
 
 
 @unit("EditImageResizer", inputs=("edit_image",), outputs=("edit_pixels",), settings=("image_size", "dtype", "cache_dtype"))
 def edit_image_resizer(ctx, edit_image: Any) -> dict[str, Any]:
-    return {"edit_pixels": [image_to_pixels(image, edit_size(image, ctx.size), ctx.dtype, EDIT_MULTIPLE)
+    return {"edit_pixels": [image_to_pixels(image, edit_size(*image.size, ctx.size), ctx.dtype, EDIT_MULTIPLE)
                             for image in edit_list(edit_image)]}
 
 
@@ -85,11 +84,7 @@ def edit_ids(grids: Any, like: torch.Tensor) -> torch.Tensor:
               "edit_grids"), models=("dit",))
 def edit_flow_matching_loss(ctx, input_latents, noise, timestep, loss_weight, prompt_emb, latent_grid, edit_latents,
                             edit_grids) -> torch.Tensor:
-    """The text-to-image loss (losses.flow_matching_loss) with the edit images' tokens after the target's."""
-    x0, noise = ctx.tensor(input_latents), ctx.tensor(noise)
-    sigma = ctx.tensor(timestep).to(x0.dtype) / 1000.0
-    noisy = (1.0 - sigma.view(-1, 1, 1)) * x0 + sigma.view(-1, 1, 1) * noise
-    reference = ctx.tensor(edit_latents).to(x0.dtype)
-    pred = predict(ctx, noisy, sigma, prompt_emb, latent_grid, reference=reference,
-                   reference_ids=edit_ids(edit_grids[0], x0))
-    return flow_matching_mse(pred, noise - x0, ctx.tensor(loss_weight))
+    """The text-to-image loss (losses.flow_matching) with the edit images' tokens after the target's."""
+    reference = ctx.tensor(edit_latents)
+    return flow_matching(ctx, input_latents, noise, timestep, loss_weight, prompt_emb, latent_grid,
+                         reference=reference, reference_ids=edit_ids(edit_grids[0], reference))

@@ -61,12 +61,18 @@ def predict(ctx, latents: torch.Tensor, sigma: torch.Tensor, prompt_emb: Any, la
     )[0][:, :tokens]
 
 
-@sink(inputs=("input_latents", "noise", "timestep", "loss_weight", "prompt_emb", "latent_grid"), models=("dit",))
-def flow_matching_loss(ctx, input_latents, noise, timestep, loss_weight, prompt_emb, latent_grid) -> torch.Tensor:
+def flow_matching(ctx, input_latents, noise, timestep, loss_weight, prompt_emb, latent_grid, reference: Any = None,
+                  reference_ids: Any = None) -> torch.Tensor:
     """MSE between the predicted velocity and noise - x0 at a noisy point x_t = (1 - s) x0 + s noise, times the
-    timestep's loss weight (flowmatch.flow_matching_mse)."""
+    timestep's loss weight (flowmatch.flow_matching_mse); `reference` tokens as predict() takes them."""
     x0, noise = ctx.tensor(input_latents), ctx.tensor(noise)
     sigma = ctx.tensor(timestep).to(x0.dtype) / 1000.0
     noisy = (1.0 - sigma.view(-1, 1, 1)) * x0 + sigma.view(-1, 1, 1) * noise
-    pred = predict(ctx, noisy, sigma, prompt_emb, latent_grid)
+    pred = predict(ctx, noisy, sigma, prompt_emb, latent_grid, reference, reference_ids)
     return flow_matching_mse(pred, noise - x0, ctx.tensor(loss_weight))
+
+
+@sink(inputs=("input_latents", "noise", "timestep", "loss_weight", "prompt_emb", "latent_grid"), models=("dit",))
+def flow_matching_loss(ctx, input_latents, noise, timestep, loss_weight, prompt_emb, latent_grid) -> torch.Tensor:
+    """The text-to-image loss (flow_matching)."""
+    return flow_matching(ctx, input_latents, noise, timestep, loss_weight, prompt_emb, latent_grid)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Optional
 
-from ...data.imaging import area_dimensions, capped_area, run_pixels
+from ...data.imaging import run_pixels
 from ...family import lazy_module
-from .edit import EDIT_AREA, EDIT_MULTIPLE
+from .edit import edit_size
 from .units import MAX_SEQUENCE_LENGTH, MISTRAL_LAYERS, MULTIPLE, QWEN3_LAYERS
 
 torch = lazy_module("torch")
@@ -30,8 +30,8 @@ def dims(cfg: Any, configs: Mapping[str, Any], text_tokens: Optional[int] = None
     out = {"width": width, "height": height, "latent": [4 * int(vae["latent_channels"]), h, w], "image_tokens": h * w,
            "text_tokens": int(text_tokens or MAX_SEQUENCE_LENGTH)}
     if "edit_latents" in cfg.pipeline.loss.declaration.inputs:
-        ew, eh = area_dimensions(capped_area(cfg.units.image_size, EDIT_AREA), width, height, EDIT_MULTIPLE)
-        out["edit_grid"] = [eh // scale // 2, ew // scale // 2]
+        edit = edit_size(width, height, cfg.units.image_size)
+        out["edit_grid"] = [edit.height // scale // 2, edit.width // scale // 2]
     out["description"] = f"{width}x{height} px, {out['image_tokens']} image tokens, {out['text_tokens']} text tokens"
     if "edit_grid" in out:
         out["description"] += f", {out['edit_grid'][0] * out['edit_grid'][1]} edit image tokens"

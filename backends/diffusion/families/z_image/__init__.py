@@ -18,8 +18,8 @@ the DiT as one unpadded sequence per sample, the DiT's own calling convention.
 `z_image_omni` trains Z-Image-Omni-Base on edit images, which reach the DiT as clean VAE latents, as SigLIP2 features
 (DiffSynth's `image_encoder`, diffusers' `siglip`, with its `siglip_processor`) and as their places in the prompt's
 omni template, which the text encoder reads (`omni.py`); `z_image_omni_t2i` trains it text-to-image, through the
-same omni template and DiT call without images. The Omni model id names both, and the dataset chooses. The units are in `units.py`, the loss in
-`losses.py`, the tiny random-weight configs in `tiny.py`. No torch is imported here.
+same omni template and DiT call without images. The Omni model id names both, and the dataset chooses. The units are
+in `units.py`, the loss in `losses.py`, the tiny random-weight configs in `tiny.py`. No torch is imported here.
 """
 
 from __future__ import annotations

@@ -59,8 +59,6 @@ def sink_inputs(cfg: Any, dims: Mapping[str, Any], configs: Mapping[str, Any], b
         "prompt_emb": torch.randn(batch, dims["text_tokens"], width, dtype=dtype),
         "prompt_emb_mask": None,
     }
-    if "prompt_segments" in cfg.pipeline.loss.declaration.inputs and "edit_latent" not in dims:
-        inputs["prompt_segments"] = [[torch.randn(dims["text_tokens"], width, dtype=dtype)] for _ in range(batch)]
     if "edit_latent" in dims:  # z_image_omni: one edit image, the omni template's three segments
         grid, eh, ew = dims["siglip_grid"], *dims["edit_latent"]
         segments = (OMNI_TEMPLATE_TOKENS, dims["text_tokens"], OMNI_TEMPLATE_TOKENS)
@@ -68,6 +66,8 @@ def sink_inputs(cfg: Any, dims: Mapping[str, Any], configs: Mapping[str, Any], b
             prompt_segments=[[torch.randn(n, width, dtype=dtype) for n in segments] for _ in range(batch)],
             edit_latents=[[torch.randn(1, z, eh, ew, dtype=dtype)] for _ in range(batch)],
             siglip_embeds=[[torch.randn(grid, grid, dims["siglip_width"], dtype=dtype)] for _ in range(batch)])
+    elif "prompt_segments" in cfg.pipeline.loss.declaration.inputs:  # z_image_omni_t2i: the template's one segment
+        inputs["prompt_segments"] = [[torch.randn(dims["text_tokens"], width, dtype=dtype)] for _ in range(batch)]
     return inputs
 
 
