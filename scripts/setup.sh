@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepare .venv for this checkout: the pinned CPU build of torch first (an unpinned torch would pull a
-# multi-GB CUDA build), then unitgraph itself (editable) with the diffusion backend and test extras,
+# multi-GB CUDA build), then unitgraph itself (editable) with the diffusion backend, DeepSpeed and test extras,
 # and Graphviz's `dot` for SVG/PNG/PDF drawings. Re-running is cheap: it reinstalls only when
 # pyproject.toml or this script changed.
 set -euo pipefail
@@ -16,7 +16,7 @@ stamp=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [ "$(cat .venv/.setup-stamp 2>/dev/null || true)" != "$stamp" ]; then
   echo "setup: installing $TORCH_PIN and unitgraph[diffusion,dev] into .venv (about a minute)" >&2
   .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_PIN"
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[diffusion,dev]"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[diffusion,dev,deepspeed]"
   # DiffSynth-Studio's own LoRA loader, for the tests of the diffsynth LoRA layout: unpacked beside the venv's
   # packages (not importable as `diffsynth`: its dependencies are not installed), read by path in the tests.
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --target .venv/diffsynth-wheel "diffsynth==2.1.12" \

@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parent.parent
 BACKEND = REPO / "backends" / "diffusion"
 PACKAGE = "unitgraph.backends.diffusion"
 
-FOUNDATION = ("errors", "randomness", "family", "context", "flowmatch", "ddpm", "report", "result", "tensorfile")
+FOUNDATION = ("errors", "randomness", "family", "context", "flowmatch", "ddpm", "report", "result", "tensorfile",
+              "engine")
 RUN = ("args", "choice", "config", "experts", "memory_plan", "memory_trace", "registry", "session", "stage1",
        "stage1_key", "stages")
 # rank of each room: an import may go to a lower rank, or stay in its own room

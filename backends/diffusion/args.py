@@ -67,6 +67,11 @@ class TrainArgs:
     use_gradient_checkpointing_offload: bool = _f(False, "Gradient checkpointing, with the activations it keeps held in CPU memory (torch's save_on_cpu), as DiffSynth does.", "training")
     mixed_precision: Optional[str] = _f(None, "no, fp16 or bf16 (accelerate's name): the dtype frozen weights are held and computed in; trained parameters stay fp32 under autocast. Default: accelerate's launch flag or config (ACCELERATE_MIXED_PRECISION), else bf16 as DiffSynth trains.", "training")
     blocks_to_swap: int = _f(0, "Keep this many transformer blocks of the LoRA base model in CPU memory and bring each to the accelerator ahead of use (no effect without an accelerator).", "training")
+    max_grad_norm: Optional[float] = _f(None, "Clip the global norm of the trained parameters' gradients to this before each optimizer step (off by default, as in DiffSynth; under DeepSpeed it is the engine's gradient_clipping, which a config's \"auto\" takes from here). The norm before clipping is logged in loss.csv's grad_norm column.", "training")
+    initialize_model_on_cpu: bool = _f(False, "Accepted for DiffSynth's commands (no effect: unitgraph always loads weights in CPU memory and places them after; under ZeRO-3 or FSDP2 each process keeps only its shard).", "training")
+    enable_model_cpu_offload: bool = _f(False, "DiffSynth's layer offload: refused with what unitgraph does instead (--blocks_to_swap for a frozen LoRA base on a GPU, ZeRO-3 or FSDP2 parameter offload through the accelerate config).", "training")
+    enable_optimizer_cpu_offload: bool = _f(False, "DiffSynth's optimizer offload: refused with what unitgraph does instead (offload_optimizer_device: cpu in a DeepSpeed accelerate config).", "training")
+    cpu_offload_split_threshold: Optional[int] = _f(None, "Goes with DiffSynth's --enable_model_cpu_offload (refused with it).", "training")
     task: str = _f("sft", "sft, sft:data_process, sft:train, sft:split, direct_distill[:data_process|:train|:split].", "training")
     max_timestep_boundary: float = _f(1.0, "End of the sampled range of the training schedule, as a fraction of its positions from the noisiest (DiffSynth's meaning: with a shift-5 schedule 0.358 keeps sigmas 1 to ~0.9, a high-noise expert's range).", "training")
     min_timestep_boundary: float = _f(0.0, "Start of the sampled range, as a fraction of the schedule's positions from the noisiest.", "training")
@@ -108,6 +113,8 @@ class TrainArgs:
     batch_size: int = _f(1, "Samples per micro-step in stage 2 (:train, :split): cached samples of equal shapes batched together; unsplit sft takes 1.", "unitgraph")
     data_process_batch_size: Optional[int] = _f(None, "Samples per model call in stage 1: samples of equal shapes go through the VAE and text encoders together (entries stay per sample; the VAE's batched kernels round differently, by a few 1e-6 at most here, so split training then matches unsplit within that, not bit for bit). Default: the family's (1).", "unitgraph")
     cache_dtype: Optional[str] = _f(None, "bf16, fp16 or fp32: dtype of the floating tensors stage 1 stores (default: the dtype the model computes in); stage 2 casts them back.", "unitgraph")
+    config_file: Optional[str] = _f(None, "With --dry_run: the accelerate config the run will be launched with (accelerate launch --config_file), so the memory plan is per process under its engine (DeepSpeed ZeRO, FSDP2 or data parallel). A run itself takes its engine from accelerate launch.", "unitgraph")
+    num_processes: Optional[int] = _f(None, "With --dry_run: the processes the run will be launched with (accelerate launch --num_processes; default: the config's, else 1).", "unitgraph")
     dry_run: bool = _f(False, "Print the memory plan (weights at their storage dtype, trainable state, activations, peak) of stage 1, stage 2 and the unsplit run from the config files alone, then stop; writes nothing.", "unitgraph")
     json: bool = _f(False, "With --dry_run: print the memory plan as one JSON object.", "unitgraph")
     plot: bool = _f(True, "Write loss.png at the end.", "unitgraph")
@@ -200,6 +207,22 @@ class TrainArgs:
             raise BackendError(f"--mixed_precision must be one of {', '.join(MIXED_PRECISION)}, got {self.mixed_precision!r}")
         if self.blocks_to_swap < 0:
             raise BackendError(f"--blocks_to_swap must be 0 or more, got {self.blocks_to_swap}")
+        if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise BackendError(f"--max_grad_norm must be a positive number, got {self.max_grad_norm}")
+        if (self.config_file is not None or self.num_processes is not None) and not self.dry_run:
+            raise BackendError("--config_file and --num_processes go with --dry_run; a run takes them from accelerate "
+                               "launch: accelerate launch --config_file X --num_processes N unitgraph train ...")
+        if self.num_processes is not None and self.num_processes < 1:
+            raise BackendError(f"--num_processes must be at least 1, got {self.num_processes}")
+        if self.enable_model_cpu_offload or self.cpu_offload_split_threshold is not None:
+            raise BackendError("--enable_model_cpu_offload (DiffSynth's layer offload) is not how unitgraph offloads: "
+                               "--blocks_to_swap N keeps N blocks of a frozen LoRA base in CPU memory on a GPU, and an "
+                               "accelerate config with ZeRO-3 offload_param_device: cpu or FSDP2 fsdp_offload_params: "
+                               "true keeps every weight's shard there (docs/user-guide.md, 'Several GPUs')")
+        if self.enable_optimizer_cpu_offload:
+            raise BackendError("--enable_optimizer_cpu_offload: unitgraph offloads the optimizer through the engine: "
+                               "launch with a DeepSpeed accelerate config whose offload_optimizer_device is cpu "
+                               "(DiffSynth's accelerate_config_zero2offload.yaml does; docs/user-guide.md, 'Several GPUs')")
         if self.json and not self.dry_run:
             raise BackendError("--json goes with --dry_run (the memory plan as JSON)")
         if self.cache_dtype is not None and self.cache_dtype not in CACHE_DTYPE_FLAGS:

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from .args import MIXED_PRECISION, TrainArgs, split_list
 from .context import CACHE_DTYPES, DTYPE, ImageSize, UnitSettings
+from .engine import Engine, check_batches, engine_from_config_file, engine_from_env
 from .errors import BackendError
 from .models.precision import COMPUTE_DTYPES
 from .family import Family, PipelineDef
@@ -89,6 +90,7 @@ class OptimConfig:
     find_unused_parameters: bool = False
     lr_scheduler: str = "diffsynth"  # train/lr.py
     lr_warmup_steps: int = 0
+    max_grad_norm: Optional[float] = None  # clip the trained gradients' global norm (None: no clipping)
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,7 @@ class RunConfig:
     notes: tuple[str, ...] = field(default=())
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     choice: str = ""  # "pipeline: NAME (why)", the line a run and a dry run print first (choice.py)
+    engine: Engine = field(default_factory=Engine)  # the distributed engine (engine.py): data parallel by default
 
     @classmethod
     def from_args(cls, args: TrainArgs, environ: Any = None) -> "RunConfig":
@@ -238,6 +241,8 @@ class RunConfig:
         fp8 = fp8_slots(args, family, pipeline, _sources_for_names(model_config, family, args))
         if args.blocks_to_swap and not args.lora_base_model:
             raise BackendError("--blocks_to_swap moves blocks of a frozen LoRA base model; give --lora_base_model")
+        engine = run_engine(args, environ)
+        check_engine(args, engine, fp8)
         notes = [chosen.line, *([expert.line] if expert.line else [])]
         if args.align_to_opensource_format:
             notes.append("note: --align_to_opensource_format: LoRA files are written in the diffusers format "
@@ -262,7 +267,8 @@ class RunConfig:
             optim=OptimConfig(args.learning_rate, args.weight_decay, args.num_epochs, args.gradient_accumulation_steps,
                               args.batch_size, tuple(args.trainable()),
                               args.use_gradient_checkpointing or args.use_gradient_checkpointing_offload,
-                              args.find_unused_parameters, args.lr_scheduler, args.lr_warmup_steps),
+                              args.find_unused_parameters, args.lr_scheduler, args.lr_warmup_steps,
+                              args.max_grad_norm),
             lora=LoraSpec(args.lora_base_model, targets, args.lora_rank, args.lora_alpha, args.lora_checkpoint,
                           args.preset_lora_path, preset_model if args.preset_lora_path else None),
             output=OutputConfig(args.output_path, args.remove_prefix_in_ckpt, args.save_steps, args.plot, args.progress,
@@ -270,6 +276,7 @@ class RunConfig:
             precision=PrecisionConfig(mixed, compute, fp8, args.use_gradient_checkpointing_offload, args.blocks_to_swap),
             notes=tuple(notes),
             choice=chosen.line,
+            engine=engine,
             validation=ValidationConfig(tuple(args.validation_prompt or ()), args.validation_steps,
                                         args.validation_inference_steps),
         )
@@ -278,6 +285,46 @@ class RunConfig:
     def prefixes(self) -> dict[str, str]:
         """Checkpoint key prefix of each model slot (its diffusers pipeline attribute)."""
         return {s.name: s.lora_prefix or s.name for s in self.family.slots if s.kind == "model"}
+
+
+def run_engine(args: TrainArgs, environ: Any = None) -> Engine:
+    """The run's engine: a dry run's --config_file / --num_processes, else what accelerate launch set up."""
+    if args.config_file is not None:
+        return engine_from_config_file(args.config_file, args.num_processes)
+    engine = engine_from_env(environ)
+    if args.num_processes is not None:
+        engine = replace(engine, processes=args.num_processes)
+    return engine
+
+
+def check_engine(args: TrainArgs, engine: Engine, fp8: tuple[str, ...]) -> None:
+    """What an engine cannot honour with the run's other flags, refused in one line before anything is written."""
+    if engine.kind == "ddp" or args.stage == "data_process":
+        return
+    check_batches(engine, args.batch_size, args.gradient_accumulation_steps)
+    if args.blocks_to_swap:
+        raise BackendError(f"--blocks_to_swap with {engine.name}: the engine places the model's weights itself; "
+                           + ("its parameter offload keeps them in CPU memory instead (offload_param_device: cpu / "
+                              "fsdp_offload_params: true)" if engine.kind != "deepspeed" or engine.zero_stage == 3
+                              else "use ZeRO-3 with offload_param_device: cpu to keep weights in CPU memory"),
+                           source=engine.source)
+    if fp8 and engine.shards_frozen:
+        raise BackendError(f"--fp8_models with {engine.name}: float8 weights are not sharded here (the processes "
+                           "gather weights in their storage dtype); drop --fp8_models or use ZeRO-1/2 or data parallel",
+                           source=engine.source)
+    if args.validation_prompt and (engine.kind == "fsdp2" or engine.shards_frozen):
+        raise BackendError(f"--validation_prompt with {engine.name}: validation samples are rendered by one process, "
+                           "which holds only its shard of the weights here; render from a checkpoint after training, "
+                           "or train under ZeRO-1/2 or data parallel", source=engine.source)
+    if args.resume is not None and engine.kind == "deepspeed":
+        raise BackendError(f"--resume under {engine.name}: DeepSpeed's sharded optimizer state is not saved in "
+                           "unitgraph's training states yet (FSDP2 and data parallel resume exactly); start anew with "
+                           "--overwrite", source=engine.source)
+    trained = [*args.trainable(), *([args.lora_base_model] if args.lora_base_model else [])]
+    if engine.kind == "deepspeed" and len(set(trained)) > 1:
+        raise BackendError(f"{engine.name} trains one model per engine and this run trains {len(set(trained))} "
+                           f"({', '.join(dict.fromkeys(trained))}); train them under FSDP2 or data parallel, or one "
+                           "at a time", source=engine.source)
 
 
 def _sources_for_names(models: ModelConfig, family: Family, args: TrainArgs) -> Any:

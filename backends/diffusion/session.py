@@ -27,20 +27,55 @@ def plan_for(cfg: RunConfig) -> Plan:
 
 
 def make_accelerator(cfg: RunConfig):
-    import torch
-    from accelerate import Accelerator, DistributedDataParallelKwargs
+    """The run's Accelerator, under its engine (engine.py).
 
+    Data parallel: accelerate's own DDP (CPU processes over gloo without CUDA). DeepSpeed: accelerate makes the
+    engine at `prepare`; on a CPU DeepSpeed needs its CPU accelerator (DS_ACCELERATOR=cpu) and accelerate a gloo
+    process group, or it would count one process. The precision is unitgraph's under every engine (the trained
+    models' forward autocast, train/engines.py), so DeepSpeed's own is left off. FSDP2: accelerate sets up the
+    processes as for data parallel, and the trained models are sharded with torch's fully_shard (train/engines.py).
+    """
+    import torch
+    from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+    engine = cfg.engine
     # A LoRA on modules whose outputs nobody reads (the text stream of a DiT's last block, say) leaves
     # parameters without gradients; DDP then needs find_unused_parameters. Multi-process runs turn it on.
     multi = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
-    handlers = [DistributedDataParallelKwargs(find_unused_parameters=cfg.optim.find_unused_parameters or multi)]
+    handlers: list[Any] = [DistributedDataParallelKwargs(find_unused_parameters=cfg.optim.find_unused_parameters or multi)]
     trackers = {} if cfg.output.report_to == "none" else {
         "log_with": cfg.output.report_to, "project_dir": str(Path(cfg.output.path) / "logs")}
+    cuda = torch.cuda.is_available()
+    if engine.kind == "deepspeed":
+        if not cuda:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            handlers.append(InitProcessGroupKwargs(backend="gloo"))
+        _forget_other_precision("no", multi)
+        accelerator = Accelerator(mixed_precision="no", kwargs_handlers=handlers, **trackers)
+        # transformers' from_pretrained would build every model inside deepspeed.zero.Init under ZeRO-3, the frozen
+        # encoders too, which then could not run outside an engine: models load whole, and the engine shards the
+        # trained one when it is made (its weights are partitioned there, before the first step)
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        return accelerator
     # the run's precision (--mixed_precision, else accelerate's launch flag or config, else bf16: config.py);
     # accelerate autocasts the trained models it prepares and scales fp16 losses
     _forget_other_precision(cfg.precision.mixed, multi)
-    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.precision.mixed, kwargs_handlers=handlers,
-                       **trackers)
+    with _without_fsdp_plugin(engine.kind == "fsdp2"):
+        return Accelerator(cpu=not cuda, mixed_precision=cfg.precision.mixed, kwargs_handlers=handlers, **trackers)
+
+
+@contextlib.contextmanager
+def _without_fsdp_plugin(active: bool):
+    """accelerate's FSDP plugin hidden while the Accelerator is made: under FSDP2 unitgraph shards the trained
+    models itself (on a CPU the plugin would silently train data-parallel, on a GPU wrap them a second time)."""
+    saved = os.environ.pop("ACCELERATE_USE_FSDP", None) if active else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["ACCELERATE_USE_FSDP"] = saved
 
 
 def _forget_other_precision(mixed: str, multi: bool) -> None:

@@ -330,6 +330,13 @@ def flag_notes(cfg: RunConfig, plan: Plan, accelerator: Any) -> list[str]:
     companions = {slot for slots in cfg.pipeline.companions.values() for slot in slots}
     if args.processor_path and "processor" not in companions:
         notes.append(f"note: --processor_path is not used: pipeline {cfg.pipeline.name} has no processor")
+    if args.initialize_model_on_cpu:
+        notes.append("note: --initialize_model_on_cpu is how unitgraph always loads: weights are read into CPU memory "
+                     "and placed after" + (f"; under {cfg.engine.name} each process then keeps only its shard"
+                                           if cfg.engine.shards_frozen else ""))
+    if cfg.engine.kind == "deepspeed" and cfg.stage != "data_process":
+        notes.append(f"note: under {cfg.engine.name} no training state is written for --resume yet (checkpoints are "
+                     "written as usual); FSDP2 and data parallel runs resume exactly")
     if os.environ.get("MASTER_ADDR") and not os.environ.get("WORLD_SIZE") and accelerator.num_processes == 1:
         notes.append("warning: accelerate launch asked for several processes but started one; on a CPU add --multi_gpu "
                      "and set ACCELERATE_USE_CPU=true (docs/user-guide.md, 'Several processes')")
@@ -348,7 +355,8 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, accelerat
                          memory_plan=memory_plan(cfg, plan))
     accelerator = accelerator or make_accelerator(cfg)
     report = Reporter(accelerator, echo)
-    for note in [*cfg.notes, *flag_notes(cfg, plan, accelerator)]:
+    engine_line = [cfg.engine.line(cfg.stage)] if cfg.engine.kind != "ddp" or accelerator.num_processes > 1 else []
+    for note in [*cfg.notes[:1], *engine_line, *cfg.notes[1:], *flag_notes(cfg, plan, accelerator)]:
         report.note(note)
     if cfg.stage != "data_process" and is_url(cfg.output.path):
         raise BackendError("--output_path of a training run is a local folder (the cache may be on an object store: "

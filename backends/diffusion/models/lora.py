@@ -62,10 +62,12 @@ def add_lora(model: torch.nn.Module, slot: str, targets: list[str], rank: int, a
     return config
 
 
-def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def lora_state_dict(model: torch.nn.Module, state_dict: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+    """The adapter's weights by peft's names; from `state_dict` (the model's parameters gathered whole under a
+    sharded engine) when given, else from the model."""
     from peft.utils import get_peft_model_state_dict
 
-    return get_peft_model_state_dict(model, adapter_name=ADAPTER)
+    return get_peft_model_state_dict(model, state_dict=state_dict, adapter_name=ADAPTER)
 
 
 # ------------------------------------------------------------------------------------------------

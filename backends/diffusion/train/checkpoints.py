@@ -31,16 +31,26 @@ from ..models.lora import DIFFSYNTH_ROOT, METADATA_KEY, _jsonable, lora_state_di
 
 
 def checkpoint_state(models: Mapping[str, torch.nn.Module], lora_slot: str | None, trainable: Iterable[str],
-                     prefixes: Mapping[str, str]) -> dict[str, torch.Tensor]:
-    """Everything trained, under diffusers prefixes: LoRA weights of `lora_slot`, all weights of trainable models."""
+                     prefixes: Mapping[str, str],
+                     tensors: Optional[Mapping[str, Mapping[str, torch.Tensor]]] = None) -> dict[str, torch.Tensor]:
+    """Everything trained, under diffusers prefixes: LoRA weights of `lora_slot`, all weights of trainable models.
+
+    `tensors` ({slot: {parameter name: whole tensor}}) gives the trained parameters already gathered, as a sharded
+    engine gives them (train/engines.py); without it they are read from the models."""
     state: dict[str, torch.Tensor] = {}
+
+    def trained(slot: str) -> Mapping[str, torch.Tensor]:
+        if tensors is not None:
+            return tensors[slot]
+        return {name: p for name, p in models[slot].named_parameters() if p.requires_grad}
+
     for slot in trainable:
-        model = models[slot]
-        for name, param in model.named_parameters():
-            if param.requires_grad and "lora_" not in name:
+        for name, param in trained(slot).items():
+            if "lora_" not in name:
                 state[f"{prefixes[slot]}.{name}"] = param.detach()
     if lora_slot is not None:
-        for name, value in lora_state_dict(models[lora_slot]).items():
+        given = dict(trained(lora_slot)) if tensors is not None else None
+        for name, value in lora_state_dict(models[lora_slot], given).items():
             state[f"{prefixes[lora_slot]}.{name}"] = value.detach()
     return state
 

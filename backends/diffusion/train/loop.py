@@ -27,6 +27,7 @@ from ..data.batching import CachedItem, step_groups
 from ..errors import BackendError
 from ..randomness import seeded_global_stream
 from .checkpoints import checkpoint_state, save_checkpoint
+from .engines import base_optimizer, steps_for
 from .lr import make_lr_schedule, seek, step as lr_step
 from .outputs import RunFolder
 from .resume import (
@@ -50,8 +51,10 @@ from ..report import progress
 from ..result import RunResult
 
 
-def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerator: Any, report: Any = None):
-    """Preset LoRA merged, trainable models and the LoRA adapter made trainable, AdamW; each prepared by accelerate."""
+def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerator: Any, report: Any = None,
+                   steps: Any = None):
+    """Preset LoRA merged, trainable models and the LoRA adapter made trainable, AdamW; each prepared for the run's
+    engine (`steps`, train/engines.py: accelerate's DDP by default)."""
     from ..models.lora import add_lora, load_lora_checkpoint, merge_preset_lora
     from ..models.precision import adapters_to_fp32, enable_checkpointing, place, store_fp8, swap_blocks
 
@@ -85,14 +88,14 @@ def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerat
     if cfg.optim.gradient_checkpointing:
         for slot in plan.models_require_backward:
             enable_checkpointing(models[slot])
-    params = [p for slot in plan.models_require_backward for p in models[slot].parameters() if p.requires_grad]
-    if not params:
-        raise BackendError("no trainable parameters (check --lora_target_modules / --trainable_models)")
-    optimizer = torch.optim.AdamW(params, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
-    wrapped = dict(models)
-    for slot in plan.models_require_backward:
-        wrapped[slot] = accelerator.prepare(models[slot], device_placement=[False])  # placed above, swapped weights kept
-    return wrapped, accelerator.prepare(optimizer), lora_config
+    steps = steps or steps_for(accelerator, cfg.engine, cfg.optim.max_grad_norm, cfg.optim.batch_size)
+
+    def adamw(params: list[Any]) -> Any:
+        return torch.optim.AdamW(params, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
+
+    compute = getattr(torch, cfg.precision.compute_dtype) if cfg.precision.mixed != "no" else None
+    wrapped, optimizer = steps.prepare(models, list(plan.models_require_backward), adamw, compute)
+    return wrapped, optimizer, lora_config
 
 
 def check_rank(model: Any, slot: str, targets: list[str], rank: int) -> None:
@@ -105,9 +108,19 @@ def check_rank(model: Any, slot: str, targets: list[str], rank: int) -> None:
                            "the widest side of the targeted layers)")
 
 
-def save(cfg: RunConfig, output: Path, name: str, models: dict[str, Any], lora_config: Any, accelerator: Any) -> Path:
-    raw = {slot: accelerator.unwrap_model(m) if isinstance(m, torch.nn.Module) else m for slot, m in models.items()}
-    state = checkpoint_state(raw, cfg.lora.base_model, cfg.optim.trainable, cfg.prefixes)
+def save(cfg: RunConfig, output: Path, name: str, models: dict[str, Any], lora_config: Any, accelerator: Any,
+         steps: Any = None) -> Optional[Path]:
+    """Write a checkpoint of what trains (main process). Every process calls it: under a sharded engine each trained
+    tensor is gathered whole, one at a time, and kept by the main process only."""
+    steps = steps or steps_for(accelerator, cfg.engine, None)
+    if not (accelerator.is_main_process or steps.gathers):
+        return None
+    slots = [*cfg.optim.trainable, *([cfg.lora.base_model] if cfg.lora.base_model else [])]
+    raw = {slot: steps.unwrap(m) for slot, m in models.items()}
+    tensors = {slot: steps.trained_tensors(models[slot]) for slot in dict.fromkeys(slots)}
+    if not accelerator.is_main_process:
+        return None
+    state = checkpoint_state(raw, cfg.lora.base_model, cfg.optim.trainable, cfg.prefixes, tensors)
     prefix = cfg.prefixes[cfg.lora.base_model] if cfg.lora.base_model else None
     return save_checkpoint(output / name, state, prefix, lora_config, cfg.output.remove_prefix, cfg.output.lora_format,
                            cfg.prefixes)
@@ -117,29 +130,34 @@ class LossLog:
     """loss.csv, written row by row on the main process (each row flushed as it is written): step, epoch, loss, the
     step's mean timestep (sigma x 1000 of the training schedule, before any cast) and the seconds since the start."""
 
-    def __init__(self, path: Path, main: bool, rows: Optional[list[Any]] = None):
-        """A new log, or with `rows` (a resumed run's rows so far) the log rewritten to exactly those rows."""
-        self.path, self.rows = path, []
+    def __init__(self, path: Path, main: bool, rows: Optional[list[Any]] = None, norms: bool = False):
+        """A new log, or with `rows` (a resumed run's rows so far) the log rewritten to exactly those rows; `norms`
+        adds the grad_norm column (--max_grad_norm: the gradients' global norm before clipping)."""
+        self.path, self.rows, self.norms = path, [], norms
         self._file = self._writer = None
         if main:
             try:
                 self._file = path.open("w", encoding="utf-8", newline="")
                 self._writer = csv.writer(self._file)
-                self._file.write("step,epoch,loss,timestep,elapsed_s\n")
+                self._file.write("step,epoch,loss,timestep,elapsed_s" + (",grad_norm" if norms else "") + "\n")
                 self._file.flush()
-                for step, epoch, loss, elapsed, timestep in rows or ():
+                for row in rows or ():
+                    step, epoch, loss, elapsed, timestep = row[:5]
+                    norm = row[5] if len(row) > 5 else None
                     self.add(int(step), int(epoch), float(loss), float(elapsed),
-                             None if timestep is None else float(timestep))
+                             None if timestep is None else float(timestep), None if norm is None else float(norm))
             except OSError as exc:
                 raise OutputError(f"cannot write the loss log ({exc.strerror or exc})", source=str(path)) from None
 
-    def add(self, step: int, epoch: int, loss: float, elapsed: float, timestep: Optional[float] = None) -> None:
-        """One optimizer step's row; `timestep` is the step's mean timestep (empty for a loss that draws none)."""
-        self.rows.append((step, epoch, loss, elapsed, timestep))
+    def add(self, step: int, epoch: int, loss: float, elapsed: float, timestep: Optional[float] = None,
+            norm: Optional[float] = None) -> None:
+        """One optimizer step's row; `timestep` is the step's mean timestep (empty for a loss that draws none),
+        `norm` the gradients' norm before clipping (with --max_grad_norm)."""
+        self.rows.append((step, epoch, loss, elapsed, timestep, *((norm,) if self.norms else ())))
         if self._writer is not None:
             try:
                 self._writer.writerow([step, epoch, repr(loss), "" if timestep is None else f"{timestep:.4f}",
-                                       f"{elapsed:.6f}"])
+                                       f"{elapsed:.6f}", *(("" if norm is None else repr(norm),) if self.norms else ())])
                 self._file.flush()
             except OSError as exc:
                 raise OutputError(f"cannot write the loss log ({exc.strerror or exc}) at step {step}; the rows and "
@@ -151,7 +169,7 @@ class LossLog:
 
 
 def micro_step(cfg: RunConfig, ctx: Any, ready: Any, elements: list[Any], epoch: int, total: int, sync: bool,
-               trained: list[Any], accelerator: Any, seeded: bool, check: Any) -> Any:
+               trained: list[Any], accelerator: Any, seeded: bool, check: Any, steps: Any = None) -> Any:
     """Forward and backward of one micro-batch; its loss (detached) and its samples' mean timestep (None for a
     loss that draws none).
 
@@ -159,10 +177,9 @@ def micro_step(cfg: RunConfig, ctx: Any, ready: Any, elements: list[Any], epoch:
     dropout stream, as the sink does. `check(loss, elements)` stops on a NaN before the weights change.
     """
     keys = [e.sample_key for e in elements]
+    steps = steps or steps_for(accelerator, cfg.engine, None)
     with contextlib.ExitStack() as stack:
-        if not sync and accelerator.num_processes > 1:
-            for model in trained:
-                stack.enter_context(accelerator.no_sync(model))
+        stack.enter_context(steps.micro(trained, sync))  # gradients synchronised on the step's last micro-batch
         if seeded:
             stack.enter_context(seeded_global_stream(cfg.seed, "dropout", epoch, *keys))
         # --use_gradient_checkpointing_offload: what autograd keeps for backward is held in CPU memory
@@ -176,7 +193,7 @@ def micro_step(cfg: RunConfig, ctx: Any, ready: Any, elements: list[Any], epoch:
         # a micro-batch loss is a mean over its samples: weight it by its share of the step
         # (one micro-batch per step: the loss as it is, value and gradient)
         n = len(elements)
-        accelerator.backward(loss if n == total else loss / total if n == 1 else loss * n / total)
+        steps.backward(loss if n == total else loss / total if n == 1 else loss * n / total, trained, sync)
     timestep = batch.inputs.get("timestep")
     return loss.detach().float(), None if timestep is None else timestep.detach().float().mean()
 
@@ -192,14 +209,17 @@ def run_training(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerat
     if not data.batches(0, rank, world):
         raise BackendError(f"nothing to train on: no samples for process {rank} ({len(provider.items)} samples)")
     models = load_models(cfg, provider.models, training=True, device=accelerator.device)
-    models, optimizer, lora_config = prepare_models(cfg, plan, models, accelerator, report)
+    steps = steps_for(accelerator, cfg.engine, cfg.optim.max_grad_norm, cfg.optim.batch_size)
+    models, optimizer, lora_config = prepare_models(cfg, plan, models, accelerator, report, steps)
+    if report is not None and steps.note():
+        report.note(steps.note())
     # --resume: the state is read and checked whole before the folder is claimed, so a refusal changes nothing
     per_epoch = len(step_groups(data.batches(0, rank, world), cfg.optim.accumulation))
     match = must_match(cfg, plan, world, data=data_identity(provider), steps_per_epoch=per_epoch)
     checked = resume_point(cfg, output, trained_parameters(models, plan.models_require_backward), optimizer, match,
                            per_epoch, accelerator.is_main_process)
     run = (cfg, plan, provider, data, accelerator, output, result, stage_name, models, optimizer, lora_config, match,
-           checked)
+           checked, steps)
     if accelerator.is_main_process:
         folder = RunFolder(output)
         record = {"task": cfg.args.task, "pipeline": plan.pipeline, "plan_fingerprint": plan.fingerprint}
@@ -221,13 +241,14 @@ class _Run:
 
     def __init__(self, cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: Any, output: Path,
                  result: RunResult, stage_name: str, models: dict[str, Any], optimizer: Any, lora_config: Any,
-                 match: dict[str, Any], checked: Any = None):
+                 match: dict[str, Any], checked: Any = None, steps: Any = None):
         self.cfg, self.plan, self.provider, self.data, self.acc = cfg, plan, provider, data, accelerator
         self.output, self.result, self.models, self.optimizer, self.lora_config = output, result, models, optimizer, lora_config
         self.world, self.rank, self.main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
         result.plan_path = write_run_files(cfg, plan, output, accelerator)
         self.ctx = make_context(cfg, models, accelerator.device)
-        self.trained = [models[s] for s in plan.models_require_backward if hasattr(models[s], "no_sync")]
+        self.steps = steps or steps_for(accelerator, cfg.engine, cfg.optim.max_grad_norm, cfg.optim.batch_size)
+        self.trained = [models[s] for s in plan.models_require_backward]
         # Dropout draws from torch's global stream: each micro-step seeds it from its samples' keys, so the
         # unsplit and the split run draw the same masks. Without any active dropout there is nothing to seed.
         self.seeded = draws_dropout(models)
@@ -236,18 +257,19 @@ class _Run:
         if self.main:
             remove_partial_states(output)  # a state write a kill interrupted (this run holds the folder's lock)
         accelerator.wait_for_everyone()
-        self.start = apply_state(checked, self.params, optimizer) if checked is not None else None
+        self.start = apply_state(checked, self.params, optimizer, self.steps.scatter) if checked is not None else None
         if self.start is not None:
             result.resumed_from = self.start.path
             if self.main:
                 print(f"resuming from {self.start.path} (step {self.start.step}, epoch {self.start.epoch})")
-        self.log = LossLog(output / "loss.csv", self.main, rows=self.start.rows if self.start else None)
+        self.log = LossLog(output / "loss.csv", self.main, rows=self.start.rows if self.start else None,
+                           norms=cfg.optim.max_grad_norm is not None)
         per_epoch = len(step_groups(data.batches(0, self.rank, self.world), cfg.optim.accumulation))
         self.bar = progress(None, per_epoch * cfg.optim.num_epochs, stage_name,
                             cfg.output.progress and accelerator.is_local_main_process)
         self.step = self.start.step if self.start else 0
         # --lr_scheduler on the optimizer itself (accelerate's wrapper would step it once per process), at this step
-        self.lr = make_lr_schedule(cfg.optim.lr_scheduler, getattr(optimizer, "optimizer", optimizer),
+        self.lr = make_lr_schedule(cfg.optim.lr_scheduler, base_optimizer(optimizer),
                                    cfg.optim.lr_warmup_steps, per_epoch * cfg.optim.num_epochs)
         seek(self.lr, self.step)
         self.offset = self.start.elapsed if self.start else 0.0  # elapsed_s continues where the resumed run stopped
@@ -311,34 +333,39 @@ class _Run:
                              self.data.batch_size)
 
         steps = [micro_step(cfg, self.ctx, ready, b, epoch, total, k == len(group) - 1, self.trained, acc,
-                            self.seeded, check) for k, b in enumerate(group)]
-        rate = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+                            self.seeded, check, self.steps) for k, b in enumerate(group)]
+        rate = base_optimizer(self.optimizer).param_groups[0]["lr"]
+        norm = self.steps.step(self.optimizer, self.params.values())
         lr_step(self.lr)
         self.step += 1
         loss, now = step_loss([(v, len(b)) for (v, _), b in zip(steps, group)], total, acc), time.perf_counter()
         timestep = step_timestep([(t, len(b)) for (_, t), b in zip(steps, group)], total, acc)
         took = now - (self.last if self.last is not None else self.t0 + self.offset)
-        self.log.add(self.step, epoch, loss, now - self.t0, timestep)
+        self.log.add(self.step, epoch, loss, now - self.t0, timestep, norm)
         self.result.step_times.append(took)
+        if norm is not None:
+            self.result.grad_norms.append(norm)
         if self.tracking:
-            acc.log({"loss": loss, "learning_rate": rate, "step_time_s": took}, step=self.step)
+            acc.log({"loss": loss, "learning_rate": rate, "step_time_s": took,
+                     **({"grad_norm": norm} if norm is not None else {})}, step=self.step)
         self.last = now
         if not self.bar.disable:  # a plain string: set_postfix's formatting of keyword pairs shows at test size
             self.bar.set_postfix_str(f"loss={loss:.4f}, epoch={epoch}", refresh=False)
         self.bar.update(1)
 
     def checkpoint(self, name: str) -> None:
-        checkpoint(self.cfg, self.output, name, self.models, self.lora_config, self.acc, self.result)
+        checkpoint(self.cfg, self.output, name, self.models, self.lora_config, self.acc, self.result, self.steps)
 
     def keep_state(self, epoch: int, position: int) -> None:
         """The resumable state after `position` steps of `epoch` (main process), the oldest beyond --save_total_limit pruned."""
-        if self.main:
+        if self.cfg.engine.kind == "deepspeed":  # not yet: the run said so at its start (check_resumable)
+            return
+        if self.main or self.steps.gathers:  # a sharded engine gathers each tensor with every process
             elapsed = time.perf_counter() - self.t0 if self.t0 is not None else self.offset
             save_state(self.output, self.step, epoch, position, elapsed, self.log.rows, self.params, self.optimizer,
-                       self.match)
-            prune_states(self.output, self.cfg.output.save_total_limit)
+                       self.match, full=self.steps.full, write=self.main)
+            if self.main:
+                prune_states(self.output, self.cfg.output.save_total_limit)
         self.acc.wait_for_everyone()
 
     def _validator(self) -> Any:
@@ -426,10 +453,11 @@ def step_timestep(timesteps: list[tuple[Any, int]], total: int, accelerator: Any
 
 
 def checkpoint(cfg: RunConfig, output: Path, name: str, models: dict[str, Any], lora_config: Any, accelerator: Any,
-               result: RunResult) -> None:
+               result: RunResult, steps: Any = None) -> None:
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        result.checkpoints.append(save(cfg, output, name, models, lora_config, accelerator))
+    path = save(cfg, output, name, models, lora_config, accelerator, steps)
+    if path is not None:
+        result.checkpoints.append(path)
 
 
 def write_run_files(cfg: RunConfig, plan: Plan, output: Path, accelerator: Any) -> Path:

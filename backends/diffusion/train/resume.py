@@ -101,6 +101,9 @@ def must_match(cfg: Any, plan: Any, world: int, data: Optional[str] = None,
         "data": data, "steps_per_epoch": steps_per_epoch, "preset_lora": preset,
         "preset_lora_model": lora.preset_model, "validation_prompts": list(v.prompts), "validation_steps": v.steps,
         "lr_scheduler": o.lr_scheduler, "lr_warmup_steps": o.lr_warmup_steps,
+        "max_grad_norm": o.max_grad_norm,
+        # data parallel is recorded as None, as states written before engines existed hold it
+        "engine": None if cfg.engine.kind == "ddp" else cfg.engine.name,
         "lr_schedule_steps": (steps_per_epoch * o.num_epochs if steps_per_epoch is not None
                               and schedule_needs_total(o.lr_scheduler) else None),
     }
@@ -134,6 +137,7 @@ _FLAGS = {"plan_fingerprint": "the plan (--lora_base_model, --trainable_models, 
           "preset_lora": "--preset_lora_path (the file's content)",
           "validation_prompts": "--validation_prompt", 
           "processes": "the number of processes",
+          "engine": "the engine (the accelerate config's distributed_type and ZeRO stage)",
           "settings": "--max_pixels/--height/--width, --seed, --mixed_precision, --loss_weighting or the bounds",
           "lr_schedule_steps": "--num_epochs and the steps an epoch has (the --lr_scheduler decays over them)"}
 
@@ -151,11 +155,27 @@ def trained_parameters(models: dict[str, Any], slots: list[str]) -> dict[str, An
 
 
 def save_state(output: Path, step: int, epoch: int, position: int, elapsed: float, rows: list[Any],
-               params: dict[str, Any], optimizer: Any, match: dict[str, Any]) -> Path:
-    """Write the state after `step` into OUTPUT/state/step-<step>/ (whole or not at all); return the folder."""
+               params: dict[str, Any], optimizer: Any, match: dict[str, Any], full: Any = None,
+               write: bool = True) -> Optional[Path]:
+    """Write the state after `step` into OUTPUT/state/step-<step>/ (whole or not at all); return the folder.
+
+    `full(tensor)` gives a tensor whole on the CPU; under FSDP2 it gathers the shards, a call every process makes
+    in the same order, and only the process with `write` writes (the others return None)."""
     import torch
     from safetensors.torch import save
 
+    if full is None:
+        def full(value: Any) -> Any:
+            return value.detach().to("cpu").contiguous().clone()
+    if not write:
+        opt = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+        for values in opt.state_dict()["state"].values():
+            for value in values.values():
+                if isinstance(value, torch.Tensor):
+                    full(value)
+        for p in params.values():
+            full(p)
+        return None
     root = Path(output) / STATE_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
@@ -167,9 +187,9 @@ def save_state(output: Path, step: int, epoch: int, position: int, elapsed: floa
         for index, values in opt_state["state"].items():
             for key, value in values.items():
                 value = value if isinstance(value, torch.Tensor) else torch.tensor(value)  # AdamW's step, in old torch
-                tensors[f"{index}.{key}"] = value.detach().to("cpu").contiguous().clone()
+                tensors[f"{index}.{key}"] = full(value)
         write_bytes_atomic(temp / OPTIMIZER_FILE, save(tensors))
-        weights = {name: p.detach().to("cpu").contiguous().clone() for name, p in params.items()}
+        weights = {name: full(p) for name, p in params.items()}
         write_bytes_atomic(temp / TRAINED_FILE, save(weights))
         record = {"format": STATE_FORMAT, "step": step, "epoch": epoch, "position": position, "elapsed_s": elapsed,
                   "match": match, "param_groups": opt_state["param_groups"], "loss_rows": [list(r) for r in rows],
@@ -292,11 +312,13 @@ def _read_record(path: Path) -> dict[str, Any]:
         raise BackendError(f"damaged training state: {len(rows)} loss rows for {step} steps; {_OLDER}", source=source)
     last_epoch = 0
     for n, row in enumerate(rows):
-        if not (isinstance(row, list) and len(row) == 5 and row[0] == n + 1 and _count(row[0]) and _count(row[1])
+        if not (isinstance(row, list) and len(row) in (5, 6) and row[0] == n + 1 and _count(row[0]) and _count(row[1])
                 and last_epoch <= row[1] <= epoch and _number(row[2]) and _number(row[3]) and row[3] >= 0
-                and (row[4] is None or (_number(row[4]) and 0 <= row[4] <= 1000))):
+                and (row[4] is None or (_number(row[4]) and 0 <= row[4] <= 1000))
+                and (len(row) == 5 or row[5] is None or (_number(row[5]) and row[5] >= 0))):
             raise BackendError(f"damaged training state: loss_rows[{n}] is {_shown(row)}, not [step {n + 1}, epoch "
-                               f"(0..{epoch}, in order), loss, elapsed_s, timestep (0..1000 or null)]; {_OLDER}",
+                               f"(0..{epoch}, in order), loss, elapsed_s, timestep (0..1000 or null)"
+                               f"[, grad_norm (>= 0 or null)]]; {_OLDER}",
                                source=source)
         last_epoch = row[1]
     return record
@@ -454,19 +476,28 @@ def check_state(path: Path, params: dict[str, Any], optimizer: Any, match: dict[
             state.setdefault(index, {})[piece] = value
     point = ResumePoint(path=path, step=record["step"], epoch=record["epoch"], position=record["position"],
                         elapsed=float(record["elapsed_s"]),
-                        rows=[[r[0], r[1], float(r[2]), float(r[3]), None if r[4] is None else float(r[4])]
+                        rows=[[r[0], r[1], float(r[2]), float(r[3]), None if r[4] is None else float(r[4]),
+                               *([None if r[5] is None else float(r[5])] if len(r) > 5 else [])]
                               for r in record["loss_rows"]])
     return CheckedState(point, weights, state, groups)
 
 
-def apply_state(checked: CheckedState, params: dict[str, Any], optimizer: Any) -> ResumePoint:
-    """Restore a checked state into the trained weights and the optimizer; the point to continue from."""
+def apply_state(checked: CheckedState, params: dict[str, Any], optimizer: Any, scatter: Any = None) -> ResumePoint:
+    """Restore a checked state into the trained weights and the optimizer; the point to continue from.
+
+    `scatter(whole, like)` lays a whole tensor out as `like` is (its shard of it under FSDP2)."""
     import torch
 
+    scatter = scatter or (lambda value, like: value.to(like.device, like.dtype))
     with torch.no_grad():
         for name, param in params.items():
-            param.copy_(checked.weights[name].to(param.device, param.dtype))
-    _optimizer(optimizer).load_state_dict({"state": checked.optimizer_state, "param_groups": checked.param_groups})
+            param.copy_(scatter(checked.weights[name], param))
+    opt = _optimizer(optimizer)
+    flat = [p for group in opt.param_groups for p in group["params"]]
+    state = {index: {piece: (scatter(value, flat[index]) if piece != "step" and value.shape == flat[index].shape
+                             else value) for piece, value in pieces.items()}
+             for index, pieces in checked.optimizer_state.items()}
+    opt.load_state_dict({"state": state, "param_groups": checked.param_groups})
     return checked.point
 
 

@@ -1,0 +1,309 @@
+"""What a training step does differently under each engine (engine.py says which): preparing the trained models
+and the optimizer, a micro-step's backward, the optimizer step with --max_grad_norm, and the trained tensors
+gathered whole for a checkpoint or a training state.
+
+The loop (`loop.py`) is the same under every engine; it asks the run's `Steps` for these few things.
+
+* **Data parallel** (`Steps`): accelerate's DDP as before; clipping by `accelerator.clip_grad_norm_` after the
+  gradients are averaged, so the norm is the global one.
+* **FSDP2** (`ShardedSteps`): each trained model's blocks (the classes the accelerate config names, else the
+  model's own `_no_split_modules`, the blocks diffusers and transformers declare for device maps, else the
+  transformer blocks --blocks_to_swap knows) and then the model are `fully_shard`ed over all processes, so every
+  process keeps 1/N of each weight (the frozen base under a LoRA included), of each gradient and of AdamW's state.
+  Gradient sync is off for all but a step's last micro-batch. `clip_grad_norm_` on the DTensor gradients reduces
+  the norm over the shards, so it is the global norm too. Checkpoints and states gather each trained tensor
+  whole with `full_tensor()`, one at a time, and keep it on the main process only.
+* **DeepSpeed** (`DeepSpeedSteps`): `accelerator.prepare(model, optimizer)` makes the engine with the config
+  `engine.deepspeed_config` decides. The loop keeps the accumulation: each micro-batch's backward goes through
+  the engine with its boundary set by hand (the last micro-batch of a step), and the engine steps, clipping to
+  its gradient_clipping, at the boundary only. Under ZeRO-3 each trained weight is gathered whole with
+  `GatheredParameters` to be saved.
+
+Why split equals unsplit under an engine: both runs make the same engine over the same processes with the same
+seeded numbers, and the engine's reductions do not depend on where a batch came from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import MethodType
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from ..errors import BackendError
+
+__all__ = ["Steps", "ShardedSteps", "DeepSpeedSteps", "steps_for", "autocast_forward", "base_optimizer"]
+
+
+def autocast_forward(model: Any, dtype: Optional[torch.dtype], device: Any) -> None:
+    """Run `model`'s forward under autocast in `dtype` with fp32 outputs, as accelerate does to the models it
+    prepares under mixed precision (done here for the engines whose models accelerate does not autocast)."""
+    if dtype is None or dtype == torch.float32:
+        return
+    from accelerate.utils import convert_outputs_to_fp32
+
+    kind = getattr(device, "type", None) or str(device).split(":")[0]
+    forward = model.forward.__func__ if hasattr(model.forward, "__func__") else model.forward
+    casted = torch.autocast(device_type=kind, dtype=dtype)(forward)
+    model.forward = MethodType(convert_outputs_to_fp32(casted), model)
+
+
+def base_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer under accelerate's and DeepSpeed's wrappers (the learning-rate schedule steps it)."""
+    seen = 0
+    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer") and seen < 4:
+        optimizer, seen = optimizer.optimizer, seen + 1
+    return optimizer
+
+
+class Steps:
+    """Data parallel (accelerate's DDP): every process holds every weight."""
+
+    gathers = False  # whether reading a trained tensor whole is a collective call
+
+    def __init__(self, accelerator: Any, engine: Any, max_grad_norm: Optional[float]):
+        self.acc, self.engine, self.max_grad_norm = accelerator, engine, max_grad_norm
+        self.last_norm: Optional[float] = None
+
+    def prepare(self, models: dict[str, Any], slots: list[str], make_optimizer: Callable[[list[Any]], Any],
+                compute_dtype: Optional[torch.dtype]) -> tuple[dict[str, Any], Any]:
+        optimizer = make_optimizer(_trained(models, slots))
+        wrapped = dict(models)
+        for slot in slots:
+            wrapped[slot] = self.acc.prepare(models[slot], device_placement=[False])  # placed already
+        return wrapped, self.acc.prepare(optimizer)
+
+    def micro(self, trained: list[Any], sync: bool) -> contextlib.AbstractContextManager:
+        """The context of one micro-batch's forward and backward: gradients synchronised on a step's last only."""
+        stack = contextlib.ExitStack()
+        if not sync and self.acc.num_processes > 1:
+            for model in trained:
+                if hasattr(model, "no_sync"):
+                    stack.enter_context(self.acc.no_sync(model))
+        return stack
+
+    def backward(self, loss: torch.Tensor, model: Any, sync: bool) -> None:
+        self.acc.backward(loss)
+
+    def step(self, optimizer: Any, params: Iterable[Any]) -> Optional[float]:
+        """Clip (--max_grad_norm) and step; the gradients' global norm before clipping when clipping."""
+        norm = None
+        if self.max_grad_norm is not None:
+            norm = float(self.acc.clip_grad_norm_(list(params), self.max_grad_norm))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def unwrap(self, model: Any) -> Any:
+        return self.acc.unwrap_model(model) if isinstance(model, torch.nn.Module) else model
+
+    def full(self, value: Any) -> torch.Tensor:
+        """A trained tensor whole, on the CPU (a collective call when `gathers`)."""
+        return value.detach().to("cpu").contiguous().clone()
+
+    def trained_tensors(self, model: Any) -> dict[str, torch.Tensor]:
+        """{name: whole tensor} of a model's trained parameters (every process calls it; all get them)."""
+        return {name: self.full(p) for name, p in self.unwrap(model).named_parameters() if p.requires_grad}
+
+    def scatter(self, value: torch.Tensor, like: Any) -> torch.Tensor:
+        """A whole tensor read from a state, laid out as `like` (a shard of it under FSDP2)."""
+        return value.to(like.device, like.dtype)
+
+    def note(self) -> Optional[str]:
+        return None
+
+
+class ShardedSteps(Steps):
+    """FSDP2: torch's fully_shard on every trained model (the module docstring)."""
+
+    gathers = True
+
+    def prepare(self, models, slots, make_optimizer, compute_dtype):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+        device = self.acc.device
+        mesh = init_device_mesh(device.type, (self.acc.num_processes,))
+        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if self.engine.offload_params else OffloadPolicy()
+        self.shards: dict[str, int] = {}
+        for slot in slots:
+            model = models[slot]
+            autocast_forward(model, compute_dtype, device)
+            blocks = shard_units(model, self.engine.layer_classes)
+            if not blocks and self.engine.layer_classes:
+                raise BackendError(f"fsdp_transformer_layer_cls_to_wrap names {', '.join(self.engine.layer_classes)}, "
+                                   f"and {slot} ({type(model).__name__}) has no module of those classes",
+                                   source=self.engine.source)
+            for block in blocks:
+                fully_shard(block, mesh=mesh, reshard_after_forward=self.engine.reshard_after_forward,
+                            offload_policy=offload)
+            _outputs_not_views(model)
+            fully_shard(model, mesh=mesh, reshard_after_forward=self.engine.reshard_after_forward,
+                        offload_policy=offload)
+            self.shards[slot] = len(blocks)
+        return dict(models), make_optimizer(_trained(models, slots))
+
+    def micro(self, trained, sync):
+        for model in trained:
+            if hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def backward(self, loss, model, sync):
+        loss.backward()
+
+    def step(self, optimizer, params):
+        norm = None
+        if self.max_grad_norm is not None:
+            total = torch.nn.utils.clip_grad_norm_(list(params), self.max_grad_norm)
+            norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def unwrap(self, model):
+        return model
+
+    def full(self, value):
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        return value.detach().to("cpu").contiguous().clone()
+
+    def scatter(self, value, like):
+        if hasattr(like, "device_mesh"):
+            from torch.distributed.tensor import distribute_tensor
+
+            return distribute_tensor(value.to(like.dtype), like.device_mesh, like.placements)
+        return value.to(like.device, like.dtype)
+
+    def note(self):
+        shown = ", ".join(f"{slot} in {n + 1} shard groups ({n} blocks and the rest)" for slot, n in self.shards.items())
+        return f"FSDP2: {shown}, each weight split over {self.acc.num_processes} processes"
+
+
+class DeepSpeedSteps(Steps):
+    """DeepSpeed ZeRO through accelerate (the module docstring)."""
+
+    def __init__(self, accelerator, engine, max_grad_norm):
+        super().__init__(accelerator, engine, max_grad_norm)
+        self.gathers = engine.zero_stage == 3
+        self.ds_engine: Any = None
+
+    def prepare(self, models, slots, make_optimizer, compute_dtype):
+        from ..engine import deepspeed_config
+
+        (slot,) = slots  # config.check_engine refuses several trained models under DeepSpeed
+        model = models[slot]
+        autocast_forward(model, compute_dtype, self.acc.device)
+        plugin = self.acc.state.deepspeed_plugin
+        config = deepspeed_config(self.engine, self.batch_size, self.max_grad_norm)
+        plugin.deepspeed_config.clear()
+        plugin.deepspeed_config.update(config)
+        if hasattr(plugin, "hf_ds_config"):
+            plugin.hf_ds_config.config = plugin.deepspeed_config
+        engine, optimizer = self.acc.prepare(model, make_optimizer(_trained(models, slots)))
+        self.ds_engine = engine
+        return {**models, slot: engine}, optimizer
+
+    batch_size = 1  # set by steps_for
+
+    def micro(self, trained, sync):
+        return contextlib.nullcontext()
+
+    def backward(self, loss, model, sync):
+        engine = self.ds_engine
+        engine.set_gradient_accumulation_boundary(sync)
+        engine.backward(loss)
+        engine.step()  # steps the optimizer (and clips) at the boundary only
+
+    def step(self, optimizer, params):
+        norm = None
+        if self.max_grad_norm is not None:
+            value = self.ds_engine.get_global_grad_norm()
+            norm = None if value is None else float(value)
+        return norm
+
+    def unwrap(self, model):
+        return getattr(model, "module", model)
+
+    def trained_tensors(self, model):
+        model = self.unwrap(model)
+        if self.engine.zero_stage != 3:
+            return super().trained_tensors(model)
+        import deepspeed
+
+        out = {}
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                    out[name] = param.detach().to("cpu").contiguous().clone()
+        return out
+
+    def note(self):
+        return None
+
+
+def steps_for(accelerator: Any, engine: Any, max_grad_norm: Optional[float], batch_size: int = 1) -> Steps:
+    """The run's `Steps` for its engine."""
+    if engine.kind == "fsdp2":
+        if accelerator.num_processes != engine.processes:  # pragma: no cover - the launch sets both
+            raise BackendError(f"FSDP2 over {engine.processes} processes, but {accelerator.num_processes} started")
+        return ShardedSteps(accelerator, engine, max_grad_norm)
+    if engine.kind == "deepspeed":
+        steps = DeepSpeedSteps(accelerator, engine, max_grad_norm)
+        steps.batch_size = batch_size
+        return steps
+    return Steps(accelerator, engine, max_grad_norm)
+
+
+def shard_units(model: Any, classes: tuple[str, ...] = ()) -> list[Any]:
+    """The modules FSDP2 shards one by one, outermost first and never one inside another: those of the named
+    classes, else of the model's `_no_split_modules` (its blocks), else its transformer blocks."""
+    names = set(classes) or set(getattr(model, "_no_split_modules", None) or ())
+    found: list[Any] = []
+    if names:
+        inside: set[int] = set()
+        for module in model.modules():
+            if id(module) in inside or module is model:
+                continue
+            if type(module).__name__ in names:
+                found.append(module)
+                inside.update(id(m) for m in module.modules())
+    if not found and not classes:
+        from ..models.precision import transformer_blocks
+
+        found = transformer_blocks(model)
+    return found
+
+
+def _outputs_not_views(model: Any) -> None:
+    """A sharded root's outputs made their own tensors: FSDP2 hooks the backward of what the root returns, and a
+    hook on a view is lost if anything later writes into it in place (torch warns of it at every step). A denoiser
+    that returns a slice of a larger tensor (diffusers' output[:, :n]) costs one copy of its output."""
+
+    def own(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.clone() if value._base is not None else value
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(own(v) for v in value)
+        if isinstance(value, list):
+            return [own(v) for v in value]
+        if isinstance(value, dict):
+            for key in list(value.keys()):
+                value[key] = own(value[key])
+        return value
+
+    forward = model.forward
+
+    def owned(*args: Any, **kwargs: Any) -> Any:
+        return own(forward(*args, **kwargs))
+
+    model.forward = owned
+
+
+def _trained(models: dict[str, Any], slots: list[str]) -> list[Any]:
+    params = [p for slot in slots for p in models[slot].parameters() if p.requires_grad]
+    if not params:
+        raise BackendError("no trainable parameters (check --lora_target_modules / --trainable_models)")
+    return params
