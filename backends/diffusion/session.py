@@ -15,6 +15,7 @@ from unitgraph.plan import Plan, split
 
 from .config import RunConfig
 from .data.dataset import DiffusionDataset
+from .errors import BackendError
 
 
 def plan_for(cfg: RunConfig) -> Plan:
@@ -51,7 +52,12 @@ def make_accelerator(cfg: RunConfig):
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
             handlers.append(InitProcessGroupKwargs(backend="gloo"))
         _forget_other_precision("no", multi)
-        accelerator = Accelerator(mixed_precision="no", kwargs_handlers=handlers, **trackers)
+        try:
+            accelerator = Accelerator(mixed_precision="no", kwargs_handlers=handlers, **trackers)
+        except ValueError as exc:  # accelerate's checks of a DeepSpeed config against the launch's settings
+            first = " ".join(str(exc).split("\n")[:2]).strip()
+            raise BackendError(f"accelerate refuses the DeepSpeed settings: {first}",
+                               source=engine.config_file or engine.source) from None
         # transformers' from_pretrained would build every model inside deepspeed.zero.Init under ZeRO-3, the frozen
         # encoders too, which then could not run outside an engine: models load whole, and the engine shards the
         # trained one when it is made (its weights are partitioned there, before the first step)

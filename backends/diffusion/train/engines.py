@@ -127,6 +127,7 @@ class ShardedSteps(Steps):
         mesh = init_device_mesh(device.type, (self.acc.num_processes,))
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if self.engine.offload_params else OffloadPolicy()
         self.shards: dict[str, int] = {}
+        self.held: dict[str, float] = {}
         for slot in slots:
             model = models[slot]
             autocast_forward(model, compute_dtype, device)
@@ -142,6 +143,7 @@ class ShardedSteps(Steps):
             fully_shard(model, mesh=mesh, reshard_after_forward=self.engine.reshard_after_forward,
                         offload_policy=offload)
             self.shards[slot] = len(blocks)
+            self.held[slot] = held_fraction(model)
         return dict(models), make_optimizer(_trained(models, slots))
 
     def micro(self, trained, sync):
@@ -178,8 +180,9 @@ class ShardedSteps(Steps):
         return value.to(like.device, like.dtype)
 
     def note(self):
-        shown = ", ".join(f"{slot} in {n + 1} shard groups ({n} blocks and the rest)" for slot, n in self.shards.items())
-        return f"FSDP2: {shown}, each weight split over {self.acc.num_processes} processes"
+        shown = ", ".join(f"{slot} in {n + 1} shard groups ({n} blocks and the rest; this process holds "
+                          f"{self.held[slot]:.1%} of its weights)" for slot, n in self.shards.items())
+        return f"FSDP2: {shown}, over {self.acc.num_processes} processes"
 
 
 class DeepSpeedSteps(Steps):
@@ -203,7 +206,8 @@ class DeepSpeedSteps(Steps):
         if hasattr(plugin, "hf_ds_config"):
             plugin.hf_ds_config.config = plugin.deepspeed_config
         engine, optimizer = self.acc.prepare(model, make_optimizer(_trained(models, slots)))
-        self.ds_engine = engine
+        self.ds_engine, self.slot = engine, slot
+        self.held = held_fraction(engine.module)
         return {**models, slot: engine}, optimizer
 
     batch_size = 1  # set by steps_for
@@ -241,7 +245,25 @@ class DeepSpeedSteps(Steps):
         return out
 
     def note(self):
-        return None
+        if self.engine.zero_stage != 3:
+            return None
+        return (f"{self.engine.name}: {self.slot}'s weights partitioned over {self.acc.num_processes} processes "
+                f"(this process holds {self.held:.1%} of them)")
+
+
+def held_fraction(model: Any) -> float:
+    """The share of a model's weight elements this process holds: its FSDP2 shards (DTensor local parts) or its
+    ZeRO-3 partitions (ds_tensor), else all of them."""
+    held = total = 0
+    for param in model.parameters():
+        if hasattr(param, "ds_numel"):  # DeepSpeed ZeRO-3
+            whole, mine = param.ds_numel, param.ds_tensor.numel()
+        elif hasattr(param, "to_local"):  # FSDP2
+            whole, mine = param.numel(), param.to_local().numel()
+        else:
+            whole = mine = param.numel()
+        held, total = held + mine, total + whole
+    return held / total if total else 1.0
 
 
 def steps_for(accelerator: Any, engine: Any, max_grad_norm: Optional[float], batch_size: int = 1) -> Steps:
