@@ -144,6 +144,26 @@ unitgraph train \\
   --use_gradient_checkpointing \\
   --find_unused_parameters
 """
+# examples/wanvideo/model_training/full/Wan2.1-T2V-14B.sh with its accelerate_config_14B.yaml (ZeRO-2 with parameter
+# and optimizer offload), the release files replaced by the -Diffusers paths unitgraph's one line names for them
+# (tests/test_diffsynth_ports.py), the sizes lowered: 480x832 -> 32x32, --dataset_repeat 100 -> 1, 81 -> 5 frames
+WAN_14B_CONFIG = ZERO2_OFFLOAD.replace("offload_optimizer_device: 'cpu'", "offload_optimizer_device: cpu").replace(
+    "offload_param_device: 'cpu'", "offload_param_device: cpu")
+WAN_FULL = """
+unitgraph train \\
+  --dataset_base_path data/diffsynth_example_dataset/wanvideo/Wan2.1-T2V-14B \\
+  --dataset_metadata_path data/diffsynth_example_dataset/wanvideo/Wan2.1-T2V-14B/metadata.csv \\
+  --height 32 \\
+  --width 32 \\
+  --num_frames 5 \\
+  --dataset_repeat 1 \\
+  --model_id_with_origin_paths "Wan-AI/Wan2.1-T2V-14B-Diffusers:transformer/*.safetensors,Wan-AI/Wan2.1-T2V-14B-Diffusers:text_encoder/*.safetensors,Wan-AI/Wan2.1-T2V-14B-Diffusers:vae/*.safetensors" \\
+  --learning_rate 1e-5 \\
+  --num_epochs 2 \\
+  --remove_prefix_in_ckpt "pipe.dit." \\
+  --output_path "./models/train/Wan2.1-T2V-14B_full" \\
+  --trainable_models "dit"
+"""
 LORA_TARGETS = "to_q,to_k,to_v,add_q_proj,add_k_proj,add_v_proj,to_out.0,to_add_out,img_mlp.net.2,img_mod.1,txt_mlp.net.2,txt_mod.1"
 # examples/qwen_image/model_training/special/low_vram_training/Qwen-Image-LoRA.sh: both commands, --dataset_repeat
 # 50 -> 2 and --num_epochs 5 -> 2 in the second
@@ -281,6 +301,26 @@ def test_diffsynths_zero2_offload_full_training_runs_as_shipped_and_split_equals
     weights = load_file(str(out / "Qwen-Image_full" / "epoch-1.safetensors"))
     assert any(k.startswith("transformer.transformer_blocks.0.") for k in weights)  # the whole DiT, trained
     assert not any("lora" in k for k in weights)
+
+
+def test_a_wan_full_training_script_runs_with_its_14b_config_and_split_equals_unsplit(workdir):
+    pytest.importorskip("av")
+    from unitgraph.backends.diffusion.families.wan import tiny as wan_tiny
+
+    wan_tiny.write_tiny_models(workdir / "models" / "Wan-AI" / "Wan2.1-T2V-14B-Diffusers", size="test", seed=0,
+                               pipeline="wan")
+    write_synthetic_dataset(workdir / "data" / "diffsynth_example_dataset" / "wanvideo" / "Wan2.1-T2V-14B", count=2,
+                            size=32, seed=2, videos=["video"], frames=9)
+    config = workdir / "examples" / "wanvideo" / "model_training" / "full" / "accelerate_config_14B.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(WAN_14B_CONFIG)
+    full = argv_of(WAN_FULL)
+    logs = launch(workdir, str(config.relative_to(workdir)), [
+        (full, "models/train/Wan2.1-T2V-14B_full"), ([*full, "--task", "sft:split"], "models/train/Wan2.1-T2V-14B_split")])
+    assert "engine: DeepSpeed ZeRO-2 (optimizer offloaded to CPU) from accelerate launch, unsplit training, 2 processes" \
+        in logs["models/train/Wan2.1-T2V-14B_full"]
+    out = workdir / "models" / "train"
+    same_training(out / "Wan2.1-T2V-14B_full", out / "Wan2.1-T2V-14B_split", "epoch-1.safetensors")
 
 
 def test_diffsynths_low_vram_zero3_split_training_runs_as_shipped(workdir, user_shell):
