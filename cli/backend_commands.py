@@ -77,6 +77,12 @@ def result_lines(result: Any) -> list[str]:
         lines.append(f"{'stage 2 (train)' if result.task.endswith((':train', ':split')) else 'training'}: "
                      f"{result.steps} steps in {result.stage_times['train']:.1f} s"
                      + (f" ({step * 1000:.0f} ms/step median)" if step else ""))
+    held = getattr(result, "held_bytes", None)
+    if held:
+        from unitgraph.backends.diffusion.cache.verify import human_bytes
+
+        lines.append(f"memory:     the main process holds {human_bytes(held[0])} of weights and {human_bytes(held[1])} "
+                     "of optimizer state (its shards under ZeRO / FSDP2; in CPU memory when offloaded)")
     if getattr(result, "replaced", None):
         lines.append(f"replaced:   the earlier run's files were moved to {result.replaced}")
     if result.last_checkpoint:
@@ -120,8 +126,11 @@ def tiny_models_command(
     import importlib
 
     from unitgraph.backends.diffusion.errors import BackendError
+    from unitgraph.backends.diffusion.args import check_seed
+    from unitgraph.backends.diffusion.models.own_folder import write_own_folder
 
     family, chosen = _choice(pipeline)
+    check_seed(seed)
     if experts and family.experts is None:
         raise BackendError(f"--experts: the {family.title} family's denoiser is a single model")
     if experts and (size.startswith("real") or not family.experts.covers((chosen or family.pipelines[0]).name)):
@@ -135,7 +144,8 @@ def tiny_models_command(
         if size not in real.RELEASES:
             raise BackendError(f"--size must be one of {', '.join(real.RELEASES)} for {family.title}'s released configs, "
                                f"got {size!r}")
-        path = real.write_real_configs(outdir, size=size, pipeline=chosen.name if chosen else None)
+        path = write_own_folder(outdir, MODEL_MARKERS[1], lambda staging: real.write_real_configs(
+            staging, size=size, pipeline=chosen.name if chosen else None))
         cls = (chosen.diffusers_pipeline if chosen else None) or family.diffusers_pipelines[0]
         typer.echo(f"wrote the released {family.title} configs ({cls}; config.json files only, no weights) to {path} "
                    f"in {time.perf_counter() - start:.1f} s")
@@ -143,8 +153,8 @@ def tiny_models_command(
     tiny = family.tiny_module()
     if size not in tiny.SIZES:
         raise BackendError(f"--size must be one of {', '.join([*tiny.SIZES, 'real'])}, got {size!r}")
-    path = tiny.write_tiny_models(outdir, size=size, seed=seed, pipeline=chosen.name if chosen else None,
-                                  **({"experts": True} if experts else {}))
+    path = write_own_folder(outdir, MODEL_MARKERS[0], lambda staging: tiny.write_tiny_models(
+        staging, size=size, seed=seed, pipeline=chosen.name if chosen else None, **({"experts": True} if experts else {})))
     cls = (chosen.diffusers_pipeline if chosen else None) or family.diffusers_pipelines[0]
     typer.echo(f"wrote {size}-size {family.title} pipeline ({cls}) to {path} in {time.perf_counter() - start:.1f} s")
 
@@ -157,9 +167,10 @@ def claim_model_folder(folder: Path) -> None:
     """tiny-models writes only into a new or empty folder, or one it wrote before (its marker): never over a
     user's model folder (its weights would be replaced by random ones)."""
     from unitgraph.backends.diffusion.errors import BackendError
+    from unitgraph.errors import path_missing
 
     if folder.is_symlink() and not folder.exists():
-        raise BackendError("is a dangling symlink", source=str(folder))
+        raise BackendError(path_missing(folder), source=str(folder))  # a dangling link or a symlink loop
     if folder.exists() and not folder.is_dir():
         raise BackendError("is a file, not a folder; choose another OUTDIR", source=str(folder))
     if folder.is_dir() and any(folder.iterdir()) and not any((folder / m).is_file() for m in MODEL_MARKERS):
@@ -275,6 +286,11 @@ def pipelines_command(
         console.print(slots)
 
 
+# the demo's bounds, checked before anything is written: its data is synthetic and its models tiny, so these cover any
+# demo (a 2048 px image is 12 MB decoded; 10^9 images filled the disk, 2^20 px was killed for memory)
+DEMO_MAX_IMAGES = 10_000
+DEMO_MAX_RESOLUTION = 2048
+DEMO_MAX_EPOCHS = 10_000
 DEMO_SIZES = ("images", "resolution")  # Family.demo keys that size the demo's data rather than set a run flag
 
 
@@ -293,20 +309,21 @@ def demo_command(
     from rich.table import Table
 
     from unitgraph.backends.diffusion.errors import BackendError
-    from unitgraph.backends.diffusion.args import make_args
+    from unitgraph.backends.diffusion.args import check_seed, make_args
     from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset
 
     family, chosen = _choice(pipeline)
     demo_flags = {k: v for k, v in dict(family.demo).items() if k not in DEMO_SIZES}  # the rest are run flags
     images = int(dict(family.demo).get("images", 32)) if images is None else images
     resolution = int(dict(family.demo).get("resolution", 256)) if resolution is None else resolution
-    if resolution < 16 or resolution % 16:
-        raise BackendError(f"--resolution must be a positive multiple of 16, got {resolution}")
-    for name, value in (("--images", images), ("--num_epochs", num_epochs)):
-        if value < 1:
-            raise BackendError(f"{name} must be at least 1, got {value}")
-    if compare_steps < 0:
-        raise BackendError(f"--compare_steps must be 0 or more, got {compare_steps}")
+    if resolution < 16 or resolution % 16 or resolution > DEMO_MAX_RESOLUTION:
+        raise BackendError(f"--resolution must be a multiple of 16 between 16 and {DEMO_MAX_RESOLUTION}, got {resolution}")
+    for name, value, most in (("--images", images, DEMO_MAX_IMAGES), ("--num_epochs", num_epochs, DEMO_MAX_EPOCHS)):
+        if not 1 <= value <= most:
+            raise BackendError(f"{name} must be between 1 and {most} (a demo of tiny models), got {value}")
+    if not 0 <= compare_steps <= DEMO_MAX_IMAGES:
+        raise BackendError(f"--compare_steps must be between 0 and {DEMO_MAX_IMAGES}, got {compare_steps}")
+    check_seed(seed)
     console = Console()
     chosen = chosen or family.pipelines[0]
     # the required columns beyond image and prompt (an edit or reference image): mirrored copies of the image
@@ -384,12 +401,10 @@ def demo_command(
 
 
 def _tiny_models(console: Any, family: Any, pipeline: Any, models_dir: Path, size: str, seed: int) -> None:
-    """The demo's tiny models: reused when an earlier demo wrote them at this size and seed, else written (a folder
-    of other tiny models is replaced whole: written beside it first, so a failure leaves the old one)."""
-    import shutil
-    import uuid
-
+    """The demo's tiny models: reused when an earlier demo wrote them (completely) at this size and seed, else written
+    (into a fresh folder first, so a failure leaves the old ones; then only unitgraph's own files are replaced)."""
     from unitgraph.backends.diffusion.errors import BackendError
+    from unitgraph.backends.diffusion.models.own_folder import write_own_folder
 
     info = models_dir / MODEL_MARKERS[0]
     try:
@@ -397,7 +412,7 @@ def _tiny_models(console: Any, family: Any, pipeline: Any, models_dir: Path, siz
     except (OSError, ValueError):
         made = None
     if (models_dir / "model_index.json").is_file() and isinstance(made, dict) \
-            and made.get("size") == size and made.get("seed") == seed:
+            and made.get("size") == size and made.get("seed") == seed and made.get("complete", True) is not False:
         console.print(f"tiny models: reusing {models_dir}")
         return
     if models_dir.exists() and (models_dir.is_symlink() or not models_dir.is_dir() or (
@@ -405,18 +420,10 @@ def _tiny_models(console: Any, family: Any, pipeline: Any, models_dir: Path, siz
         raise BackendError("holds models unitgraph did not write (no unitgraph_tiny.json); the demo never writes "
                            "over them: choose another --output_path", source=str(models_dir))
     t = time.perf_counter()
-    fresh = models_dir.with_name(f".{models_dir.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        family.tiny_module().write_tiny_models(fresh, size=size, seed=seed, pipeline=pipeline.name)
-        if models_dir.exists():  # the earlier demo's tiny models (their marker says so) at another size or seed
-            old = models_dir.with_name(f".{models_dir.name}.{uuid.uuid4().hex[:8]}.old")
-            os.rename(models_dir, old)
-            os.rename(fresh, models_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(fresh, models_dir)
-    finally:
-        shutil.rmtree(fresh, ignore_errors=True)
+    # the earlier demo's tiny models (their marker says so) at another size or seed: only the files it wrote, unchanged,
+    # are replaced (models/own_folder.py)
+    write_own_folder(models_dir, MODEL_MARKERS[0], lambda staging: family.tiny_module().write_tiny_models(
+        staging, size=size, seed=seed, pipeline=pipeline.name))
     console.print(f"tiny {size}-size models (random weights) -> {models_dir}  [dim]{time.perf_counter() - t:.1f} s[/dim]")
 
 

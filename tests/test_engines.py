@@ -4,7 +4,7 @@ config that partitions even the tiny models' weights.
 
 What a user relies on: split equals unsplit under each engine (losses and weights, the same engine and process
 count on both sides); the engines really shard (each process holds about half of the weights, as the run's note
-measures); FSDP2 resumes exactly; --max_grad_norm clips the same in both runs. Every launch runs several runs
+measures); FSDP2 and ZeRO-3 resume exactly; --max_grad_norm clips the same in both runs. Every launch runs several runs
 (tests/two_process_stage1.py), paying the interpreters' start once.
 """
 
@@ -339,21 +339,28 @@ def test_diffsynths_low_vram_zero3_split_training_runs_as_shipped(workdir, user_
     assert len(losses(out / "Qwen-Image_lora")) == 8  # 4 samples x 2 repeats over 2 processes: 4 steps, 2 epochs
 
 
-def test_zero3_partitions_the_weights_and_split_equals_unsplit(workdir):
+def test_zero3_partitions_the_weights_split_equals_unsplit_and_resumes_exactly(workdir):
     base = ["train", "--model_paths", "models/Qwen/Qwen-Image", "--max_pixels", "1024", "--num_epochs", "1",
             "--learning_rate", "1e-3", "--no-progress", "--no-plot", "--seed", "3",
             "--dataset_base_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image",
             "--dataset_metadata_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image/metadata.csv"]
     lora = [*base, "--lora_base_model", "dit", "--lora_rank", "4", "--max_grad_norm", "0.005"]
+    full = [*base, "--trainable_models", "dit", "--num_epochs", "2", "--save_steps", "1"]
     logs = launch(workdir, "zero3.yaml", [(lora, "z3/lora"), ([*lora, "--task", "sft:split"], "z3/lora-split"),
-                                          ([*base, "--trainable_models", "dit"], "z3/full"),
-                                          ([*base, "--trainable_models", "dit", "--task", "sft:split"], "z3/full-split")])
+                                          (full, "z3/full"), ([*full, "--task", "sft:split"], "z3/full-split"),
+                                          ([*full, "--num_epochs", "1"], "z3/resumed"), ([*full, "--resume"], "z3/resumed")])
     held = [line for line in logs["z3/full"].splitlines() if "partitioned over 2 processes" in line]
     assert held, logs["z3/full"][-2000:]
     share = float(held[0].split("holds ")[1].split("%")[0])
     assert 45 < share < 55, held  # about half of the weights: the other process holds the rest
     same_training(workdir / "z3" / "lora", workdir / "z3" / "lora-split", "epoch-0.safetensors")
-    same_training(workdir / "z3" / "full", workdir / "z3" / "full-split", "epoch-0.safetensors")
+    same_training(workdir / "z3" / "full", workdir / "z3" / "full-split", "epoch-1.safetensors")
+    # a killed ZeRO-3 run continues exactly: each process's partition of AdamW's state is in the training state
+    state = sorted((workdir / "z3" / "resumed" / "state").iterdir())[-1]
+    assert sorted(p.name for p in state.iterdir()) == ["optimizer-rank1.safetensors", "optimizer.safetensors",
+                                                       "state.json", "trained.safetensors"]
+    assert "resuming from" in logs["z3/resumed"]
+    same_training(workdir / "z3" / "full", workdir / "z3" / "resumed", "epoch-1.safetensors")
     norms = [float(r["grad_norm"]) for r in csv.DictReader((workdir / "z3" / "lora" / "loss.csv").open())]
     assert norms and all(n > 0.005 for n in norms)
 

@@ -107,6 +107,35 @@ class PrecisionConfig:
 ACCELERATE_PRECISION_ENV = "ACCELERATE_MIXED_PRECISION"  # set by `accelerate launch --mixed_precision` and its config
 
 
+# The variables accelerate parses as truth values (accelerate.utils.environment.str_to_bool raises a ValueError on any
+# other word, deep inside the Accelerator) and as integers: each checked once where the flags are, in one line.
+ACCELERATE_TRUE = ("1", "y", "yes", "t", "true", "on")
+ACCELERATE_FALSE = ("0", "n", "no", "f", "false", "off")
+ACCELERATE_FLAGS = ("ACCELERATE_DEBUG_MODE", "ACCELERATE_INIT_INCLUDE_BUFFERS", "ACCELERATE_ENABLE_RICH",
+                    "ACCELERATE_CPU_AFFINITY", "FORK_LAUNCHED", "USE_TORCH_XLA")
+ACCELERATE_FLAG_PREFIXES = ("ACCELERATE_USE_", "ACCELERATE_DYNAMO_USE_")
+ACCELERATE_FSDP_FLAGS = ("FSDP_OFFLOAD_PARAMS", "FSDP_USE_ORIG_PARAMS", "FSDP_SYNC_MODULE_STATES",
+                         "FSDP_FORWARD_PREFETCH", "FSDP_ACTIVATION_CHECKPOINTING", "FSDP_CPU_RAM_EFFICIENT_LOADING")
+ACCELERATE_INTEGERS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS", "PMI_SIZE",
+                       "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def check_environment(environ: Any = None) -> None:
+    """Refuse, naming the variable, an environment accelerate would fail on with a traceback after the models load
+    (`ACCELERATE_USE_CPU=maybe`): its truth-valued variables must be one of its words, its counts integers."""
+    environ = os.environ if environ is None else environ
+    for name in sorted(environ):
+        value = str(environ[name])  # accelerate lowers the case, nothing else
+        flag = name in ACCELERATE_FLAGS or name in ACCELERATE_FSDP_FLAGS or name.startswith(ACCELERATE_FLAG_PREFIXES)
+        if flag and value.lower() not in (*ACCELERATE_TRUE, *ACCELERATE_FALSE):
+            raise BackendError(f"environment variable {name}={value!r} is not a truth value accelerate reads: use one "
+                               f"of {', '.join(ACCELERATE_TRUE)} or {', '.join(ACCELERATE_FALSE)}")
+        number = value.strip().removeprefix("-")
+        if name in ACCELERATE_INTEGERS and value.strip() and not (number.isascii() and number.isdigit()):
+            raise BackendError(f"environment variable {name}={value!r} is not an integer (accelerate and torch read it "
+                               "as one)")
+
+
 def mixed_precision(args: TrainArgs, environ: Any = None) -> str:
     """--mixed_precision, else accelerate's launch flag or config (its environment variable) when it asks for fp16
     or bf16, else bf16.
@@ -205,6 +234,7 @@ class RunConfig:
     @classmethod
     def from_args(cls, args: TrainArgs, environ: Any = None) -> "RunConfig":
         args.validate()
+        check_environment(environ)
         chosen = choose(args)
         family, pipeline = chosen.family, chosen.pipeline
         pipeline = with_vae_latents(pipeline, args.vae_latents)
@@ -316,10 +346,6 @@ def check_engine(args: TrainArgs, engine: Engine, fp8: tuple[str, ...]) -> None:
         raise BackendError(f"--validation_prompt with {engine.name}: validation samples are rendered by one process, "
                            "which holds only its shard of the weights here; render from a checkpoint after training, "
                            "or train under ZeRO-1/2 or data parallel", source=engine.source)
-    if args.resume is not None and engine.kind == "deepspeed":
-        raise BackendError(f"--resume under {engine.name}: DeepSpeed's sharded optimizer state is not saved in "
-                           "unitgraph's training states yet (FSDP2 and data parallel resume exactly); start anew with "
-                           "--overwrite", source=engine.source)
     trained = [*args.trainable(), *([args.lora_base_model] if args.lora_base_model else [])]
     if engine.kind == "deepspeed" and len(set(trained)) > 1:
         raise BackendError(f"{engine.name} trains one model per engine and this run trains {len(set(trained))} "

@@ -33,7 +33,9 @@ class RunResult:
     samples: int = 0
     steps: int = 0
     step_times: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)  # with --max_grad_norm: each step's norm before clipping
+    grad_norms: list[float] = field(default_factory=list)
+    # (weight bytes, optimizer-state bytes) the process held after its first step (train/engines.held_bytes)
+    held_bytes: Optional[tuple[int, int]] = None  # with --max_grad_norm: each step's norm before clipping
     replaced: Optional[Path] = None  # where --overwrite moved an earlier run's files
     resumed_from: Optional[Path] = None  # the training state --resume continued from
     sample_images: list[Path] = field(default_factory=list)  # validation samples written

@@ -334,9 +334,6 @@ def flag_notes(cfg: RunConfig, plan: Plan, accelerator: Any) -> list[str]:
         notes.append("note: --initialize_model_on_cpu is how unitgraph always loads: weights are read into CPU memory "
                      "and placed after" + (f"; under {cfg.engine.name} each process then keeps only its shard"
                                            if cfg.engine.shards_frozen else ""))
-    if cfg.engine.kind == "deepspeed" and cfg.stage != "data_process":
-        notes.append(f"note: under {cfg.engine.name} no training state is written for --resume yet (checkpoints are "
-                     "written as usual); FSDP2 and data parallel runs resume exactly")
     if os.environ.get("MASTER_ADDR") and not os.environ.get("WORLD_SIZE") and accelerator.num_processes == 1:
         notes.append("warning: accelerate launch asked for several processes but started one; on a CPU add --multi_gpu "
                      "and set ACCELERATE_USE_CPU=true (docs/user-guide.md, 'Several processes')")

@@ -113,6 +113,19 @@ class Steps:
     def note(self) -> Optional[str]:
         return None
 
+    per_rank_state = False  # whether each process keeps an optimizer state of its own in a training state
+
+    @contextlib.contextmanager
+    def state_view(self, optimizer: Any):
+        """The torch optimizer whose state a training state holds (accelerate's wrapper unwrapped by resume.py)."""
+        yield optimizer
+
+    def check_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The trained parameters as a state is checked against them (their whole shapes)."""
+        return params
+
+    restore = None  # how the weights are set from a state, when not by `scatter` (DeepSpeed)
+
 
 class ShardedSteps(Steps):
     """FSDP2: torch's fully_shard on every trained model (the module docstring)."""
@@ -244,6 +257,56 @@ class DeepSpeedSteps(Steps):
                     out[name] = param.detach().to("cpu").contiguous().clone()
         return out
 
+    per_rank_state = True
+
+    def zero_optimizer(self, optimizer: Any) -> Any:
+        """DeepSpeed's ZeRO optimizer under accelerate's wrapper."""
+        return getattr(optimizer, "optimizer", optimizer)
+
+    @contextlib.contextmanager
+    def state_view(self, optimizer):
+        """The torch AdamW DeepSpeed steps over this process's flat fp32 partitions: its moments are this process's
+        share of the optimizer state, saved as its own file. ZeRO-3 lists the partitions in the param groups only
+        while it steps; they are listed while the state is read or written."""
+        zero = self.zero_optimizer(optimizer)
+        staged = self.engine.zero_stage == 3 and hasattr(zero, "_set_fp32_optimizer_param_groups")
+        if staged:
+            zero._set_fp32_optimizer_param_groups()
+        try:
+            yield zero.optimizer
+        finally:
+            if staged:
+                zero._clear_fp32_optimizer_param_groups()
+
+    def full(self, value):
+        if hasattr(value, "ds_tensor"):  # a ZeRO-3 partitioned parameter: gathered by every process
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([value], modifier_rank=None):
+                return value.detach().to("cpu").contiguous().clone()
+        return super().full(value)
+
+    def check_params(self, params):
+        if self.engine.zero_stage != 3:
+            return params
+        return {name: torch.empty(tuple(p.ds_shape), dtype=p.dtype, device="meta") if hasattr(p, "ds_shape") else p
+                for name, p in params.items()}
+
+    def restore(self, params, weights):
+        """The trained weights set from a state's whole tensors (a ZeRO-3 partition from the main process's copy),
+        then DeepSpeed's fp32 copies taken from them, as its own checkpoint loading does: the weights are fp32 here
+        (DeepSpeed's precision is off), so the copies are exactly the saved ones."""
+        import deepspeed
+
+        for name, param in params.items():
+            if hasattr(param, "ds_tensor"):
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                    if self.acc.is_main_process:
+                        param.data.copy_(weights[name].to(param.device, param.dtype))
+            else:
+                param.data.copy_(weights[name].to(param.device, param.dtype))
+        self.ds_engine.optimizer._restore_from_bit16_weights()  # the engine's own: DeepSpeed's ZeRO optimizer
+
     def note(self):
         if self.engine.zero_stage != 3:
             return None
@@ -264,6 +327,49 @@ def held_fraction(model: Any) -> float:
             whole = mine = param.numel()
         held, total = held + mine, total + whole
     return held / total if total else 1.0
+
+
+def held_bytes(models: dict[str, Any], optimizer: Any) -> tuple[int, int]:
+    """(weight bytes, optimizer-state bytes) this process holds in memory for the models and the optimizer: each
+    weight's local part (an FSDP2 shard, a ZeRO-3 partition, else the whole tensor) and every tensor the optimizer
+    keeps (AdamW's moments; under DeepSpeed its flat partitions and fp32 master copies too), wherever they live (an
+    offloaded engine keeps them in CPU memory). What a run prints after its first step, and what the engines
+    benchmark compares."""
+    seen: set[int] = set()
+    weights = 0
+    for model in models.values():
+        if not isinstance(model, torch.nn.Module):
+            continue
+        for param in model.parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            local = param.ds_tensor if hasattr(param, "ds_tensor") else \
+                param.to_local() if hasattr(param, "to_local") else param
+            weights += local.numel() * local.element_size()
+    state = 0
+    counted: set[int] = set()
+
+    def add(value: Any) -> None:
+        nonlocal state
+        if isinstance(value, torch.Tensor):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            if id(local) not in counted and local.numel() > 1:
+                counted.add(id(local))
+                state += local.numel() * local.element_size()
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                add(item)
+
+    inner, depth = optimizer, 0
+    while inner is not None and depth < 4:
+        for values in getattr(inner, "state", {}).values() if isinstance(getattr(inner, "state", None), dict) else ():
+            for value in values.values():
+                add(value)
+        for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+            add(getattr(inner, name, None))
+        inner, depth = getattr(inner, "optimizer", None), depth + 1
+    return weights, state
 
 
 def steps_for(accelerator: Any, engine: Any, max_grad_norm: Optional[float], batch_size: int = 1) -> Steps:

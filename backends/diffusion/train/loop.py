@@ -27,7 +27,7 @@ from ..data.batching import CachedItem, step_groups
 from ..errors import BackendError
 from ..randomness import seeded_global_stream
 from .checkpoints import checkpoint_state, save_checkpoint
-from .engines import base_optimizer, steps_for
+from .engines import base_optimizer, held_bytes, steps_for
 from .lr import make_lr_schedule, seek, step as lr_step
 from .outputs import RunFolder
 from .resume import (
@@ -38,8 +38,11 @@ from .resume import (
     latest_state,
     must_match,
     prune_states,
+    optimizer_tensors,
+    rank_file,
     remove_partial_states,
     save_state,
+    staging_folder,
     trained_parameters,
 )
 
@@ -217,7 +220,7 @@ def run_training(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerat
     per_epoch = len(step_groups(data.batches(0, rank, world), cfg.optim.accumulation))
     match = must_match(cfg, plan, world, data=data_identity(provider), steps_per_epoch=per_epoch)
     checked = resume_point(cfg, output, trained_parameters(models, plan.models_require_backward), optimizer, match,
-                           per_epoch, accelerator.is_main_process)
+                           per_epoch, accelerator.is_main_process, steps, accelerator.process_index)
     run = (cfg, plan, provider, data, accelerator, output, result, stage_name, models, optimizer, lora_config, match,
            checked, steps)
     if accelerator.is_main_process:
@@ -257,7 +260,10 @@ class _Run:
         if self.main:
             remove_partial_states(output)  # a state write a kill interrupted (this run holds the folder's lock)
         accelerator.wait_for_everyone()
-        self.start = apply_state(checked, self.params, optimizer, self.steps.scatter) if checked is not None else None
+        self.start = None
+        if checked is not None:
+            with self.steps.state_view(optimizer) as view:
+                self.start = apply_state(checked, self.params, view, self.steps.scatter, self.steps.restore)
         if self.start is not None:
             result.resumed_from = self.start.path
             if self.main:
@@ -277,6 +283,7 @@ class _Run:
         self.last: Optional[float] = None  # when the previous step ended
         self.bar.update(self.step)
         self.tracking = cfg.output.report_to != "none"
+        self.held: Optional[tuple[int, int]] = None
         if self.tracking:
             accelerator.init_trackers(f"{plan.pipeline}-{cfg.args.task.replace(':', '-')}",
                                       config={k: v for k, v in vars(cfg.args).items()
@@ -341,6 +348,9 @@ class _Run:
         loss, now = step_loss([(v, len(b)) for (v, _), b in zip(steps, group)], total, acc), time.perf_counter()
         timestep = step_timestep([(t, len(b)) for (_, t), b in zip(steps, group)], total, acc)
         took = now - (self.last if self.last is not None else self.t0 + self.offset)
+        if self.held is None and (cfg.engine.kind != "ddp" or self.world > 1):  # after the first step, when the
+            self.held = held_bytes(self.models, self.optimizer)                # optimizer's state exists
+            self.result.held_bytes = self.held
         self.log.add(self.step, epoch, loss, now - self.t0, timestep, norm)
         self.result.step_times.append(took)
         if norm is not None:
@@ -358,12 +368,18 @@ class _Run:
 
     def keep_state(self, epoch: int, position: int) -> None:
         """The resumable state after `position` steps of `epoch` (main process), the oldest beyond --save_total_limit pruned."""
-        if self.cfg.engine.kind == "deepspeed":  # not yet: the run said so at its start (check_resumable)
-            return
-        if self.main or self.steps.gathers:  # a sharded engine gathers each tensor with every process
+        steps = self.steps
+        if self.main or steps.gathers or steps.per_rank_state:  # sharded: every process gathers or writes its part
             elapsed = time.perf_counter() - self.t0 if self.t0 is not None else self.offset
-            save_state(self.output, self.step, epoch, position, elapsed, self.log.rows, self.params, self.optimizer,
-                       self.match, full=self.steps.full, write=self.main)
+            with steps.state_view(self.optimizer) as view:
+                ranks = None
+                if steps.per_rank_state and self.world > 1:  # each process's optimizer file, then the state
+                    ranks = staging_folder(self.output, self.step)
+                    if not self.main:
+                        save_rank_file(ranks, self.rank, view)
+                    self.acc.wait_for_everyone()
+                save_state(self.output, self.step, epoch, position, elapsed, self.log.rows, self.params, view,
+                           self.match, full=steps.full, write=self.main, ranks=ranks)
             if self.main:
                 prune_states(self.output, self.cfg.output.save_total_limit)
         self.acc.wait_for_everyone()
@@ -398,6 +414,21 @@ class _Run:
         self.acc.wait_for_everyone()
 
 
+def save_rank_file(folder: Path, rank: int, optimizer: Any) -> None:
+    """This process's optimizer state (DeepSpeed's partition of it) into the folder the main process moves into the
+    training state (resume.save_state)."""
+    from safetensors.torch import save as to_bytes
+
+    from unitgraph.atomic import write_bytes_atomic
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(folder / rank_file(rank), to_bytes(optimizer_tensors(optimizer)))
+    except OSError as exc:
+        raise OutputError(f"cannot write process {rank}'s optimizer state ({exc.strerror or exc})",
+                          source=str(folder)) from None
+
+
 def steps_done(start: Any, epoch: int, steps: int) -> int:
     """Optimizer steps of `epoch` (of `steps`) a resumed state already made: all of an earlier epoch, its
     position in its own, none of a later one (or without a state)."""
@@ -407,7 +438,7 @@ def steps_done(start: Any, epoch: int, steps: int) -> int:
 
 
 def resume_point(cfg: RunConfig, output: Path, params: dict[str, Any], optimizer: Any, match: dict[str, Any],
-                 per_epoch: int, main: bool = True) -> Any:
+                 per_epoch: int, main: bool = True, steps: Any = None, rank: int = 0) -> Any:
     """--resume: the state to continue from, read and checked whole against this run (nothing restored yet, nothing
     changed), or None to start at step 0 (plain --resume in a folder whose run has not saved a state yet)."""
     if cfg.output.resume is None:
@@ -425,7 +456,12 @@ def resume_point(cfg: RunConfig, output: Path, params: dict[str, Any], optimizer
     if not (path / "state.json").is_file():
         raise BackendError("--resume: not a training state folder (no state.json); states are OUTPUT/state/step-N",
                            source=str(path))
-    checked = check_state(path, params, optimizer, match)
+    if steps is None:
+        checked = check_state(path, params, optimizer, match)
+    else:  # under an engine: its whole shapes, and under DeepSpeed this process's own optimizer file
+        with steps.state_view(optimizer) as view:
+            checked = check_state(path, steps.check_params(params), view, match,
+                                  rank if steps.per_rank_state else 0)
     check_progress(path, checked.point, per_epoch, cfg.optim.num_epochs)
     return checked
 

@@ -50,7 +50,8 @@ from ..tensorfile import Header, TensorInfo, dtype_code, finite, load_tensors, r
 from .lr import schedule_needs_total
 
 __all__ = ["CheckedState", "ResumePoint", "STATE_DIR", "apply_state", "check_state", "latest_state", "load_state",
-           "must_match", "prune_states", "remove_partial_states", "save_state", "states", "trained_parameters"]
+           "must_match", "optimizer_tensors", "prune_states", "rank_file", "remove_partial_states", "save_state",
+           "staging_folder", "states", "trained_parameters"]
 
 STATE_DIR = "state"
 STATE_FORMAT = "unitgraph.train-state/v2"  # v2: loss rows carry the step's timestep
@@ -60,6 +61,7 @@ TRAINED_FILE = "trained.safetensors"
 STATE_FILES = (OPTIMIZER_FILE, TRAINED_FILE)
 _TEMP_PREFIX = ".tmp-"
 _STATE_NAME = re.compile(r"step-([0-9]+)")
+_RANK_FILE = re.compile(r"optimizer-rank([1-9][0-9]*)\.safetensors")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _OPTIMIZER_KEY = re.compile(r"(0|[1-9][0-9]*)\.([A-Za-z_][A-Za-z0-9_]*)")
 _OLDER = "resume from an older state with --resume PATH, or start anew with --overwrite"
@@ -102,6 +104,10 @@ def must_match(cfg: Any, plan: Any, world: int, data: Optional[str] = None,
         "preset_lora_model": lora.preset_model, "validation_prompts": list(v.prompts), "validation_steps": v.steps,
         "lr_scheduler": o.lr_scheduler, "lr_warmup_steps": o.lr_warmup_steps,
         "max_grad_norm": o.max_grad_norm,
+        # the clips' length where the run reads clips itself (unsplit; stage 2's cache pins it through `data`), else
+        # None, as states written before it hold it
+        "num_frames": (int(cfg.data.num_frames) if getattr(cfg.pipeline, "video_params", ()) and cfg.stage == ""
+                       else None),
         # data parallel is recorded as None, as states written before engines existed hold it
         "engine": None if cfg.engine.kind == "ddp" else cfg.engine.name,
         "lr_schedule_steps": (steps_per_epoch * o.num_epochs if steps_per_epoch is not None
@@ -129,12 +135,40 @@ def check_progress(path: Path, point: Any, per_epoch: int, num_epochs: int) -> N
     if point.epoch >= num_epochs:
         raise BackendError(f"training state is at epoch {point.epoch}, beyond this run's --num_epochs {num_epochs}; "
                            "give at least as many epochs as it has made", source=str(Path(path) / STATE_JSON))
+    state_root = Path(path).parent
+    if state_root.name == STATE_DIR:  # a state of the run in its output folder: what that run made past this one's end
+        _check_made_past(state_root.parent, per_epoch, num_epochs)
+
+
+_CHECKPOINT_NAME = re.compile(r"(epoch|step)-([0-9]+)\.safetensors")
+
+
+def _check_made_past(output: Path, per_epoch: int, num_epochs: int) -> None:
+    """A resumed run ends at its own --num_epochs: the checkpoints and states a longer run made past that end would
+    stay beside its shorter loss.csv, as if this run had made them. Refused, naming them."""
+    total = per_epoch * num_epochs
+    past = []
+    for entry in sorted(output.glob("*.safetensors")):
+        match = _CHECKPOINT_NAME.fullmatch(entry.name)
+        if match and int(match.group(2)) >= (num_epochs if match.group(1) == "epoch" else total + 1):
+            past.append(entry.name)
+    root = output / STATE_DIR
+    if root.is_dir():
+        past += [f"{STATE_DIR}/{p.name}" for p in sorted(root.iterdir())
+                 if _STATE_NAME.fullmatch(p.name) and int(_STATE_NAME.fullmatch(p.name).group(1)) > total]
+    if past:
+        shown = ", ".join(past[:3]) + (", ..." if len(past) > 3 else "")
+        raise BackendError(f"--resume: the run here went further than this run's --num_epochs {num_epochs} (step "
+                           f"{total}) and made {shown}; continuing it with fewer epochs would leave those beside a "
+                           "shorter loss.csv: give its --num_epochs, or start anew (--overwrite, without --resume)",
+                           source=str(output))
 
 
 _FLAGS = {"plan_fingerprint": "the plan (--lora_base_model, --trainable_models, --cache_mode or the pipeline)",
           "data": "the data (the dataset's samples, or the cache's entries and the settings they were made with)",
           "steps_per_epoch": "the data and --batch_size / --gradient_accumulation_steps",
           "preset_lora": "--preset_lora_path (the file's content)",
+          "num_frames": "--num_frames (the clips' length)",
           "validation_prompts": "--validation_prompt", 
           "processes": "the number of processes",
           "engine": "the engine (the accelerate config's distributed_type and ZeRO stage)",
@@ -154,13 +188,41 @@ def trained_parameters(models: dict[str, Any], slots: list[str]) -> dict[str, An
     return out
 
 
+def rank_file(rank: int) -> str:
+    """The optimizer file of process `rank` in a state whose optimizer state is per process (DeepSpeed's ZeRO
+    partitions): the main process's is optimizer.safetensors, the others' optimizer-rank<R>.safetensors."""
+    return OPTIMIZER_FILE if rank == 0 else f"optimizer-rank{rank}.safetensors"
+
+
+def staging_folder(output: Path, step: int) -> Path:
+    """Where the other processes put their optimizer files of the state after `step` before the main process moves
+    them into it (a leftover is removed at the next start, as any partial state write)."""
+    return Path(output) / STATE_DIR / f"{_TEMP_PREFIX}ranks-step-{step:08d}"
+
+
+def optimizer_tensors(optimizer: Any, full: Any = None) -> dict[str, Any]:
+    """The optimizer's per-parameter state as `<parameter index>.<name>` tensors (whole, through `full`)."""
+    import torch
+
+    full = full or (lambda value: value.detach().to("cpu").contiguous().clone())
+    opt = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer  # accelerate's wrapper
+    tensors = {}
+    for index, values in opt.state_dict()["state"].items():
+        for key, value in values.items():
+            value = value if isinstance(value, torch.Tensor) else torch.tensor(value)  # AdamW's step, in old torch
+            tensors[f"{index}.{key}"] = full(value)
+    return tensors
+
+
 def save_state(output: Path, step: int, epoch: int, position: int, elapsed: float, rows: list[Any],
                params: dict[str, Any], optimizer: Any, match: dict[str, Any], full: Any = None,
-               write: bool = True) -> Optional[Path]:
+               write: bool = True, ranks: Optional[Path] = None) -> Optional[Path]:
     """Write the state after `step` into OUTPUT/state/step-<step>/ (whole or not at all); return the folder.
 
     `full(tensor)` gives a tensor whole on the CPU; under FSDP2 it gathers the shards, a call every process makes
-    in the same order, and only the process with `write` writes (the others return None)."""
+    in the same order, and only the process with `write` writes (the others return None). `ranks` is a folder of
+    the other processes' optimizer files (`rank_file`), moved into the state and recorded with their digests, when
+    each process keeps an optimizer state of its own (DeepSpeed)."""
     import torch
     from safetensors.torch import save
 
@@ -183,17 +245,19 @@ def save_state(output: Path, step: int, epoch: int, position: int, elapsed: floa
     try:
         opt = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer  # accelerate's wrapper
         opt_state = opt.state_dict()
-        tensors = {}
-        for index, values in opt_state["state"].items():
-            for key, value in values.items():
-                value = value if isinstance(value, torch.Tensor) else torch.tensor(value)  # AdamW's step, in old torch
-                tensors[f"{index}.{key}"] = full(value)
-        write_bytes_atomic(temp / OPTIMIZER_FILE, save(tensors))
+        write_bytes_atomic(temp / OPTIMIZER_FILE, save(optimizer_tensors(optimizer, full)))
         weights = {name: full(p) for name, p in params.items()}
         write_bytes_atomic(temp / TRAINED_FILE, save(weights))
+        names = list(STATE_FILES)
+        if ranks is not None:
+            for file in sorted(Path(ranks).iterdir()):
+                if _RANK_FILE.fullmatch(file.name):
+                    os.replace(file, temp / file.name)
+                    names.append(file.name)
+            shutil.rmtree(ranks, ignore_errors=True)
         record = {"format": STATE_FORMAT, "step": step, "epoch": epoch, "position": position, "elapsed_s": elapsed,
                   "match": match, "param_groups": opt_state["param_groups"], "loss_rows": [list(r) for r in rows],
-                  "files": {name: sha256_file(temp / name) for name in STATE_FILES}}
+                  "files": {name: sha256_file(temp / name) for name in names}}
         write_text_atomic(temp / STATE_JSON, json.dumps(record, indent=1, sort_keys=True) + "\n")
         if final.exists():  # the same step saved again (an epoch that ends on a --save_steps step)
             shutil.rmtree(final)
@@ -304,7 +368,9 @@ def _read_record(path: Path) -> dict[str, Any]:
             raise BackendError(f"damaged training state: field {name!r} is {_shown(record[name])}, not {what}; {_OLDER}",
                                source=source)
     files = record["files"]
-    if set(files) != set(STATE_FILES) or not all(isinstance(v, str) and _SHA256.fullmatch(v) for v in files.values()):
+    ranks = sorted(int(m.group(1)) for m in map(_RANK_FILE.fullmatch, files) if m)
+    if (set(files) - {rank_file(r) for r in ranks} != set(STATE_FILES) or ranks != list(range(1, len(ranks) + 1))
+            or not all(isinstance(v, str) and _SHA256.fullmatch(v) for v in files.values())):
         raise BackendError(f"damaged training state: field 'files' is not the sha256 of {' and '.join(STATE_FILES)}; "
                            f"{_OLDER}", source=source)
     rows, step, epoch = record["loss_rows"], record["step"], record["epoch"]
@@ -362,7 +428,7 @@ def _check_param_groups(path: Path, saved: list[Any], current: list[dict[str, An
 
 
 def _check_digests(path: Path, record: dict[str, Any]) -> None:
-    for name in STATE_FILES:
+    for name in record["files"]:
         file = path / name
         if not file.is_file():
             raise BackendError(f"damaged training state: the file is missing (or not a regular file); {_OLDER}",
@@ -402,10 +468,10 @@ def _expected_keys(opt: Any, group: dict[str, Any]) -> Optional[set[str]]:
     return None
 
 
-def _check_optimizer(path: Path, header: Header, opt: Any) -> dict[int, dict[str, TensorInfo]]:
+def _check_optimizer(path: Path, header: Header, opt: Any, file: str = OPTIMIZER_FILE) -> dict[int, dict[str, TensorInfo]]:
     """Every tensor of optimizer.safetensors is a piece of the state the optimizer keeps for one of its parameters,
     with that parameter's shape and dtype (the step: a single number); each parameter's state is whole."""
-    source = str(path / OPTIMIZER_FILE)
+    source = str(path / file)
     flat = [(p, group) for group in opt.param_groups for p in group["params"]]
     found: dict[int, dict[str, TensorInfo]] = {}
     for name, info in header.tensors.items():
@@ -439,26 +505,32 @@ def _check_optimizer(path: Path, header: Header, opt: Any) -> dict[int, dict[str
     return found
 
 
-def check_state(path: Path, params: dict[str, Any], optimizer: Any, match: dict[str, Any]) -> CheckedState:
+def check_state(path: Path, params: dict[str, Any], optimizer: Any, match: dict[str, Any],
+                rank: int = 0) -> CheckedState:
     """Read the state in `path` whole and check all of it against this run (see the module docstring); nothing
-    is changed. A BackendError naming the file at fault otherwise."""
+    is changed. A BackendError naming the file at fault otherwise. `rank` reads that process's own optimizer file
+    in a state that keeps one per process (`rank_file`; DeepSpeed)."""
     path = Path(path)
     record = _read_record(path)
+    file = rank_file(rank) if any(_RANK_FILE.fullmatch(n) for n in record["files"]) else OPTIMIZER_FILE
+    if file not in record["files"]:
+        raise BackendError(f"the state has no optimizer file for process {rank} (made with fewer processes); {_OLDER}",
+                           source=str(path / STATE_JSON))
     _check_match(path, record, match)
     opt = _optimizer(optimizer)
     groups = opt.state_dict()["param_groups"]
     _check_param_groups(path, record["param_groups"], groups)
     _check_digests(path, record)
     trained_header = read_header(path / TRAINED_FILE)
-    optimizer_header = read_header(path / OPTIMIZER_FILE)
+    optimizer_header = read_header(path / file)
     _check_trained(path, trained_header, params)
-    pieces = _check_optimizer(path, optimizer_header, opt)
+    pieces = _check_optimizer(path, optimizer_header, opt, file)
     weights = load_tensors(path / TRAINED_FILE, trained_header, str(path / TRAINED_FILE))
     bad = next((name for name, tensor in weights.items() if not finite(tensor)), None)
     if bad is not None:
         raise BackendError(f"damaged training state: {bad} holds NaN or infinite values; {_OLDER}",
                            source=str(path / TRAINED_FILE))
-    tensors = load_tensors(path / OPTIMIZER_FILE, optimizer_header, str(path / OPTIMIZER_FILE))
+    tensors = load_tensors(path / file, optimizer_header, str(path / file))
     state: dict[int, dict[str, Any]] = {}
     for index, names in sorted(pieces.items()):
         for piece in names:
@@ -472,7 +544,7 @@ def check_state(path: Path, params: dict[str, Any], optimizer: Any, match: dict[
                 what = "finite" + (" and >= 0" if piece.endswith("_sq") else "")
             if not ok:
                 raise BackendError(f"damaged training state: tensor {index}.{piece} is not {what}; {_OLDER}",
-                                   source=str(path / OPTIMIZER_FILE))
+                                   source=str(path / file))
             state.setdefault(index, {})[piece] = value
     point = ResumePoint(path=path, step=record["step"], epoch=record["epoch"], position=record["position"],
                         elapsed=float(record["elapsed_s"]),
@@ -482,16 +554,21 @@ def check_state(path: Path, params: dict[str, Any], optimizer: Any, match: dict[
     return CheckedState(point, weights, state, groups)
 
 
-def apply_state(checked: CheckedState, params: dict[str, Any], optimizer: Any, scatter: Any = None) -> ResumePoint:
+def apply_state(checked: CheckedState, params: dict[str, Any], optimizer: Any, scatter: Any = None,
+                restore: Any = None) -> ResumePoint:
     """Restore a checked state into the trained weights and the optimizer; the point to continue from.
 
-    `scatter(whole, like)` lays a whole tensor out as `like` is (its shard of it under FSDP2)."""
+    `scatter(whole, like)` lays a whole tensor out as `like` is (its shard of it under FSDP2); `restore(params,
+    weights)`, when given, sets the weights instead (DeepSpeed's partitions and their fp32 copies)."""
     import torch
 
     scatter = scatter or (lambda value, like: value.to(like.device, like.dtype))
     with torch.no_grad():
-        for name, param in params.items():
-            param.copy_(scatter(checked.weights[name], param))
+        if restore is not None:
+            restore(params, checked.weights)
+        else:
+            for name, param in params.items():
+                param.copy_(scatter(checked.weights[name], param))
     opt = _optimizer(optimizer)
     flat = [p for group in opt.param_groups for p in group["params"]]
     state = {index: {piece: (scatter(value, flat[index]) if piece != "step" and value.shape == flat[index].shape
