@@ -5,7 +5,9 @@ configs (`unitgraph tiny-models DIR --size real`) get random weights, made on th
 the diffusers folder the real loader reads; the tokenizers come from the tiny models (any ids below the real
 vocabularies do). One sample; stage 1 once; then each setting in a process of its own:
 
-    bf16 | bf16 + fp8 DiT | + gradient checkpointing | + blocks_to_swap (half the DiT's blocks)
+    bf16 | bf16 + fp8 DiT | + gradient checkpointing | DiffSynth's low-VRAM split setting (ZeRO-3 with CPU offload
+    of the weights and the optimizer on one GPU, its deepspeed_zero3_cpuoffload config, checkpointing)
+    | + blocks_to_swap (half the DiT's blocks)
 
 for stage 2 (`sft:train` from the cache) and, for the first and the third setting, the unsplit run (`sft`,
 every model resident). Each row gives torch.cuda.max_memory_allocated over the steps, the median step time,
@@ -45,12 +47,37 @@ def settings(blocks: int) -> list[tuple[str, dict[str, Any], bool]]:
     """(name, flags, also the unsplit run) per setting; `blocks` = the DiT's transformer blocks."""
     fp8 = {"mixed_precision": "bf16", "fp8_models": "dit"}
     ckpt = {**fp8, "use_gradient_checkpointing": True}
+    low_vram = {"mixed_precision": "bf16", "use_gradient_checkpointing": True, LAUNCH: "zero3_cpuoffload"}
     return [
         ("bf16", {"mixed_precision": "bf16"}, True),
         ("bf16 + fp8", fp8, False),
         ("bf16 + fp8 + ckpt", ckpt, True),
+        ("bf16 + ckpt, ZeRO-3 CPU offload (low-VRAM)", low_vram, False),
         (f"bf16 + fp8 + ckpt + swap {blocks // 2}", {**ckpt, "blocks_to_swap": blocks // 2}, False),
     ]
+
+
+LAUNCH = "_launch"  # a setting run under `accelerate launch --config_file` with this config (one process)
+# DiffSynth's examples/qwen_image/model_training/special/low_vram_training/ds_z3_cpuoffload.json, in short
+ZERO3_CPUOFFLOAD = {
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": False,
+                          "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": 5e7,
+                          "stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5,
+                          "stage3_max_live_parameters": 1e8, "stage3_max_reuse_distance": 1e8},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
+
+
+def launch_config(name: str, workdir: Path) -> Path:
+    """The accelerate config of a launched setting, with its DeepSpeed json beside it."""
+    (workdir / f"{name}.json").write_text(json.dumps(ZERO3_CPUOFFLOAD))
+    config = workdir / f"{name}.yaml"
+    config.write_text(f"distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {workdir / name}.json\n"
+                      "  zero3_init_flag: true\nnum_machines: 1\nnum_processes: 1\nuse_cpu: false\n")
+    return config
 
 
 def materialize(folder: Path, device: str) -> None:
@@ -125,8 +152,14 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             "steps": result.steps, "estimate": estimate}
 
 
-def run_child(spec: dict[str, Any]) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
+def run_child(spec: dict[str, Any], workdir: Optional[Path] = None) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child"]
+    if LAUNCH in spec:  # under accelerate launch with the setting's engine config
+        spec = dict(spec)
+        config = launch_config(spec.pop(LAUNCH), workdir or Path(spec["output_path"]).parent)
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
+                   "1", __file__, "--child"]
+    done = subprocess.run([*command, json.dumps(spec)], capture_output=True, text=True)
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["failed"])[-1]
         return {"error": "OOM" if "OutOfMemory" in done.stderr else tail[:200]}
@@ -175,7 +208,7 @@ def measure(families: list[str], budget: float, workdir: Path, only: Optional[li
                     rows.append({**row, "error": "not run (time budget)"})
                     continue
                 out = workdir / f"out-{len(rows)}"
-                rows.append({**row, **run_child({**common, **task, **extra, "output_path": str(out)})})
+                rows.append({**row, **run_child({**common, **task, **extra, "output_path": str(out)}, workdir)})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 

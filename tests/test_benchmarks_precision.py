@@ -50,10 +50,12 @@ def test_gpu_real_size_runs_on_a_cpu_at_the_test_size(tmp_path, capsys):
     # of its own (~5 s here), and the settings between are the same code with fewer flags
     blocks = 2  # the tiny Wan DiT's
     names = [s[0] for s in bench.settings(blocks)]
-    assert names == ["bf16", "bf16 + fp8", "bf16 + fp8 + ckpt", "bf16 + fp8 + ckpt + swap 1"]
-    rows = bench.measure(["wan"], budget=600, workdir=tmp_path, only=[names[0], names[-1]])
+    assert names == ["bf16", "bf16 + fp8", "bf16 + fp8 + ckpt", "bf16 + ckpt, ZeRO-3 CPU offload (low-VRAM)",
+                     "bf16 + fp8 + ckpt + swap 1"]
+    # and DiffSynth's low-VRAM setting: the one launched under accelerate with its ZeRO-3 CPU-offload config
+    rows = bench.measure(["wan"], budget=600, workdir=tmp_path, only=[names[0], names[3], names[-1]])
     assert [(r["setting"], r["stage"]) for r in rows] == [("bf16", "stage 2"), ("bf16", "unsplit"),
-                                                          ("bf16 + fp8 + ckpt + swap 1", "stage 2")]
+                                                          (names[3], "stage 2"), ("bf16 + fp8 + ckpt + swap 1", "stage 2")]
     assert all("error" not in r and r["steps"] == 3 and r["peak"] is None for r in rows), rows
     assert "| wan | bf16 | unsplit | - |" in bench.table(rows)
     late = bench.measure(["wan"], budget=0, workdir=tmp_path / "late", only=names[:1])

@@ -25,10 +25,23 @@ How the estimate is made:
   `--use_gradient_checkpointing_offload` moves every tensor autograd saves off the device (as `save_on_cpu`
   does) and counts it as host bytes. Stage 1's activations are the largest of its encoders' no-grad forwards at
   the run's size, traced the same way; the unsplit run's the larger of those and the step's.
-- **Peak** = weights + trainable state + activations. With `--blocks_to_swap N` the frozen Linear weights of the
-  last N blocks of the LoRA base leave the device (`precision.swap_blocks`), the largest counted back in flight.
-  The device's own overhead (CUDA context, allocator fragmentation, kernels' workspaces) is not in it: allow
-  0.5-1.5 GiB on a GPU.
+- **Peak** = weights + trainable state + activations (+ what an engine gathers and allocates, below). With
+  `--blocks_to_swap N` the frozen Linear weights of the last N blocks of the LoRA base leave the device
+  (`precision.swap_blocks`), the largest counted back in flight. The device's own overhead (CUDA context, allocator
+  fragmentation, kernels' workspaces) is not in it: allow 0.5-1.5 GiB on a GPU.
+- **Per process, under an engine** (`cfg.engine`: `--config_file X --num_processes N`, engine.py). Every figure is
+  one process's; what it keeps in host memory is `host_bytes` apart (`host`: weights, trainable state,
+  activations). Stage 1 trains nothing and is the same under every engine; a model a training stage does not
+  prepare for the backward (a frozen encoder) is whole on every process; the activations are one process's batch.
+  The models the engine prepares (`plan.models_require_backward`, as train/loop.py) are counted by
+  `engine_share`: ZeRO-1/2 keep every weight whole and split AdamW's state (ZeRO-2 the gradients too) with
+  DeepSpeed's own fp32 copy of the partition; ZeRO-3 splits every weight, frozen base included, in ceil(numel/N)
+  partitions but keeps the parameters of at most stage3_param_persistence_threshold elements whole; FSDP2 splits
+  each parameter's dim 0 (ceil), its gradient and AdamW's state; offload moves the named parts to host memory.
+  Beside the shards a process holds whole weights while layers compute (`gathered_bytes`: ZeRO-3 up to
+  stage3_max_live_parameters elements, FSDP2 the root's own, two blocks and one block's gradients) and DeepSpeed
+  allocates its gradient bucket (`engine_buffer_bytes`, reduce_bucket_size fp32 elements). DeepSpeed settings
+  absent or "auto" are DeepSpeed's defaults.
 
 Measured error (benchmarks/memory_plan_table.py, docs/memory.md; on this CPU, no GPU here): the weights and the
 trainable state are exact counts (tests/test_memory_plan.py compares them with the models a run loads). One real
@@ -417,25 +430,216 @@ class _Planner:
             step = 0
         inference = max(forwards.values(), default=0)
         activations = max(inference, step)
-        weights = sum(b.weight_bytes for b in built.values())
-        trainable = sum(b.trainable_params for b in built.values()) * TRAINABLE_BYTES_PER_PARAM if training else 0
+        engine = cfg.engine
+        wrapped = set(plan.models_require_backward) if training else set()  # what the engine prepares (loop.py)
+        shares = {slot: engine_share(b, engine, slot in wrapped) for slot, b in built.items()}
+        weights = sum(s.weight_bytes for s in shares.values())
+        trainable = sum(s.trainable_bytes for s in shares.values()) if training else 0
+        gathered = sum(s.gathered_bytes for s in shares.values())
+        buffers = engine_buffer_bytes(engine, list(shares.values()))
+        host_parts = {"weights": sum(s.host_weight_bytes for s in shares.values()),
+                      "trainable": sum(s.host_trainable_bytes for s in shares.values()) if training else 0,
+                      "activations": host}
+
+        def model_summary(slot: str) -> dict[str, Any]:
+            b, share = built[slot], shares[slot]
+            out = dict(b.summary(), weight_bytes=share.weight_bytes, trainable_bytes=share.trainable_bytes)
+            if slot in forwards:
+                out["forward_activation_bytes"] = forwards[slot]
+            if share.wrapped and engine.kind != "ddp":
+                out["engine"] = share.summary(b)
+            return out
+
         out: dict[str, Any] = {
-            "peak_bytes": weights + trainable + activations,
+            "peak_bytes": weights + trainable + activations + gathered + buffers,
             "weight_bytes": weights,
             "trainable_bytes": trainable,
             "activation_bytes": activations,
-            "models": {slot: dict(b.summary(), **({"forward_activation_bytes": forwards[slot]}
-                                                   if slot in forwards else {})) for slot, b in built.items()},
+            "gathered_bytes": gathered,
+            "engine_buffer_bytes": buffers,
+            "host_bytes": sum(host_parts.values()),
+            "host": host_parts,
+            "models": {slot: model_summary(slot) for slot in built},
             "encoder_activation_bytes": inference,
         }
         if training:
             out["step_activation_bytes"] = step
-        if host:
-            out["host_bytes"] = host
-        swapped = sum(b.swapped_bytes for b in built.values())
-        if swapped:
-            out["host_bytes"] = out.get("host_bytes", 0) + swapped
         return out
+
+
+# ------------------------------------------------------------------------------------------------
+# what one process holds under the run's engine
+
+# DeepSpeed's own defaults for the zero_optimization settings the plan reads (deepspeed/runtime/zero/config.py)
+ZERO_DEFAULTS = {"reduce_bucket_size": 5e8, "contiguous_gradients": True, "overlap_comm": None,
+                 "stage3_param_persistence_threshold": 1e5, "stage3_max_live_parameters": 1e9}
+
+
+@dataclass
+class Share:
+    """One model as one process holds it under the engine: device bytes of its frozen weights and of its trainable
+    state, what moved to host memory, and the whole weights gathered for a layer's compute (in flight)."""
+
+    weight_bytes: int
+    trainable_bytes: int
+    host_weight_bytes: int = 0
+    host_trainable_bytes: int = 0
+    gathered_bytes: int = 0
+    wrapped: bool = False  # the engine prepares this model (one of plan.models_require_backward)
+    sharded: bool = False  # its weights are split over the processes
+
+    def summary(self, built: Built) -> dict[str, Any]:
+        whole = sum(built.bytes_by_dtype.values())
+        return {"sharded_weights": self.sharded, "whole_weight_bytes": whole,
+                "whole_trainable_bytes": built.trainable_params * TRAINABLE_BYTES_PER_PARAM,
+                "host_weight_bytes": self.host_weight_bytes, "host_trainable_bytes": self.host_trainable_bytes,
+                "gathered_bytes": self.gathered_bytes}
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def zero_setting(engine: Any, key: str) -> Any:
+    """A zero_optimization setting of the engine's DeepSpeed config: its number or flag, else DeepSpeed's default
+    ("auto" and absent alike: unitgraph hands DeepSpeed the config with no such key filled in)."""
+    zero = (engine.config or {}).get("zero_optimization") or {}
+    value = zero.get(key) if isinstance(zero, dict) else None
+    default = ZERO_DEFAULTS[key]
+    if isinstance(value, bool) or (isinstance(value, (int, float)) and not isinstance(default, bool)):
+        return value
+    if key == "overlap_comm" and default is None:
+        return engine.zero_stage == 3  # DeepSpeed's dynamic default: on for ZeRO-3 only
+    return default
+
+
+def _fsdp2_shard(param: Any, processes: int) -> int:
+    """Elements of one FSDP2 shard of a parameter: dim 0 split in `processes` chunks, padded to the largest."""
+    shape = tuple(param.shape)
+    if not shape:
+        return 1
+    rest = 1
+    for size in shape[1:]:
+        rest *= size
+    return _ceil_div(shape[0], processes) * rest
+
+
+def _param_bytes(param: Any) -> int:
+    return param.numel() * param.element_size()
+
+
+def engine_share(built: Built, engine: Any, wrapped: bool) -> Share:
+    """What one process of the run holds of `built` (engine.py's rules as train/engines.py applies them):
+
+    - a model the engine does not prepare (a frozen encoder) is whole on every process;
+    - data parallel (and DeepSpeed without ZeRO, stage 0): everything whole;
+    - DeepSpeed ZeRO-1/2: frozen and trained weights whole; DeepSpeed's own fp32 copy of this process's partition
+      of the trained weights (the optimizer steps it, then copies back), AdamW's state of that partition, and under
+      ZeRO-2 the gradient partition; ZeRO-1 keeps whole gradients. offload_optimizer moves the copy, the state and
+      the gradient partition to host memory;
+    - DeepSpeed ZeRO-3: each weight split in ceil(numel/N) partitions, frozen and trained alike, except the
+      parameters of at most stage3_param_persistence_threshold elements (1e5 by default), which every process also
+      keeps whole; the trained partitions are the optimizer's fp32 values (no copy), their gradients and AdamW's
+      state are partitioned too. offload_param moves the weight partitions to host memory, offload_optimizer the
+      gradients, the state and an fp32 copy of the partitions;
+    - FSDP2: each parameter's dim 0 split in N chunks (ceil), its gradient and AdamW's state the same;
+      fsdp_offload_params moves all of it to host memory, the optimizer step included.
+    """
+    trained = built.trainable_params * TRAINABLE_BYTES_PER_PARAM
+    n = max(engine.processes, 1)
+    if not wrapped or engine.kind == "ddp" or (engine.kind == "deepspeed" and engine.zero_stage == 0):
+        return Share(built.weight_bytes, trained, host_weight_bytes=built.swapped_bytes, wrapped=wrapped)
+    params = list(built.model.parameters())
+    if engine.kind == "deepspeed" and engine.zero_stage < 3:
+        part = _ceil_div(built.trainable_params, n)
+        weights = grads = 4 * built.trainable_params
+        if engine.zero_stage == 2:
+            grads = 4 * part
+        state = (4 + 8) * part  # the fp32 copy of the partition, AdamW's two moments
+        if engine.offload_optimizer:
+            host = state + 4 * part  # and the fp32 gradient partition the CPU step reads
+            device = weights + (grads if engine.zero_stage == 1 else 0)
+            return Share(built.weight_bytes, device, host_trainable_bytes=host, wrapped=True)
+        return Share(built.weight_bytes, weights + grads + state, wrapped=True)
+    if engine.kind == "deepspeed":
+        threshold = zero_setting(engine, "stage3_param_persistence_threshold")
+        frozen_whole = frozen_part = trained_whole = trained_part = 0
+        for p in params:
+            persistent = p.numel() <= threshold
+            part = _ceil_div(p.numel(), n)
+            if p.requires_grad:
+                trained_part += part
+                trained_whole += p.numel() if persistent else 0
+            else:
+                frozen_part += part * p.element_size()
+                frozen_whole += _param_bytes(p) if persistent else 0
+        weights_device = frozen_whole + (0 if engine.offload_params else frozen_part)
+        trained_device = 4 * trained_whole + (0 if engine.offload_params else 4 * trained_part)
+        host_weights = frozen_part if engine.offload_params else 0
+        host_trained = 4 * trained_part if engine.offload_params else 0
+        if engine.offload_optimizer:
+            host_trained += (4 + 4 + 8) * trained_part  # gradients, the fp32 copy, AdamW's state
+        else:
+            trained_device += (4 + 8) * trained_part
+        return Share(weights_device, trained_device, host_weights, host_trained, _zero3_gathered(params, engine),
+                     wrapped=True, sharded=True)
+    # FSDP2
+    frozen = sum(_fsdp2_shard(p, n) * p.element_size() for p in params if not p.requires_grad)
+    trained_shards = TRAINABLE_BYTES_PER_PARAM * sum(_fsdp2_shard(p, n) for p in params if p.requires_grad)
+    gathered = _fsdp2_gathered(built.model, engine)
+    if engine.offload_params:
+        return Share(0, 0, frozen, trained_shards, gathered, wrapped=True, sharded=True)
+    return Share(frozen, trained_shards, gathered_bytes=gathered, wrapped=True, sharded=True)
+
+
+def _zero3_gathered(params: list[Any], engine: Any) -> int:
+    """Bytes of whole weights ZeRO-3 holds at once beyond its partitions: the parameters fetched for the modules
+    running and prefetched, kept while they are reused soon, at most stage3_max_live_parameters elements (1e9 by
+    default; a single module larger than that is fetched whole anyway)."""
+    threshold = zero_setting(engine, "stage3_param_persistence_threshold")
+    live = int(zero_setting(engine, "stage3_max_live_parameters"))
+    gathered = [p for p in params if p.numel() > threshold]
+    elements = sum(p.numel() for p in gathered)
+    if not elements:
+        return 0
+    size = sum(_param_bytes(p) for p in gathered)
+    largest = max(p.numel() for p in gathered)
+    return min(size, _ceil_div(size * max(live, largest), elements))
+
+
+def _fsdp2_gathered(model: Any, engine: Any) -> int:
+    """Bytes of whole weights FSDP2 holds at once beyond its shards: the root's own parameters (not resharded after
+    the forward), the block computing and the next one prefetched, and one block's whole gradients before they are
+    reduce-scattered; with fsdp_reshard_after_forward false every block stays gathered from its forward to its
+    backward."""
+    from .train.engines import shard_units
+
+    units = shard_units(model, tuple(engine.layer_classes))
+    inside: set[int] = set()
+    sizes, grads = [], []
+    for unit in units:
+        ps = [p for p in unit.parameters() if id(p) not in inside]
+        inside.update(id(p) for p in ps)
+        sizes.append(sum(_param_bytes(p) for p in ps))
+        grads.append(sum(4 * p.numel() for p in ps if p.requires_grad))
+    rest = [p for p in model.parameters() if id(p) not in inside]
+    rest_bytes = sum(_param_bytes(p) for p in rest)
+    grads.append(sum(4 * p.numel() for p in rest if p.requires_grad))
+    blocks = sum(sizes) if not engine.reshard_after_forward else sum(sorted(sizes, reverse=True)[:2])
+    return rest_bytes + blocks + max(grads, default=0)
+
+
+def engine_buffer_bytes(engine: Any, shares: list[Share]) -> int:
+    """DeepSpeed's gradient bucket: reduce_bucket_size elements of fp32 gradients, allocated whole however few the
+    trained parameters (two under ZeRO-1/2 with overlap_comm); with contiguous_gradients (on by default, and always
+    with optimizer offload)."""
+    if engine.kind != "deepspeed" or engine.zero_stage == 0 or not any(s.wrapped for s in shares):
+        return 0
+    contiguous = zero_setting(engine, "contiguous_gradients") or engine.offload_optimizer
+    if not contiguous:
+        return 0
+    buffers = 2 if engine.zero_stage < 3 and zero_setting(engine, "overlap_comm") else 1
+    return int(zero_setting(engine, "reduce_bucket_size")) * 4 * buffers
 
 
 def family_memory(cfg: RunConfig) -> Any:
@@ -478,6 +682,7 @@ def settings(cfg: RunConfig, plan: Plan, dims: dict[str, Any]) -> dict[str, Any]
         "data_process_models": list(plan.data_process_models),
         "train_models": list(plan.train_models),
         "size": dims,
+        "engine_source": cfg.engine.source,
     }
 
 
@@ -489,9 +694,41 @@ def memory_plan(cfg: RunConfig, plan: Plan, text_tokens: Optional[int] = None) -
     planner = _Planner(cfg, plan, text_tokens)
     stages = {name: planner.stage(name) for name in STAGES}
     notes = planner.notes + [n for b in planner.built.values() for n in b.notes]
+    notes += engine_notes(cfg.engine, stages)
     notes.append("not included: the device's own overhead (CUDA context, allocator fragmentation, kernel workspaces; "
                  "0.5-1.5 GiB on a GPU)")
-    return {"stages": stages, "settings": settings(cfg, plan, planner.dims), "notes": list(dict.fromkeys(notes))}
+    return {"engine": cfg.engine.to_json(), "processes": cfg.engine.processes, "stages": stages,
+            "settings": settings(cfg, plan, planner.dims), "notes": list(dict.fromkeys(notes))}
+
+
+def engine_notes(engine: Any, stages: dict[str, Any]) -> list[str]:
+    """What the per-process figures assume about the engine, in a few notes."""
+    if engine.kind == "ddp" and engine.processes == 1:
+        return []
+    n = engine.processes
+    notes = [f"per process, under {engine.describe()} over {n} process{'es' if n != 1 else ''}: stage 1 trains "
+             "nothing and is as without an engine; the models a training stage does not train are whole on every "
+             "process; the activations are one process's batch"]
+    if engine.kind == "deepspeed":
+        if engine.zero_stage in (1, 2):
+            notes.append(f"{engine.name} keeps every weight whole on each process, and its own fp32 copy of this "
+                         "process's partition of the trained weights for the optimizer step")
+        elif engine.zero_stage == 3:
+            threshold = zero_setting(engine, "stage3_param_persistence_threshold")
+            notes.append(f"{engine.name} keeps the parameters of at most {threshold:g} elements whole on every process "
+                         "(stage3_param_persistence_threshold); gathered: at most stage3_max_live_parameters "
+                         f"({zero_setting(engine, 'stage3_max_live_parameters'):g}) elements of whole weights at once")
+        buffers = max(s.get("engine_buffer_bytes", 0) for s in stages.values())
+        if buffers:
+            notes.append(f"engine buffers: DeepSpeed's gradient bucket, reduce_bucket_size "
+                         f"({zero_setting(engine, 'reduce_bucket_size'):g}) fp32 elements, {gib(buffers)} GiB "
+                         "allocated whatever the trained size (lower it in a DeepSpeed config file)")
+    if engine.kind == "fsdp2":
+        notes.append("FSDP2: gathered = the root's own weights, the block computing and the next prefetched, and one "
+                     "block's whole gradients before their reduce-scatter" +
+                     ("" if engine.reshard_after_forward else "; fsdp_reshard_after_forward false keeps every block "
+                      "gathered from its forward to its backward"))
+    return notes
 
 
 # ------------------------------------------------------------------------------------------------
@@ -502,12 +739,43 @@ def gib(value: int) -> str:
     return f"{value / GIB:.2f}"
 
 
+def engine_line(plan: dict[str, Any]) -> Optional[str]:
+    """'engine: DeepSpeed ZeRO-3 from cfg.yaml, 8 processes; per process (...)', or None for data parallel on one
+    process (the plan as it always was)."""
+    engine = plan.get("engine")
+    processes = int(plan.get("processes") or 1)
+    if not engine or (engine.get("kind") == "ddp" and processes == 1):
+        return None
+    source = (plan.get("settings") or {}).get("engine_source")
+    where = f" from {source}" if source else ""
+    return (f"engine: {engine['name']}{where}, {processes} process{'es' if processes != 1 else ''}; every figure is "
+            "per process, on its device, with what it keeps in host memory apart")
+
+
+def _model_row(slot: str, model: dict[str, Any], width: int, processes: int) -> str:
+    extra = ""
+    share = model.get("engine") or {}
+    if share.get("sharded_weights") and share.get("whole_weight_bytes"):
+        extra += f"  (this process's shard of {gib(share['whole_weight_bytes'])} GiB)"
+    if share.get("host_weight_bytes"):
+        extra += f"  ({gib(share['host_weight_bytes'])} GiB in host memory)"
+    if model.get("trainable_params"):
+        extra += f"  + {model['trainable_params'] / 1e6:.1f} M trained params"
+    if model.get("swapped_bytes"):
+        extra += f"  ({gib(model['swapped_bytes'])} GiB swapped to host)"
+    return f"  {slot:<{width}}  {model['dtype']:<14} {gib(model['weight_bytes']):>8} GiB{extra}"
+
+
 def format_memory_plan(plan: dict[str, Any]) -> list[str]:
-    """The plan as lines of text: per stage its models (dtype, GiB), trainable state, activations and peak."""
+    """The plan as lines of text: the engine (when there is one), then per stage its models (dtype, GiB), trainable
+    state, activations, what an engine gathers and allocates, host memory and the peak, per process."""
     lines = []
     s = plan.get("settings") or {}
     if s.get("pipeline_choice"):
         lines.append(s["pipeline_choice"])
+    engine = engine_line(plan)
+    if engine:
+        lines.append(engine)
     if s:
         size = s.get("size") or {}
         what = [f"pipeline {s.get('pipeline')}", f"--mixed_precision {s.get('mixed_precision')}"]
@@ -525,24 +793,32 @@ def format_memory_plan(plan: dict[str, Any]) -> list[str]:
         if size.get("description"):
             what.append(size["description"])
         lines.append("memory plan: " + ", ".join(what))
-    width = max([len(slot) for st in plan["stages"].values() for slot in st["models"]] + [len("activations"), 10])
+    processes = int(plan.get("processes") or 1)
+    per = " per process" if engine else ""
+    labels = ["activations"] + (["engine buffers"] if any(st.get("engine_buffer_bytes") for st in
+                                                           plan["stages"].values()) else [])
+    slots = [slot for st in plan["stages"].values() for slot in st["models"]]
+    width = max([len(x) for x in slots + labels] + [10])
     for name in STAGES:
         stage = plan["stages"].get(name)
         if stage is None:
             continue
         lines.append("")
-        lines.append(f"{STAGE_TITLES[name]}: peak {gib(stage['peak_bytes'])} GiB")
+        lines.append(f"{STAGE_TITLES[name]}: peak {gib(stage['peak_bytes'])} GiB{per}")
         for slot, model in stage["models"].items():
-            extra = ""
-            if model.get("trainable_params"):
-                extra = f"  + {model['trainable_params'] / 1e6:.1f} M trained params"
-            if model.get("swapped_bytes"):
-                extra += f"  ({gib(model['swapped_bytes'])} GiB swapped to host)"
-            lines.append(f"  {slot:<{width}}  {model['dtype']:<14} {gib(model['weight_bytes']):>8} GiB{extra}")
+            lines.append(_model_row(slot, model, width, processes))
         lines.append(f"  {'trainable':<{width}}  {'fp32 + AdamW':<14} {gib(stage['trainable_bytes']):>8} GiB")
         lines.append(f"  {'activations':<{width}}  {'':<14} {gib(stage['activation_bytes']):>8} GiB")
+        if stage.get("gathered_bytes"):
+            lines.append(f"  {'gathered':<{width}}  {'(in flight)':<14} {gib(stage['gathered_bytes']):>8} GiB")
+        if stage.get("engine_buffer_bytes"):
+            lines.append(f"  {'engine buffers':<{width}}  {'':<14} {gib(stage['engine_buffer_bytes']):>8} GiB")
         if stage.get("host_bytes"):
-            lines.append(f"  {'host':<{width}}  {'(not on device)':<14} {gib(stage['host_bytes']):>8} GiB")
+            parts = stage.get("host") or {}
+            shown = ", ".join(f"{what} {gib(parts[what])}" for what in ("weights", "trainable", "activations")
+                              if parts.get(what))
+            lines.append(f"  {'host':<{width}}  {'(not on device)':<14} {gib(stage['host_bytes']):>8} GiB"
+                         + (f"  ({shown})" if len([v for v in parts.values() if v]) > 1 else ""))
     notes = plan.get("notes") or []
     if notes:
         lines.append("")
