@@ -7,6 +7,7 @@ as much as an unreadable spec, ends the same way: exit code 2 and one line on st
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
 import typer
 
@@ -15,7 +16,7 @@ try:  # typer >= 0.26 vendors click as typer._click
 except ImportError:  # pragma: no cover - older typer on click
     from click import exceptions as click_exceptions
 
-from unitgraph.errors import UnitgraphError
+from unitgraph.errors import UnitgraphError, os_error_line
 
 from . import core_commands
 
@@ -52,20 +53,42 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def bare_resume(argv: list[str]) -> list[str]:
+def bare_resume(argv: list[str], value_options: Optional[set[str]] = None) -> list[str]:
     """`train --resume` with no value means the newest state in --output_path ("latest"); a value is a state folder.
+
+    Only a `--resume` where an option stands counts: the token after an option that takes a value is that value,
+    whatever it looks like (`--validation_prompt --resume`, a prompt beginning with `--`), as click reads it.
 
     >>> bare_resume(["train", "--resume", "--seed", "1"]), bare_resume(["train", "--resume", "out/state/step-4"])
     (['train', '--resume', 'latest', '--seed', '1'], ['train', '--resume', 'out/state/step-4'])
+    >>> bare_resume(["train", "--validation_prompt", "--resume"], {"--validation_prompt", "--resume"})
+    ['train', '--validation_prompt', '--resume']
     """
     if not argv or argv[0] != "train":
         return argv
-    out = []
+    if value_options is None:
+        value_options = _value_options("train")
+    out, value_next = [], False
     for i, token in enumerate(argv):
         out.append(token)
-        if token == "--resume" and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+        if value_next:  # an option's value
+            value_next = False
+        elif token == "--":  # the end of the options
+            return out + argv[i + 1:]
+        elif token == "--resume" and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
             out.append("latest")
+        elif token in value_options:
+            value_next = True
     return out
+
+
+def _value_options(name: str) -> set[str]:
+    """The spellings of a command's options that take a value (not flags)."""
+    command = typer.main.get_command(app)
+    sub = getattr(command, "commands", {}).get(name)
+    return {spelling for param in getattr(sub, "params", ())
+            if getattr(param, "param_type_name", "") == "option" and not getattr(param, "is_flag", False)
+            and not getattr(param, "count", False) for spelling in (*param.opts, *param.secondary_opts)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         interrupted()
     except click_exceptions.ClickException as exc:
         fail(exc.format_message())
+    except (OSError, MemoryError) as exc:  # the file system's refusals and an exhausted memory, whichever command
+        fail(os_error_line(exc))
     if result == INTERRUPTED:  # typer turns Ctrl-C inside a command into this exit code, silently
         interrupted()
     sys.exit(result if isinstance(result, int) else 0)

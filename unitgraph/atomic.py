@@ -45,6 +45,33 @@ def temp_target(name: str) -> str | None:
     return match.group("target") if match else None
 
 
+STALE_TEMP_SECONDS = 60.0  # a temporary file untouched this long has no writer any more (a write keeps it fresh)
+
+
+def remove_stale_temps(path: str | Path) -> list[Path]:
+    """Remove the temporary files an atomic write of `path` left when it was killed (`.<name>.<8 random>.tmp` beside
+    it, for this very name, a regular file untouched for STALE_TEMP_SECONDS): a command that writes `path` again
+    (`unitgraph lora convert`) cleans up after its own killed run. Never another name's, nor a user's `.notes.tmp`."""
+    import time
+
+    target = Path(path)
+    removed = []
+    try:
+        siblings = list(target.parent.iterdir()) if target.parent.is_dir() else []
+    except OSError:
+        return removed
+    for sibling in siblings:
+        if temp_target(sibling.name) != target.name or sibling.is_symlink() or not sibling.is_file():
+            continue
+        try:
+            if time.time() - sibling.stat().st_mtime >= STALE_TEMP_SECONDS:
+                sibling.unlink()
+                removed.append(sibling)
+        except OSError:
+            continue
+    return removed
+
+
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     """Replace `path` (or a symlink's target) with `data` atomically; see the module docstring."""
     shown = Path(path)

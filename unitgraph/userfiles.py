@@ -179,12 +179,16 @@ def parse_user_json(text: str, source: str, error: type[UnitgraphError], max_dep
         raise error(str(exc), source=source) from None
 
 
-def parse_user_jsonl(text: str, source: str, error: type[UnitgraphError], max_depth: int = MAX_DEPTH) -> list[dict]:
-    """One JSON object a line (JSON Lines; blank lines skipped), or `error` naming the line."""
+def parse_user_jsonl(text: str, source: str, error: type[UnitgraphError], max_depth: int = MAX_DEPTH,
+                     max_rows: int | None = None) -> list[dict]:
+    """One JSON object a line (JSON Lines; blank lines skipped), or `error` naming the line; reading stops at a row
+    past `max_rows`."""
     rows = []
     for n, line in enumerate(text.split("\n"), start=1):
         if not line.strip(" \t\r"):
             continue
+        if max_rows is not None and len(rows) >= max_rows:
+            raise error(too_many_rows(max_rows), source=source)
         try:
             value = _json_value(line, max_depth)
         except json.JSONDecodeError as exc:
@@ -459,11 +463,17 @@ def _yaml_loader_class() -> Any:
 # CSV
 
 
-def parse_user_csv(text: str, source: str, error: type[UnitgraphError]) -> tuple[list[str], list[dict[str, str | None]]]:
+def too_many_rows(max_rows: int) -> str:
+    return (f"has more than {max_rows} rows, the most a run reads: split it into several metadata files (each run "
+            "its own cache)")
+
+
+def parse_user_csv(text: str, source: str, error: type[UnitgraphError],
+                   max_rows: int | None = None) -> tuple[list[str], list[dict[str, str | None]]]:
     """(column names, rows) of a CSV text with a header row; `error` naming the row otherwise.
 
     Blank lines are skipped. Rows are numbered from 1 after the header, as the dataset's messages
-    number them, with the line the row ends on.
+    number them, with the line the row ends on. Reading stops at a row past `max_rows`.
     """
     reader = csv.reader(io.StringIO(text, newline=""))
     header: list[str] | None = None
@@ -482,6 +492,8 @@ def parse_user_csv(text: str, source: str, error: type[UnitgraphError]) -> tuple
                         raise error(f"the header names column {header[i]!r} twice", source=source)
                     seen.add(header[i])
                 continue
+            if max_rows is not None and len(rows) >= max_rows:
+                raise error(too_many_rows(max_rows), source=source)
             where = f"row {len(rows) + 1} (line {reader.line_num})"
             if len(fields) > len(header):
                 raise error(f"{where} has {len(fields)} fields but the header has {len(header)} columns "

@@ -24,6 +24,10 @@ TASKS = (
 CACHE_DTYPE_FLAGS = ("bf16", "fp16", "fp32")
 MIXED_PRECISION = ("no", "fp16", "bf16")  # accelerate's names
 MAX_SEED = 1 << 63
+# a schedule's timesteps: the schedulers of every family train on 1000, and a render of more steps allocates a
+# sigma per step before the first (10^9 of them are killed for memory after the whole training)
+MAX_VALIDATION_INFERENCE_STEPS = 1000
+POLYNOMIAL_LR_END = 1e-7  # diffusers' get_polynomial_decay_schedule_with_warmup: lr_end, which must be below the rate
 LORA_FORMATS = ("diffusers", "diffsynth")
 REPORT_TO = ("none", "tensorboard", "wandb")
 # --lr_scheduler: DiffSynth's (torch's ConstantLR with its defaults) and diffusers' get_scheduler names (train/lr.py)
@@ -162,8 +166,9 @@ class TrainArgs:
             self.validation_prompt = [str(p) for p in self.validation_prompt] or None
         if self.validation_steps is not None and self.validation_steps < 1:
             raise BackendError(f"--validation_steps must be at least 1, got {self.validation_steps}")
-        if self.validation_inference_steps < 1:
-            raise BackendError(f"--validation_inference_steps must be at least 1, got {self.validation_inference_steps}")
+        if not 1 <= self.validation_inference_steps <= MAX_VALIDATION_INFERENCE_STEPS:
+            raise BackendError(f"--validation_inference_steps must be between 1 and {MAX_VALIDATION_INFERENCE_STEPS}, "
+                               f"got {self.validation_inference_steps}")
         if self.report_to not in REPORT_TO:
             raise BackendError(f"--report_to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}")
         if self.report_to != "none":
@@ -201,8 +206,7 @@ class TrainArgs:
         if self.batch_size > 1 and self.stage == "":
             raise BackendError(f"--batch_size {self.batch_size} needs stage 2 (--task {self.family}:split or {self.family}:train); "
                                "unsplit training takes one sample per micro-step (use --gradient_accumulation_steps)")
-        if not 0 <= self.seed < MAX_SEED:  # torch's generators take at most 64 bits; renders add the prompt's position
-            raise BackendError(f"--seed must be between 0 and {MAX_SEED - 1}, got {self.seed}")
+        check_seed(self.seed)
         if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISION:
             raise BackendError(f"--mixed_precision must be one of {', '.join(MIXED_PRECISION)}, got {self.mixed_precision!r}")
         if self.blocks_to_swap < 0:
@@ -246,6 +250,9 @@ class TrainArgs:
         # AdamW refuses these only after the models are loaded; say so before anything starts
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise BackendError(f"--learning_rate must be a positive number, got {self.learning_rate}")
+        if self.lr_scheduler == "polynomial" and not self.learning_rate > POLYNOMIAL_LR_END:
+            raise BackendError(f"--lr_scheduler polynomial decays to {POLYNOMIAL_LR_END:g} (diffusers' lr_end), so "
+                               f"--learning_rate must be larger than that, got {self.learning_rate:g}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise BackendError(f"--weight_decay must be 0 or a positive number, got {self.weight_decay}")
         if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
@@ -264,6 +271,13 @@ class TrainArgs:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+
+def check_seed(seed: int, flag: str = "--seed") -> None:
+    """Every command's seed (train, tiny-models, demo) in torch's range: its generators take at most 64 bits, and
+    renders add the prompt's position."""
+    if not 0 <= seed < MAX_SEED:
+        raise BackendError(f"{flag} must be between 0 and {MAX_SEED - 1}, got {seed}")
 
 
 def split_list(text: Optional[str]) -> list[str]:

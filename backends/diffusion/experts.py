@@ -89,6 +89,7 @@ def choose_expert(args: TrainArgs, family: Family) -> ExpertChoice:
     if not named and folder is None:
         return ExpertChoice(None, bounds)  # a single DiT: no experts involved
     ranges = _ranges(experts, ratio) if ratio is not None else None
+    _check_ranges(experts, ranges, ratio, folder)
     if named:
         expert, why = named[0].expert, named[0].what
     elif args.stage == "data_process" and _open(experts, ranges, bounds):
@@ -194,6 +195,21 @@ def _ranges(experts: Experts, ratio: float) -> dict[str, tuple[int, int]]:
     cut = experts.positions(ratio)
     first, second = experts.names
     return {first: (0, cut), second: (cut, experts.schedule.steps)}
+
+
+MIN_EXPERT_POSITIONS = 2  # an expert of fewer schedule positions trains on one timestep or none (a loss of exactly 0)
+
+
+def _check_ranges(experts: Experts, ranges: Optional[dict[str, tuple[int, int]]], ratio: Optional[float],
+                  folder: Optional[Path]) -> None:
+    """Refuse a boundary ratio that leaves an expert fewer than MIN_EXPERT_POSITIONS of the schedule's positions,
+    whichever expert the run trains: such a folder's other expert could not be trained either."""
+    for name, (first, last) in (ranges or {}).items():
+        if last - first < MIN_EXPERT_POSITIONS:
+            where = str(folder / "model_index.json") if folder is not None else None
+            raise BackendError(f"{experts.boundary_key} {ratio:g} leaves the {name} expert {max(0, last - first)} of the "
+                               f"schedule's {experts.schedule.steps} timesteps; each expert needs at least "
+                               f"{MIN_EXPERT_POSITIONS} to train (the releases' ratios are 0.875 and 0.9)", source=where)
 
 
 def _within(span: tuple[int, int], own: tuple[int, int]) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import gc
 import shutil
 import time
@@ -82,10 +83,11 @@ def prepare_stage1(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache:
     params = inputs["dataset_params"]
     samples: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
+    digest = functools.lru_cache(maxsize=None)(memo.digest)  # a file many rows name is looked at once per run
     for i in range(len(dataset)):
         try:
-            sid = dataset.sample_id(i, memo.digest)
-            key = entry_key(static, dataset.key_inputs(i, params, memo.digest))
+            sid = dataset.sample_id(i, digest)
+            key = entry_key(static, dataset.key_inputs(i, params, digest))
         except SampleError as exc:
             _skip(skipped, i, exc)
             continue
@@ -294,29 +296,61 @@ def run_unit(unit: Any, ctx: Any, states: list[dict[str, Any]], indices: list[in
     for state, index in zip(states, indices):
         with _naming(index, done):
             outs.append(unit(ctx, state))
-            check_finite(unit, outs[-1])
+            check_finite(unit, outs[-1], state)
     return outs
 
 
-def check_finite(unit: Any, out: dict[str, Any]) -> None:
+INPUT_MAGNITUDE = 1e4  # a floating input beyond this (sound is within 1, latents within tens) overflows what it feeds
+
+
+def check_finite(unit: Any, out: dict[str, Any], state: Optional[dict[str, Any]] = None) -> None:
     """Stage 1 stores no NaN or infinity: a model that gives one (a VAE overflowing in fp16, say) is named here,
-    not blamed on a sample's loss in stage 2."""
+    not blamed on a sample's loss in stage 2. When one of the unit's inputs (`state`) already holds non-finite or huge
+    values (a sound track of NaN or of 1e30), the sample's input is named instead of the model."""
     import torch
 
-    def tensors(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                yield from tensors(item)
-
     for name, value in out.items():
-        for tensor in tensors(value):
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        for tensor in _arrays(value):
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and \
+                    not bool(torch.isfinite(tensor).all()):
                 models = f" (model: {', '.join(unit.models)})" if unit.models else ""
+                suspect = _suspect_input(unit, state)
+                if suspect is not None:
+                    raise BackendError(f"unit {unit.name}{models} gave non-finite values in {name!r} from this "
+                                       f"sample's {suspect}: nothing of this sample is cached; check that file")
                 raise BackendError(f"unit {unit.name}{models} gave non-finite values in {name!r}: nothing of this "
                                    "sample is cached (a model's weights, or the precision: try --mixed_precision "
                                    "no or another --cache_dtype)")
+
+
+def _arrays(value: Any) -> Any:
+    """The tensors and numpy arrays in a value (nested in lists and tuples: a sound track is (samples, rate))."""
+    if hasattr(value, "dtype") and hasattr(value, "shape"):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _arrays(item)
+
+
+def _suspect_input(unit: Any, state: Optional[dict[str, Any]]) -> Optional[str]:
+    """The first of the unit's inputs holding non-finite or huge floating values, in words; None when none does."""
+    import numpy as np
+
+    declared = getattr(getattr(unit, "declaration", None), "inputs", None) or list(state or {})
+    for name in declared:
+        for array in _arrays((state or {}).get(name)):
+            try:
+                values = np.asarray(array.detach().float().cpu() if hasattr(array, "detach") else array)
+            except (TypeError, ValueError, RuntimeError):
+                continue
+            if values.dtype.kind != "f" or values.size == 0:
+                continue
+            if not np.isfinite(values).all():
+                return f"{name!r} (it holds NaN or infinity)"
+            peak = float(np.abs(values).max())
+            if peak > INPUT_MAGNITUDE:
+                return f"{name!r} (values up to {peak:.3g})"
+    return None
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from unitgraph.atomic import temp_target
+from unitgraph.errors import path_missing
 from unitgraph.userfiles import parse_user_json, read_user_json
 
 from ..errors import BackendError
@@ -149,7 +150,7 @@ class Cache:
         """
         if self.local:
             if self.folder.is_symlink() and not self.folder.exists():
-                raise BackendError("is a dangling symlink", source=self.location)
+                raise BackendError(path_missing(self.folder), source=self.location)  # a dangling link or a loop
             if not self.folder.exists():
                 return
             if not self.folder.is_dir():
@@ -206,7 +207,8 @@ class Cache:
         `task` (the --task family) only shapes the advice in the message.
         """
         if self.local and not self.folder.is_dir():
-            raise BackendError("cache folder does not exist (run the data_process stage first)", source=self.location)
+            what = path_missing(self.folder) if not self.folder.exists() else "is not a folder"
+            raise BackendError(f"cache folder {what} (run the data_process stage first)", source=self.location)
         manifest = self.read_manifest()
         if manifest is None:
             where = "a cache folder" if self.local else "a cache (no manifest.json under this prefix)"

@@ -61,6 +61,24 @@ def _first_line(exc: BaseException) -> str:
     return (text[0] if text else type(exc).__name__)[:300]
 
 
+# One S3 filesystem per process and AWS configuration, kept for the process's life. s3fs closes a filesystem's
+# session in a weakref finalizer that blocks on its event loop (up to 0.1 s); a filesystem per store, dropped
+# while a run goes on, ran that finalizer mid-run, and a Ctrl-C landing in it was swallowed ("Exception ignored
+# in weakref callback") and the run went on. Kept alive, the finalizer runs only at the interpreter's exit, and
+# Ctrl-C always lands in the run's own code: KeyboardInterrupt propagates (exit 130, one line).
+_FILESYSTEMS: dict[tuple[Any, ...], Any] = {}
+
+
+def _filesystem(s3fs: Any) -> Any:
+    """The process's S3 filesystem for the current AWS_* variables (a forked worker makes its own): no listings
+    cache, so every listing and existence check asks the store and what another process wrote shows at once."""
+    key = (os.getpid(), tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
+    fs = _FILESYSTEMS.get(key)
+    if fs is None:  # two threads at once: one instance is kept; the other never connected, so it has no finalizer
+        fs = _FILESYSTEMS.setdefault(key, s3fs.S3FileSystem(use_listings_cache=False, skip_instance_cache=True))
+    return fs
+
+
 class ObjectStore(Store):
     """A prefix of an S3-compatible bucket, through fsspec's s3fs."""
 
@@ -86,9 +104,7 @@ class ObjectStore(Store):
                 import s3fs
             except ImportError:
                 raise BackendError("s3:// caches need s3fs (pip install s3fs)", source=self.location) from None
-            # no listings cache and no shared instance: every listing and existence check asks the store, so
-            # what another process or machine wrote shows at once
-            self._fs = s3fs.S3FileSystem(use_listings_cache=False, skip_instance_cache=True)
+            self._fs = _filesystem(s3fs)
             with self.errors():
                 try:
                     self._fs.call_s3("head_bucket", Bucket=self.bucket)  # fails here, once, in one line

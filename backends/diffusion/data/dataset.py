@@ -40,7 +40,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from unitgraph.userfiles import parse_user_csv, parse_user_json, parse_user_jsonl, read_user_text
+from unitgraph.errors import path_missing
+from unitgraph.userfiles import parse_user_csv, parse_user_json, parse_user_jsonl, read_user_text, too_many_rows
 
 from ..errors import BackendError
 from .video import STILL_SUFFIXES, VideoProblem, check_pixels, probe_clip, read_clip
@@ -54,6 +55,10 @@ MIN_IMAGE_SIDE = 16
 # a metadata file larger than this is refused (one line) rather than read into memory: about a
 # million rows of long prompts; the limit of the other user files (specs, plans) is 64 MiB
 MAX_METADATA_BYTES = 256 * 1024 * 1024
+# rows a run reads: every row costs stage 1 a key (its files' digests, once per distinct file) and a manifest record;
+# past this the bookkeeping alone takes minutes and gigabytes (a file of 10^6 rows naming 6 images), so it is
+# refused before any sample is looked at: split a larger dataset into several metadata files, each its own cache
+MAX_METADATA_ROWS = 200_000
 SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
 
@@ -81,7 +86,7 @@ def read_metadata(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     source = str(path)
     if not path.exists():
-        raise BackendError("metadata file does not exist", source=source)
+        raise BackendError(f"metadata file {path_missing(path)}", source=source)
     if path.is_dir():
         raise BackendError("is a directory, expected a metadata file (csv, json or jsonl)", source=source)
     suffix = path.suffix.lower()
@@ -90,9 +95,9 @@ def read_metadata(path: str | Path) -> list[dict[str, Any]]:
     text = read_user_text(path, BackendError, f"a {suffix[1:]} metadata file", max_bytes=MAX_METADATA_BYTES)
     rows: Any
     if suffix == ".csv":
-        _, rows = parse_user_csv(text, source, BackendError)
+        _, rows = parse_user_csv(text, source, BackendError, max_rows=MAX_METADATA_ROWS)
     elif suffix == ".jsonl":
-        rows = parse_user_jsonl(text, source, BackendError)
+        rows = parse_user_jsonl(text, source, BackendError, max_rows=MAX_METADATA_ROWS)
     else:
         rows = parse_user_json(text, source, BackendError)
         if isinstance(rows, dict) and isinstance(rows.get("data"), list):
@@ -104,6 +109,8 @@ def read_metadata(path: str | Path) -> list[dict[str, Any]]:
                 raise BackendError(f"row {n}: expected an object (one per sample), got {type(row).__name__}", source=source)
     if not rows:
         raise BackendError("metadata has no rows", source=source)
+    if len(rows) > MAX_METADATA_ROWS:  # a json list (csv and jsonl stop reading at the first row past it)
+        raise BackendError(too_many_rows(MAX_METADATA_ROWS), source=source)
     return rows
 
 
@@ -188,6 +195,7 @@ class DiffusionDataset:
                 if row.get(name) in (None, ""):
                     raise BackendError(f"row {n + 1}: empty value in required column {name!r}", source=str(self.metadata_path))
         self._ids: dict[int, str] = {}
+        self._problems: dict[str, Optional[str]] = {}
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -197,7 +205,9 @@ class DiffusionDataset:
             raise SampleError(f"row {index + 1}: column {key!r} must name a file, got {name!r}", index=index,
                               source=str(self.metadata_path))
         path = self.base_path / name
-        problem = _not_a_file(path)
+        if name not in self._problems:  # a file many rows name is looked at once
+            self._problems[name] = _not_a_file(path)
+        problem = self._problems[name]
         if problem == "is missing":
             raise SampleError(f"row {index + 1}: missing file {name!r} (column {key!r}) under {self.base_path}",
                               index=index, source=str(self.metadata_path))
@@ -304,10 +314,10 @@ class DiffusionDataset:
             raise SampleError(f"{where} {exc}", index=index, source=str(self.metadata_path)) from None
 
     def _audio(self, index: int, param: str, path: Path) -> Any:
-        from .audio import read_audio
+        from .audio import clip_seconds, read_audio
 
         try:
-            return read_audio(path)
+            return read_audio(path, seconds=clip_seconds(self.num_frames))  # what the clip needs, never the whole
         except VideoProblem as exc:
             raise SampleError(f"row {index + 1}: {path.name!r} (column {param!r}) {exc}", index=index,
                               source=str(self.metadata_path)) from None

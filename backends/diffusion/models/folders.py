@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from unitgraph.errors import path_missing
+
 from ..family import ModelSlot
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -174,7 +176,7 @@ def classify_folder(path: Path | str, table: SlotTable, origin: str | None = Non
     p = Path(path).expanduser()
     origin = origin or str(path)
     if not p.exists():
-        raise ModelLoadError(p, "path does not exist")
+        raise ModelLoadError(p, f"path {path_missing(p)}")  # a symlink loop is said as one, not as missing
     if p.is_file():
         if p.suffix in (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt"):
             if not any((p.parent / name).is_file() for name in ("config.json", "model_index.json", "scheduler_config.json")):

@@ -28,6 +28,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
+from unitgraph.errors import path_missing
+
 from ..family import Family, ModelSlot
 from .folders import (OFFLINE_ENV, ComponentSource, ModelLoadError, SlotTable, UnreadableLayout, _config_file, _Entry,
                       _is_processor_folder, _is_tokenizer_folder, _processor_class, _short, _tokenizer_class,
@@ -325,7 +327,7 @@ class ModelSources:
             local = Path(given).expanduser()
             if local.exists() or ":" not in given:
                 if not local.exists():
-                    raise ModelLoadError(local, f"{kind} path does not exist")
+                    raise ModelLoadError(local, f"{kind} path {path_missing(local)}")
                 return make(slot, local, given)
             model_id, pattern = parse_model_id_with_origin_paths(given)[0]
             return make(slot, self._snapshot(model_id, pattern), given)

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
-from unitgraph.atomic import write_bytes_atomic
+from unitgraph.atomic import remove_stale_temps, write_bytes_atomic
 
 from ..errors import BackendError
 from ..models.lora import DIFFSYNTH_ROOT, METADATA_KEY, _jsonable, lora_state_dict, read_lora_file
@@ -62,10 +62,24 @@ def lora_scale(config: Any) -> float:
     return float(data.get("lora_alpha") if data.get("lora_alpha") is not None else rank) / rank
 
 
+def folded(state: Mapping[str, torch.Tensor], factors: Mapping[str, float]) -> dict[str, torch.Tensor]:
+    """`state` with each tensor named in `factors` multiplied by its factor (a LoRA scale folded into lora_A): computed
+    in float32, and kept in the tensors' own dtype only where every result fits it. An fp16 lora_A times a large
+    alpha / rank overflows fp16 (a file of inf, which the reader refuses): then the whole file is float32, the wider
+    dtype, so each pair still multiplies in one dtype."""
+    out = {k: (v.float() * float(factors[k]) if k in factors else v) for k, v in state.items()}
+    fits = all(v.dtype == torch.float32 or not v.is_floating_point() or bool(torch.isfinite(out[k].to(v.dtype)).all())
+               for k, v in state.items() if k in factors)
+    if fits:
+        return {k: (out[k].to(state[k].dtype) if k in factors else v) for k, v in state.items()}
+    return {k: (v.float() if v.is_floating_point() else v) for k, v in out.items()}
+
+
 def to_diffsynth(state: Mapping[str, torch.Tensor], prefixes: Mapping[str, str], scale: float = 1.0) -> dict[str, torch.Tensor]:
     """diffusers-layout keys -> DiffSynth's: `pipe.<slot>.<module>.lora_A.default.weight`, the scale folded into A."""
     by_prefix = {prefix: slot for slot, prefix in prefixes.items()}
     out: dict[str, torch.Tensor] = {}
+    factors: dict[str, float] = {}
     for key, value in state.items():
         head, _, rest = key.partition(".")
         slot = by_prefix.get(head)
@@ -75,9 +89,9 @@ def to_diffsynth(state: Mapping[str, torch.Tensor], prefixes: Mapping[str, str],
         if ".lora_A." in rest or ".lora_B." in rest:
             rest = rest.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight")
             if ".lora_A." in rest and scale != 1.0:
-                value = value * scale
+                factors[f"{DIFFSYNTH_ROOT}.{slot}.{rest}"] = scale
         out[f"{DIFFSYNTH_ROOT}.{slot}.{rest}"] = value
-    return out
+    return folded(out, factors)
 
 
 def save_checkpoint(path: str | Path, state: dict[str, torch.Tensor], lora_prefix: str | None = None,
@@ -116,6 +130,7 @@ def convert(src: str | Path, dst: str | Path, to: str, slot: str, prefixes: Mapp
     """
     if to not in ("diffusers", "diffsynth"):
         raise BackendError(f"--to must be diffusers or diffsynth, got {to!r}")
+    remove_stale_temps(dst)  # what a killed convert into `dst` left (its own temporary name only)
     lora = read_lora_file(src, slot, prefixes)
     if lora.unpaired:
         raise BackendError(f"the LoRA of {lora.unpaired[0]} ({slot}) has only one of lora_A and lora_B",
@@ -128,12 +143,12 @@ def convert(src: str | Path, dst: str | Path, to: str, slot: str, prefixes: Mapp
     prefix = prefixes[slot]
     alpha = lora.alpha if lora.alpha is not None else float(rank)
     common = alpha / rank
-    weights = {}
-    for key, value in lora.weights.items():
+    factors = {}
+    for key in lora.weights:
         module = key.rsplit(".lora_", 1)[0]
         if ".lora_A." in key and lora.scales[module] != common:  # a module of its own alpha: folded into its lora_A
-            value = value * (lora.scales[module] / common)
-        weights[key] = value
+            factors[key] = lora.scales[module] / common
+    weights = folded(lora.weights, factors)  # and the common scale, into DiffSynth's lora_A, by save_checkpoint
     targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in weights})
     diffusers_state = {f"{prefix}.{k}": v for k, v in weights.items()}
     if to == "diffsynth":

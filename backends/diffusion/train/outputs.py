@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from unitgraph.atomic import make_folder, temp_target, write_text_atomic
-from unitgraph.errors import OutputError
+from unitgraph.errors import OutputError, path_missing
 
 from ..cache.store import missing_folders, release_flock, remove_empty_folders, take_flock
 from .resume import STATE_DIR
@@ -124,6 +124,27 @@ def remove_sample_temps(folder: Path) -> int:
     return removed
 
 
+def lock_held(lock: Path) -> bool:
+    """Whether a live process holds the lock `lock` (the kernel releases a dead one's): looked at without creating
+    the file. Two runs started at once into one new folder: the second finds the first's marker, and this tells a
+    run at work from one that stopped."""
+    import fcntl
+
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing releases the shared lock taken to look
+
+
 def move_aside(folder: Path) -> Path:
     """Move the run files of `folder` (and its training states) into a new `replaced-<UTC time>` folder inside it;
     return that folder."""
@@ -148,17 +169,21 @@ class RunFolder:
         self._fd: Optional[int] = None
         self.replaced: Optional[Path] = None
 
-    def check(self, overwrite: bool, resume: Optional[dict[str, Any]] = None) -> None:
+    def check(self, overwrite: bool, resume: Optional[dict[str, Any]] = None, locked: bool = False) -> None:
         """Refuse a folder that is not unitgraph's or holds another run (unless `overwrite`, or `resume` with
-        the record of the run to continue: then the folder must hold that run). Writes nothing."""
+        the record of the run to continue: then the folder must hold that run), or that another run is writing into
+        (`locked`: this process holds the folder's lock). Writes nothing."""
         folder = self.folder
         if folder.is_symlink() and not folder.exists():
-            raise OutputError("is a dangling symlink", source=str(folder))
+            raise OutputError(path_missing(folder), source=str(folder))  # a dangling link or a symlink loop
         if folder.exists() and not folder.is_dir():
             raise OutputError("is a file, not a folder; choose another --output_path", source=str(folder))
         if not folder.exists():
             return
         marker = read_marker(folder)
+        if marker is not None and not locked and lock_held(folder / LOCK):  # a run at work, not one that stopped
+            raise OutputError("another unitgraph run is writing into this folder; wait for it to finish or choose "
+                              "another --output_path", source=str(folder))
         foreign = foreign_entries(folder, marked=marker is not None)
         if marker is None and (folder / CACHE_MANIFEST).is_file():
             raise OutputError("is a stage-1 cache folder, not a run's output folder; choose another --output_path "
@@ -200,7 +225,7 @@ class RunFolder:
             raise OutputError(f"cannot write into the folder ({exc.strerror})", source=str(self.folder)) from None
         failed = True
         try:
-            self.check(overwrite, run if resume else None)  # again, now that no other run can change the folder
+            self.check(overwrite, run if resume else None, locked=True)  # again, now that no other run can change it
             for entry in self.folder.iterdir():
                 if entry.is_file() and _is_temp(entry.name):
                     entry.unlink(missing_ok=True)

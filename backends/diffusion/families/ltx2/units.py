@@ -159,7 +159,10 @@ def clip_audio(track: Any, num_frames: int, sample_rate: int) -> torch.Tensor:
     samples = np.asarray(samples, dtype=np.float32)
     if samples.ndim != 2 or samples.shape[0] not in (1, 2):
         raise BackendError(f"a sound track of shape {tuple(samples.shape)} (mono or stereo expected)")
-    samples = torch.from_numpy(resample(samples, int(rate), int(sample_rate)).copy())
+    # the clip's own seconds are resampled, never the whole track: what it needs at the track's rate and a margin for
+    # the resampler's filter (0.1 s, far more than its reach), so the samples kept are those of resampling it whole
+    needed = int(np.ceil(int(num_frames) / FRAME_RATE * int(rate))) + int(rate) // 10 + 256
+    samples = torch.from_numpy(resample(samples[:, :needed], int(rate), int(sample_rate)).copy())
     if samples.shape[0] == 1:
         samples = samples.repeat(2, 1)
     target = int(int(num_frames) / FRAME_RATE * sample_rate)
