@@ -42,7 +42,7 @@ GIB = 1 << 30
 FULL_BLOCKS = 4
 # (name, accelerate config's engine part)
 ENGINES = [
-    ("data parallel", "distributed_type: MULTI_CPU\n"),
+    ("data parallel", "distributed_type: MULTI_GPU\n"),  # torchrun's 2 processes; accelerate makes them CPU DDP
     ("ZeRO-2", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n"),
     ("ZeRO-2 + offload", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n"
                          "  offload_optimizer_device: cpu\n"),
@@ -57,8 +57,6 @@ Z3_OFFLOAD = {"zero_optimization": {"stage": 3, "stage3_param_persistence_thresh
 
 def config_text(engine: str) -> str:
     body = dict(ENGINES)[engine]
-    if engine == "data parallel":
-        return body + "num_machines: 1\nnum_processes: 2\nuse_cpu: true\n"
     extra = "mixed_precision: bf16\n" if "deepspeed_config_file" not in body else ""
     return body + extra + "num_machines: 1\nnum_processes: 2\nuse_cpu: false\n"
 

@@ -72,3 +72,15 @@ def test_real_size_report_divides_by_fp32_only_when_fp32_rose_above_its_baseline
     assert cells(text, "fp32")[2] == "1.00" and cells(text, "bf16")[2] == "0.50"
     text = bench.report([row("fp32", 0), row("bf16", 2 * gib)], "test", 2)
     assert cells(text, "fp32")[2] == "-" and cells(text, "bf16")[2] == "-"
+
+
+def test_engines_report_compares_each_engine_with_data_parallel_held_bytes():
+    bench = _module("engines")
+    gib = 1 << 30
+    rank = lambda weights, state: {"baseline": gib, "steady": 2 * gib, "held": [weights, state], "step_s": 1.0,  # noqa: E731
+                                   "estimate": gib}
+    rows = [{"mode": "lora", "engine": "data parallel", "ranks": [rank(4 * gib, 0), rank(4 * gib, 0)]},
+            {"mode": "lora", "engine": "FSDP2", "ranks": [rank(2 * gib, 0), rank(gib, 0)]}]
+    text = bench.report(rows, "test", 3)
+    line = next(x for x in text.splitlines() if x.startswith("| LoRA r32 | FSDP2 |"))
+    assert line.split(" | ")[2:4] == ["2.00", "0.50"]  # the larger process's share over data parallel's

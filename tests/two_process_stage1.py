@@ -1,4 +1,5 @@
-"""Several stage-1 runs in one 2-process launch (the conformance suite's exact-once check, once per family).
+"""Several runs in one 2-process launch: the conformance suite's stage-1 exact-once check, once per family, and
+the engines' runs (tests/test_engines.py, launched with an engine's accelerate config).
 
 `accelerate launch --num_processes 2 tests/two_process_stage1.py JOBS.json` runs, in each process, every job of the
 file in turn: `unitgraph <argv>` as the command line would, its output written to `<output>.rank<R>.out` and its exit

@@ -17,7 +17,10 @@ The loop (`loop.py`) is the same under every engine; it asks the run's `Steps` f
   `engine.deepspeed_config` decides. The loop keeps the accumulation: each micro-batch's backward goes through
   the engine with its boundary set by hand (the last micro-batch of a step), and the engine steps, clipping to
   its gradient_clipping, at the boundary only. Under ZeRO-3 each trained weight is gathered whole with
-  `GatheredParameters` to be saved.
+  `GatheredParameters` to be saved. A training state holds the trained tensors whole and each process's
+  partition of AdamW's state (the torch AdamW DeepSpeed steps over the process's flat fp32 partition) in a file of
+  its own; resuming sets the weights and lets DeepSpeed take its fp32 copies from them, exact as its precision is
+  off.
 
 Why split equals unsplit under an engine: both runs make the same engine over the same processes with the same
 seeded numbers, and the engine's reductions do not depend on where a batch came from.
@@ -61,10 +64,11 @@ class Steps:
     """Data parallel (accelerate's DDP): every process holds every weight."""
 
     gathers = False  # whether reading a trained tensor whole is a collective call
+    per_rank_state = False  # whether each process keeps an optimizer state of its own in a training state
+    restore = None  # how the weights are set from a state, when not by `scatter` (DeepSpeed)
 
     def __init__(self, accelerator: Any, engine: Any, max_grad_norm: Optional[float]):
         self.acc, self.engine, self.max_grad_norm = accelerator, engine, max_grad_norm
-        self.last_norm: Optional[float] = None
 
     def prepare(self, models: dict[str, Any], slots: list[str], make_optimizer: Callable[[list[Any]], Any],
                 compute_dtype: Optional[torch.dtype]) -> tuple[dict[str, Any], Any]:
@@ -111,9 +115,8 @@ class Steps:
         return value.to(like.device, like.dtype)
 
     def note(self) -> Optional[str]:
+        """A line about what the engine did with the models (after `prepare`), or None."""
         return None
-
-    per_rank_state = False  # whether each process keeps an optimizer state of its own in a training state
 
     @contextlib.contextmanager
     def state_view(self, optimizer: Any):
@@ -123,8 +126,6 @@ class Steps:
     def check_params(self, params: dict[str, Any]) -> dict[str, Any]:
         """The trained parameters as a state is checked against them (their whole shapes)."""
         return params
-
-    restore = None  # how the weights are set from a state, when not by `scatter` (DeepSpeed)
 
 
 class ShardedSteps(Steps):
