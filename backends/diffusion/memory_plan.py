@@ -73,6 +73,13 @@ STAGES = ("data_process", "train", "unsplit")
 STAGE_TITLES = {"data_process": "stage 1 (data_process)", "train": "stage 2 (train)", "unsplit": "unsplit run"}
 TRAINABLE_BYTES_PER_PARAM = 16  # fp32 value 4 + gradient 4 + AdamW exp_avg 4 + exp_avg_sq 4
 GIB = 1 << 30
+# Bounds on what a config.json may make, checked on the meta-device model before a parameter becomes a fake tensor or
+# a step is traced (docs/safety.md): released models stay far below (Qwen-Image's DiT: 20 B parameters, its largest
+# tensor 3072 x 18432 = 5.7e7 elements); past them a config describes no model any device holds.
+MAX_PARAMS = 10**12
+MAX_TENSOR_ELEMENTS = 1 << 40
+MAX_TRACED_FRAMES = 1025  # 4k+1 and 8k+1; 8x the longest clip a released video model trains on (121 frames)
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # PIL's Image.MAX_IMAGE_PIXELS, used when a program has set it to None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -172,6 +179,19 @@ def build_meta(slot: Any, config: Any, dtype: str) -> Any:
     return model
 
 
+def probe_meta(slot: Any, config: Any) -> Any:
+    """The slot's model built with every tensor on the meta device, parameters, buffers and constants alike: nothing
+    allocated, whatever sizes the config asks for (`build_meta` keeps buffers real, and accelerate creates each
+    parameter on the CPU before moving it to meta), so its sizes can be bounded before the model is built."""
+    import torch
+
+    cls = model_class(slot)
+    with _quiet_libraries(), torch.device("meta"):
+        if slot.library == "diffusers":
+            return cls.from_config(dict(config))
+        return cls._from_config(config)
+
+
 def _tie(model: Any) -> None:
     """Tie the weights `from_pretrained` ties (a T5 encoder's embed_tokens is its shared embedding)."""
     tied = getattr(model, "all_tied_weights_keys", None) or {}
@@ -230,6 +250,7 @@ class _Planner:
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
 
+        cfg, size_notes = traced_size(cfg)
         self.cfg, self.plan = cfg, plan
         self.memory = family_memory(cfg)
         from .models.stage import declared_absent
@@ -237,7 +258,9 @@ class _Planner:
         self.absent = declared_absent(cfg, cfg.pipeline.spec().models)  # a stage loads none of these
         self.models = [m for m in cfg.pipeline.spec().models if m not in self.absent]
         self.configs = read_configs(cfg, self.models)
-        self.dims = self.memory.dims(cfg, self.configs, text_tokens)
+        self.files = config_files(cfg, self.models)
+        with self.tracing(self.models, "read the run's sizes from"):
+            self.dims = self.memory.dims(cfg, self.configs, text_tokens)
         self.compute = cfg.precision.compute_dtype
         self.dtype = getattr(torch, self.compute)
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -245,7 +268,7 @@ class _Planner:
         self.fakes: dict[tuple[str, str, bool], list[Any]] = {}
         self.inference: dict[tuple[str, str, bool], int] = {}
         self.sink_models = set(cfg.pipeline.loss.declaration.models)
-        self.notes: list[str] = list(getattr(self.memory, "NOTES", ()))
+        self.notes: list[str] = list(getattr(self.memory, "NOTES", ())) + size_notes
         self._schedulers: Optional[dict[str, Any]] = None
         self.steps: dict[tuple[str, ...], tuple[int, int]] = {}
 
@@ -257,6 +280,25 @@ class _Planner:
         if training and slot == self.cfg.lora.base_model:
             return "lora"
         return "frozen"
+
+    @contextlib.contextmanager
+    def tracing(self, slots: Iterable[str], doing: str):
+        """What a library or a family's memory module raises while the plan builds or traces models from these configs
+        (one that passed the size checks and still describes no model that runs at this size: a patch larger than the
+        image, head dimensions the rotary embedding does not split) as one line naming the config files, as the run's
+        loader names a folder it cannot load (models/loading.py)."""
+        import warnings
+
+        try:
+            with warnings.catch_warnings(record=True) as caught:  # a failed trace's warnings only repeat its error
+                yield
+        except (BackendError, MemoryError):
+            raise
+        except Exception as exc:
+            files = ", ".join(self.files[s] for s in dict.fromkeys(slots) if s in self.files) or "the configs"
+            raise BackendError(f"--dry_run: cannot {doing} {files}: {type(exc).__name__}: {_first_line(exc)}") from None
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
     def model(self, slot: str, training: bool) -> Built:
         """The slot as the stage loads it (models/stage.load_models, then train/loop.prepare_models)."""
@@ -275,13 +317,20 @@ class _Planner:
 
         cfg = self.cfg
         spec = cfg.family.slot(slot)
-        model = build_meta(spec, self.configs[slot], "float32" if role == "full" else self.compute)
+        where = self.files.get(slot, slot)
+        with self.tracing([slot], f"build {slot} ({spec.class_name}) from"):
+            check_model_size(probe_meta(spec, self.configs[slot]), slot, where)  # before a tensor is allocated
+            model = build_meta(spec, self.configs[slot], "float32" if role == "full" else self.compute)
+        check_model_size(model, slot, where)
         fp8 = slot in cfg.precision.fp8
         if role == "full":
             model.requires_grad_(True)
             model.train()
         elif role == "lora":
+            from .train.loop import check_rank
+
             lora = cfg.lora
+            check_rank(model, slot, list(lora.targets), lora.rank)  # the run's own refusal (train/loop.prepare_models)
             with _quiet_libraries():
                 add_lora(model, slot, list(lora.targets), lora.rank, lora.alpha, cfg.seed)
             adapters_to_fp32(model)
@@ -357,7 +406,9 @@ class _Planner:
                 self.inference[key] = 0
             else:
                 ctx = self.context({slot: built.model})
-                with self.mode, StorageLog(self.known()) as log, torch.no_grad(), ctx.autocast():
+                doing = f"trace {slot}'s forward at {self.dims.get('description', 'this size')} from"
+                with self.tracing([slot], doing), self.mode, StorageLog(self.known()) as log, torch.no_grad(), \
+                        ctx.autocast():
                     out = calls[slot](built.model)
                     del out
                 self.inference[key] = log.peak()
@@ -369,7 +420,9 @@ class _Planner:
         and the loss's take part, so stage 2 and the unsplit run share one trace."""
         taking_part = tuple(sorted(s for s in slots if s in self.plan.models_require_backward or s in self.sink_models))
         if taking_part not in self.steps:
-            self.steps[taking_part] = self._step_peak(list(taking_part))
+            slots = list(taking_part)
+            with self.tracing(slots, f"trace one training step at {self.dims.get('description', 'this size')} from"):
+                self.steps[taking_part] = self._step_peak(slots)
         return self.steps[taking_part]
 
     def _step_peak(self, slots: list[str]) -> tuple[int, int]:
@@ -661,6 +714,72 @@ def read_configs(cfg: RunConfig, slots: Iterable[str]) -> dict[str, Any]:
         return {slot: sources.load_config(slot) for slot in slots}
     except ModelLoadError as exc:
         raise BackendError(f"--dry_run needs each model's config.json: {exc}") from None
+
+
+def config_files(cfg: RunConfig, slots: Iterable[str]) -> dict[str, str]:
+    """{slot: the config.json (or release single file) its configuration was read from}, for messages."""
+    from .models.sources import ModelLoadError
+
+    sources = cfg.models.sources(cfg.family, offline=True)
+    out = {}
+    for slot in slots:
+        try:
+            source = sources.resolve(slot)
+        except ModelLoadError:
+            continue
+        if source.path is not None:
+            out[slot] = str(source.path if source.single_file is not None else source.path / "config.json")
+    return out
+
+
+def check_model_size(model: Any, slot: str, where: str) -> None:
+    """BackendError naming the config when the model it built on the meta device has more than MAX_PARAMS parameters
+    or a tensor of more than MAX_TENSOR_ELEMENTS elements: sizes that each pass config_size_problem (models/folders.py)
+    can still multiply into terabytes, which no step should be traced with."""
+    params = sum(p.numel() for p in model.parameters())  # each parameter once, tied ones too
+    largest, name = max(((t.numel(), key) for key, t in [*model.named_parameters(), *model.named_buffers()]),
+                        default=(0, ""))
+    if params > MAX_PARAMS:
+        raise BackendError(f"{where}: {slot} would have {params:.3g} parameters, more than any model has (at most "
+                           f"{MAX_PARAMS:.0e}); refusing to plan it")
+    if largest > MAX_TENSOR_ELEMENTS:
+        raise BackendError(f"{where}: {slot}'s {name} would have {largest:.3g} elements, more than any model's tensor "
+                           f"(at most 2^40); refusing to plan it")
+
+
+def traced_size(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
+    """The run's image size as the plan traces it, and a note when it is bounded. The run's image and frame readers
+    refuse a file of more than PIL's Image.MAX_IMAGE_PIXELS pixels (data/dataset.open_image, data/video.check_pixels),
+    so a --max_pixels above that bound trains images of at most that many pixels: the plan traces those. --height x
+    --width above it is refused (a fixed size the plan cannot trace; no image of that many pixels can be read), and so
+    is a clip of more than MAX_TRACED_FRAMES frames (the trace's time grows with them: a VAE encodes a clip chunk by
+    chunk)."""
+    from dataclasses import replace
+
+    from PIL import Image
+
+    frames = cfg.data.num_frames
+    if cfg.pipeline.video_params and frames > MAX_TRACED_FRAMES:
+        raise BackendError(f"--num_frames {frames}: the dry run traces clips of at most {MAX_TRACED_FRAMES} frames "
+                           "(a traced step's operations grow with the frames; the released models train on 81 to 121)")
+    limit = int(Image.MAX_IMAGE_PIXELS or DEFAULT_MAX_IMAGE_PIXELS)
+    size = cfg.units.image_size
+    if size.height is not None and size.width is not None:
+        if size.height * size.width > limit:
+            raise BackendError(f"--height {size.height} --width {size.width}: {size.height * size.width} pixels, more "
+                               f"than the {limit} an image may have (PIL's Image.MAX_IMAGE_PIXELS); the dry run plans "
+                               "at most that many")
+        return cfg, []
+    if size.max_pixels <= limit:
+        return cfg, []
+    bounded = replace(cfg, units=replace(cfg.units, image_size=replace(size, max_pixels=limit)))
+    return bounded, [f"--max_pixels {size.max_pixels} is more than the {limit} pixels an image may have (PIL's "
+                     f"Image.MAX_IMAGE_PIXELS, which the run's image reader refuses beyond): planned at {limit}"]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return " ".join(text.splitlines()[0].split())[:300] if text else type(exc).__name__
 
 
 def settings(cfg: RunConfig, plan: Plan, dims: dict[str, Any]) -> dict[str, Any]:

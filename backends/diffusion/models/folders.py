@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from unitgraph.errors import path_missing
+from unitgraph.errors import UnitgraphError, path_missing
+from unitgraph.userfiles import parse_user_json
 
 from ..family import ModelSlot
 
@@ -93,13 +94,22 @@ def _short(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+class _ConfigJSONError(UnitgraphError):
+    """parse_user_json's refusal, turned into a ModelLoadError naming the file."""
+
+
 def _read_json(path: Path) -> dict:
+    """A model folder's small JSON file (model_index.json, config.json, ...) as an object, parsed as every user file
+    is (unitgraph/userfiles.py: strict JSON, at most MAX_DEPTH levels of nesting, no NaN or Infinity, no key given
+    twice), so that a hostile file is one line, never a RecursionError or a NaN size."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = parse_user_json(path.read_text(encoding="utf-8"), str(path), _ConfigJSONError)
     except FileNotFoundError:
         raise ModelLoadError(path, "file not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise ModelLoadError(path, f"cannot read JSON ({type(exc).__name__}: {exc})") from None
+    except _ConfigJSONError as exc:
+        raise ModelLoadError(path, f"cannot read JSON ({exc.message})") from None
     if not isinstance(value, dict):
         raise ModelLoadError(path, "is not a JSON object")
     return value
@@ -282,29 +292,91 @@ _LAYER_KEYS = ("num_layers", "num_hidden_layers", "num_single_layers", "n_layers
                "num_res_blocks", "encoder_layers", "decoder_layers", "num_decoder_layers", "num_encoder_layers")
 _WIDTH_PARTS = ("hidden_size", "_dim", "d_model", "d_ff", "d_kv", "intermediate_size", "num_attention_heads",
                 "num_heads", "channels", "embed_dim", "width")
+# What a size's key ends with: its value must be a whole number (or a list of them; null where the library takes
+# null for "none" or "derive it", as diffusers' UNets take num_attention_heads null). Keys that merely hold such a
+# part (encoder_hid_dim_type, ffn_dim_multiplier) are other settings.
+_SIZE_ENDINGS = ("hidden_size", "_dim", "d_model", "d_ff", "d_kv", "intermediate_size", "heads", "channels",
+                 "embed_dim", "patch_size", "patch_size_t", "vocab_size")
+_HEAD_KEYS = ("num_attention_heads", "num_heads", "n_heads", "num_key_value_heads")  # at least 1 each
+_HEAD_DIM_KEYS = ("attention_head_dim", "head_dim", "d_kv")
+_CHANNEL_KEYS = ("in_channels", "num_channels", "in_chans")
+
+
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    return _short(json.dumps(value), 40)
+
+
+def _size_type_problem(key: str, name: str, value: Any) -> str | None:
+    """A size that is no size: a float, string, boolean, negative, or null where a count is needed."""
+    layers = key in _LAYER_KEYS
+    if not layers and not key.endswith(_SIZE_ENDINGS):
+        return None
+    least = 1 if key in _HEAD_KEYS or key in _HEAD_DIM_KEYS or "patch_size" in key else 0
+    what = "a layer count" if layers else "a size"
+    items = value if isinstance(value, list) else [value]
+    if value is None and not layers:
+        return None
+    if items and all(_is_whole(v) and v >= least for v in items):
+        return None
+    return f"{name} {_shown(value)} is not {what} (a whole number of at least {least})"
+
+
+def _biggest(value: Any) -> int | None:
+    items = value if isinstance(value, list) else [value]
+    return max(items) if items and all(_is_whole(v) for v in items) else None
+
+
+def _product_problem(config: dict, where: str) -> str | None:
+    """Sizes that pass each bound alone but not together: heads x head_dim (the attention's width), and a patch's
+    elements (its sides, squared for one side given, times the input channels) past MAX_WIDTH."""
+    prefix = f"{where}." if where else ""
+    for heads in _HEAD_KEYS:
+        for dim in _HEAD_DIM_KEYS:
+            h, d = _biggest(config.get(heads)), _biggest(config.get(dim))
+            if h is not None and d is not None and h * d > MAX_WIDTH:
+                return (f"{prefix}{heads} {h} x {prefix}{dim} {d} = {h * d} is wider than any model is "
+                        f"(at most {MAX_WIDTH})")
+    channels = max([c for c in (_biggest(config.get(k)) for k in _CHANNEL_KEYS) if c is not None] or [1])
+    for key, value in config.items():
+        side = _biggest(value) if "patch_size" in key else None
+        if side is None:
+            continue
+        sides = len(value) if isinstance(value, list) and len(value) > 1 else 2
+        elements = side ** sides * max(channels, 1)
+        if elements > MAX_WIDTH:
+            return (f"{prefix}{key} {_shown(value)} makes patches of {elements} elements ({side}^{sides} x {channels} "
+                    f"channels), more than any model has (at most {MAX_WIDTH})")
+    return None
 
 
 def config_size_problem(config: Any, where: str = "") -> str | None:
-    """The first size in a config (nested configs too) beyond what any model has, as words; None when all are in
-    bounds: layer counts up to MAX_LAYERS, widths up to MAX_WIDTH, vocabularies up to MAX_VOCAB."""
+    """The first size in a config (nested configs too) that is no size or beyond what any model has, as words; None
+    when all are whole numbers in bounds: layer counts up to MAX_LAYERS, widths up to MAX_WIDTH (heads x head_dim and a
+    patch's elements too), vocabularies up to MAX_VOCAB, head counts, head dimensions and patch sizes at least 1."""
     if isinstance(config, dict):
         for key, value in config.items():
             name = f"{where}.{key}" if where else key
-            if isinstance(value, bool):
+            if isinstance(value, dict):
+                problem = config_size_problem(value, name)
+                if problem:
+                    return problem
                 continue
-            numbers = value if isinstance(value, list) else [value]
-            if all(isinstance(v, int) and not isinstance(v, bool) for v in numbers) and numbers:
-                biggest = max(numbers)
+            problem = _size_type_problem(key, name, value)
+            if problem:
+                return problem
+            biggest = _biggest(value)
+            if biggest is not None and not isinstance(value, bool):
                 if key in _LAYER_KEYS and biggest > MAX_LAYERS:
                     return f"{name} {biggest} is more layers than any model has (at most {MAX_LAYERS})"
                 if key == "vocab_size" and biggest > MAX_VOCAB:
                     return f"{name} {biggest} is a larger vocabulary than any model has (at most {MAX_VOCAB})"
                 if any(part in key for part in _WIDTH_PARTS) and biggest > MAX_WIDTH:
                     return f"{name} {biggest} is wider than any model is (at most {MAX_WIDTH})"
-            elif isinstance(value, dict):
-                problem = config_size_problem(value, name)
-                if problem:
-                    return problem
+        return _product_problem(config, where)
     return None
 
 
