@@ -180,8 +180,8 @@ def _train(tiny: Path, tmp_path: Path, *extra: str) -> list[str]:
      ("--lora_base_model", "dit", "--fp8_models", "dit"), "--fp8_models with FSDP2"),
     ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"},
      ("--lora_base_model", "dit", "--trainable_models", "text_encoder"), "trains one model per engine"),
-    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"},
-     ("--lora_base_model", "dit", "--resume"), "--resume under DeepSpeed ZeRO-2"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+     ("--lora_base_model", "dit", "--validation_prompt", "a cat"), "--validation_prompt with DeepSpeed ZeRO-3"),
     ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
      ("--lora_base_model", "dit", "--validation_prompt", "a cat"), "--validation_prompt with FSDP2"),
     ({}, ("--lora_base_model", "dit", "--config_file", "x.yaml"), "--config_file and --num_processes go with --dry_run"),
@@ -191,13 +191,18 @@ def _train(tiny: Path, tmp_path: Path, *extra: str) -> list[str]:
 ])
 def test_what_an_engine_cannot_honour_is_one_line_before_anything_is_written(tiny, tmp_path, capsys, monkeypatch, env,
                                                                             extra, fragment):
+    """Refused before the accelerator is made: an in-process DeepSpeed state would outlive the test (accelerate keeps
+    one per process), so the test also checks none was made."""
     for name in [n for n in __import__("os").environ if n.startswith(("ACCELERATE_", "FSDP_"))]:
         monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    from accelerate.state import AcceleratorState
+
     code, _, err = cli(capsys, *_train(tiny, tmp_path, *extra))
     one_error_line(code, err, fragment)
     assert not (tmp_path / "out").exists()
+    assert AcceleratorState._shared_state.get("distributed_type") != "DEEPSPEED"
 
 
 def test_a_dry_run_config_file_that_is_missing_or_malformed_is_one_line(tiny, tmp_path, capsys):
