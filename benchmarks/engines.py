@@ -3,7 +3,7 @@
 The DiT is Wan 2.1 T2V 1.3B's published config with random weights stored bf16 (benchmarks/real_size.py writes
 it); full training uses the same widths with 4 of its 30 blocks (1.42 B parameters trained in full need 22.7 GB a
 process under data parallel, more than this 24 GiB machine has for two). Stage 1 runs once; each engine then runs
-stage 2 (`sft:train`, bf16, a few steps on 5-frame 64x64 clips) in one `accelerate launch --num_processes 2` with
+stage 2 (`sft:train`, at the run's default precision on this machine, a few steps on 5-frame 64x64 clips) in one `accelerate launch --num_processes 2` with
 an accelerate config of that engine, every process measuring itself:
 
 * *held*: the bytes of weights and optimizer state the process holds after its first step, counted from its own
@@ -55,9 +55,17 @@ Z3_OFFLOAD = {"zero_optimization": {"stage": 3, "stage3_param_persistence_thresh
                                     "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
 
 
+def precision() -> str:
+    """The run's default precision on this machine (config.default_precision): bf16 where the device has bf16
+    kernels, else fp32 ("no"; torch emulates bf16 some 45-60 times slower on a CPU without them)."""
+    from unitgraph.backends.diffusion.config import default_precision
+
+    return default_precision()
+
+
 def config_text(engine: str) -> str:
     body = dict(ENGINES)[engine]
-    extra = "mixed_precision: bf16\n" if "deepspeed_config_file" not in body else ""
+    extra = f"mixed_precision: {precision()}\n" if "deepspeed_config_file" not in body else ""
     return body + extra + "num_machines: 1\nnum_processes: 2\nuse_cpu: false\n"
 
 
@@ -87,7 +95,7 @@ def write_full_models(models: Path, size: str) -> Path:
 def flags(models: Path, data: Path, mode: str, steps: int) -> dict[str, Any]:
     train = dict(lora_base_model="dit", lora_rank=32) if mode == "lora" else dict(trainable_models="dit")
     return dict(pipeline="wan", model_paths=str(models), dataset_base_path=str(data), height=CLIP["side"],
-                width=CLIP["side"], num_frames=CLIP["frames"], mixed_precision="bf16", seed=0, learning_rate=1e-5,
+                width=CLIP["side"], num_frames=CLIP["frames"], mixed_precision=precision(), seed=0, learning_rate=1e-5,
                 progress=False, plot=False, dataset_repeat=2 * steps, **train)
 
 
@@ -177,7 +185,8 @@ def report(rows: list[dict[str, Any]], size: str, steps: int) -> str:
         f"Measured with `python benchmarks/engines.py --size {size} --steps {steps} --write` on {os.cpu_count()} CPU "
         f"cores, 2 processes of 1 thread, {installed_versions(('torch', 'accelerate', 'deepspeed', 'diffusers'))}. "
         "Wan 2.1 T2V 1.3B's DiT with random bf16 weights: LoRA rank 32 on the whole DiT (1.42 B frozen parameters), "
-        f"and full training of the same widths with {FULL_BLOCKS} of the 30 blocks; stage 2 at bf16 from one stage-1 "
+        f"and full training of the same widths with {FULL_BLOCKS} of the 30 blocks; stage 2 at "
+        f"{'bf16' if precision() == 'bf16' else 'fp32 (this CPU has no bf16 kernels)'} from one stage-1 "
         f"cache, {CLIP['frames']}-frame {CLIP['side']}x{CLIP['side']} clips, {steps} steps a process. *Held* counts "
         "the process's own tensors after its first step (weights, and the optimizer's moments and fp32 copies), "
         "the larger of the two processes; *x DP* is that over data parallel's. *Steady RSS* is the resident set "

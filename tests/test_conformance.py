@@ -330,7 +330,8 @@ def test_dit_lora_loads_in_the_diffusers_pipeline(family, pipeline, tiny_models,
 def stage1_argv(family, pipeline, models: Path, data: Path, metadata: Path) -> list[str]:
     argv = ["train", "--pipeline", pipeline.name, "--task", f"{pipeline.task}:data_process", "--dataset_base_path", str(data),
             "--dataset_metadata_path", str(metadata), "--model_paths", str(models),
-            "--lora_base_model", family.model_slots[0], "--max_pixels", str(SIZE * SIZE), "--no-progress"]
+            "--lora_base_model", family.model_slots[0], "--max_pixels", str(SIZE * SIZE), "--no-progress",
+            "--mixed_precision", "bf16"]  # as flags() trains
     if extra_columns(pipeline):
         argv += ["--extra_inputs", ",".join(extra_columns(pipeline))]
     return argv
@@ -392,6 +393,7 @@ def test_two_process_and_batched_stage1_give_the_same_entries(family, pipeline, 
         run(make_args(task=f"{pipeline.task}:data_process", pipeline=pipeline.name, dataset_base_path=str(data),
                       dataset_metadata_path=str(metadata), model_paths=str(models), lora_base_model=family.model_slots[0],
                       max_pixels=SIZE * SIZE, output_path=str(tmp_path / name), progress=False, data_process_batch_size=batch,
+                      mixed_precision="bf16",
                       **({"extra_inputs": ",".join(extra_columns(pipeline))} if extra_columns(pipeline) else {})), echo=quiet)
     entries = lambda c: {p.name: p.read_bytes() for p in (Path(c) / "entries").iterdir()}  # noqa: E731
     # two processes: once per family (the sharding is the family-agnostic stage 1), all families in one launch

@@ -205,7 +205,10 @@ def test_files_it_cannot_read_are_one_line_naming_the_diffusers_paths(flux_model
 
 @pytest.mark.slow
 def test_diffsynths_flux_lora_command_runs_verbatim_and_trains_what_the_diffusers_folders_train(
-        flux_models, flux_release, tmp_path_factory, user_shell):
+        flux_models, flux_release, tmp_path_factory, user_shell, monkeypatch):
+    # bf16, as DiffSynth trains and as this test was made (a CPU without bf16 kernels defaults to fp32, where the two
+    # layouts' runs agree only to rounding: not yet traced to the module that sums in another order)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     done = user_shell.train(flux_release, FLUX_COMMAND)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pipeline: flux (the model id black-forest-labs/FLUX.1-dev)" in done.stdout.splitlines()

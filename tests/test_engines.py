@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -105,7 +106,7 @@ fsdp_config:
   fsdp_version: 2
 machine_rank: 0
 main_training_function: main
-mixed_precision: bf16
+mixed_precision: 'no'  # the run's default, as under zero3.yaml: the clipped norms compare
 num_machines: 1
 num_processes: 8
 rdzv_backend: static
@@ -378,7 +379,10 @@ def test_fsdp2_shards_trains_split_equal_to_unsplit_and_resumes_exactly(workdir)
         ([*full, "--num_epochs", "1"], "fsdp/resumed"), ([*full, "--num_epochs", "2", "--resume"], "fsdp/resumed")])
     text = logs["fsdp/full"]
     assert "engine: FSDP2 from accelerate launch, unsplit training, 2 processes" in text
-    assert "FSDP2: dit in 3 shard groups (2 blocks and the rest; this process holds 50.0% of its weights)" in text
+    # built without weights, then each process read only its shard's rows from the files (models/shards.py)
+    assert re.search(r"FSDP2: dit in 3 shard groups \(2 blocks and the rest; this process holds 50\.0% of its "
+                     r"weights, read (4[5-9]|5[0-5])\.\d% of them from the files\)", text), text[-2000:]
+    assert re.search(r"read (4[5-9]|5[0-5])\.\d% of them from the files", logs["fsdp/lora"])  # the LoRA's base too
     same_training(workdir / "fsdp" / "lora", workdir / "fsdp" / "lora-split", "epoch-0.safetensors")
     same_training(workdir / "fsdp" / "full", workdir / "fsdp" / "full-split", "epoch-1.safetensors")
     assert "resuming from" in logs["fsdp/resumed"]
@@ -396,4 +400,4 @@ def test_the_clipped_norm_is_the_global_one_under_both_sharded_engines(workdir):
         if not path.exists():
             pytest.skip("runs with the test above")
         first.append(float(next(csv.DictReader(path.open()))["grad_norm"]))
-    assert first[0] == pytest.approx(first[1], rel=1e-3)
+    assert first[0] == pytest.approx(first[1], rel=1e-4)

@@ -44,7 +44,8 @@ MIB = 1 << 20
 
 def run_config(folder: Path, **flags) -> RunConfig:
     kwargs = dict(model_paths=str(folder), dataset_base_path=str(folder), lora_base_model="dit",
-                  lora_target_modules=TARGETS, lora_rank=4, max_pixels=64 * 64, progress=False)
+                  lora_target_modules=TARGETS, lora_rank=4, max_pixels=64 * 64, progress=False,
+                  mixed_precision="bf16")  # the plans of GPU runs, whatever this machine's default is
     kwargs.update(flags)
     return RunConfig.from_args(make_args(**kwargs))
 

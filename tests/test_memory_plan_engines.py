@@ -110,7 +110,7 @@ def configs(tmp_path_factory) -> dict[str, Path]:
 
 def plan_of(folder: Path, config: Path | None = None, processes: int | None = None, full: bool = False) -> dict:
     flags = dict(model_paths=str(folder), dataset_base_path=str(folder), max_pixels=64 * 64, progress=False,
-                 dry_run=True)
+                 dry_run=True, mixed_precision="bf16")  # as the configs ask, whatever this machine's default is
     if full:
         flags["trainable_models"] = "dit"
     else:

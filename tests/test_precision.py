@@ -27,7 +27,7 @@ from safetensors.torch import load_file  # noqa: E402
 from clitools import cli, one_error_line  # noqa: E402
 from unitgraph.backends.diffusion.args import make_args  # noqa: E402
 from unitgraph.backends.diffusion.cache.cache import Cache  # noqa: E402
-from unitgraph.backends.diffusion.config import RunConfig, mixed_precision  # noqa: E402
+from unitgraph.backends.diffusion.config import RunConfig, default_precision, mixed_precision  # noqa: E402
 from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
 from unitgraph.backends.diffusion.errors import BackendError  # noqa: E402
 from unitgraph.backends.diffusion.models.stage import load_models  # noqa: E402
@@ -52,7 +52,8 @@ def data(tmp_path_factory) -> Path:
 def flags(tiny: Path, data: Path, **extra) -> dict:
     kwargs = dict(dataset_base_path=str(data), dataset_metadata_path=str(data / "metadata.csv"), model_paths=str(tiny),
                   lora_base_model="dit", lora_target_modules=TARGETS, lora_rank=4, max_pixels=SIZE * SIZE, seed=3,
-                  learning_rate=1e-3, progress=False, plot=False)
+                  learning_rate=1e-3, progress=False, plot=False,
+                  mixed_precision="bf16")  # DiffSynth's precision, whatever this machine's default is
     kwargs.update(extra)
     return kwargs
 
@@ -77,15 +78,34 @@ def assert_same_training(a: Path, b: Path) -> None:
 
 
 @pytest.mark.parametrize("flag, env, expected", [
-    (None, None, "bf16"),  # DiffSynth's precision by default
+    (None, None, "default"),  # DiffSynth's bf16 where the device has bf16 kernels, else fp32
     ("no", None, "no"),
     (None, "bf16", "bf16"),  # accelerate launch --mixed_precision bf16, or its config
-    (None, "no", "bf16"),  # accelerate launch sets "no" when nothing asked: not a request for fp32
+    (None, "no", "default"),  # accelerate launch sets "no" when nothing asked: not a request for fp32
     ("no", "bf16", "no"),  # unitgraph's own flag wins
 ])
-def test_the_precision_follows_the_flag_then_accelerate_then_bf16(flag, env, expected):
+def test_the_precision_follows_the_flag_then_accelerate_then_the_device(flag, env, expected):
     args = make_args(task="sft", lora_base_model="dit", mixed_precision=flag)
+    expected = default_precision() if expected == "default" else expected
     assert mixed_precision(args, {} if env is None else {"ACCELERATE_MIXED_PRECISION": env}) == expected
+
+
+def test_the_default_is_bf16_only_where_the_device_has_bf16_kernels(monkeypatch):
+    """On a CPU without oneDNN's bf16 kernels torch emulates bf16 (45-60 times slower here): the default is fp32
+    there, said in one line; with the kernels, or on CUDA, it is DiffSynth's bf16."""
+    from unitgraph.backends.diffusion import config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(config, "cpu_has_bf16", lambda: False)
+    assert config.default_precision() == "no"
+    args = make_args(task="sft", lora_base_model="dit")
+    assert "--mixed_precision bf16" in config.precision_note(args, "no")
+    assert config.precision_note(make_args(task="sft", lora_base_model="dit", mixed_precision="no"), "no") is None
+    monkeypatch.setattr(config, "cpu_has_bf16", lambda: True)
+    assert config.default_precision() == "bf16" and config.precision_note(args, "bf16") is None
+    monkeypatch.setattr(config, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert config.default_precision() == "bf16"
 
 
 def test_fp16_without_an_accelerator_and_a_bad_value_are_one_line(capsys, tiny, data, tmp_path):

@@ -700,7 +700,7 @@ VALIDATION_CASES = {
     "a-mask-of-another-length": (lambda v: v[0].update(prompt_emb_mask=v[0]["prompt_emb_mask"][:, :-1]),
                                  "so the leading part of prompt_emb's"),
     "an-integer-embedding": (lambda v: v[0].update(prompt_emb=v[0]["prompt_emb"].to(torch.int64)),
-                             "prompt_emb of dtype int64, the cache's entries bfloat16"),
+                             "prompt_emb of dtype int64, the cache's entries float"),
     "a-float-mask": (lambda v: v[1].update(prompt_emb_mask=v[1]["prompt_emb_mask"].float()),
                      "prompt_emb_mask of dtype float32, the cache's entries int64"),
     "an-output-missing": (lambda v: [x.pop("prompt_emb_mask") for x in v], "the cache's prompt units give prompt_emb, prompt_emb_mask"),

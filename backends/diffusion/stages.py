@@ -307,7 +307,11 @@ def stage2_data(cfg: RunConfig, provider: CacheProvider) -> Stage2Data:
 
 def flag_notes(cfg: RunConfig, plan: Plan, accelerator: Any) -> list[str]:
     """One line, at start, for every accepted flag that does nothing here, saying what happens instead."""
+    from .config import precision_note
+
     args, notes = cfg.args, []
+    if precision_note(args, cfg.precision.mixed):
+        notes.append(precision_note(args, cfg.precision.mixed))
     if args.offload_models:
         stage1 = ", ".join(plan.data_process_models) or "none"
         notes.append(f"note: --offload_models is not needed: each stage loads only its plan's models "
@@ -331,9 +335,11 @@ def flag_notes(cfg: RunConfig, plan: Plan, accelerator: Any) -> list[str]:
     if args.processor_path and "processor" not in companions:
         notes.append(f"note: --processor_path is not used: pipeline {cfg.pipeline.name} has no processor")
     if args.initialize_model_on_cpu:
+        where = ("; under FSDP2 each process reads the trained models' weights straight into its shard"
+                 if cfg.engine.kind == "fsdp2" else f"; under {cfg.engine.name} each process then keeps only its shard"
+                 if cfg.engine.shards_frozen else "")
         notes.append("note: --initialize_model_on_cpu is how unitgraph always loads: weights are read into CPU memory "
-                     "and placed after" + (f"; under {cfg.engine.name} each process then keeps only its shard"
-                                           if cfg.engine.shards_frozen else ""))
+                     "and placed after" + where)
     if os.environ.get("MASTER_ADDR") and not os.environ.get("WORLD_SIZE") and accelerator.num_processes == 1:
         notes.append("warning: accelerate launch asked for several processes but started one; on a CPU add --multi_gpu "
                      "and set ACCELERATE_USE_CPU=true (docs/user-guide.md, 'Several processes')")

@@ -57,8 +57,11 @@ def _load_processor(cls: Any, folder: Path) -> Any:
                               tokenizer=AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
 
 
-def load_component(source: ComponentSource, slot: ModelSlot, torch_dtype: Any = None):
-    """Load one resolved component with its slot's class. Model weights are read from safetensors only."""
+def load_component(source: ComponentSource, slot: ModelSlot, torch_dtype: Any = None, skeleton: bool = False):
+    """Load one resolved component with its slot's class. Model weights are read from safetensors only.
+
+    With `skeleton`, a diffusers model of a folder is built without its weights, which are read later into its
+    shards (models/shards.py); any other component loads whole."""
     dtype = _dtype(torch_dtype)
     folder = source.path
     cls = _class(slot)
@@ -67,6 +70,10 @@ def load_component(source: ComponentSource, slot: ModelSlot, torch_dtype: Any = 
     try:
         if source.single_file is not None:
             return load_single_file(source, slot, dtype)
+        if skeleton and slot.kind == "model" and slot.library == "diffusers":
+            from .shards import load_skeleton
+
+            return load_skeleton(source, cls, dtype)
         if slot.kind == "model":
             check_config_sizes(folder)  # before a layer is allocated
             component_files(source, slot.kind, include_config=False)  # clean error when weights are missing

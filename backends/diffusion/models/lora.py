@@ -49,9 +49,11 @@ def add_lora(model: torch.nn.Module, slot: str, targets: list[str], rank: int, a
 
     config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank, target_modules=list(targets),
                         lora_dropout=0.0, init_lora_weights=True)
+    from .shards import inject_adapters
+
     with seeded_global_stream(seed, "lora_init", slot):
-        try:
-            inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+        try:  # on a model built without weights (FSDP2), with the same initial values (models/shards.py)
+            inject_adapters(model, lambda target: inject_adapter_in_model(config, target, adapter_name=ADAPTER))
         except ValueError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             if "not found in the base model" in first or type(exc).__name__ == "NoMatchingPeftModuleError":

@@ -462,10 +462,13 @@ class ModelSources:
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelLoadError(source.path, f"cannot read the configuration of {slot}: {detail}") from None
 
-    def load(self, slots: Iterable[str] | str, torch_dtype: Any = None) -> dict[str, Any]:
-        """Load only the requested slots: {slot: model / tokenizer / scheduler}; models in eval mode on the CPU.
+    def load(self, slots: Iterable[str] | str, torch_dtype: Any = None, skeletons: Iterable[str] = ()) -> dict[str, Any]:
+        """Load only the requested slots: {slot: model / tokenizer / scheduler}; models in eval mode on the CPU,
+        those of `skeletons` without their weights where they can be read into shards later (models/shards.py).
 
         Every slot is resolved before the (slow) loading starts.
         """
         resolved = self.resolve_many(slots)
-        return {slot: load_component(source, self.table[slot], torch_dtype) for slot, source in resolved.items()}
+        skeletons = set(skeletons)
+        return {slot: load_component(source, self.table[slot], torch_dtype, skeleton=slot in skeletons)
+                for slot, source in resolved.items()}

@@ -62,26 +62,45 @@ def _library_progress_bars(enabled: bool) -> None:
         (logging.enable_progress_bar if enabled else logging.disable_progress_bar)()
 
 
+def into_shards(cfg: RunConfig, training: bool) -> set[str]:
+    """The slots a training stage builds without weights, to read them straight into their FSDP2 shards
+    (models/shards.py): the models it trains (--trainable_models and a LoRA's base), unless the run first changes
+    the whole weights of one (a preset LoRA merged in, a LoRA checkpoint read into the adapters: those load whole)."""
+    engine = getattr(cfg, "engine", None)
+    if not training or engine is None or engine.kind != "fsdp2":
+        return set()
+    slots = set(cfg.optim.trainable)
+    if cfg.lora.base_model and not cfg.lora.checkpoint:
+        slots.add(cfg.lora.base_model)
+    if cfg.lora.preset_path:
+        slots.discard(cfg.lora.preset_model)
+    return slots
+
+
 def load_models(cfg: RunConfig, models: Iterable[str], training: bool, device: Any) -> dict[str, Any]:
     """The stage's models (frozen, eval mode, on `device`) and their tokenizers and schedulers.
 
     Frozen models load directly in the compute dtype, models trained in full (training stages) in fp32;
     --fp8_models are then stored in fp8, except a LoRA base model in training, which gets that after its
-    adapters are added (train/loop.py), so that they are never fp8 (models/precision.py)."""
+    adapters are added (train/loop.py), so that they are never fp8 (models/precision.py). Under FSDP2 the trained
+    models are built without weights (`into_shards`) and stay on the meta device until sharded."""
     import torch
 
     from .precision import store_fp8
+    from .shards import deferred
     from .sources import ModelLoadError
 
     _library_progress_bars(cfg.output.progress)
     slots = stage_slots(cfg, models, training)
     full = [s for s in slots if training and s in cfg.optim.trainable]
+    skeletons = into_shards(cfg, training)
     try:
         sources = cfg.models.sources(cfg.family)
         sources.resolve_many(slots)  # every slot found before the (slow) loading starts
-        loaded = sources.load([s for s in slots if s not in full], torch_dtype=getattr(torch, cfg.precision.compute_dtype))
+        loaded = sources.load([s for s in slots if s not in full], torch_dtype=getattr(torch, cfg.precision.compute_dtype),
+                              skeletons=skeletons)
         if full:
-            loaded.update(sources.load(full, torch_dtype=torch.float32))
+            loaded.update(sources.load(full, torch_dtype=torch.float32, skeletons=skeletons))
     except ModelLoadError as exc:
         raise BackendError(str(exc)) from None
     loaded = {slot: loaded[slot] for slot in slots}
@@ -95,7 +114,7 @@ def load_models(cfg: RunConfig, models: Iterable[str], training: bool, device: A
             value.eval()
             if slot in cfg.precision.fp8 and slot not in later and not (training and slot == cfg.lora.base_model):
                 store_fp8(value, slot, cfg.precision.compute_dtype)  # in CPU memory, then to the device
-            if slot not in later:
+            if slot not in later and deferred(value) is None:
                 value.to(device)
     return loaded
 

@@ -10,6 +10,8 @@ The loop (`loop.py`) is the same under every engine; it asks the run's `Steps` f
   model's own `_no_split_modules`, the blocks diffusers and transformers declare for device maps, else the
   transformer blocks --blocks_to_swap knows) and then the model are `fully_shard`ed over all processes, so every
   process keeps 1/N of each weight (the frozen base under a LoRA included), of each gradient and of AdamW's state.
+  A model built without weights (models/shards.py: a diffusers folder's) gets them after sharding, each process
+  reading only its shard's rows from the files.
   Gradient sync is off for all but a step's last micro-batch. `clip_grad_norm_` on the DTensor gradients reduces
   the norm over the shards, so it is the global norm too. Checkpoints and states gather each trained tensor
   whole with `full_tensor()`, one at a time, and keep it on the main process only.
@@ -137,13 +139,17 @@ class ShardedSteps(Steps):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+        from ..models.shards import deferred, fill_shards, kept_tensors
+
         device = self.acc.device
         mesh = init_device_mesh(device.type, (self.acc.num_processes,))
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if self.engine.offload_params else OffloadPolicy()
         self.shards: dict[str, int] = {}
         self.held: dict[str, float] = {}
+        self.read: dict[str, float] = {}
         for slot in slots:
             model = models[slot]
+            kept_tensors(model)  # a model built without weights (models/shards.py): its few real tensors
             autocast_forward(model, compute_dtype, device)
             blocks = shard_units(model, self.engine.layer_classes)
             if not blocks and self.engine.layer_classes:
@@ -156,8 +162,15 @@ class ShardedSteps(Steps):
             _outputs_not_views(model)
             fully_shard(model, mesh=mesh, reshard_after_forward=self.engine.reshard_after_forward,
                         offload_policy=offload)
+            record = fill_shards(model, "cpu" if self.engine.offload_params else device)
+            if record is not None:
+                self.read[slot] = record.read_bytes / max(record.total_bytes, 1)
             self.shards[slot] = len(blocks)
             self.held[slot] = held_fraction(model)
+        for model in models.values():  # built without weights but not trained here: read whole
+            if deferred(model) is not None and any(p.is_meta for p in model.parameters()):
+                kept_tensors(model)
+                fill_shards(model, device)
         return dict(models), make_optimizer(_trained(models, slots))
 
     def micro(self, trained, sync):
@@ -195,7 +208,9 @@ class ShardedSteps(Steps):
 
     def note(self):
         shown = ", ".join(f"{slot} in {n + 1} shard groups ({n} blocks and the rest; this process holds "
-                          f"{self.held[slot]:.1%} of its weights)" for slot, n in self.shards.items())
+                          f"{self.held[slot]:.1%} of its weights" + (f", read {self.read[slot]:.1%} of them from "
+                          f"the files" if slot in self.read else ", loaded whole first") + ")"
+                          for slot, n in self.shards.items())
         return f"FSDP2: {shown}, over {self.acc.num_processes} processes"
 
 

@@ -60,6 +60,7 @@ def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerat
     engine (`steps`, train/engines.py: accelerate's DDP by default)."""
     from ..models.lora import add_lora, load_lora_checkpoint, merge_preset_lora
     from ..models.precision import adapters_to_fp32, enable_checkpointing, place, store_fp8, swap_blocks
+    from ..models.shards import deferred
 
     lora, prefixes = cfg.lora, cfg.prefixes
     if lora.preset_path:
@@ -87,7 +88,8 @@ def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerat
                 raise BackendError("--blocks_to_swap works in one process (DDP needs every weight on the device); "
                                    "drop it or train with one process per run")
             swap_blocks(base, lora.base_model, cfg.precision.blocks_to_swap, accelerator.device, report)
-        place(base, accelerator.device)  # all but the swapped weights (models/stage.py kept it in CPU memory)
+        if deferred(base) is None:  # a model built without weights gets them in its shards (steps.prepare)
+            place(base, accelerator.device)  # all but the swapped weights (models/stage.py kept it in CPU memory)
     if cfg.optim.gradient_checkpointing:
         for slot in plan.models_require_backward:
             enable_checkpointing(models[slot])

@@ -1,0 +1,217 @@
+"""Models loaded straight into their shards: a trained model under FSDP2 is built without weights (on the meta
+device), sharded, and only then given its weights, each process reading from the safetensors files just the rows
+of each tensor its own shard holds.
+
+Why: loading a model whole and sharding it afterwards, as accelerate's engines do by default, has every process
+hold the whole model in host memory first: 82 GB in fp32 for Qwen-Image's 20.4 B DiT, in each of the 8 processes of
+a node. Built on the meta device, a model costs nothing; `fully_shard` then decides which rows of each weight every
+process keeps (`torch.chunk` of dim 0 over the processes), `to_empty` gives each process storage for its rows
+only, and `fill_shards` reads those rows with safetensors' slices. No process holds more than its share of the
+weights, plus the small tensors kept real below.
+
+What is kept real (never on the meta device) and copied into the shards afterwards: the model's buffers (rotary
+tables made in `__init__`, not in the files) and a LoRA's adapters. peft moves a new adapter to its base layer's
+device, which on a skeleton would lose its seeded initial values; `inject_adapters` keeps them, so the adapters start
+from the very numbers the run draws without an engine.
+
+Loaded this way: a diffusers model of a folder with safetensors weights whose names are the model's own (every
+family's denoiser as released in diffusers' layout). Other sources (a release single file, whose keys are
+converted as a whole; a transformers model, whose loader renames keys) load whole as before, and the run says so.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .folders import ComponentSource, ModelLoadError, check_config_sizes, component_files
+
+__all__ = ["Deferred", "load_skeleton", "deferred", "inject_adapters", "kept_tensors", "fill_shards",
+           "shard_rows", "file_key"]
+
+
+@dataclass
+class Deferred:
+    """The weights a skeleton still needs: {file key: safetensors file}, each tensor's dtype in the model, and the
+    folder they came from (for messages)."""
+
+    files: dict[str, Path]
+    where: str
+    read_bytes: int = 0
+    total_bytes: int = 0
+    kept: dict[str, Any] = field(default_factory=dict)
+
+
+_DEFERRED: "weakref.WeakKeyDictionary[Any, Deferred]" = weakref.WeakKeyDictionary()
+
+
+def deferred(model: Any) -> Optional[Deferred]:
+    """The weights `model` (a skeleton from `load_skeleton`) still needs, or None for a model loaded whole."""
+    try:
+        return _DEFERRED.get(model)
+    except TypeError:
+        return None
+
+
+def load_skeleton(source: ComponentSource, cls: Any, dtype: Any) -> Any:
+    """A diffusers model of `source`'s folder built on the meta device in `dtype` (its keep-in-fp32 modules in
+    fp32, as `from_pretrained` keeps them), with its weights deferred to `fill_shards`.
+
+    Raises ModelLoadError when the folder's safetensors lack a weight of the model (the message names it), before
+    anything is allocated."""
+    import torch
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+
+    folder = source.path
+    check_config_sizes(folder)
+    weights = [p for p in component_files(source, "model", include_config=False) if p.suffix == ".safetensors"]
+    try:
+        config = cls.load_config(str(folder), local_files_only=True)
+        with init_empty_weights(include_buffers=False):
+            model = cls.from_config(config)
+    except Exception as exc:
+        raise ModelLoadError(folder, f"cannot build {cls.__name__} from its config: {type(exc).__name__}: "
+                                     f"{_first_line(exc)}") from None
+    keep = set(getattr(cls, "_keep_in_fp32_modules", None) or ()) if dtype != torch.float32 else set()
+    for name, param in model.named_parameters():
+        wanted = torch.float32 if any(part in keep for part in name.split(".")) else dtype
+        if param.is_floating_point() and param.dtype != wanted:
+            param.data = param.data.to(wanted)
+    files: dict[str, Path] = {}
+    try:
+        for path in weights:
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():
+                    files.setdefault(key, path)
+    except Exception as exc:  # safetensors' own error types for a damaged file
+        raise ModelLoadError(folder, f"unreadable safetensors file ({type(exc).__name__}: {_first_line(exc)})") from None
+    missing = [name for name, _ in model.named_parameters() if name not in files]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ModelLoadError(folder, f"the safetensors weights lack {len(missing)} weights of {cls.__name__} ({shown})")
+    model.eval()
+    model.register_to_config(_name_or_path=str(folder))
+    _DEFERRED[model] = Deferred(files=files, where=str(folder))
+    return model
+
+
+def inject_adapters(model: Any, inject: Callable[[Any], Any]) -> Any:
+    """`inject(model)` (peft adding a LoRA), on a skeleton too, with the adapters' seeded initial values kept.
+
+    peft makes each adapter on the CPU, drawing its initial values, then moves it to its base layer's device: on a
+    skeleton, the meta device, where the values are lost. So on a skeleton peft first injects into a stand-in, a
+    copy of the skeleton whose weights are real CPU tensors of no memory (one zero expanded to each shape), drawing
+    the very numbers it draws for a model loaded whole; those adapters are kept for `fill_shards`, and peft then
+    injects into the skeleton itself (what it draws there is not used). Returns what `inject` returns."""
+    import torch
+
+    record = deferred(model)
+    if record is None:
+        return inject(model)
+    stand_in = copy.deepcopy(model)
+    for module in stand_in.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                setattr(module, name, torch.nn.Parameter(torch.zeros((), dtype=param.dtype).expand(param.shape),
+                                                         requires_grad=False))
+    inject(stand_in)
+    before = {name for name, _ in model.named_parameters()}
+    result = inject(model)
+    added = {name: value for name, value in stand_in.named_parameters() if file_key(name) not in before}
+    record.kept.update({name: value.detach() for name, value in added.items()})
+    return result
+
+
+def kept_tensors(model: Any) -> None:
+    """Before sharding a skeleton: its real tensors (adapters, buffers), copied, to be put back by `fill_shards`
+    (`to_empty` gives every tensor new storage)."""
+    record = deferred(model)
+    if record is None:
+        return
+    record.kept.update({name: value.detach().clone()
+                        for name, value in [*model.named_parameters(), *model.named_buffers()] if not value.is_meta})
+
+
+def file_key(name: str) -> str:
+    """The safetensors key of a parameter of a model peft injected into (its base layer's weight keeps the
+    name the file gives it)."""
+    return name.replace(".base_layer.", ".")
+
+
+def shard_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
+    """The rows [start, stop) of a tensor's dim 0 that process `index` of `parts` holds under FSDP2's Shard(0):
+    torch.chunk's split, ceil(rows / parts) rows each, the last ones shorter or empty.
+
+    >>> shard_rows(10, 4, 3)
+    (9, 10)
+    >>> shard_rows(2, 4, 3)
+    (2, 2)
+    """
+    step = math.ceil(rows / parts) if rows else 0
+    start = min(rows, step * index)
+    return start, min(rows, start + step)
+
+
+def fill_shards(model: Any, device: Any) -> Optional[Deferred]:
+    """Give a sharded skeleton its weights: storage on `device` for each process's shard (`to_empty`), then every
+    parameter's rows read from the files (or from the tensors kept real), and the buffers put back. Returns the
+    record (bytes read, of bytes in all), or None for a model loaded whole. Every process calls it; no collective."""
+    import torch
+    from safetensors import safe_open
+
+    record = deferred(model)
+    if record is None:
+        return None
+    model.to_empty(device=device)
+    handles: dict[Path, Any] = {}
+
+    def read(key: str, rows: Optional[tuple[int, int]], like: Any) -> Any:
+        path = record.files[key]
+        if path not in handles:
+            handles[path] = safe_open(str(path), framework="pt")
+        piece = handles[path].get_slice(key)
+        shape = tuple(piece.get_shape())
+        if shape != tuple(like.shape):
+            raise ModelLoadError(path, f"{key} has shape {list(shape)}, the model's {list(like.shape)}")
+        part = piece[rows[0]:rows[1]] if rows and shape else handles[path].get_tensor(key)
+        record.read_bytes += part.numel() * part.element_size()
+        record.total_bytes += math.prod(shape) * part.element_size()
+        return part
+
+    try:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                local = param.to_local() if hasattr(param, "to_local") else param
+                start, stop = _local_rows(param, local)
+                part = record.kept[name][start:stop] if name in record.kept else read(file_key(name), (start, stop), param)
+                local.copy_(part.to(local.dtype))
+            for name, buffer in model.named_buffers():
+                if file_key(name) in record.files:  # a persistent buffer: the file's value, as from_pretrained loads it
+                    buffer.copy_(read(file_key(name), None, buffer).to(buffer.dtype))
+                elif name in record.kept:
+                    buffer.copy_(record.kept[name])
+    finally:
+        handles.clear()
+    record.kept = {}
+    return record
+
+
+def _local_rows(param: Any, local: Any) -> tuple[int, int]:
+    """The rows of `param` (a DTensor sharded on dim 0, else whole) that `local` holds."""
+    if not hasattr(param, "device_mesh") or not param.shape:
+        return 0, (param.shape[0] if param.shape else 1)
+    mesh = param.device_mesh
+    start, stop = shard_rows(param.shape[0], mesh.size(), mesh.get_local_rank())
+    if local.shape[0] != stop - start:
+        raise RuntimeError(f"a shard of {tuple(param.shape)} holds {local.shape[0]} rows, not {stop - start}")
+    return start, stop
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
