@@ -166,8 +166,11 @@ def run_child(spec: dict[str, Any], workdir: Optional[Path] = None) -> dict[str,
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(families: list[str], budget: float, workdir: Path, only: Optional[list[str]] = None) -> list[dict[str, Any]]:
-    """A row per family, setting (those named in `only`, else all) and run, each run in a process of its own."""
+def measure(families: list[str], budget: float, workdir: Path, only: Optional[list[str]] = None,
+            precision: str = "bf16") -> list[dict[str, Any]]:
+    """A row per family, setting (those named in `only`, else all) and run, each run in a process of its own.
+    `precision` replaces the settings' bf16 (the suite's smoke test on a CPU without bf16 kernels, where bf16 is
+    emulated tens of times slower, runs the same code at "no")."""
     import torch
 
     from unitgraph.backends.diffusion import stages
@@ -192,7 +195,7 @@ def measure(families: list[str], budget: float, workdir: Path, only: Optional[li
                       progress=False, plot=False, **shape)
         cache = workdir / f"{family}-cache"
         stages.run(make_args(task="sft:data_process", output_path=str(cache), dataset_base_path=str(data),
-                             dataset_metadata_path=str(data / "metadata.csv"), mixed_precision="bf16", **common),
+                             dataset_metadata_path=str(data / "metadata.csv"), mixed_precision=precision, **common),
                    echo=lambda _t: None)
         blocks = json.loads((models / "transformer" / "config.json").read_text()).get("num_layers", 2)
         for name, extra, unsplit in settings(int(blocks)):
@@ -202,6 +205,7 @@ def measure(families: list[str], budget: float, workdir: Path, only: Optional[li
             if unsplit:
                 runs.append(("unsplit", dict(task="sft", dataset_base_path=str(data), dataset_repeat=3,
                                              dataset_metadata_path=str(data / "metadata.csv"))))
+            extra = {**extra, "mixed_precision": precision}
             for stage, task in runs:
                 row = {"family": family, "setting": name, "stage": stage}
                 if time.perf_counter() - start > budget:

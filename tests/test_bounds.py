@@ -111,3 +111,19 @@ def test_an_fp16_lora_whose_folded_alpha_overflows_converts_in_float32(tmp_path,
     small = lora_file(tmp_path / "small.safetensors", alpha=8.0, value=1.0)  # fits fp16: stays fp16
     assert cli(capsys, "lora", "convert", str(small), str(tmp_path / "s.safetensors"), "--to", "diffsynth")[0] == 0
     assert all(v.dtype == torch.float16 for v in read_lora_file(tmp_path / "s.safetensors", "dit", prefixes).weights.values())
+
+
+def test_a_run_refuses_a_fixed_size_past_the_image_bound_and_clips_past_1025_frames(capsys, tmp_path):
+    """The run, not only its dry run: --height x --width past PIL's image bound would resize every sample to it
+    (gigabytes an image), and --num_frames past MAX_FRAMES reads clips of that many frames; one line, nothing written."""
+    from unitgraph.backends.diffusion.args import MAX_FRAMES, image_pixel_limit
+
+    base = ["train", "--task", "sft", "--dataset_base_path", str(tmp_path), "--lora_base_model", "dit",
+            "--output_path", str(tmp_path / "out")]
+    side = 16 * (int(image_pixel_limit() ** 0.5) // 16 + 16)
+    code, _, err = cli(capsys, *base, "--height", str(side), "--width", str(side))
+    one_error_line(code, err, f"--height {side} --width {side}", "Image.MAX_IMAGE_PIXELS")
+    code, _, err = cli(capsys, *base, "--pipeline", "wan", "--num_frames", str(MAX_FRAMES + 4))
+    one_error_line(code, err, f"--num_frames {MAX_FRAMES + 4}", f"at most {MAX_FRAMES}")
+    assert not (tmp_path / "out").exists()
+    make_args(task="sft", lora_base_model="dit", num_frames=MAX_FRAMES, height=1024, width=1024)  # at the bounds: fine

@@ -26,6 +26,7 @@ pytest.importorskip("deepspeed")
 
 from safetensors.torch import load_file  # noqa: E402
 
+from clitools import cli  # noqa: E402
 from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
 
 from pasted import commands  # noqa: E402
@@ -253,15 +254,15 @@ def workdir(tiny, tmp_path_factory) -> Path:
     return root
 
 
-def launch(workdir: Path, config: str, jobs: list[tuple[list[str], str]]) -> dict[str, str]:
-    """`accelerate launch --config_file CONFIG --num_processes 2` running each (argv, output) in turn, in
+def launch(workdir: Path, config: str, jobs: list[tuple[list[str], str]], processes: int = 2) -> dict[str, str]:
+    """`accelerate launch --config_file CONFIG --num_processes N` running each (argv, output) in turn, in
     `workdir`; each run's main-process output by its output folder."""
     spec = workdir / f"jobs-{Path(config).stem}.json"
     spec.write_text(json.dumps([{"argv": argv, "output": str(workdir / out)} for argv, out in jobs]))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "UNITGRAPH_", "FSDP_"))}
     env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
-                           "--num_processes", "2", str(JOBS), str(spec)], cwd=workdir, env=env,
+                           "--num_processes", str(processes), str(JOBS), str(spec)], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=600)
     logs = {}
     for _, out in jobs:
@@ -376,7 +377,8 @@ def test_fsdp2_shards_trains_split_equal_to_unsplit_and_resumes_exactly(workdir)
     logs = launch(workdir, "fsdp2.yaml", [
         (lora, "fsdp/lora"), ([*lora, "--task", "sft:split"], "fsdp/lora-split"),
         ([*full, "--num_epochs", "2"], "fsdp/full"), ([*full, "--num_epochs", "2", "--task", "sft:split"], "fsdp/full-split"),
-        ([*full, "--num_epochs", "1"], "fsdp/resumed"), ([*full, "--num_epochs", "2", "--resume"], "fsdp/resumed")])
+        ([*full, "--num_epochs", "1"], "fsdp/resumed"), ([*full, "--num_epochs", "2", "--resume"], "fsdp/resumed"),
+        ([*full, "--num_epochs", "1"], "fsdp/by-two")])
     text = logs["fsdp/full"]
     assert "engine: FSDP2 from accelerate launch, unsplit training, 2 processes" in text
     # built without weights, then each process read only its shard's rows from the files (models/shards.py)
@@ -389,6 +391,41 @@ def test_fsdp2_shards_trains_split_equal_to_unsplit_and_resumes_exactly(workdir)
     same_training(workdir / "fsdp" / "full", workdir / "fsdp" / "resumed", "epoch-1.safetensors")
     norms = [float(r["grad_norm"]) for r in csv.DictReader((workdir / "fsdp" / "lora" / "loss.csv").open())]
     assert norms and all(n > 0.005 for n in norms)  # clipped: the norm before clipping is logged
+
+
+def test_an_fsdp2_state_continues_on_another_number_of_processes_from_an_epochs_end(workdir, monkeypatch, capsys):
+    """The state two processes made at the end of an epoch (fsdp/by-two, in the launch above) continues on one
+    under FSDP2, the whole tensors laid out in one process's shards. The reference is the same state continued on
+    one process without an engine (its record relabelled: a state names the engine it was made under, and another
+    engine is refused), whose restore is the plain one: both deal the next epoch to one process from the same
+    weights and AdamW state, so they train the same numbers. The first epoch's rows are the two processes'."""
+    made = workdir / "fsdp" / "by-two"
+    if not (made / "loss.csv").exists():
+        pytest.skip("made by the launch of the test above")
+    for name in ("by-one-fsdp2", "by-one"):
+        shutil.copytree(made, workdir / "fsdp" / name)
+    for record in (workdir / "fsdp" / "by-one" / "state").glob("step-*/state.json"):
+        data = json.loads(record.read_text())
+        data["match"]["engine"] = None  # data parallel's label
+        record.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    base = ["train", "--model_paths", "models/Qwen/Qwen-Image", "--max_pixels", "1024", "--learning_rate", "1e-3",
+            "--no-progress", "--no-plot", "--seed", "3", "--trainable_models", "dit", "--num_epochs", "2",
+            "--save_steps", "1", "--resume",
+            "--dataset_base_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image",
+            "--dataset_metadata_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image/metadata.csv"]
+    logs = launch(workdir, "fsdp2.yaml", [(base, "fsdp/by-one-fsdp2")], processes=1)
+    assert "note: --resume: the state was made by 2 processes, this run has 1: its weights and AdamW's state are " \
+           "restored whole into this run's shards, and from epoch 1 on each epoch's samples are dealt to 1 " \
+           "processes (4 steps an epoch, 2 before)" in logs["fsdp/by-one-fsdp2"], logs["fsdp/by-one-fsdp2"][-2000:]
+    monkeypatch.chdir(workdir)
+    code, out, err = cli(capsys, *base, "--output_path", "fsdp/by-one")
+    assert code == 0 and "the state was made by 2 processes, this run has 1" in out, err[-2000:]
+    one, two = losses(workdir / "fsdp" / "by-one"), losses(workdir / "fsdp" / "by-one-fsdp2")
+    assert one[:2] == two[:2] == losses(made) and len(one) == len(two) == 6  # 2 steps on two processes, 4 on one
+    # the same losses; the weights to rounding: this process sums its gradients on two threads, the launched one on one
+    assert one == two
+    left, right = (load_file(str(workdir / "fsdp" / n / "epoch-1.safetensors")) for n in ("by-one", "by-one-fsdp2"))
+    assert left.keys() == right.keys() and all(torch.allclose(left[k], right[k], rtol=1e-5, atol=1e-7) for k in left)
 
 
 def test_the_clipped_norm_is_the_global_one_under_both_sharded_engines(workdir):

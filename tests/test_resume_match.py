@@ -100,3 +100,40 @@ def test_the_same_training_still_resumes(tiny, trained, capsys):
     assert "resuming from" in stdout
     rows = (out / "loss.csv").read_text().splitlines()
     assert len(rows) == 1 + 2 * 3
+
+
+def test_another_number_of_processes_continues_only_from_an_epochs_end_and_never_under_deepspeed(tmp_path):
+    """A state two processes made continues on one when every tensor in it is whole (data parallel, FSDP2) and
+    its epoch is finished; within an epoch, or under DeepSpeed (a partition of AdamW's state per process), it is
+    one line saying how to go on. The steps then add up with the new count (`reshard_offset`)."""
+    from unitgraph.backends.diffusion.errors import BackendError
+    from unitgraph.backends.diffusion.train.resume import (ResumePoint, _check_match, check_progress,
+                                                             reshard_offset)
+
+    match = {"processes": 1, "steps_per_epoch": 4, "engine": None, "seed": 3}
+    record = {"match": {**match, "processes": 2, "steps_per_epoch": 2}, "position": 2, "epoch": 0}
+    _check_match(tmp_path, record, match)  # data parallel, at the epoch's end
+    _check_match(tmp_path, {**record, "match": {**record["match"], "engine": "FSDP2"}}, {**match, "engine": "FSDP2"})
+    with pytest.raises(BackendError) as err:
+        _check_match(tmp_path, {**record, "position": 1}, match)
+    assert "only from the end of an epoch" in str(err.value) and "1 of 2 steps into epoch 0" in str(err.value)
+    deepspeed = {**match, "engine": "DeepSpeed ZeRO-3"}
+    with pytest.raises(BackendError) as err:
+        _check_match(tmp_path, {**record, "match": {**record["match"], "engine": "DeepSpeed ZeRO-3"}}, deepspeed)
+    assert "resumes on 2 processes only" in str(err.value)
+    with pytest.raises(BackendError) as err:  # another engine as well: that is what is named
+        _check_match(tmp_path, record, {**match, "engine": "FSDP2"})
+    assert "another processes (2, now 1)" in str(err.value)
+    with pytest.raises(BackendError) as err:  # everything else must still match
+        _check_match(tmp_path, record, {**match, "seed": 4})
+    assert "another seed" in str(err.value)
+    rows = [[1, 0, 1.0, 0.1, 500.0], [2, 0, 1.0, 0.2, 500.0]]
+    point = ResumePoint(path=tmp_path, step=2, epoch=0, position=2, elapsed=0.2, rows=rows, per_epoch=2, processes=2,
+                        epoch_done=True)
+    check_progress(tmp_path, point, 4, 2)
+    offset = reshard_offset(point, 4)
+    assert offset == -2  # 2 steps made, where one process would have made 4 for epoch 0
+    rows = [[n + 1, 0 if n < 2 else 1, 1.0, 0.1, 500.0] for n in range(6)]
+    later = ResumePoint(path=tmp_path, step=6, epoch=1, position=4, elapsed=1.0, rows=rows, offset=offset, per_epoch=4,
+                        processes=1, epoch_done=True)
+    check_progress(tmp_path, later, 4, 3)  # the state the continued run saves: -2 + 1 x 4 + 4 = 6

@@ -16,6 +16,17 @@ from typing import Any, Optional
 from .errors import BackendError
 from .flowmatch import LOSS_WEIGHTINGS, VAE_LATENTS
 
+MAX_FRAMES = 1025  # 4k+1 and 8k+1; 8x the longest clip a released video model trains on (121 frames)
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # PIL's Image.MAX_IMAGE_PIXELS, used when a program has set it to None
+
+
+def image_pixel_limit() -> int:
+    """The most pixels an image may have: PIL's Image.MAX_IMAGE_PIXELS, which the image and frame readers keep
+    (data/dataset.open_image, data/video.check_pixels); its default when a program has set it to None."""
+    from PIL import Image
+
+    return int(Image.MAX_IMAGE_PIXELS or DEFAULT_MAX_IMAGE_PIXELS)
+
 
 TASKS = (
     "sft", "sft:data_process", "sft:train", "sft:split",
@@ -157,6 +168,9 @@ class TrainArgs:
             raise BackendError(f"--lora_format must be one of {', '.join(LORA_FORMATS)}, got {self.lora_format!r}")
         if self.num_frames < 1 or (self.num_frames - 1) % 4:
             raise BackendError(f"--num_frames must be 4k+1 (1, 5, 9, ..., 81), got {self.num_frames}")
+        if self.num_frames > MAX_FRAMES:
+            raise BackendError(f"--num_frames {self.num_frames}: at most {MAX_FRAMES} frames a clip (8 times the longest "
+                               "clips the released video models train on, 121)")
         if self.tokenizer_path and self.tokenizer_1_path and self.tokenizer_path != self.tokenizer_1_path:
             raise BackendError("--tokenizer_path and --tokenizer_1_path name the same tokenizer (the first text "
                                "encoder's); give one of them")
@@ -243,6 +257,10 @@ class TrainArgs:
             value = getattr(self, name)
             if value is not None and (value < 16 or value % 16):
                 raise BackendError(f"--{name} must be a positive multiple of 16, got {value}")
+        if self.height is not None and self.width is not None and self.height * self.width > image_pixel_limit():
+            raise BackendError(f"--height {self.height} --width {self.width}: {self.height * self.width} pixels, more "
+                               f"than the {image_pixel_limit()} an image may have (PIL's Image.MAX_IMAGE_PIXELS, the "
+                               "bound the image readers keep)")
         if not 0.0 <= self.min_timestep_boundary < self.max_timestep_boundary <= 1.0:
             raise BackendError("timestep boundaries must satisfy 0 <= --min_timestep_boundary < --max_timestep_boundary <= 1")
         if not self.trainable() and not self.lora_base_model and self.stage != "data_process":

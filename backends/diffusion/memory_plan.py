@@ -61,6 +61,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
+from .args import MAX_FRAMES, image_pixel_limit
 from .errors import BackendError
 from .memory_trace import HostSaved, StorageLog, trace_layerwise_casting
 
@@ -78,8 +79,7 @@ GIB = 1 << 30
 # tensor 3072 x 18432 = 5.7e7 elements); past them a config describes no model any device holds.
 MAX_PARAMS = 10**12
 MAX_TENSOR_ELEMENTS = 1 << 40
-MAX_TRACED_FRAMES = 1025  # 4k+1 and 8k+1; 8x the longest clip a released video model trains on (121 frames)
-DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # PIL's Image.MAX_IMAGE_PIXELS, used when a program has set it to None
+MAX_TRACED_FRAMES = MAX_FRAMES  # the run's own bound (args.py)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -756,13 +756,11 @@ def traced_size(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
     chunk)."""
     from dataclasses import replace
 
-    from PIL import Image
-
     frames = cfg.data.num_frames
     if cfg.pipeline.video_params and frames > MAX_TRACED_FRAMES:
         raise BackendError(f"--num_frames {frames}: the dry run traces clips of at most {MAX_TRACED_FRAMES} frames "
                            "(a traced step's operations grow with the frames; the released models train on 81 to 121)")
-    limit = int(Image.MAX_IMAGE_PIXELS or DEFAULT_MAX_IMAGE_PIXELS)
+    limit = image_pixel_limit()
     size = cfg.units.image_size
     if size.height is not None and size.width is not None:
         if size.height * size.width > limit:

@@ -36,8 +36,9 @@ __all__ = ["Deferred", "load_skeleton", "deferred", "inject_adapters", "kept_ten
 
 @dataclass
 class Deferred:
-    """The weights a skeleton still needs: {file key: safetensors file}, each tensor's dtype in the model, and the
-    folder they came from (for messages)."""
+    """The weights a skeleton still needs: {file key: the safetensors file holding it}, the folder (for messages),
+    the tensors kept real until the shards exist (`kept`), and the bytes this process read of the bytes its
+    tensors have in the files (`fill_shards`)."""
 
     files: dict[str, Path]
     where: str

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import io
 import math
 import re
@@ -41,6 +42,7 @@ from .resume import (
     optimizer_tensors,
     rank_file,
     remove_partial_states,
+    reshard_offset,
     save_state,
     staging_folder,
     trained_parameters,
@@ -381,7 +383,8 @@ class _Run:
                         save_rank_file(ranks, self.rank, view)
                     self.acc.wait_for_everyone()
                 save_state(self.output, self.step, epoch, position, elapsed, self.log.rows, self.params, view,
-                           self.match, full=steps.full, write=self.main, ranks=ranks)
+                           self.match, full=steps.full, write=self.main, ranks=ranks,
+                           offset=self.start.offset if self.start else 0)
             if self.main:
                 prune_states(self.output, self.cfg.output.save_total_limit)
         self.acc.wait_for_everyone()
@@ -433,10 +436,11 @@ def save_rank_file(folder: Path, rank: int, optimizer: Any) -> None:
 
 def steps_done(start: Any, epoch: int, steps: int) -> int:
     """Optimizer steps of `epoch` (of `steps`) a resumed state already made: all of an earlier epoch, its
-    position in its own, none of a later one (or without a state)."""
+    position in its own (all of it when the state ends it: made by another number of processes, its count of
+    steps may not be this run's), none of a later one (or without a state)."""
     if start is None or epoch > start.epoch:
         return 0
-    return start.position if epoch == start.epoch else steps
+    return start.position if epoch == start.epoch and not start.epoch_done else steps
 
 
 def resume_point(cfg: RunConfig, output: Path, params: dict[str, Any], optimizer: Any, match: dict[str, Any],
@@ -465,6 +469,15 @@ def resume_point(cfg: RunConfig, output: Path, params: dict[str, Any], optimizer
             checked = check_state(path, steps.check_params(params), view, match,
                                   rank if steps.per_rank_state else 0)
     check_progress(path, checked.point, per_epoch, cfg.optim.num_epochs)
+    point = checked.point
+    if point.processes is not None and point.processes != match.get("processes"):  # allowed by check_state
+        checked = dataclasses.replace(checked, point=dataclasses.replace(point, offset=reshard_offset(point, per_epoch)))
+        if main:
+            into = " into this run's shards" if cfg.engine.kind == "fsdp2" else ""
+            print(f"note: --resume: the state was made by {point.processes} processes, this run has "
+                  f"{match.get('processes')}: its weights and AdamW's state are restored whole{into}, and from epoch "
+                  f"{point.epoch + 1} on each epoch's samples are dealt to {match.get('processes')} processes "
+                  f"({per_epoch} steps an epoch, {point.per_epoch} before)")
     return checked
 
 

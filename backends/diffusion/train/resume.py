@@ -15,6 +15,11 @@ optimizer's state and *which* step it is. A state therefore holds exactly
     rows so far, and what must not change for the continuation to be the same training (plan
     fingerprint, seed, learning rate, batch and accumulation, LoRA settings, process count, ...).
 
+Another number of processes: under data parallel and FSDP2 the state holds every tensor whole, so it can be laid
+out over any number of processes; what changes is how an epoch's samples are dealt to them. So a state continues on
+another number only from the end of an epoch (`_check_new_count`), and the run's steps then count on from it
+(`ResumePoint.offset`). A DeepSpeed state, one partition of AdamW's state per process, stays on its number.
+
 Each state is a folder `OUTPUT/state/step-<N>/`, written into a temporary folder and renamed into
 place, so a kill leaves either the whole state or none of it (a leftover temporary folder is removed
 on the next start). Nothing is pickled: tensors are safetensors, the rest is JSON.
@@ -50,8 +55,8 @@ from ..tensorfile import Header, TensorInfo, dtype_code, finite, load_tensors, r
 from .lr import schedule_needs_total
 
 __all__ = ["CheckedState", "ResumePoint", "STATE_DIR", "apply_state", "check_state", "latest_state", "load_state",
-           "must_match", "optimizer_tensors", "prune_states", "rank_file", "remove_partial_states", "save_state",
-           "staging_folder", "states", "trained_parameters"]
+           "must_match", "optimizer_tensors", "prune_states", "rank_file", "remove_partial_states", "reshard_offset",
+           "save_state", "staging_folder", "states", "trained_parameters"]
 
 STATE_DIR = "state"
 STATE_FORMAT = "unitgraph.train-state/v2"  # v2: loss rows carry the step's timestep
@@ -69,7 +74,11 @@ _OLDER = "resume from an older state with --resume PATH, or start anew with --ov
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """Where a resumed run continues: after optimizer step `step`, `position` steps into epoch `epoch`."""
+    """Where a resumed run continues: after optimizer step `step`, `position` steps into epoch `epoch`.
+
+    `offset` is the steps made before the epochs counted at today's steps per epoch (step = offset + epoch x steps
+    an epoch + position): 0, unless an earlier resume changed the number of processes at an epoch's end
+    (`reshard_offset`). `per_epoch` and `processes` are the state's own; `epoch_done` says its epoch is finished."""
 
     path: Path
     step: int
@@ -77,6 +86,10 @@ class ResumePoint:
     position: int
     elapsed: float
     rows: list[list[Any]]
+    offset: int = 0
+    per_epoch: Optional[int] = None
+    processes: Optional[int] = None
+    epoch_done: bool = False
 
 
 def must_match(cfg: Any, plan: Any, world: int, data: Optional[str] = None,
@@ -127,26 +140,34 @@ def data_identity(provider: Any) -> str:
 def check_progress(path: Path, point: Any, per_epoch: int, num_epochs: int) -> None:
     """A state's place in the run adds up: its step is its epochs' steps plus its position in its own, within the
     run's epochs, with one loss row a step (a state claiming epoch 7 of a shorter run is refused)."""
-    done = point.epoch * per_epoch + point.position
-    if not (0 <= point.position <= per_epoch and point.step == done and len(point.rows) == point.step):
+    own = point.per_epoch if point.per_epoch is not None else per_epoch  # the state's steps an epoch
+    done = point.offset + point.epoch * own + point.position
+    if not (0 <= point.position <= own and point.step == done and len(point.rows) == point.step):
         raise BackendError(f"training state at step {point.step} does not add up (epoch {point.epoch}, position "
-                           f"{point.position} of {per_epoch} steps an epoch, {len(point.rows)} loss rows); {_OLDER}",
+                           f"{point.position} of {own} steps an epoch, {len(point.rows)} loss rows); {_OLDER}",
                            source=str(Path(path) / STATE_JSON))
     if point.epoch >= num_epochs:
         raise BackendError(f"training state is at epoch {point.epoch}, beyond this run's --num_epochs {num_epochs}; "
                            "give at least as many epochs as it has made", source=str(Path(path) / STATE_JSON))
     state_root = Path(path).parent
     if state_root.name == STATE_DIR:  # a state of the run in its output folder: what that run made past this one's end
-        _check_made_past(state_root.parent, per_epoch, num_epochs)
+        offset = reshard_offset(point, per_epoch) if point.per_epoch not in (None, per_epoch) else point.offset
+        _check_made_past(state_root.parent, per_epoch, num_epochs, offset)
 
 
 _CHECKPOINT_NAME = re.compile(r"(epoch|step)-([0-9]+)\.safetensors")
 
 
-def _check_made_past(output: Path, per_epoch: int, num_epochs: int) -> None:
+def reshard_offset(point: ResumePoint, per_epoch: int) -> int:
+    """The `offset` of a run resumed on another number of processes from the end of `point`'s epoch: the steps
+    made so far, less those `per_epoch` steps an epoch would have made for the same epochs."""
+    return point.step - (point.epoch + 1) * per_epoch
+
+
+def _check_made_past(output: Path, per_epoch: int, num_epochs: int, offset: int = 0) -> None:
     """A resumed run ends at its own --num_epochs: the checkpoints and states a longer run made past that end would
     stay beside its shorter loss.csv, as if this run had made them. Refused, naming them."""
-    total = per_epoch * num_epochs
+    total = offset + per_epoch * num_epochs
     past = []
     for entry in sorted(output.glob("*.safetensors")):
         match = _CHECKPOINT_NAME.fullmatch(entry.name)
@@ -216,7 +237,7 @@ def optimizer_tensors(optimizer: Any, full: Any = None) -> dict[str, Any]:
 
 def save_state(output: Path, step: int, epoch: int, position: int, elapsed: float, rows: list[Any],
                params: dict[str, Any], optimizer: Any, match: dict[str, Any], full: Any = None,
-               write: bool = True, ranks: Optional[Path] = None) -> Optional[Path]:
+               write: bool = True, ranks: Optional[Path] = None, offset: int = 0) -> Optional[Path]:
     """Write the state after `step` into OUTPUT/state/step-<step>/ (whole or not at all); return the folder.
 
     `full(tensor)` gives a tensor whole on the CPU; under FSDP2 it gathers the shards, a call every process makes
@@ -258,6 +279,8 @@ def save_state(output: Path, step: int, epoch: int, position: int, elapsed: floa
         record = {"format": STATE_FORMAT, "step": step, "epoch": epoch, "position": position, "elapsed_s": elapsed,
                   "match": match, "param_groups": opt_state["param_groups"], "loss_rows": [list(r) for r in rows],
                   "files": {name: sha256_file(temp / name) for name in names}}
+        if offset:  # a run resumed on another number of processes (ResumePoint.offset)
+            record["step_offset"] = offset
         write_text_atomic(temp / STATE_JSON, json.dumps(record, indent=1, sort_keys=True) + "\n")
         if final.exists():  # the same step saved again (an epoch that ends on a --save_steps step)
             shutil.rmtree(final)
@@ -373,6 +396,10 @@ def _read_record(path: Path) -> dict[str, Any]:
             or not all(isinstance(v, str) and _SHA256.fullmatch(v) for v in files.values())):
         raise BackendError(f"damaged training state: field 'files' is not the sha256 of {' and '.join(STATE_FILES)}; "
                            f"{_OLDER}", source=source)
+    offset = record.get("step_offset", 0)
+    if not (isinstance(offset, int) and not isinstance(offset, bool) and offset <= record["step"]):
+        raise BackendError(f"damaged training state: field 'step_offset' is {_shown(offset)}, not an integer of at most "
+                           f"the state's step {record['step']}; {_OLDER}", source=source)
     rows, step, epoch = record["loss_rows"], record["step"], record["epoch"]
     if len(rows) != step:
         raise BackendError(f"damaged training state: {len(rows)} loss rows for {step} steps; {_OLDER}", source=source)
@@ -390,13 +417,45 @@ def _read_record(path: Path) -> dict[str, Any]:
     return record
 
 
+RESHARDABLE = (None, "FSDP2")  # the engines whose states hold every trained tensor and AdamW moment whole
+
+
 def _check_match(path: Path, record: dict[str, Any], match: dict[str, Any]) -> None:
+    """The state's run is this one: every must-match value the same, except the number of processes (and with it
+    the steps an epoch has) where `_check_new_count` allows another."""
+    skip: set[str] = set()
+    if record["match"].get("processes") != match.get("processes") and _check_new_count(path, record, match):
+        skip = {"processes", "steps_per_epoch"}
     for key, value in match.items():
-        if record["match"].get(key) != value:
+        if key not in skip and record["match"].get(key) != value:
             what = _FLAGS.get(key, f"--{key}")
             raise BackendError(f"this state was made with another {key} ({record['match'].get(key)!r}, now {value!r}): "
                                f"resuming would be another training; keep {what} as it was, or start anew with "
                                "--overwrite", source=str(path / STATE_JSON))
+
+
+def _check_new_count(path: Path, record: dict[str, Any], match: dict[str, Any]) -> bool:
+    """Whether a state made by another number of processes may continue here (else the usual refusal follows):
+    under data parallel or FSDP2, whose states hold every tensor whole (FSDP2 lays them out in this run's shards),
+    and only from the end of an epoch, since the order in which an epoch's samples are dealt to the processes
+    depends on their number. A DeepSpeed state, or one within an epoch, is refused in one line naming the way on."""
+    saved = record["match"]
+    made, now = saved.get("processes"), match.get("processes")
+    if saved.get("engine") != match.get("engine"):
+        return False  # another engine: refused as such
+    source = str(path / STATE_JSON)
+    if match.get("engine") not in RESHARDABLE:
+        raise BackendError(f"this state was made by {made} processes under {match.get('engine')}, now {now}: DeepSpeed "
+                           f"keeps each process's partition of AdamW's state, so the state resumes on {made} processes "
+                           "only (train on another number under FSDP2 or data parallel, whose states are whole)",
+                           source=source)
+    per_epoch = saved.get("steps_per_epoch")
+    if record["position"] != per_epoch:
+        raise BackendError(f"this state was made by {made} processes, now {now}: a state continues on another number of "
+                           f"processes only from the end of an epoch (how an epoch's samples are dealt out depends on "
+                           f"the number); it is {record['position']} of {per_epoch} steps into epoch {record['epoch']}: "
+                           f"resume on {made} processes, or from the state at an epoch's end", source=source)
+    return True
 
 
 def _same(saved: Any, current: Any) -> bool:
@@ -546,8 +605,11 @@ def check_state(path: Path, params: dict[str, Any], optimizer: Any, match: dict[
                 raise BackendError(f"damaged training state: tensor {index}.{piece} is not {what}; {_OLDER}",
                                    source=str(path / file))
             state.setdefault(index, {})[piece] = value
+    per_epoch = record["match"].get("steps_per_epoch")
     point = ResumePoint(path=path, step=record["step"], epoch=record["epoch"], position=record["position"],
-                        elapsed=float(record["elapsed_s"]),
+                        elapsed=float(record["elapsed_s"]), offset=int(record.get("step_offset", 0)),
+                        per_epoch=per_epoch if _count(per_epoch) else None, processes=record["match"].get("processes"),
+                        epoch_done=record["position"] == per_epoch,
                         rows=[[r[0], r[1], float(r[2]), float(r[3]), None if r[4] is None else float(r[4]),
                                *([None if r[5] is None else float(r[5])] if len(r) > 5 else [])]
                               for r in record["loss_rows"]])
