@@ -15,6 +15,7 @@ from pathlib import Path
 # multimodal config's text_config); a vision tower's depth is left as released
 DEPTH_KEYS = ("num_layers", "num_single_layers", "n_layers", "num_hidden_layers", "num_decoder_layers",
               "max_window_layers")
+LIST_DEPTH_KEYS = ("transformer_layers_per_block",)  # a UNet's transformer blocks per resolution (SDXL's 1, 2, 10)
 
 
 def shallow(folder: Path, components: tuple[str, ...] = ("transformer", "text_encoder"), blocks: int = 2) -> Path:
@@ -28,6 +29,9 @@ def shallow(folder: Path, components: tuple[str, ...] = ("transformer", "text_en
             for key in DEPTH_KEYS:
                 if isinstance(part.get(key), int) and part[key] > blocks:
                     part[key] = blocks
+            for key in LIST_DEPTH_KEYS:
+                if isinstance(part.get(key), list):
+                    part[key] = [min(n, blocks) if isinstance(n, int) else n for n in part[key]]
             if isinstance(part.get("layer_types"), list):
                 part["layer_types"] = part["layer_types"][:blocks]
         path.write_text(json.dumps(config, indent=2), encoding="utf-8")

@@ -46,6 +46,9 @@ def test_a_config_file_and_the_launch_environment_give_one_engine(tmp_path):
         ("deepspeed", 2, True, False)
     assert from_file.shards_trained and not from_file.shards_frozen
     assert engine_from_config_file(str(path)).processes == 8  # the config's own count without the launch's
+    # `mixed_precision: no` unquoted is YAML's false: read as the "no" it means
+    path.write_text(ZERO2_OFFLOAD.replace("mixed_precision: bf16", "mixed_precision: no"))
+    assert launch_environment(str(path), 2)["ACCELERATE_MIXED_PRECISION"] == "no"
 
 
 def test_fsdp2_and_zero3_shard_the_frozen_base_and_data_parallel_nothing(tmp_path):
@@ -219,3 +222,19 @@ def test_a_dry_run_config_file_that_is_missing_or_malformed_is_one_line(tiny, tm
     code, _, err = cli(capsys, *_train(tiny, tmp_path, "--lora_base_model", "dit", "--dry_run", "--config_file",
                                        str(other)))
     one_error_line(code, err, "distributed_type XLA")
+
+
+def test_held_bytes_counts_each_weight_and_each_moment_once():
+    """What a run prints as the memory it holds: the weights' bytes, and AdamW's two moments of each (its step
+    counters are scalars, left out); a tensor met twice (tied, or a view handed out anew at every call, as a DTensor's
+    local part is) counts once."""
+    import torch
+
+    from unitgraph.backends.diffusion.train.engines import held_bytes
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    weights, state = held_bytes({"m": model, "same": model}, optimizer)
+    assert weights == (12 + 3) * 4 and state == 2 * (12 + 3) * 4

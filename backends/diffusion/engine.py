@@ -325,8 +325,9 @@ def launch_environment(path: str, num_processes: Optional[int] = None) -> dict[s
     if processes < 1:
         raise BackendError(f"num_processes must be at least 1, got {processes}", source=path)
     env = {"WORLD_SIZE": str(processes)}
-    if data.get("mixed_precision") is not None:
-        env["ACCELERATE_MIXED_PRECISION"] = str(data["mixed_precision"]).lower()
+    if data.get("mixed_precision") is not None:  # an unquoted `no` is YAML's false
+        value = data["mixed_precision"]
+        env["ACCELERATE_MIXED_PRECISION"] = "no" if value is False else str(value).lower()
     sections = {"DEEPSPEED": ("deepspeed_config", _DEEPSPEED_KEYS, "ACCELERATE_USE_DEEPSPEED"),
                 "FSDP": ("fsdp_config", _FSDP_KEYS, "ACCELERATE_USE_FSDP")}
     if kind in sections:

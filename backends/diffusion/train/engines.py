@@ -364,14 +364,16 @@ def held_bytes(models: dict[str, Any], optimizer: Any) -> tuple[int, int]:
                 param.to_local() if hasattr(param, "to_local") else param
             weights += local.numel() * local.element_size()
     state = 0
-    counted: set[int] = set()
+    counted: set[tuple[int, int, int]] = set()
 
     def add(value: Any) -> None:
         nonlocal state
         if isinstance(value, torch.Tensor):
             local = value.to_local() if hasattr(value, "to_local") else value
-            if id(local) not in counted and local.numel() > 1:
-                counted.add(id(local))
+            # by where its bytes are (a DTensor's local part is a new object at every call: ids get reused)
+            where = (local.untyped_storage().data_ptr(), local.storage_offset(), local.numel())
+            if where not in counted and local.numel() > 1:
+                counted.add(where)
                 state += local.numel() * local.element_size()
         elif isinstance(value, (list, tuple)):
             for item in value:
