@@ -273,3 +273,16 @@ def test_qwen_image_at_1024_fits_the_figures_it_should(tmp_path):
     assert fp8["train"]["peak_bytes"] < bf16["train"]["peak_bytes"]
     assert fp8["train"]["models"]["dit"]["weight_bytes"] < 0.55 * bf16["train"]["models"]["dit"]["weight_bytes"]
     assert fp8["unsplit"]["peak_bytes"] - fp8["train"]["peak_bytes"] > 15 * 2**30  # the text encoder, 8.29 B at bf16
+
+
+def test_a_plan_made_at_a_cpus_fp32_default_says_so(tiny, monkeypatch):
+    """On a CPU without bf16 kernels the run's default is fp32 (config.default_precision): a plan made there without
+    --mixed_precision is one of fp32 weights, and says how to plan the GPU's bf16 run."""
+    from unitgraph.backends.diffusion import config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(config, "cpu_has_bf16", lambda: False)
+    plan = plan_of(tiny, mixed_precision=None)
+    assert plan["settings"]["mixed_precision"] == "no"
+    assert any("--mixed_precision bf16 plans that" in note for note in plan["notes"])
+    assert not any("plans that" in note for note in plan_of(tiny)["notes"])  # asked for bf16: nothing to say

@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from .args import MAX_FRAMES, image_pixel_limit
+from .config import precision_note
 from .errors import BackendError
 from .memory_trace import HostSaved, StorageLog, trace_layerwise_casting
 
@@ -812,6 +813,9 @@ def memory_plan(cfg: RunConfig, plan: Plan, text_tokens: Optional[int] = None) -
     stages = {name: planner.stage(name) for name in STAGES}
     notes = planner.notes + [n for b in planner.built.values() for n in b.notes]
     notes += engine_notes(cfg.engine, stages)
+    if precision_note(cfg.args, cfg.precision.mixed):  # planned on a machine whose default is not a GPU's
+        notes.append("planned at fp32, this CPU's default (it has no bf16 kernels); on a GPU the same flags train in "
+                     "bf16: --mixed_precision bf16 plans that")
     notes.append("not included: the device's own overhead (CUDA context, allocator fragmentation, kernel workspaces; "
                  "0.5-1.5 GiB on a GPU)")
     return {"engine": cfg.engine.to_json(), "processes": cfg.engine.processes, "stages": stages,
