@@ -21,6 +21,7 @@ def main(folder: str, dtype_names: str, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from unitgraph.backends.diffusion.models.folders import ComponentSource
+    from unitgraph.backends.diffusion.models.loading import keep_in_fp32
     from unitgraph.backends.diffusion.models.lora import add_lora
     from unitgraph.backends.diffusion.models.precision import adapters_to_fp32
     from unitgraph.backends.diffusion.models.shards import fill_shards, kept_tensors, load_skeleton
@@ -32,7 +33,8 @@ def main(folder: str, dtype_names: str, out: str) -> None:
     report = {}
     for name in dtype_names.split(","):
         dtype = getattr(torch, name)
-        model = load_skeleton(source, QwenImageTransformer2DModel, dtype)
+        keep = keep_in_fp32(QwenImageTransformer2DModel, "diffusers", dtype)
+        model = load_skeleton(source, QwenImageTransformer2DModel, dtype, keep)
         add_lora(model, "dit", ["to_q", "to_k"], 4, 4, seed=7)
         adapters_to_fp32(model)
         kept_tensors(model)

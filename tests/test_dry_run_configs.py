@@ -32,6 +32,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from clitools import cli, one_error_line  # noqa: E402
 from unitgraph.backends.diffusion import memory_plan  # noqa: E402
+from unitgraph.backends.diffusion.args import MAX_FRAMES  # noqa: E402
 from unitgraph.backends.diffusion.models.folders import (MAX_LAYERS, MAX_WIDTH, ModelLoadError,  # noqa: E402
                                                          check_config_sizes, config_size_problem)
 from unitgraph.backends.diffusion.registry import families  # noqa: E402
@@ -197,4 +198,4 @@ def test_a_clip_past_the_traced_frames_is_one_line_before_a_trace(tmp_path, caps
     folder = write_real_configs(tmp_path / "wan", "real-1.3b")  # config.json files only: nothing is built
     code, _, err = cli(capsys, "train", "--task", "sft:split", "--model_paths", str(folder), "--dataset_base_path",
                        str(folder), "--lora_base_model", "dit", "--num_frames", str(4 * 10**8 + 1), "--dry_run")
-    one_error_line(code, err, "--num_frames 400000001", f"at most {memory_plan.MAX_TRACED_FRAMES} frames")
+    one_error_line(code, err, "--num_frames 400000001", f"at most {MAX_FRAMES} frames")

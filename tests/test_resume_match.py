@@ -130,10 +130,9 @@ def test_another_number_of_processes_continues_only_from_an_epochs_end_and_never
     rows = [[1, 0, 1.0, 0.1, 500.0], [2, 0, 1.0, 0.2, 500.0]]
     point = ResumePoint(path=tmp_path, step=2, epoch=0, position=2, elapsed=0.2, rows=rows, per_epoch=2, processes=2,
                         epoch_done=True)
-    check_progress(tmp_path, point, 4, 2)
-    offset = reshard_offset(point, 4)
-    assert offset == -2  # 2 steps made, where one process would have made 4 for epoch 0
+    offset = check_progress(tmp_path, point, 4, 2).offset
+    assert offset == reshard_offset(point, 4) == -2  # 2 steps made, where one process would have made 4 for epoch 0
     rows = [[n + 1, 0 if n < 2 else 1, 1.0, 0.1, 500.0] for n in range(6)]
     later = ResumePoint(path=tmp_path, step=6, epoch=1, position=4, elapsed=1.0, rows=rows, offset=offset, per_epoch=4,
                         processes=1, epoch_done=True)
-    check_progress(tmp_path, later, 4, 3)  # the state the continued run saves: -2 + 1 x 4 + 4 = 6
+    assert check_progress(tmp_path, later, 4, 3) == later  # the state the continued run saves: -2 + 1 x 4 + 4 = 6

@@ -22,6 +22,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 from unitgraph.backends.diffusion.models.folders import ComponentSource, ModelLoadError  # noqa: E402
+from unitgraph.backends.diffusion.models.loading import keep_in_fp32  # noqa: E402
 from unitgraph.backends.diffusion.models.shards import (  # noqa: E402
     deferred, fill_shards, kept_tensors, load_skeleton, shard_rows)
 
@@ -48,7 +49,7 @@ def _dit(tiny: Path) -> tuple[ComponentSource, type]:
 def test_a_skeleton_filled_whole_is_what_from_pretrained_loads(tiny, dtype):
     source, cls = _dit(tiny)
     dtype = getattr(torch, dtype)
-    model = load_skeleton(source, cls, dtype)
+    model = load_skeleton(source, cls, dtype, keep_in_fp32(cls, "diffusers", dtype))
     assert all(p.is_meta for p in model.parameters()) and deferred(model) is not None
     kept_tensors(model)
     record = fill_shards(model, "cpu")
@@ -74,7 +75,7 @@ def test_a_folder_lacking_a_weight_is_one_line_naming_it(tiny, tmp_path):
     save_file(tensors, str(files[0]), metadata={"format": "pt"})
     _, cls = _dit(tiny)
     with pytest.raises(ModelLoadError) as err:
-        load_skeleton(ComponentSource(slot="dit", path=folder, class_name=cls.__name__), cls, torch.float32)
+        load_skeleton(ComponentSource(slot="dit", path=folder, class_name=cls.__name__), cls, torch.float32, set())
     assert dropped in str(err.value) and str(folder) in str(err.value) and "\n" not in str(err.value)
 
 

@@ -257,10 +257,11 @@ class TrainArgs:
             value = getattr(self, name)
             if value is not None and (value < 16 or value % 16):
                 raise BackendError(f"--{name} must be a positive multiple of 16, got {value}")
-        if self.height is not None and self.width is not None and self.height * self.width > image_pixel_limit():
+        limit = image_pixel_limit()
+        if self.height is not None and self.width is not None and self.height * self.width > limit:
             raise BackendError(f"--height {self.height} --width {self.width}: {self.height * self.width} pixels, more "
-                               f"than the {image_pixel_limit()} an image may have (PIL's Image.MAX_IMAGE_PIXELS, the "
-                               "bound the image readers keep)")
+                               f"than the {limit} an image may have (PIL's Image.MAX_IMAGE_PIXELS, the bound the image "
+                               "readers keep)")
         if not 0.0 <= self.min_timestep_boundary < self.max_timestep_boundary <= 1.0:
             raise BackendError("timestep boundaries must satisfy 0 <= --min_timestep_boundary < --max_timestep_boundary <= 1")
         if not self.trainable() and not self.lora_base_model and self.stage != "data_process":

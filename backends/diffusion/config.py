@@ -177,8 +177,9 @@ def cpu_has_bf16() -> bool:
 
 
 def precision_note(args: TrainArgs, mixed: str) -> Optional[str]:
-    """The line a run prints when the default precision is fp32 because the CPU has no bf16 kernels."""
-    if args.mixed_precision or mixed != "no" or os.environ.get(ACCELERATE_PRECISION_ENV, "").strip().lower() not in ("", "no"):
+    """The line a run prints when the default precision is fp32 because the CPU has no bf16 kernels: "no" without
+    the flag is the default's (accelerate's launch variable asks only for fp16 or bf16, `mixed_precision`)."""
+    if args.mixed_precision or mixed != "no":
         return None
     return ("note: computing in fp32: this CPU has no bf16 kernels (torch would emulate bf16 about 60 times slower); "
             "--mixed_precision bf16 asks for it anyway")

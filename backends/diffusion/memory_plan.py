@@ -61,7 +61,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
-from .args import MAX_FRAMES, image_pixel_limit
+from .args import image_pixel_limit
 from .config import precision_note
 from .errors import BackendError
 from .memory_trace import HostSaved, StorageLog, trace_layerwise_casting
@@ -80,7 +80,6 @@ GIB = 1 << 30
 # tensor 3072 x 18432 = 5.7e7 elements); past them a config describes no model any device holds.
 MAX_PARAMS = 10**12
 MAX_TENSOR_ELEMENTS = 1 << 40
-MAX_TRACED_FRAMES = MAX_FRAMES  # the run's own bound (args.py)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -751,25 +750,14 @@ def check_model_size(model: Any, slot: str, where: str) -> None:
 def traced_size(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
     """The run's image size as the plan traces it, and a note when it is bounded. The run's image and frame readers
     refuse a file of more than PIL's Image.MAX_IMAGE_PIXELS pixels (data/dataset.open_image, data/video.check_pixels),
-    so a --max_pixels above that bound trains images of at most that many pixels: the plan traces those. --height x
-    --width above it is refused (a fixed size the plan cannot trace; no image of that many pixels can be read), and so
-    is a clip of more than MAX_TRACED_FRAMES frames (the trace's time grows with them: a VAE encodes a clip chunk by
-    chunk)."""
+    so a --max_pixels above that bound trains images of at most that many pixels: the plan traces those. A fixed
+    --height x --width above it, and a clip of more than args.MAX_FRAMES frames, are refused with the other flags
+    (TrainArgs.validate), before any plan."""
     from dataclasses import replace
 
-    frames = cfg.data.num_frames
-    if cfg.pipeline.video_params and frames > MAX_TRACED_FRAMES:
-        raise BackendError(f"--num_frames {frames}: the dry run traces clips of at most {MAX_TRACED_FRAMES} frames "
-                           "(a traced step's operations grow with the frames; the released models train on 81 to 121)")
     limit = image_pixel_limit()
     size = cfg.units.image_size
-    if size.height is not None and size.width is not None:
-        if size.height * size.width > limit:
-            raise BackendError(f"--height {size.height} --width {size.width}: {size.height * size.width} pixels, more "
-                               f"than the {limit} an image may have (PIL's Image.MAX_IMAGE_PIXELS); the dry run plans "
-                               "at most that many")
-        return cfg, []
-    if size.max_pixels <= limit:
+    if (size.height is not None and size.width is not None) or size.max_pixels <= limit:
         return cfg, []
     bounded = replace(cfg, units=replace(cfg.units, image_size=replace(size, max_pixels=limit)))
     return bounded, [f"--max_pixels {size.max_pixels} is more than the {limit} pixels an image may have (PIL's "

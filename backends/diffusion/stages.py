@@ -310,8 +310,9 @@ def flag_notes(cfg: RunConfig, plan: Plan, accelerator: Any) -> list[str]:
     from .config import precision_note
 
     args, notes = cfg.args, []
-    if precision_note(args, cfg.precision.mixed):
-        notes.append(precision_note(args, cfg.precision.mixed))
+    note = precision_note(args, cfg.precision.mixed)
+    if note:
+        notes.append(note)
     if args.offload_models:
         stage1 = ", ".join(plan.data_process_models) or "none"
         notes.append(f"note: --offload_models is not needed: each stage loads only its plan's models "

@@ -73,7 +73,7 @@ def load_component(source: ComponentSource, slot: ModelSlot, torch_dtype: Any = 
         if skeleton and slot.kind == "model" and slot.library == "diffusers":
             from .shards import load_skeleton
 
-            return load_skeleton(source, cls, dtype)
+            return load_skeleton(source, cls, dtype, keep_in_fp32(cls, slot.library, dtype))
         if slot.kind == "model":
             check_config_sizes(folder)  # before a layer is allocated
             component_files(source, slot.kind, include_config=False)  # clean error when weights are missing

@@ -36,12 +36,11 @@ __all__ = ["Deferred", "load_skeleton", "deferred", "inject_adapters", "kept_ten
 
 @dataclass
 class Deferred:
-    """The weights a skeleton still needs: {file key: the safetensors file holding it}, the folder (for messages),
-    the tensors kept real until the shards exist (`kept`), and the bytes this process read of the bytes its
-    tensors have in the files (`fill_shards`)."""
+    """The weights a skeleton still needs: {file key: the safetensors file holding it}, the tensors kept real until
+    the shards exist (`kept`), and the bytes this process read of the bytes its tensors have in the files
+    (`fill_shards`)."""
 
     files: dict[str, Path]
-    where: str
     read_bytes: int = 0
     total_bytes: int = 0
     kept: dict[str, Any] = field(default_factory=dict)
@@ -58,9 +57,9 @@ def deferred(model: Any) -> Optional[Deferred]:
         return None
 
 
-def load_skeleton(source: ComponentSource, cls: Any, dtype: Any) -> Any:
-    """A diffusers model of `source`'s folder built on the meta device in `dtype` (its keep-in-fp32 modules in
-    fp32, as `from_pretrained` keeps them), with its weights deferred to `fill_shards`.
+def load_skeleton(source: ComponentSource, cls: Any, dtype: Any, keep: set[str]) -> Any:
+    """A diffusers model of `source`'s folder built on the meta device in `dtype` (the modules named in `keep` in
+    fp32, as `from_pretrained` keeps them: loading.keep_in_fp32), with its weights deferred to `fill_shards`.
 
     Raises ModelLoadError when the folder's safetensors lack a weight of the model (the message names it), before
     anything is allocated."""
@@ -70,7 +69,7 @@ def load_skeleton(source: ComponentSource, cls: Any, dtype: Any) -> Any:
 
     folder = source.path
     check_config_sizes(folder)
-    weights = [p for p in component_files(source, "model", include_config=False) if p.suffix == ".safetensors"]
+    weights = component_files(source, "model", include_config=False)
     try:
         config = cls.load_config(str(folder), local_files_only=True)
         with init_empty_weights(include_buffers=False):
@@ -78,7 +77,6 @@ def load_skeleton(source: ComponentSource, cls: Any, dtype: Any) -> Any:
     except Exception as exc:
         raise ModelLoadError(folder, f"cannot build {cls.__name__} from its config: {type(exc).__name__}: "
                                      f"{_first_line(exc)}") from None
-    keep = set(getattr(cls, "_keep_in_fp32_modules", None) or ()) if dtype != torch.float32 else set()
     for name, param in model.named_parameters():
         wanted = torch.float32 if any(part in keep for part in name.split(".")) else dtype
         if param.is_floating_point() and param.dtype != wanted:
@@ -97,7 +95,7 @@ def load_skeleton(source: ComponentSource, cls: Any, dtype: Any) -> Any:
         raise ModelLoadError(folder, f"the safetensors weights lack {len(missing)} weights of {cls.__name__} ({shown})")
     model.eval()
     model.register_to_config(_name_or_path=str(folder))
-    _DEFERRED[model] = Deferred(files=files, where=str(folder))
+    _DEFERRED[model] = Deferred(files=files)
     return model
 
 
@@ -171,7 +169,7 @@ def fill_shards(model: Any, device: Any) -> Optional[Deferred]:
     model.to_empty(device=device)
     handles: dict[Path, Any] = {}
 
-    def read(key: str, rows: Optional[tuple[int, int]], like: Any) -> Any:
+    def read(key: str, rows: Optional[slice], like: Any) -> Any:
         path = record.files[key]
         if path not in handles:
             handles[path] = safe_open(str(path), framework="pt")
@@ -179,7 +177,7 @@ def fill_shards(model: Any, device: Any) -> Optional[Deferred]:
         shape = tuple(piece.get_shape())
         if shape != tuple(like.shape):
             raise ModelLoadError(path, f"{key} has shape {list(shape)}, the model's {list(like.shape)}")
-        part = piece[rows[0]:rows[1]] if rows and shape else handles[path].get_tensor(key)
+        part = piece[rows] if rows is not None else handles[path].get_tensor(key)
         record.read_bytes += part.numel() * part.element_size()
         record.total_bytes += math.prod(shape) * part.element_size()
         return part
@@ -188,8 +186,11 @@ def fill_shards(model: Any, device: Any) -> Optional[Deferred]:
         with torch.no_grad():
             for name, param in model.named_parameters():
                 local = param.to_local() if hasattr(param, "to_local") else param
-                start, stop = _local_rows(param, local)
-                part = record.kept[name][start:stop] if name in record.kept else read(file_key(name), (start, stop), param)
+                rows = _local_rows(param, local)
+                if name in record.kept:
+                    part = record.kept[name] if rows is None else record.kept[name][rows]
+                else:
+                    part = read(file_key(name), rows, param)
                 local.copy_(part.to(local.dtype))
             for name, buffer in model.named_buffers():
                 if file_key(name) in record.files:  # a persistent buffer: the file's value, as from_pretrained loads it
@@ -202,15 +203,15 @@ def fill_shards(model: Any, device: Any) -> Optional[Deferred]:
     return record
 
 
-def _local_rows(param: Any, local: Any) -> tuple[int, int]:
-    """The rows of `param` (a DTensor sharded on dim 0, else whole) that `local` holds."""
+def _local_rows(param: Any, local: Any) -> Optional[slice]:
+    """The rows of `param` that `local` holds (a DTensor sharded on dim 0), or None when it holds it whole."""
     if not hasattr(param, "device_mesh") or not param.shape:
-        return 0, (param.shape[0] if param.shape else 1)
+        return None
     mesh = param.device_mesh
     start, stop = shard_rows(param.shape[0], mesh.size(), mesh.get_local_rank())
     if local.shape[0] != stop - start:
         raise RuntimeError(f"a shard of {tuple(param.shape)} holds {local.shape[0]} rows, not {stop - start}")
-    return start, stop
+    return slice(start, stop)
 
 
 def _first_line(exc: BaseException) -> str:

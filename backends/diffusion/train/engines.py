@@ -139,7 +139,7 @@ class ShardedSteps(Steps):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-        from ..models.shards import deferred, fill_shards, kept_tensors
+        from ..models.shards import fill_shards, kept_tensors
 
         device = self.acc.device
         mesh = init_device_mesh(device.type, (self.acc.num_processes,))
@@ -167,10 +167,6 @@ class ShardedSteps(Steps):
                 self.read[slot] = record.read_bytes / max(record.total_bytes, 1)
             self.shards[slot] = len(blocks)
             self.held[slot] = held_fraction(model)
-        for model in models.values():  # built without weights but not trained here: read whole
-            if deferred(model) is not None and any(p.is_meta for p in model.parameters()):
-                kept_tensors(model)
-                fill_shards(model, device)
         return dict(models), make_optimizer(_trained(models, slots))
 
     def micro(self, trained, sync):

@@ -42,7 +42,6 @@ from .resume import (
     optimizer_tensors,
     rank_file,
     remove_partial_states,
-    reshard_offset,
     save_state,
     staging_folder,
     trained_parameters,
@@ -468,16 +467,14 @@ def resume_point(cfg: RunConfig, output: Path, params: dict[str, Any], optimizer
         with steps.state_view(optimizer) as view:
             checked = check_state(path, steps.check_params(params), view, match,
                                   rank if steps.per_rank_state else 0)
-    check_progress(path, checked.point, per_epoch, cfg.optim.num_epochs)
-    point = checked.point
-    if point.processes is not None and point.processes != match.get("processes"):  # allowed by check_state
-        checked = dataclasses.replace(checked, point=dataclasses.replace(point, offset=reshard_offset(point, per_epoch)))
-        if main:
-            into = " into this run's shards" if cfg.engine.kind == "fsdp2" else ""
-            print(f"note: --resume: the state was made by {point.processes} processes, this run has "
-                  f"{match.get('processes')}: its weights and AdamW's state are restored whole{into}, and from epoch "
-                  f"{point.epoch + 1} on each epoch's samples are dealt to {match.get('processes')} processes "
-                  f"({per_epoch} steps an epoch, {point.per_epoch} before)")
+    point = check_progress(path, checked.point, per_epoch, cfg.optim.num_epochs)
+    checked = dataclasses.replace(checked, point=point)
+    if main and point.processes not in (None, match.get("processes")):  # allowed by check_state
+        into = " into this run's shards" if cfg.engine.kind == "fsdp2" else ""
+        print(f"note: --resume: the state was made by {point.processes} processes, this run has "
+              f"{match.get('processes')}: its weights and AdamW's state are restored whole{into}, and from epoch "
+              f"{point.epoch + 1} on each epoch's samples are dealt to {match.get('processes')} processes "
+              f"({per_epoch} steps an epoch, {point.per_epoch} before)")
     return checked
 
 

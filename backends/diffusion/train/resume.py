@@ -42,7 +42,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -137,9 +137,11 @@ def data_identity(provider: Any) -> str:
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def check_progress(path: Path, point: Any, per_epoch: int, num_epochs: int) -> None:
+def check_progress(path: Path, point: Any, per_epoch: int, num_epochs: int) -> Any:
     """A state's place in the run adds up: its step is its epochs' steps plus its position in its own, within the
-    run's epochs, with one loss row a step (a state claiming epoch 7 of a shorter run is refused)."""
+    run's epochs, with one loss row a step (a state claiming epoch 7 of a shorter run is refused). Returns the point
+    to continue from: `point`, or, made with another count of steps an epoch (by another number of processes, at an
+    epoch's end: `_check_new_count`), with the offset this run's steps count on from (`reshard_offset`)."""
     own = point.per_epoch if point.per_epoch is not None else per_epoch  # the state's steps an epoch
     done = point.offset + point.epoch * own + point.position
     if not (0 <= point.position <= own and point.step == done and len(point.rows) == point.step):
@@ -149,10 +151,12 @@ def check_progress(path: Path, point: Any, per_epoch: int, num_epochs: int) -> N
     if point.epoch >= num_epochs:
         raise BackendError(f"training state is at epoch {point.epoch}, beyond this run's --num_epochs {num_epochs}; "
                            "give at least as many epochs as it has made", source=str(Path(path) / STATE_JSON))
+    if point.per_epoch not in (None, per_epoch):
+        point = replace(point, offset=reshard_offset(point, per_epoch))
     state_root = Path(path).parent
     if state_root.name == STATE_DIR:  # a state of the run in its output folder: what that run made past this one's end
-        offset = reshard_offset(point, per_epoch) if point.per_epoch not in (None, per_epoch) else point.offset
-        _check_made_past(state_root.parent, per_epoch, num_epochs, offset)
+        _check_made_past(state_root.parent, per_epoch, num_epochs, point.offset)
+    return point
 
 
 _CHECKPOINT_NAME = re.compile(r"(epoch|step)-([0-9]+)\.safetensors")
