@@ -254,18 +254,20 @@ def workdir(tiny, tmp_path_factory) -> Path:
     return root
 
 
-def launch(workdir: Path, config: str, jobs: list[tuple[list[str], str]], processes: int = 2) -> dict[str, str]:
-    """`accelerate launch --config_file CONFIG --num_processes N` running each (argv, output) in turn, in
+def launch(workdir: Path, config: str, jobs: list[tuple], processes: int = 2) -> dict[str, str]:
+    """`accelerate launch --config_file CONFIG --num_processes N` running each (argv, output[, env]) in turn, in
     `workdir`; each run's main-process output by its output folder."""
     spec = workdir / f"jobs-{Path(config).stem}.json"
-    spec.write_text(json.dumps([{"argv": argv, "output": str(workdir / out)} for argv, out in jobs]))
+    spec.write_text(json.dumps([{"argv": job[0], "output": str(workdir / job[1]), "env": job[2] if len(job) > 2 else {}}
+                                for job in jobs]))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "UNITGRAPH_", "FSDP_"))}
     env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
                            "--num_processes", str(processes), str(JOBS), str(spec)], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=600)
     logs = {}
-    for _, out in jobs:
+    for job in jobs:
+        out = job[1]
         path = workdir / out
         log = path.parent / f"{path.name}.rank0.out"
         logs[out] = log.read_text() if log.exists() else ""
@@ -348,13 +350,22 @@ def test_zero3_partitions_the_weights_split_equals_unsplit_and_resumes_exactly(w
             "--dataset_metadata_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image/metadata.csv"]
     lora = [*base, "--lora_base_model", "dit", "--lora_rank", "4", "--max_grad_norm", "0.005"]
     full = [*base, "--trainable_models", "dit", "--num_epochs", "2", "--save_steps", "1"]
+    whole = {"ACCELERATE_DEEPSPEED_ZERO3_INIT": "false"}  # the config's zero3_init_flag off for one run
     logs = launch(workdir, "zero3.yaml", [(lora, "z3/lora"), ([*lora, "--task", "sft:split"], "z3/lora-split"),
+                                          (lora, "z3/lora-whole", whole),
                                           (full, "z3/full"), ([*full, "--task", "sft:split"], "z3/full-split"),
                                           ([*full, "--num_epochs", "1"], "z3/resumed"), ([*full, "--resume"], "z3/resumed")])
     held = [line for line in logs["z3/full"].splitlines() if "partitioned over 2 processes" in line]
     assert held, logs["z3/full"][-2000:]
     share = float(held[0].split("holds ")[1].split("%")[0])
     assert 45 < share < 55, held  # about half of the weights: the other process holds the rest
+    # zero3_init_flag: built without weights and read into the partitions (models/shards.py), the LoRA's base too
+    assert "read into the partitions one tensor at a time" in held[0]
+    assert "dit's weights partitioned over 2 processes" in logs["z3/lora"] and \
+        "read into the partitions one tensor at a time" in logs["z3/lora"]
+    # ... into the very partitions DeepSpeed cuts from a model loaded whole (the flag off): the same training
+    assert "loaded whole first: zero3_init_flag is off" in logs["z3/lora-whole"]
+    same_training(workdir / "z3" / "lora", workdir / "z3" / "lora-whole", "epoch-0.safetensors")
     same_training(workdir / "z3" / "lora", workdir / "z3" / "lora-split", "epoch-0.safetensors")
     same_training(workdir / "z3" / "full", workdir / "z3" / "full-split", "epoch-1.safetensors")
     # a killed ZeRO-3 run continues exactly: each process's partition of AdamW's state is in the training state

@@ -8,7 +8,8 @@ wait for it in the next run's collectives. One launch pays the interpreters' sta
 all families where a launch per family pays it for each; each run still shards its entries over the two processes
 exactly as a launch of its own does (the same process group, the same `Accelerator` state).
 
-JOBS.json: a list of {"argv": [...], "output": "<folder the run's --output_path names>"}.
+JOBS.json: a list of {"argv": [...], "output": "<folder the run's --output_path names>"}, each with an optional
+"env" ({name: value} set for that job only, as a launch's config would set them).
 """
 
 from __future__ import annotations
@@ -42,7 +43,16 @@ def run_job(argv: list[str], output: Path, rank: str) -> int:
 def main(jobs_file: str) -> None:
     rank = os.environ.get("RANK", "0")
     for job in json.loads(Path(jobs_file).read_text(encoding="utf-8")):
-        code = run_job(job["argv"], Path(job["output"]), rank)
+        saved = {name: os.environ.get(name) for name in job.get("env", {})}
+        os.environ.update(job.get("env", {}))
+        try:
+            code = run_job(job["argv"], Path(job["output"]), rank)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         if code:
             sys.exit(code)
 

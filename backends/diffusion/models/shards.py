@@ -1,6 +1,7 @@
-"""Models loaded straight into their shards: a trained model under FSDP2 is built without weights (on the meta
-device), sharded, and only then given its weights, each process reading from the safetensors files just the rows
-of each tensor its own shard holds.
+"""Models loaded straight into their shards: a trained model under FSDP2 or DeepSpeed ZeRO-3 is built without
+weights (on the meta device), sharded, and only then given its weights. Under FSDP2 each process reads from the
+safetensors files just the rows of each tensor its own shard holds; under ZeRO-3 the main process reads one tensor
+at a time and DeepSpeed's own conversion hands each process its partition (`partition_skeleton`).
 
 Why: loading a model whole and sharding it afterwards, as accelerate's engines do by default, has every process
 hold the whole model in host memory first: 82 GB in fp32 for Qwen-Image's 20.4 B DiT, in each of the 8 processes of
@@ -31,7 +32,7 @@ from typing import Any, Callable, Optional
 from .folders import ComponentSource, ModelLoadError, check_config_sizes, component_files
 
 __all__ = ["Deferred", "load_skeleton", "deferred", "inject_adapters", "kept_tensors", "fill_shards",
-           "shard_rows", "file_key"]
+           "partition_skeleton", "shard_rows", "file_key"]
 
 
 @dataclass
@@ -197,6 +198,79 @@ def fill_shards(model: Any, device: Any) -> Optional[Deferred]:
                     buffer.copy_(read(file_key(name), None, buffer).to(buffer.dtype))
                 elif name in record.kept:
                     buffer.copy_(record.kept[name])
+    finally:
+        handles.clear()
+    record.kept = {}
+    return record
+
+
+def partition_skeleton(model: Any, ds_config: dict[str, Any], device: Any) -> Optional[Deferred]:
+    """Give a skeleton its weights straight into DeepSpeed ZeRO-3's partitions (what accelerate's zero3_init_flag
+    asks for: `deepspeed.zero.Init`), one parameter at a time. Returns the record, or None for a model loaded whole.
+
+    ZeRO-3's conversion of a parameter (`Init(module=...)` converts every parameter of a module this way) broadcasts
+    the whole tensor from the first process and keeps each process's flat slice of it. So the first process reads
+    each tensor whole from the files (or takes it from the tensors kept real: a LoRA's seeded adapters), the others
+    only make room for it, and each parameter is converted before the next is read: no process holds more than its
+    partitions and one whole tensor. The partitions are the very numbers the engine cuts from a model loaded whole,
+    so a run loaded either way trains the same. Every process calls it, in the same order (a broadcast per
+    parameter). The buffers stay whole on `device`, as ZeRO-3 keeps them."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    record = deferred(model)
+    if record is None:
+        return None
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    zero = deepspeed.zero.Init(config_dict_or_path=ds_config)  # no module given: converts only what it is handed
+    handles: dict[Path, Any] = {}
+
+    def whole(key: str, like: Any) -> Any:
+        path = record.files[key]
+        if path not in handles:
+            handles[path] = safe_open(str(path), framework="pt")
+        shape = tuple(handles[path].get_slice(key).get_shape())
+        if shape != tuple(like.shape):
+            raise ModelLoadError(path, f"{key} has shape {list(shape)}, the model's {list(like.shape)}")
+        value = handles[path].get_tensor(key)
+        record.read_bytes += value.numel() * value.element_size()
+        return value
+
+    done: dict[int, Any] = {}  # a parameter shared by two modules is converted once
+    try:
+        with torch.no_grad():
+            for prefix, module in model.named_modules():
+                for name, param in list(module._parameters.items()):
+                    if param is None:
+                        continue
+                    if id(param) in done:
+                        module._parameters[name] = done[id(param)]
+                        continue
+                    full_name = f"{prefix}.{name}" if prefix else name
+                    size = param.numel() * param.element_size()
+                    record.total_bytes += size
+                    if not param.is_meta:
+                        value = param.data
+                    elif full_name in record.kept:
+                        value = record.kept[full_name]
+                    elif main:
+                        value = whole(file_key(full_name), param)
+                    else:
+                        value = torch.empty(param.shape, dtype=param.dtype)
+                    real = torch.nn.Parameter(value.to(dtype=param.dtype), requires_grad=param.requires_grad)
+                    module._parameters[name] = done[id(param)] = real
+                    zero._convert_to_zero_parameters([real])
+                for name, buffer in list(module._buffers.items()):
+                    if buffer is None:
+                        continue
+                    full_name = f"{prefix}.{name}" if prefix else name
+                    if file_key(full_name) in record.files:  # a persistent buffer: the file's value
+                        buffer = whole(file_key(full_name), buffer).to(buffer.dtype)
+                    elif full_name in record.kept:
+                        buffer = record.kept[full_name]
+                    module._buffers[name] = buffer.to(device)
     finally:
         handles.clear()
     record.kept = {}

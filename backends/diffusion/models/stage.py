@@ -63,11 +63,14 @@ def _library_progress_bars(enabled: bool) -> None:
 
 
 def into_shards(cfg: RunConfig, training: bool) -> set[str]:
-    """The slots a training stage builds without weights, to read them straight into their FSDP2 shards
-    (models/shards.py): the models it trains (--trainable_models and a LoRA's base), unless the run first changes
-    the whole weights of one (a preset LoRA merged in, a LoRA checkpoint read into the adapters: those load whole)."""
+    """The slots a training stage builds without weights, to read them straight into their FSDP2 shards or ZeRO-3
+    partitions (models/shards.py; ZeRO-3 when the config's zero3_init_flag asks for it, as accelerate's does): the
+    models it trains (--trainable_models and a LoRA's base), unless the run first changes the whole weights of one
+    (a preset LoRA merged in, a LoRA checkpoint read into the adapters: those load whole)."""
     engine = getattr(cfg, "engine", None)
-    if not training or engine is None or engine.kind != "fsdp2":
+    sharded = engine is not None and (engine.kind == "fsdp2" or (engine.kind == "deepspeed" and engine.zero_stage == 3
+                                                                 and engine.zero3_init))
+    if not training or not sharded:
         return set()
     slots = set(cfg.optim.trainable)
     if cfg.lora.base_model and not cfg.lora.checkpoint:
@@ -83,7 +86,8 @@ def load_models(cfg: RunConfig, models: Iterable[str], training: bool, device: A
     Frozen models load directly in the compute dtype, models trained in full (training stages) in fp32;
     --fp8_models are then stored in fp8, except a LoRA base model in training, which gets that after its
     adapters are added (train/loop.py), so that they are never fp8 (models/precision.py). Under FSDP2 the trained
-    models are built without weights (`into_shards`) and stay on the meta device until sharded."""
+    models (and under ZeRO-3 with zero3_init_flag) are built without weights (`into_shards`) and stay on the meta
+    device until sharded."""
     import torch
 
     from .precision import store_fp8

@@ -16,7 +16,8 @@ The loop (`loop.py`) is the same under every engine; it asks the run's `Steps` f
   the norm over the shards, so it is the global norm too. Checkpoints and states gather each trained tensor
   whole with `full_tensor()`, one at a time, and keep it on the main process only.
 * **DeepSpeed** (`DeepSpeedSteps`): `accelerator.prepare(model, optimizer)` makes the engine with the config
-  `engine.deepspeed_config` decides. The loop keeps the accumulation: each micro-batch's backward goes through
+  `engine.deepspeed_config` decides; under ZeRO-3 with zero3_init_flag, a model built without weights is first
+  read into its partitions (models/shards.py). The loop keeps the accumulation: each micro-batch's backward goes through
   the engine with its boundary set by hand (the last micro-batch of a step), and the engine steps, clipping to
   its gradient_clipping, at the boundary only. Under ZeRO-3 each trained weight is gathered whole with
   `GatheredParameters` to be saved. A training state holds the trained tensors whole and each process's
@@ -217,6 +218,7 @@ class DeepSpeedSteps(Steps):
         super().__init__(accelerator, engine, max_grad_norm)
         self.gathers = engine.zero_stage == 3
         self.ds_engine: Any = None
+        self.loaded: Any = None  # models/shards.py's record when the model was read into its partitions
 
     def prepare(self, models, slots, make_optimizer, compute_dtype):
         from ..engine import deepspeed_config
@@ -230,6 +232,9 @@ class DeepSpeedSteps(Steps):
         plugin.deepspeed_config.update(config)
         if hasattr(plugin, "hf_ds_config"):
             plugin.hf_ds_config.config = plugin.deepspeed_config
+        from ..models.shards import partition_skeleton
+
+        self.loaded = partition_skeleton(model, config, self.acc.device)  # a model built without weights
         engine, optimizer = self.acc.prepare(model, make_optimizer(_trained(models, slots)))
         self.ds_engine, self.slot = engine, slot
         self.held = held_fraction(engine.module)
@@ -322,8 +327,10 @@ class DeepSpeedSteps(Steps):
     def note(self):
         if self.engine.zero_stage != 3:
             return None
+        how = ("read into the partitions one tensor at a time" if self.loaded is not None else
+               "loaded whole first: zero3_init_flag is off")
         return (f"{self.engine.name}: {self.slot}'s weights partitioned over {self.acc.num_processes} processes "
-                f"(this process holds {self.held:.1%} of them)")
+                f"(this process holds {self.held:.1%} of them, {how})")
 
 
 def held_fraction(model: Any) -> float:
