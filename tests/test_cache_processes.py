@@ -66,7 +66,7 @@ def test_sigkill_stage1_at_random_moments_then_resume(tiny, tmp_path):
     argv = [str(VENV_BIN / "unitgraph"), *stage1_argv(tiny, data, cache, size)]
     rng = random.Random(5)
     kills = 0
-    for attempt in range(3):
+    for attempt in range(2):  # each attempt is killed: 20 samples outlast two kills after 1-2 entries
         before = len(list(cache.glob("entries/*.safetensors")))
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
         # wait until this run has written a few new entries (or has ended), then kill it at a random moment

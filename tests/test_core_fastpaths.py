@@ -39,7 +39,9 @@ from unitgraph.synthetic import chain_pipeline, random_pipeline, replicate_pipel
 PARAMS = ["a", "b", "c", "d", "e", "é", 'q"uote']
 MODELS = ["enc", "vae", "te", "dit"]
 MODES = [LATEST, VERSIONED]
-common = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 150 examples a property in the suite (UNITGRAPH_CORE_EXAMPLES=2000 for a deeper local search)
+common = settings(max_examples=int(os.environ.get("UNITGRAPH_CORE_EXAMPLES", "150")), deadline=None,
+                  suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite

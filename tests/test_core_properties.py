@@ -52,7 +52,9 @@ def pipelines(draw, max_units: int = 8):
 
 
 backward_sets = st.lists(st.sampled_from(MODELS), max_size=2, unique=True).map(frozenset)
-common = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 150 examples a property in the suite (UNITGRAPH_CORE_EXAMPLES=2000 for a deeper local search)
+common = settings(max_examples=int(os.environ.get("UNITGRAPH_CORE_EXAMPLES", "150")), deadline=None,
+                  suppress_health_check=[HealthCheck.too_slow])
 
 
 def usable(pipeline, backward):
