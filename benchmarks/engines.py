@@ -46,8 +46,11 @@ ENGINES = [
     ("ZeRO-2", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n"),
     ("ZeRO-2 + offload", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n"
                          "  offload_optimizer_device: cpu\n"),
-    ("ZeRO-3", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds_z3.json\n"),
-    ("ZeRO-3 + offload", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds_z3_offload.json\n"),
+    # with zero3_init_flag, as DiffSynth's ZeRO-3 configs: the trained model is read into its partitions
+    ("ZeRO-3", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds_z3.json\n"
+               "  zero3_init_flag: true\n"),
+    ("ZeRO-3 + offload", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds_z3_offload.json\n"
+                         "  zero3_init_flag: true\n"),
     ("FSDP2", "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: true\n"),
 ]
 Z3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}

@@ -11,6 +11,7 @@ its wording and order, is the same.
 from __future__ import annotations
 
 import json
+import os
 from bisect import bisect_left
 
 from hypothesis import HealthCheck, given, settings

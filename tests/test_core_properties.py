@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
