@@ -101,6 +101,12 @@ def test_one_tiny_real_run(tmp_path, monkeypatch):
         return {**json.loads(out.read_text()), "wall_s": time.time() - start, "maxrss_wait4": 0}
 
     monkeypatch.setattr(bench, "spawn", in_process)
+    # what the children change for their own process, put back after the test
+    from unitgraph.backends.diffusion import stages
+    from unitgraph.backends.diffusion.cache import cache
+
+    monkeypatch.setattr(stages, "KEEP_IN_MEMORY_BYTES", stages.KEEP_IN_MEMORY_BYTES)
+    monkeypatch.setattr(cache.Cache, "store_entry", cache.Cache.store_entry)
     settings = {"sizes": {"test": dict(bench.SIZES["test"], samples=4, unsplit_repeat=1, train_repeat=2, sweep_steps=[2, 1, 1])},
                 "threads": 1}
     results = bench.measure(["test"], 1, tmp_path / "work", settings=settings, planner_repeats=1, echo=lambda _t: None)
