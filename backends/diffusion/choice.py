@@ -38,6 +38,7 @@ from .models.hub import origin_subfolder
 from .models.release import formats, header, shapes_of
 from .models.sources import parse_model_id_with_origin_paths, parse_model_paths
 from .registry import default_family, families, pipeline_for_task
+from .untrained import untrained_by_model_id
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,10 @@ def choose(args: TrainArgs) -> Choice:
         items = parse_model_id_with_origin_paths(args.model_id_with_origin_paths)
     except ModelLoadError:
         items = []
+    untrained_family(items)
     signals = folder_signals(paths, task) + model_id_signals(items, task)
+    if not signals:
+        unknown_class(paths)
     columns = metadata_columns(args.dataset_metadata_path)
     extra = frozenset(args.extra_input_names())
     data = Data(None if columns is None else frozenset(columns), extra, extra | frozenset(args.file_keys()))
@@ -255,6 +259,42 @@ def choose(args: TrainArgs) -> Choice:
     if named:
         return _within(signals[0].family, signals, data, task, cached)
     return _from_data(replace(data, cached=cached()), task)
+
+
+def _trained_families() -> str:
+    return ", ".join(family.title for family in families())
+
+
+def untrained_family(items: Iterable[tuple[str, str]]) -> None:
+    """One line when a model id of --model_id_with_origin_paths is one of DiffSynth's families unitgraph does not
+    train (untrained.py), before anything is looked for or downloaded."""
+    for model_id, _pattern in items:
+        other = untrained_by_model_id(model_id)
+        if other is not None:
+            raise BackendError(f"the model id {model_id} is {other.name} (DiffSynth's examples/{other.folder}), a family "
+                               f"unitgraph does not train; it trains {_trained_families()} (see 'unitgraph pipelines')")
+
+
+def unknown_class(paths: Iterable[str]) -> None:
+    """One line when a --model_paths folder names a diffusers class no family loads (its model_index.json's
+    pipeline or its config.json's model) and nothing else in the command names a family: the run would otherwise
+    fall back to the first family and fail on a class mismatch that names that family's classes."""
+    known = {name for family in families() for slot in family.slots for name in slot.class_names}
+    known |= {name for family in families() for name in family.diffusers_pipelines}
+    known |= {family.diffusers_class(p) for family in families() for p in family.pipelines}
+    for given in paths:
+        path = Path(given).expanduser()
+        folder = path.parent if path.is_file() else path
+        for name in ("model_index.json", "config.json"):
+            config = _read_json(folder / name)
+            if config is None:
+                continue
+            class_name = config.get("_class_name")
+            if isinstance(class_name, str) and class_name and class_name not in known:
+                raise BackendError(f"{folder / name} names the diffusers class {class_name}, which no family of "
+                                   f"unitgraph loads; it trains {_trained_families()} (see 'unitgraph pipelines'; "
+                                   "--pipeline NAME if this is a variant of one of them)")
+            break
 
 
 def _cached_pipeline(args: TrainArgs) -> Optional[str]:

@@ -305,11 +305,23 @@ def stage2_data(cfg: RunConfig, provider: CacheProvider) -> Stage2Data:
                       ahead=provider.read_ahead)
 
 
+def model_notes(cfg: RunConfig) -> list[str]:
+    """A line for each model folder of weights without a config.json completed from the family's released configs
+    (models/configless.py: DiffSynth's download)."""
+    from .models.folders import ModelLoadError
+
+    try:
+        sources = cfg.models.sources(cfg.family)
+    except ModelLoadError:
+        return []  # said in one line where the models are resolved
+    return [done.note for done in sources.completed]
+
+
 def flag_notes(cfg: RunConfig, plan: Plan, accelerator: Any) -> list[str]:
     """One line, at start, for every accepted flag that does nothing here, saying what happens instead."""
     from .config import precision_note
 
-    args, notes = cfg.args, []
+    args, notes = cfg.args, model_notes(cfg)
     note = precision_note(args, cfg.precision.mixed)
     if note:
         notes.append(note)

@@ -34,6 +34,7 @@ from ..family import Family, ModelSlot
 from .folders import (OFFLINE_ENV, ComponentSource, ModelLoadError, SlotTable, UnreadableLayout, _config_file, _Entry,
                       _is_processor_folder, _is_tokenizer_folder, _processor_class, _short, _tokenizer_class,
                       check_config_sizes, classify_folder, component_files)
+from .configless import complete, mismatch_problem, weights_without_config
 from .hub import Hub, origin_subfolder as _origin_subfolder
 from .loading import _class, load_component
 from .release import (PICKLE_PROBLEM, Unusable, beside_config, is_pickle, no_layout, recognise, release_problem,
@@ -142,6 +143,7 @@ class ModelSources:
         self.processor_path = None if processor_path in (None, "") else str(processor_path)
         self._remote = parse_model_id_with_origin_paths(model_id_with_origin_paths)
         self.entries: list[_Entry] = []
+        self.completed: list[Any] = []  # configless.Completion of each folder of weights without a config
         self._seen: set[Path] = set()
         unusable: list[Unusable] = []
         for given in parse_model_paths(model_paths):
@@ -159,7 +161,14 @@ class ModelSources:
                 unusable.append(Unusable(label, known, model_id, pattern))
                 continue
             if self.table.by_subfolder.get(_origin_subfolder(pattern)) is not None:
-                continue  # fetched when its slot is asked for
+                local = self.hub.local(model_id, pattern)
+                if local is None or not weights_without_config(local):
+                    continue  # fetched when its slot is asked for
+                try:  # DiffSynth's download, weights without configs: completed now, every misfit in one message
+                    self._fetch_remote(i)
+                except UnreadableLayout as exc:
+                    unusable.append(Unusable(label, exc.problem))
+                continue
             try:  # an entry with no slot hint must be fetched to know what it is
                 self._fetch_remote(i)
             except UnreadableLayout as exc:
@@ -172,13 +181,33 @@ class ModelSources:
             raise other
 
     def _classify_given(self, given: str) -> _Entry:
-        """What a --model_paths entry is: a release single file (read in a family's format), else a folder."""
+        """What a --model_paths entry is: a release single file (read in a family's format), a component folder
+        without its config.json (DiffSynth's download: completed, models/configless.py), else a folder."""
         path = Path(given).expanduser()
         if path.is_file() and is_pickle(path.name):
             raise UnreadableLayout(path, PICKLE_PROBLEM)
         if path.is_file() and path.suffix == ".safetensors" and not (path.parent / "config.json").is_file():
+            if recognise(path, self.family, given) is None and self._completable(path.parent):
+                return self._completed(path.parent, weights_without_config(path.parent), given)
             return self._single_file(path, given)
+        if path.is_dir() and self._completable(path):
+            return self._completed(path, weights_without_config(path), given)
         return classify_folder(given, self.table)
+
+    def _completable(self, folder: Path) -> bool:
+        """Whether a folder holds weights without a config.json and the family has released configs for a model
+        of its name (DiffSynth's download of `<org>/<name>:<subfolder>/...`)."""
+        return self.family is not None and self.family.slot_of_subfolder(folder.name) is not None \
+            and bool(weights_without_config(folder))
+
+    def _completed(self, folder: Path, files: list[Path], origin: str) -> _Entry:
+        """A folder of weights without config.json, completed with the family's released config they fit."""
+        done = complete(folder, files, self.family, folder.name, origin)
+        if done is None:
+            raise UnreadableLayout(origin, mismatch_problem(self.family, folder.name, _tensor_count(files, origin)))
+        if done not in self.completed:  # each shard file of a folder names it
+            self.completed.append(done)
+        return classify_folder(done.completed, self.table, origin=origin)
 
     def _single_file(self, path: Path, origin: str) -> _Entry:
         """A .safetensors file with no config.json beside it, classified by its header against the family's
@@ -219,6 +248,10 @@ class ModelSources:
             if len(files) != 1:
                 raise UnreadableLayout(label, no_layout(self.family) if files else f"no file in {folder} matches {pattern}")
             entry = self._single_file(files[0], label)
+        elif self._completable(folder):
+            name_pattern = pattern.rpartition("/")[2] or "*"  # the files the pattern names (a folder's: all)
+            files = [f for f in weights_without_config(folder) if fnmatch.fnmatchcase(f.name, name_pattern)]
+            entry = self._completed(folder, files or weights_without_config(folder), label)
         else:
             entry = classify_folder(folder, self.table, origin=label)
         entry.model_id = model_id
@@ -472,3 +505,9 @@ class ModelSources:
         skeletons = set(skeletons)
         return {slot: load_component(source, self.table[slot], torch_dtype, skeleton=slot in skeletons)
                 for slot, source in resolved.items()}
+
+
+def _tensor_count(files: list[Path], origin: str) -> int:
+    from .release import header
+
+    return sum(len(header(path, origin).tensors) for path in files)

@@ -1,0 +1,83 @@
+"""A command of a DiffSynth family unitgraph does not train is named as such in one line, before any download is
+tried (backends/diffusion/untrained.py and choice.py)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from clitools import cli, one_error_line
+from unitgraph.backends.diffusion.registry import families
+from unitgraph.backends.diffusion.untrained import UNTRAINED, untrained_by_model_id
+
+# DiffSynth's examples/ernie_image/model_training/lora/ERNIE-Image.sh, the program name swapped
+ERNIE_LORA = """unitgraph train \
+  --dataset_base_path data/diffsynth_example_dataset/ernie_image/Ernie-Image-T2I \
+  --dataset_metadata_path data/diffsynth_example_dataset/ernie_image/Ernie-Image-T2I/metadata.csv \
+  --max_pixels 1048576 \
+  --dataset_repeat 50 \
+  --model_id_with_origin_paths "PaddlePaddle/ERNIE-Image:transformer/diffusion_pytorch_model*.safetensors,PaddlePaddle/ERNIE-Image:text_encoder/model.safetensors,PaddlePaddle/ERNIE-Image:vae/diffusion_pytorch_model.safetensors" \
+  --learning_rate 1e-4 \
+  --num_epochs 5 \
+  --remove_prefix_in_ckpt "pipe.dit." \
+  --output_path "./models/train/Ernie-Image-T2I_lora" \
+  --lora_base_model "dit" \
+  --lora_target_modules "to_q,to_k,to_v,to_out.0" \
+  --lora_rank 32 \
+  --use_gradient_checkpointing \
+  --dataset_num_workers 8 \
+  --find_unused_parameters"""
+
+
+@pytest.fixture
+def no_download(monkeypatch):
+    """modelscope's download, replaced by a record of its calls: none may happen."""
+    import modelscope
+
+    calls = []
+    monkeypatch.setattr(modelscope, "snapshot_download", lambda *a, **k: calls.append((a, k)) or "/nowhere")
+    return calls
+
+
+def test_diffsynths_ernie_image_command_is_named_as_untrained_before_any_download(tmp_path, monkeypatch, capsys,
+                                                                                 no_download):
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data" / "diffsynth_example_dataset" / "ernie_image" / "Ernie-Image-T2I"
+    data.mkdir(parents=True)
+    (data / "metadata.csv").write_text("image,prompt\n0.jpg,a cat\n")
+    argv = shlex.split(ERNIE_LORA)[1:]
+    for extra in ([], ["--dry_run"]):
+        code, _, err = cli(capsys, *argv, *extra)
+        line = one_error_line(code, err, "PaddlePaddle/ERNIE-Image", "ERNIE-Image (DiffSynth's examples/ernie_image)",
+                              "a family unitgraph does not train", "Qwen-Image")
+        assert "unitgraph pipelines" in line
+    assert no_download == [] and not (tmp_path / "models").exists()
+
+
+def test_a_folder_of_a_class_no_family_loads_is_one_line_naming_the_class(tmp_path, capsys, no_download):
+    folder = tmp_path / "ERNIE-Image"
+    (folder / "transformer").mkdir(parents=True)
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "ErnieImagePipeline",
+                                                         "transformer": ["diffusers", "ErnieImageTransformer2DModel"]}))
+    (folder / "transformer" / "config.json").write_text(json.dumps({"_class_name": "ErnieImageTransformer2DModel"}))
+    for given in (folder, folder / "transformer"):
+        code, _, err = cli(capsys, "train", "--model_paths", str(given), "--dataset_base_path", str(tmp_path),
+                           "--lora_base_model", "dit", "--output_path", str(tmp_path / "out"))
+        class_name = "ErnieImagePipeline" if given == folder else "ErnieImageTransformer2DModel"
+        one_error_line(code, err, f"names the diffusers class {class_name}", "no family of unitgraph loads",
+                       "--pipeline NAME")
+    assert not (tmp_path / "out").exists() and no_download == []
+
+
+def test_no_untrained_model_id_is_a_trained_familys():
+    for untrained in UNTRAINED:
+        for known in untrained.model_ids:
+            model_id = known + "x" if known.endswith(("/", "-")) else known
+            assert untrained_by_model_id(model_id) is untrained
+            assert all(family.repo(model_id) is None for family in families()), model_id
+    assert len({u.folder for u in UNTRAINED}) == len(UNTRAINED)
+    assert untrained_by_model_id("ACE-Step/acestep-v15-xl-sft").name == "ACE-Step"  # an organisation's prefix
+    assert untrained_by_model_id("krea/krea-realtime-video") is None  # a Wan model: krea's prefix is Krea-2 only
+    assert untrained_by_model_id("Qwen/Qwen-Image") is None
