@@ -32,7 +32,7 @@ PACKAGE = "unitgraph.backends.diffusion"
 FOUNDATION = ("errors", "randomness", "family", "context", "flowmatch", "ddpm", "report", "result", "tensorfile",
               "engine")
 RUN = ("args", "choice", "config", "experts", "memory_plan", "memory_trace", "registry", "session", "stage1",
-       "stage1_key", "stages")
+       "stage1_key", "stages", "untrained")
 # rank of each room: an import may go to a lower rank, or stay in its own room
 ROOMS = {"models": 1, "data": 1, "cache": 1, "train": 2, "families": 2}
 

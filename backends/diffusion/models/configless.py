@@ -144,15 +144,18 @@ def _state_shapes(slot: Any, folder: Path) -> tuple:
     """The states a checkpoint of the slot's model, built on the meta device from `folder`'s config.json, may hold:
     its whole state dict, and the same without the tensors tied to another (transformers leaves those out of
     some files). Each a sorted tuple of (name, shape)."""
-    from ..memory_plan import model_class, probe_meta
+    import importlib
 
-    if slot.library == "transformers":
-        from transformers import AutoConfig
+    import torch
 
-        config: Any = AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    else:
-        config = model_class(slot).load_config(str(folder), local_files_only=True)
-    model = probe_meta(slot, config)
+    cls = getattr(importlib.import_module(slot.module or slot.library), slot.class_name)
+    with torch.device("meta"):  # every tensor on the meta device: nothing allocated
+        if slot.library == "transformers":
+            from transformers import AutoConfig
+
+            model = cls._from_config(AutoConfig.from_pretrained(str(folder), local_files_only=True))
+        else:
+            model = cls.from_config(cls.load_config(str(folder), local_files_only=True))
     state = {name: tuple(value.shape) for name, value in model.state_dict().items()}
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     untied = {name: shape for name, shape in state.items() if name not in tied}
