@@ -40,6 +40,35 @@ MAX_SEED = 1 << 63
 MAX_VALIDATION_INFERENCE_STEPS = 1000
 POLYNOMIAL_LR_END = 1e-7  # diffusers' get_polynomial_decay_schedule_with_warmup: lr_end, which must be below the rate
 LORA_FORMATS = ("diffusers", "diffsynth")
+# DiffSynth's tasks that unitgraph does not train, and whose they are
+OTHER_TASKS = {"trajectory_imitation": "trajectory imitation (Z-Image's distillation)", "dmd2": "DMD2 distillation",
+               "cover": "cover (ACE-Step's)", "repaint": "repaint (ACE-Step's)",
+               "edit_pairwise_rank": "edit_pairwise_rank (its image-quality metrics')",
+               "edit_pairwise_score": "edit_pairwise_score (its image-quality metrics')",
+               "edit_pointwise_score": "edit_pointwise_score (its image-quality metrics')"}
+NOT_TRAINED = "a flag of DiffSynth's {what}, which unitgraph does not train"
+# DiffSynth's flags refused (the "diffsynth" group of TrainArgs), with what unitgraph does instead
+REFUSED_DIFFSYNTH_FLAGS = {
+    "enable_swanlab_log": "SwanLab is not among accelerate's trackers; unitgraph reports with --report_to tensorboard "
+                          "or wandb, and always writes loss.csv",
+    "swanlab_project": "SwanLab is not among accelerate's trackers; --report_to tensorboard or wandb",
+    "customized_optimizer": "unitgraph trains with torch's AdamW (--learning_rate, --weight_decay) and imports no class "
+                            "a command line names",
+    "quant_options": "unitgraph quantizes no model on loading; --fp8_models stores frozen models in fp8 "
+                     "(float8_e4m3fn), computed layer by layer in the compute dtype",
+    "template_model_id_or_path": NOT_TRAINED.format(what="template models"),
+    "enable_lora_hot_loading": NOT_TRAINED.format(what="image-to-LoRA models"),
+    "zero_cond_t": NOT_TRAINED.format(what="Qwen-Image-Edit-2511"),
+    "audio_processor_path": NOT_TRAINED.format(what="Wan2.2-S2V"),
+    "framewise_decoding": NOT_TRAINED.format(what="WanToDance models"),
+    "first_frame_as_condition": NOT_TRAINED.format(what="LingBot-Video"),
+    "max_audio_duration": NOT_TRAINED.format(what="ACE-Step"),
+    "silence_latent_path": NOT_TRAINED.format(what="ACE-Step"),
+    "silent_on_missing_audio": NOT_TRAINED.format(what="MiniMax-H3"),
+    "noise_scale": NOT_TRAINED.format(what="HiDream-O1-Image"),
+    "processor_config": NOT_TRAINED.format(what="HiDream-O1-Image"),
+    "tokenizer_t5xxl_path": NOT_TRAINED.format(what="Anima"),
+}
 REPORT_TO = ("none", "tensorboard", "wandb")
 # --lr_scheduler: DiffSynth's (torch's ConstantLR with its defaults) and diffusers' get_scheduler names (train/lr.py)
 LR_SCHEDULERS = ("diffsynth", "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
@@ -120,6 +149,48 @@ class TrainArgs:
     width: Optional[int] = _f(None, "Fixed image width (with --height).", "image")
     max_pixels: int = _f(1024 * 1024, "Images larger than this many pixels are scaled down.", "image")
     num_frames: int = _f(81, "Frames per video clip (4k+1): the first frames of each video; a shorter video gives the largest 4k+1 it holds.", "image")
+    # DiffSynth's flags that unitgraph honours differently, notes or refuses (DIFFSYNTH_FLAGS says which and why)
+    resume_from_checkpoint: Optional[str] = _f(None, "DiffSynth's: a LoRA file to start from is read as --lora_checkpoint; a killed run continues exactly with --resume.", "diffsynth")
+    enable_tensorboard_log: bool = _f(False, "DiffSynth's: the same as --report_to tensorboard.", "diffsynth")
+    enable_wandb_log: bool = _f(False, "DiffSynth's: the same as --report_to wandb.", "diffsynth")
+    wandb_project: Optional[str] = _f(None, "DiffSynth's: the wandb project of --report_to wandb (default: <pipeline>-<task>).", "diffsynth")
+    enable_csv_log: bool = _f(False, "DiffSynth's: no effect (unitgraph always writes loss.csv and loss.png).", "diffsynth")
+    enable_swanlab_log: bool = _f(False, "DiffSynth's: refused (SwanLab is not a tracker accelerate knows; --report_to tensorboard or wandb).", "diffsynth")
+    swanlab_project: Optional[str] = _f(None, "DiffSynth's: refused with --enable_swanlab_log.", "diffsynth")
+    customized_optimizer: Optional[str] = _f(None, "DiffSynth's: refused (unitgraph trains with torch's AdamW; no class named on the command line is imported).", "diffsynth")
+    quant_options: Optional[str] = _f(None, "DiffSynth's: refused (frozen models are stored in fp8 with --fp8_models).", "diffsynth")
+    template_model_id_or_path: Optional[str] = _f(None, "DiffSynth's: refused (its template models are not trained by unitgraph).", "diffsynth")
+    enable_lora_hot_loading: bool = _f(False, "DiffSynth's: refused (for its image-to-LoRA models, not trained by unitgraph).", "diffsynth")
+    enable_npu_patch: bool = _f(False, "DiffSynth's: no effect (an Ascend NPU kernel patch; unitgraph runs torch's own kernels).", "diffsynth")
+    frame_rate: Optional[float] = _f(None, "DiffSynth's LTX-2 frame rate: unitgraph trains LTX-2 at 24 fps, DiffSynth's default (another rate is refused).", "diffsynth")
+    zero_cond_t: bool = _f(False, "DiffSynth's Qwen-Image-Edit-2511 flag: refused (that release is not trained by unitgraph).", "diffsynth")
+    audio_processor_path: Optional[str] = _f(None, "DiffSynth's Wan2.2-S2V flag: refused (not trained by unitgraph).", "diffsynth")
+    framewise_decoding: bool = _f(False, "DiffSynth's WanToDance flag: refused (not trained by unitgraph).", "diffsynth")
+    first_frame_as_condition: bool = _f(False, "DiffSynth's LingBot-Video flag: refused (not trained by unitgraph).", "diffsynth")
+    max_audio_duration: Optional[str] = _f(None, "DiffSynth's ACE-Step flag: refused (not trained by unitgraph).", "diffsynth")
+    silence_latent_path: Optional[str] = _f(None, "DiffSynth's ACE-Step flag: refused (not trained by unitgraph).", "diffsynth")
+    silent_on_missing_audio: bool = _f(False, "DiffSynth's MiniMax-H3 flag: refused (not trained by unitgraph).", "diffsynth")
+    noise_scale: Optional[str] = _f(None, "DiffSynth's HiDream-O1-Image flag: refused (not trained by unitgraph).", "diffsynth")
+    processor_config: Optional[str] = _f(None, "DiffSynth's HiDream-O1-Image flag: refused (not trained by unitgraph).", "diffsynth")
+    tokenizer_t5xxl_path: Optional[str] = _f(None, "DiffSynth's Anima flag: refused (not trained by unitgraph).", "diffsynth")
+    dmd2_student_update_freq: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
+    dmd2_student_sample_steps: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
+    dmd2_student_sample_type: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
+    dmd2_student_schedule: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
+    dmd2_student_t_list: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
+    dmd2_matching_t_min: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
+    dmd2_matching_t_max: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
+    dmd2_matching_t_sampling: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
+    dmd2_matching_t_mean: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
+    dmd2_matching_t_std: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
+    dmd2_gan_loss_weight: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
+    dmd2_gan_r1_reg_weight: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
+    dmd2_gan_r1_reg_alpha: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
+    dmd2_fake_score_learning_rate: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
+    dmd2_discriminator_learning_rate: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
+    dmd2_feature_indices: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
+    dmd2_teacher_cfg_scale: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
+    dmd2_student_grad_clip_norm: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
     # unitgraph
     seed: int = _f(0, "Seed of every random draw (shuffle, latents, noise, timesteps, LoRA init).", "unitgraph")
     cache_path: Optional[str] = _f(None, "Cache folder or s3://bucket/prefix URL for :split (default OUTPUT/cache) and :data_process (default OUTPUT).", "unitgraph")
@@ -148,6 +219,55 @@ class TrainArgs:
     def trainable(self) -> list[str]:
         return split_list(self.trainable_models)
 
+    def _diffsynth_flags(self) -> None:
+        """DiffSynth's flags that unitgraph takes its own way (the "diffsynth" group): the ones it honours become
+        unitgraph's flags, the ones it cannot honour are refused in one line saying what it does instead (the
+        others are noted at the start of a run: `diffsynth_notes`)."""
+        given = [f.name for f in fields(self) if f.metadata.get("group") == "diffsynth"
+                 and getattr(self, f.name) not in (None, False)]
+        dmd2 = [name for name in given if name.startswith("dmd2_")]
+        if dmd2:
+            raise BackendError(f"--{dmd2[0]}: DMD2 distillation is DiffSynth's task, which unitgraph does not train; "
+                               "it trains sft and direct_distill")
+        for name in given:
+            if name in REFUSED_DIFFSYNTH_FLAGS:
+                raise BackendError(f"--{name}: {REFUSED_DIFFSYNTH_FLAGS[name]}")
+        if self.frame_rate is not None and float(self.frame_rate) != 24.0:
+            raise BackendError(f"--frame_rate {self.frame_rate}: unitgraph trains LTX-2 at 24 fps (DiffSynth's default "
+                               "and LTX2Pipeline's)")
+        logs = [kind for kind, on in (("tensorboard", self.enable_tensorboard_log), ("wandb", self.enable_wandb_log)) if on]
+        if len(logs) > 1 or (logs and self.report_to not in ("none", logs[0])):
+            shown = " and ".join([*(f"--enable_{k}_log" for k in logs), *([f"--report_to {self.report_to}"]
+                                                                          if self.report_to != "none" else [])])
+            raise BackendError(f"{shown} ask for different trackers; unitgraph reports to one (--report_to)")
+        if logs:
+            self.report_to = logs[0]
+        if self.wandb_project is not None and self.report_to != "wandb":
+            raise BackendError("--wandb_project names the project of --report_to wandb (or --enable_wandb_log)")
+        if self.resume_from_checkpoint is not None:
+            if not self.lora_base_model or (self.lora_checkpoint and self.lora_checkpoint != self.resume_from_checkpoint):
+                raise BackendError("--resume_from_checkpoint: unitgraph starts a LoRA from a file with --lora_checkpoint "
+                                   "(which this flag sets with --lora_base_model) and continues a killed or finished "
+                                   "run exactly with --resume; a full model starts from its --model_paths")
+            self.lora_checkpoint = self.resume_from_checkpoint
+
+    def diffsynth_notes(self) -> list[str]:
+        """One line for each DiffSynth flag given that has no effect here, or that was read as unitgraph's own."""
+        notes = []
+        if self.enable_csv_log:
+            notes.append("note: --enable_csv_log has no effect: unitgraph always writes loss.csv (and loss.png)")
+        if self.enable_npu_patch:
+            notes.append("note: --enable_npu_patch has no effect: it patches Ascend NPU kernels; unitgraph runs "
+                         "torch's own")
+        if self.frame_rate is not None:
+            notes.append("note: --frame_rate 24 is the rate unitgraph trains LTX-2 at (no other is taken)")
+        if self.enable_tensorboard_log or self.enable_wandb_log:
+            notes.append(f"note: --enable_{self.report_to}_log is read as --report_to {self.report_to}")
+        if self.resume_from_checkpoint is not None:
+            notes.append(f"note: --resume_from_checkpoint is read as --lora_checkpoint {self.resume_from_checkpoint} "
+                         "(the LoRA starts from that file; --resume continues a run exactly)")
+        return notes
+
     def extra_input_names(self) -> list[str]:
         return split_list(self.extra_inputs)
 
@@ -162,8 +282,13 @@ class TrainArgs:
         return self.tokenizer_1_path or self.tokenizer_path
 
     def validate(self) -> "TrainArgs":
+        if self.task.partition(":")[0] in OTHER_TASKS:
+            raise BackendError(f"--task {self.task}: {OTHER_TASKS[self.task.partition(':')[0]]} is DiffSynth's task, "
+                               f"which unitgraph does not train; it trains sft and direct_distill (each also as "
+                               ":data_process, :train and :split)")
         if self.task not in TASKS:
             raise BackendError(f"--task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        self._diffsynth_flags()
         if self.lora_format not in LORA_FORMATS:
             raise BackendError(f"--lora_format must be one of {', '.join(LORA_FORMATS)}, got {self.lora_format!r}")
         if self.num_frames < 1 or (self.num_frames - 1) % 4:

@@ -321,7 +321,7 @@ def flag_notes(cfg: RunConfig, plan: Plan, accelerator: Any) -> list[str]:
     """One line, at start, for every accepted flag that does nothing here, saying what happens instead."""
     from .config import precision_note
 
-    args, notes = cfg.args, model_notes(cfg)
+    args, notes = cfg.args, [*model_notes(cfg), *cfg.args.diffsynth_notes()]
     note = precision_note(args, cfg.precision.mixed)
     if note:
         notes.append(note)

@@ -288,7 +288,7 @@ class _Run:
         self.tracking = cfg.output.report_to != "none"
         self.held: Optional[tuple[int, int]] = None
         if self.tracking:
-            accelerator.init_trackers(f"{plan.pipeline}-{cfg.args.task.replace(':', '-')}",
+            accelerator.init_trackers(cfg.args.wandb_project or f"{plan.pipeline}-{cfg.args.task.replace(':', '-')}",
                                       config={k: v for k, v in vars(cfg.args).items()
                                               if isinstance(v, (int, float, str, bool))})
         self.validator = self._validator()
