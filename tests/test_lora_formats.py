@@ -161,3 +161,43 @@ def test_a_launch_that_started_one_of_several_processes_is_warned(monkeypatch):
     assert any("--processor_path is not used" in n for n in notes)
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert not any("several processes" in n for n in flag_notes(cfg, plan, SimpleNamespace(num_processes=2)))
+
+
+def test_a_full_checkpoint_with_diffsynths_prefix_has_the_names_diffsynths_dit_loads(tiny, tmp_path):
+    """DiffSynth's full-training command writes `--remove_prefix_in_ckpt "pipe.dit."`, and its validate_full script
+    loads the file with `pipe.dit.load_state_dict`: in the diffusers layout the flag strips the DiT's `transformer.`,
+    so the keys are those of DiffSynth's own QwenImageDiT (the wheel's class, built on the meta device at the tiny
+    model's depth; its widths are fixed at the release's, so names are compared, not shapes)."""
+    import json
+    import sys
+    import types
+
+    dit_file = REPO / ".venv" / "diffsynth-wheel" / "diffsynth" / "models" / "qwen_image_dit.py"
+    if not dit_file.is_file():
+        pytest.skip("the diffsynth wheel is not unpacked (scripts/setup.sh)")
+    pytest.importorskip("einops")
+    data = tmp_path / "data"
+    write_synthetic_dataset(data, count=1, size=SIZE, seed=4)
+    result = run(make_args(task="sft", output_path=str(tmp_path / "full"), dataset_base_path=str(data),
+                           dataset_metadata_path=str(data / "metadata.csv"), model_paths=str(tiny), trainable_models="dit",
+                           remove_prefix_in_ckpt="pipe.dit.", max_pixels=SIZE * SIZE, progress=False, plot=False),
+                 echo=lambda _t: None)
+    ours = load_file(str(result.last_checkpoint))
+    package = types.ModuleType("diffsynth_models_wheel")
+    package.__path__ = [str(dit_file.parent)]
+    before = set(sys.modules)
+    try:
+        sys.modules[package.__name__] = package
+        for name in ("general_modules", "qwen_image_dit"):
+            spec = importlib.util.spec_from_file_location(f"{package.__name__}.{name}", dit_file.parent / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+        layers = json.loads((tiny / "transformer" / "config.json").read_text())["num_layers"]
+        with torch.device("meta"):
+            theirs = module.QwenImageDiT(num_layers=layers).state_dict()
+    finally:
+        for name in [n for n in sys.modules if n.startswith(package.__name__) and n not in before]:
+            del sys.modules[name]
+    assert not any(k.startswith("transformer.") for k in ours)
+    assert set(ours) == set(theirs)

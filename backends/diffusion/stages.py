@@ -330,7 +330,11 @@ def flag_notes(cfg: RunConfig, plan: Plan, accelerator: Any) -> list[str]:
         notes.append(f"note: --offload_models is not needed: each stage loads only its plan's models "
                      f"(stage 1: {stage1}; stage 2: {', '.join(plan.train_models)})")
     prefix = cfg.output.remove_prefix
-    if prefix and cfg.output.lora_format == "diffusers" and cfg.stage != "data_process":
+    full = [slot for slot in cfg.optim.trainable if prefix == f"pipe.{slot}." and slot in cfg.prefixes]
+    if full and cfg.output.lora_format == "diffusers" and cfg.stage != "data_process":
+        notes.append(f"note: --remove_prefix_in_ckpt {prefix}: {full[0]}'s weights are written under their own module "
+                     f"names (without '{cfg.prefixes[full[0]]}.'), as DiffSynth's validate_full scripts load them")
+    elif prefix and cfg.output.lora_format == "diffusers" and cfg.stage != "data_process":
         heads = sorted({f"{p}." for p in cfg.prefixes.values()})
         if not any(h.startswith(prefix) or prefix.startswith(h) for h in heads):
             notes.append(f"note: --remove_prefix_in_ckpt {prefix}: no key starts with it in the diffusers layout (keys "

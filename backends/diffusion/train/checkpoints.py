@@ -94,6 +94,26 @@ def to_diffsynth(state: Mapping[str, torch.Tensor], prefixes: Mapping[str, str],
     return folded(out, factors)
 
 
+def diffusers_remove_prefix(remove_prefix: Optional[str], prefixes: Mapping[str, str], full: Iterable[str],
+                            layout: str) -> Optional[str]:
+    """The prefix --remove_prefix_in_ckpt strips from a checkpoint's keys. DiffSynth's `"pipe.<model>."` names a
+    model by DiffSynth's attribute; in the diffusers layout a model trained in full is written under its pipeline
+    attribute (`transformer.<module>`), so the flag strips that (`transformer.`), and the file holds the model's
+    own module names, which DiffSynth's validate_full scripts load into `pipe.<model>`. Otherwise it is the flag's
+    prefix as given.
+
+    >>> diffusers_remove_prefix("pipe.dit.", {"dit": "transformer"}, ["dit"], "diffusers")
+    'transformer.'
+    >>> diffusers_remove_prefix("pipe.dit.", {"dit": "transformer"}, [], "diffusers")
+    'pipe.dit.'
+    """
+    if layout == "diffusers" and remove_prefix:
+        for slot in full:
+            if remove_prefix == f"{DIFFSYNTH_ROOT}.{slot}." and slot in prefixes:
+                return f"{prefixes[slot]}."
+    return remove_prefix
+
+
 def save_checkpoint(path: str | Path, state: dict[str, torch.Tensor], lora_prefix: str | None = None,
                     lora_config: Any = None, remove_prefix: str | None = None, layout: str = "diffusers",
                     prefixes: Optional[Mapping[str, str]] = None) -> Path:

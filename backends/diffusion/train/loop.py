@@ -27,7 +27,7 @@ from unitgraph.plan import Plan
 from ..data.batching import CachedItem, step_groups
 from ..errors import BackendError
 from ..randomness import seeded_global_stream
-from .checkpoints import checkpoint_state, save_checkpoint
+from .checkpoints import checkpoint_state, diffusers_remove_prefix, save_checkpoint
 from .engines import base_optimizer, held_bytes, steps_for
 from .lr import make_lr_schedule, seek, step as lr_step
 from .outputs import RunFolder
@@ -128,8 +128,8 @@ def save(cfg: RunConfig, output: Path, name: str, models: dict[str, Any], lora_c
         return None
     state = checkpoint_state(raw, cfg.lora.base_model, cfg.optim.trainable, cfg.prefixes, tensors)
     prefix = cfg.prefixes[cfg.lora.base_model] if cfg.lora.base_model else None
-    return save_checkpoint(output / name, state, prefix, lora_config, cfg.output.remove_prefix, cfg.output.lora_format,
-                           cfg.prefixes)
+    remove = diffusers_remove_prefix(cfg.output.remove_prefix, cfg.prefixes, cfg.optim.trainable, cfg.output.lora_format)
+    return save_checkpoint(output / name, state, prefix, lora_config, remove, cfg.output.lora_format, cfg.prefixes)
 
 
 class LossLog:
