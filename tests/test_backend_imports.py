@@ -3,7 +3,8 @@
 The backend is a few modules that tie a run together above four rooms (models/, data/, cache/, train/) and
 the families, all standing on a small foundation of shared vocabulary (CONTRIBUTING.md has the map):
 
-    run        args, choice, config, experts, memory_plan, memory_trace, registry, session, stage1, stage1_key, stages
+    run        args, choice, config, experts, memory_plan, memory_trace, registry, session, stage1, stage1_key, stages,
+               untrained
     rooms 2    train/, families/          (each may use the rooms below, never the other)
     rooms 1    models/, data/, cache/     (each uses only itself and the foundation)
     foundation errors, randomness, family, context, flowmatch, report, result, tensorfile
@@ -149,3 +150,20 @@ def test_contributing_maps_every_room_and_top_module():
         assert re.search(rf"`{name}\.py`", text), name
     for name in ROOMS:
         assert f"`{name}/`" in text, name
+
+
+def private_imports(source: str) -> list[str]:
+    """`from <a backend module> import _name` anywhere in `source` (a module's private name used by another)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            out += [alias.name for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return out
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert private_imports("from .folders import _read_json, shorten\nfrom __future__ import annotations\n") == \
+        ["_read_json"]  # the check can fail
+    found = {str(path.relative_to(BACKEND)): names for path in sorted(BACKEND.rglob("*.py"))
+             if (names := private_imports(path.read_text(encoding="utf-8")))}
+    assert found == {}

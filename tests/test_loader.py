@@ -309,7 +309,7 @@ def test_batch_size_one_gives_the_unsplit_runs_inputs(setup, cache, tiny, mixed_
 def test_cast_of_cached_values():
     values = {"a": torch.ones(2, dtype=torch.bfloat16), "mask": torch.ones(2, dtype=torch.long),
               "nested": [torch.zeros(1, dtype=torch.float16), ("x", 3)], "n": 4}
-    out = {k: B._cast(v, torch.float32) for k, v in values.items()}
+    out = {k: B.cast_floating(v, torch.float32) for k, v in values.items()}
     assert out["a"].dtype == torch.float32 and out["mask"].dtype == torch.long
     assert out["nested"][0].dtype == torch.float32 and out["nested"][1] == ("x", 3) and out["n"] == 4
 

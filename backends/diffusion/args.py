@@ -59,8 +59,8 @@ REFUSED_DIFFSYNTH_FLAGS = {
     "template_model_id_or_path": NOT_TRAINED.format(what="template models"),
     "enable_lora_hot_loading": NOT_TRAINED.format(what="image-to-LoRA models"),
     "zero_cond_t": NOT_TRAINED.format(what="Qwen-Image-Edit-2511"),
-    "audio_processor_path": NOT_TRAINED.format(what="Wan2.2-S2V"),
-    "framewise_decoding": NOT_TRAINED.format(what="WanToDance models"),
+    "audio_processor_path": NOT_TRAINED.format(what="speech-to-video release (S2V)"),
+    "framewise_decoding": NOT_TRAINED.format(what="dance-video (ToDance) models"),
     "first_frame_as_condition": NOT_TRAINED.format(what="LingBot-Video"),
     "max_audio_duration": NOT_TRAINED.format(what="ACE-Step"),
     "silence_latent_path": NOT_TRAINED.format(what="ACE-Step"),
@@ -164,8 +164,8 @@ class TrainArgs:
     enable_npu_patch: bool = _f(False, "DiffSynth's: no effect (an Ascend NPU kernel patch; unitgraph runs torch's own kernels).", "diffsynth")
     frame_rate: Optional[float] = _f(None, "DiffSynth's LTX-2 frame rate: unitgraph trains LTX-2 at 24 fps, DiffSynth's default (another rate is refused).", "diffsynth")
     zero_cond_t: bool = _f(False, "DiffSynth's Qwen-Image-Edit-2511 flag: refused (that release is not trained by unitgraph).", "diffsynth")
-    audio_processor_path: Optional[str] = _f(None, "DiffSynth's Wan2.2-S2V flag: refused (not trained by unitgraph).", "diffsynth")
-    framewise_decoding: bool = _f(False, "DiffSynth's WanToDance flag: refused (not trained by unitgraph).", "diffsynth")
+    audio_processor_path: Optional[str] = _f(None, "DiffSynth's speech-to-video (S2V) flag: refused (not trained by unitgraph).", "diffsynth")
+    framewise_decoding: bool = _f(False, "DiffSynth's dance-video (ToDance) flag: refused (not trained by unitgraph).", "diffsynth")
     first_frame_as_condition: bool = _f(False, "DiffSynth's LingBot-Video flag: refused (not trained by unitgraph).", "diffsynth")
     max_audio_duration: Optional[str] = _f(None, "DiffSynth's ACE-Step flag: refused (not trained by unitgraph).", "diffsynth")
     silence_latent_path: Optional[str] = _f(None, "DiffSynth's ACE-Step flag: refused (not trained by unitgraph).", "diffsynth")
@@ -234,7 +234,7 @@ class TrainArgs:
                 raise BackendError(f"--{name}: {REFUSED_DIFFSYNTH_FLAGS[name]}")
         if self.frame_rate is not None and float(self.frame_rate) != 24.0:
             raise BackendError(f"--frame_rate {self.frame_rate}: unitgraph trains LTX-2 at 24 fps (DiffSynth's default "
-                               "and LTX2Pipeline's)")
+                               "and diffusers' pipeline's)")
         logs = [kind for kind, on in (("tensorboard", self.enable_tensorboard_log), ("wandb", self.enable_wandb_log)) if on]
         if len(logs) > 1 or (logs and self.report_to not in ("none", logs[0])):
             shown = " and ".join([*(f"--enable_{k}_log" for k in logs), *([f"--report_to {self.report_to}"]

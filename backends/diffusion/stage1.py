@@ -30,7 +30,7 @@ from .cache.cache import ENTRIES, LOCK, SHARDS, Cache, entry_record, sample_labe
 from .cache.keys import HashMemo, canonical_hash, entry_key, settings_hash
 from .cache.manifest import Manifest, describe_plan_change
 from .config import RunConfig
-from .data.batching import _cast
+from .data.batching import cast_floating
 from .data.dataset import DiffusionDataset, SampleError
 from .errors import BackendError
 from .models.stage import load_models, make_context
@@ -258,7 +258,7 @@ def compute_entries(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache
                 for param, key in schedule.final:
                     kept[key] = state.get(param)
                 if store_dtype is not None:  # --cache_dtype: floating tensors stored in another dtype
-                    kept = {key: _cast(value, store_dtype) for key, value in kept.items()}
+                    kept = {key: cast_floating(value, store_dtype) for key, value in kept.items()}
                 writer.add(item["key"], kept, {"key": item["key"], "index": index, "sample_id": item["sample_id"]})
                 done += 1
             bar.update(len(chunk))

@@ -40,7 +40,7 @@ from unitgraph.errors import path_missing
 from unitgraph.userfiles import parse_user_json, read_user_json
 
 from ..errors import BackendError
-from .entries import HEADER_KEY, _safetensors_header, entry_bytes, parse_entry
+from .entries import HEADER_KEY, safetensors_header, entry_bytes, parse_entry
 from .keys import HashMemo, sha256_bytes, sha256_file
 from .manifest import ENTRY_FIELDS, FORMAT, Manifest, describe_plan_change
 
@@ -286,7 +286,7 @@ class Cache:
         try:
             with (self.folder / rel).open("rb") as handle:
                 head = handle.read(1 << 16)
-            return HEADER_KEY in _safetensors_header(head, rel).get("__metadata__", {})
+            return HEADER_KEY in safetensors_header(head, rel).get("__metadata__", {})
         except (OSError, BackendError, ValueError):
             return False
 
@@ -335,7 +335,7 @@ class Cache:
         if size <= 0 or size > min(int(record["size"]) - 8, 100 << 20):
             raise ValueError("bad safetensors header length")
         data = head + self.store.read_range(record["file"], offset + 8, offset + 8 + size)
-        return _safetensors_header(data, self.describe(record["file"]))
+        return safetensors_header(data, self.describe(record["file"]))
 
     def check_entry(self, record: dict[str, Any]) -> Optional[str]:
         """None when the entry has the recorded size and checksum; the problem otherwise."""

@@ -183,7 +183,7 @@ def value_signature(values: Mapping[str, Any], sink_keys: Iterable[str] = (), pa
     sink_keys = set(sink_keys)
 
     def describe(key: str, value: Any) -> Any:
-        if _is_tensor(value):
+        if is_tensor(value):
             shape = list(value.shape)
             if _param(key) in padded and len(shape) > 1:
                 shape[1] = None
@@ -205,7 +205,7 @@ def value_signature(values: Mapping[str, Any], sink_keys: Iterable[str] = (), pa
 # collation
 
 
-def _is_tensor(value: Any) -> bool:
+def is_tensor(value: Any) -> bool:
     import torch
 
     return isinstance(value, torch.Tensor)
@@ -278,7 +278,7 @@ def _concat(name: str, values: list[Any]) -> Any:
         return None
     if any(v is None for v in values):
         raise ValueError(f"cannot batch {name}: None in some samples only")
-    if all(_is_tensor(v) for v in values):
+    if all(is_tensor(v) for v in values):
         shapes = {tuple(v.shape[1:]) for v in values}
         if len(shapes) > 1:
             raise ValueError(f"cannot batch {name}: shapes differ ({sorted(shapes)}); the bucket key must separate them")
@@ -291,22 +291,22 @@ def _concat(name: str, values: list[Any]) -> Any:
     raise ValueError(f"cannot batch {name}: values differ across the batch ({values[:3]}...)")
 
 
-def _cast(value: Any, dtype: Any) -> Any:
+def cast_floating(value: Any, dtype: Any) -> Any:
     """Floating tensors (also inside lists, tuples and dicts) to `dtype`; everything else as it is."""
-    if _is_tensor(value):
+    if is_tensor(value):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if isinstance(value, list):
-        return [_cast(v, dtype) for v in value]
+        return [cast_floating(v, dtype) for v in value]
     if isinstance(value, tuple):
-        return tuple(_cast(v, dtype) for v in value)
+        return tuple(cast_floating(v, dtype) for v in value)
     if isinstance(value, dict):
-        return {k: _cast(v, dtype) for k, v in value.items()}
+        return {k: cast_floating(v, dtype) for k, v in value.items()}
     return value
 
 
 def to_device(values: Mapping[str, Any], device: Any, non_blocking: bool = False) -> dict[str, Any]:
-    return {k: v.to(device, non_blocking=non_blocking) if _is_tensor(v) else v for k, v in values.items()}
+    return {k: v.to(device, non_blocking=non_blocking) if is_tensor(v) else v for k, v in values.items()}
 
 
-def _pin(values: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v.pin_memory() if _is_tensor(v) else v for k, v in values.items()}
+def pin_tensors(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v.pin_memory() if is_tensor(v) else v for k, v in values.items()}

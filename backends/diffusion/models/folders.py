@@ -75,7 +75,7 @@ class ComponentSource:
 
 
 @dataclass
-class _Entry:
+class FolderEntry:
     """One user-given location, classified."""
 
     origin: str
@@ -89,7 +89,7 @@ class _Entry:
     beside: Path | None = None  # ... and the diffusers config.json of the same component beside it
 
 
-def _short(text: str, limit: int = 120) -> str:
+def shorten(text: str, limit: int = 120) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -98,7 +98,7 @@ class _ConfigJSONError(UnitgraphError):
     """parse_user_json's refusal, turned into a ModelLoadError naming the file."""
 
 
-def _read_json(path: Path) -> dict:
+def read_json_file(path: Path) -> dict:
     """A model folder's small JSON file (model_index.json, config.json, ...) as an object, parsed as every user file
     is (unitgraph/userfiles.py: strict JSON, at most MAX_DEPTH levels of nesting, no NaN or Infinity, no key given
     twice), so that a hostile file is one line, never a RecursionError or a NaN size."""
@@ -181,7 +181,7 @@ class SlotTable:
 # Classifying folders
 
 
-def classify_folder(path: Path | str, table: SlotTable, origin: str | None = None) -> _Entry:
+def classify_folder(path: Path | str, table: SlotTable, origin: str | None = None) -> FolderEntry:
     """Detect what a folder (or a weight file inside one) holds, from its config files only."""
     p = Path(path).expanduser()
     origin = origin or str(path)
@@ -198,7 +198,7 @@ def classify_folder(path: Path | str, table: SlotTable, origin: str | None = Non
         raise ModelLoadError(p, "is a file, not a diffusers/transformers model folder")
 
     if (p / "model_index.json").is_file():
-        index = _read_json(p / "model_index.json")
+        index = read_json_file(p / "model_index.json")
         subfolders, absent = {}, set()
         for key, value in index.items():
             if key.startswith("_") or not isinstance(value, list):
@@ -208,11 +208,11 @@ def classify_folder(path: Path | str, table: SlotTable, origin: str | None = Non
                     absent.add(slot)
                 else:
                     subfolders[slot] = key
-        return _Entry(origin=origin, path=p, kind="pipeline",
+        return FolderEntry(origin=origin, path=p, kind="pipeline",
                       class_name=str(index.get("_class_name", "")), subfolders=subfolders, absent=frozenset(absent))
 
     if (p / "config.json").is_file():
-        config = _read_json(p / "config.json")
+        config = read_json_file(p / "config.json")
         class_name = config.get("_class_name")
         models = [s for s in table.slots.values() if s.kind == "model"]
         if class_name:
@@ -220,14 +220,14 @@ def classify_folder(path: Path | str, table: SlotTable, origin: str | None = Non
             if slot is None:
                 expected = " or ".join(s.class_name for s in models if s.library == "diffusers")
                 raise UnreadableLayout(p, f"unsupported diffusers model class {class_name} (expected {expected})")
-            return _Entry(origin=origin, path=p, kind=slot, class_name=class_name)
+            return FolderEntry(origin=origin, path=p, kind=slot, class_name=class_name)
         architectures = [str(a) for a in config.get("architectures") or []]
         model_type = config.get("model_type")
         if architectures or model_type:
             slot = table.by_model_type.get(model_type) or next(
                 (table.by_class[a] for a in architectures if a in table.by_class), None)
             if slot is not None:
-                return _Entry(origin=origin, path=p, kind=slot,
+                return FolderEntry(origin=origin, path=p, kind=slot,
                               class_name=architectures[0] if architectures else table.expected(slot))
             expected = " or ".join(s.class_name for s in models if s.library == "transformers")
             raise UnreadableLayout(p, f"unsupported transformers model {architectures[0] if architectures else model_type} "
@@ -235,46 +235,46 @@ def classify_folder(path: Path | str, table: SlotTable, origin: str | None = Non
         raise ModelLoadError(p, "config.json names neither a diffusers _class_name nor transformers architectures/model_type")
 
     if (p / "scheduler_config.json").is_file():
-        config = _read_json(p / "scheduler_config.json")
+        config = read_json_file(p / "scheduler_config.json")
         class_name = str(config.get("_class_name", ""))
         slot = table.by_class.get(class_name)
         if slot is None or table[slot].kind != "scheduler":
             expected = " or ".join(s.class_name for s in table.slots.values() if s.kind == "scheduler")
             raise ModelLoadError(p, f"unsupported scheduler {class_name or '(no _class_name)'} (expected {expected})")
-        return _Entry(origin=origin, path=p, kind=slot, class_name=class_name)
+        return FolderEntry(origin=origin, path=p, kind=slot, class_name=class_name)
 
-    if table.processors and _is_processor_folder(p):
-        class_name = _processor_class(p)
+    if table.processors and is_processor_folder(p):
+        class_name = processor_class_of(p)
         slot = table.processor_slot(class_name)
-        return _Entry(origin=origin, path=p, kind=slot, class_name=class_name or table.expected(slot))
+        return FolderEntry(origin=origin, path=p, kind=slot, class_name=class_name or table.expected(slot))
 
-    if _is_tokenizer_folder(p):
-        class_name = _tokenizer_class(p)
+    if is_tokenizer_folder(p):
+        class_name = tokenizer_class_of(p)
         slot = table.tokenizer_slot(class_name)
-        return _Entry(origin=origin, path=p, kind=slot, class_name=class_name or table.expected(slot))
+        return FolderEntry(origin=origin, path=p, kind=slot, class_name=class_name or table.expected(slot))
 
     raise ModelLoadError(p, "not a diffusers/transformers model folder (no model_index.json, config.json, "
                             "scheduler_config.json or tokenizer files)")
 
 
-def _is_tokenizer_folder(p: Path) -> bool:
+def is_tokenizer_folder(p: Path) -> bool:
     return p.is_dir() and ((p / "tokenizer_config.json").is_file() or (p / "tokenizer.json").is_file())
 
 
-def _tokenizer_class(folder: Path) -> str:
+def tokenizer_class_of(folder: Path) -> str:
     cfg = folder / "tokenizer_config.json"
-    return str(_read_json(cfg).get("tokenizer_class", "")) if cfg.is_file() else ""
+    return str(read_json_file(cfg).get("tokenizer_class", "")) if cfg.is_file() else ""
 
 
-def _is_processor_folder(p: Path) -> bool:
+def is_processor_folder(p: Path) -> bool:
     return p.is_dir() and (p / "preprocessor_config.json").is_file()
 
 
-def _processor_class(folder: Path) -> str:
+def processor_class_of(folder: Path) -> str:
     for name in ("processor_config.json", "preprocessor_config.json"):
         cfg = folder / name
         if cfg.is_file():
-            value = _read_json(cfg).get("processor_class")
+            value = read_json_file(cfg).get("processor_class")
             if value:
                 return str(value)
     return ""
@@ -307,7 +307,7 @@ def _is_whole(value: Any) -> bool:
 
 
 def _shown(value: Any) -> str:
-    return _short(json.dumps(value), 40)
+    return shorten(json.dumps(value), 40)
 
 
 def _size_type_problem(key: str, name: str, value: Any) -> str | None:
@@ -384,7 +384,7 @@ def check_config_sizes(folder: Path) -> None:
     """ModelLoadError naming config.json when the model it describes is beyond any model's size."""
     path = Path(folder) / "config.json"
     if path.is_file():
-        problem = config_size_problem(_read_json(path))
+        problem = config_size_problem(read_json_file(path))
         if problem:
             raise ModelLoadError(path, f"{problem}; refusing to build it")
 
@@ -393,7 +393,7 @@ def check_config_sizes(folder: Path) -> None:
 # Files of a slot (for hashing)
 
 
-def _config_file(source: ComponentSource) -> Path:
+def slot_config_file(source: ComponentSource) -> Path:
     if source.path is None or not (source.path / "config.json").is_file():
         raise ModelLoadError(source.path, f"no config.json for {source.slot}")
     return source.path / "config.json"
@@ -419,7 +419,7 @@ def component_files(source: ComponentSource, kind: str, include_config: bool = T
         for index_name in _WEIGHT_INDEX_FILES:
             index_file = folder / index_name
             if index_file.is_file():
-                weight_map = _read_json(index_file).get("weight_map", {})
+                weight_map = read_json_file(index_file).get("weight_map", {})
                 if not isinstance(weight_map, dict) or not weight_map:
                     raise ModelLoadError(index_file, "weight index has no weight_map")
                 weights += [folder / name for name in sorted(set(weight_map.values()))]

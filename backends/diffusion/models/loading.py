@@ -31,7 +31,7 @@ def _dtype(torch_dtype: Any):
     return torch_dtype
 
 
-def _class(slot: ModelSlot) -> Any:
+def slot_class(slot: ModelSlot) -> Any:
     module = importlib.import_module(slot.module or slot.library)
     return getattr(module, slot.class_name)
 
@@ -64,7 +64,7 @@ def load_component(source: ComponentSource, slot: ModelSlot, torch_dtype: Any = 
     shards (models/shards.py); any other component loads whole."""
     dtype = _dtype(torch_dtype)
     folder = source.path
-    cls = _class(slot)
+    cls = slot_class(slot)
     if folder is None:  # the family's published scheduler config
         return cls(**dict(slot.default_config or {}))
     try:
@@ -113,7 +113,7 @@ def load_single_file(source: ComponentSource, slot: ModelSlot, dtype: Any) -> An
 
     path, fmt, where = source.path, source.single_file, source.origin or str(source.path)
     config = single_file_config(path, fmt, source.beside, where)
-    cls = _class(slot)
+    cls = slot_class(slot)
     try:
         with init_empty_weights(include_buffers=False):
             if slot.library == "diffusers":

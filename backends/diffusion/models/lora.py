@@ -27,13 +27,13 @@ METADATA_KEY = "lora_adapter_metadata"
 ADAPTER = "default"
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     if isinstance(value, (set, frozenset, tuple)):
-        return sorted(_jsonable(v) for v in value) if isinstance(value, (set, frozenset)) else [_jsonable(v) for v in value]
+        return sorted(jsonable(v) for v in value) if isinstance(value, (set, frozenset)) else [jsonable(v) for v in value]
     if isinstance(value, list):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     return str(getattr(value, "value", value))

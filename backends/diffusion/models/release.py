@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 from ..errors import BackendError
 from ..family import Family, ModelSlot
 from ..tensorfile import Header, read_header
-from .folders import ModelLoadError, _read_json, config_size_problem
+from .folders import ModelLoadError, read_json_file, config_size_problem
 from .hub import origin_subfolder
 
 # Files torch writes with pickle (and checkpoints of other tools that do): never opened.
@@ -90,7 +90,7 @@ def beside_config(path: Path, slot: ModelSlot) -> Optional[Path]:
 def single_file_config(path: Path, fmt: Any, beside: Optional[Path], source: str) -> dict[str, Any]:
     """The diffusers config.json content of a single file: the format's `config` of the header's shapes and the
     config beside it; checked for sizes no model has before anything is built from it."""
-    extra = _read_json(beside) if beside is not None else None
+    extra = read_json_file(beside) if beside is not None else None
     try:
         config = dict(fmt.config(shapes_of(header(path, source)), extra))
     except ValueError as exc:

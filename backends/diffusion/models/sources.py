@@ -31,12 +31,12 @@ from typing import Any, Iterable, Optional, Sequence
 from unitgraph.errors import path_missing
 
 from ..family import Family, ModelSlot
-from .folders import (OFFLINE_ENV, ComponentSource, ModelLoadError, SlotTable, UnreadableLayout, _config_file, _Entry,
-                      _is_processor_folder, _is_tokenizer_folder, _processor_class, _short, _tokenizer_class,
+from .folders import (OFFLINE_ENV, ComponentSource, ModelLoadError, SlotTable, UnreadableLayout, slot_config_file, FolderEntry,
+                      is_processor_folder, is_tokenizer_folder, processor_class_of, shorten, tokenizer_class_of,
                       check_config_sizes, classify_folder, component_files)
 from .configless import complete, mismatch_problem, weights_without_config
-from .hub import Hub, origin_subfolder as _origin_subfolder
-from .loading import _class, load_component
+from .hub import Hub, origin_subfolder
+from .loading import slot_class, load_component
 from .release import (PICKLE_PROBLEM, Unusable, beside_config, is_pickle, no_layout, recognise, release_problem,
                       single_file_config, unusable_message)
 
@@ -62,16 +62,16 @@ def parse_model_paths(model_paths: Any) -> list[str]:
             try:
                 value = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise ModelLoadError(_short(text), f"--model_paths is not valid JSON ({exc.msg} at char {exc.pos})") from None
+                raise ModelLoadError(shorten(text), f"--model_paths is not valid JSON ({exc.msg} at char {exc.pos})") from None
             if isinstance(value, str):
                 return [value]
             if not isinstance(value, list):
-                raise ModelLoadError(_short(text), "--model_paths must be a JSON list of paths")
+                raise ModelLoadError(shorten(text), "--model_paths must be a JSON list of paths")
             return _flatten_paths(value, text)
         return [text]
     if isinstance(model_paths, (list, tuple)):
         return _flatten_paths(list(model_paths), repr(model_paths))
-    raise ModelLoadError(_short(repr(model_paths)), "--model_paths must be a path, a list of paths or a JSON list")
+    raise ModelLoadError(shorten(repr(model_paths)), "--model_paths must be a path, a list of paths or a JSON list")
 
 
 def _flatten_paths(value: list, where: str) -> list[str]:
@@ -82,7 +82,7 @@ def _flatten_paths(value: list, where: str) -> list[str]:
         elif isinstance(item, (str, os.PathLike)) and os.fspath(item).strip():
             out.append(os.fspath(item).strip())
         else:
-            raise ModelLoadError(_short(where), f"--model_paths entries must be path strings, got {item!r}")
+            raise ModelLoadError(shorten(where), f"--model_paths entries must be path strings, got {item!r}")
     return out
 
 
@@ -142,7 +142,7 @@ class ModelSources:
         self._tokenizers_given = {slot: path for slot, path in zip(pairs, given) if path is not None}
         self.processor_path = None if processor_path in (None, "") else str(processor_path)
         self._remote = parse_model_id_with_origin_paths(model_id_with_origin_paths)
-        self.entries: list[_Entry] = []
+        self.entries: list[FolderEntry] = []
         self.completed: list[Any] = []  # configless.Completion of each folder of weights without a config
         self._seen: set[Path] = set()
         unusable: list[Unusable] = []
@@ -160,7 +160,7 @@ class ModelSources:
                 self._remote_done.add(i)
                 unusable.append(Unusable(label, known, model_id, pattern))
                 continue
-            if self.table.by_subfolder.get(_origin_subfolder(pattern)) is not None:
+            if self.table.by_subfolder.get(origin_subfolder(pattern)) is not None:
                 local = self.hub.local(model_id, pattern)
                 if local is None or not weights_without_config(local):
                     continue  # fetched when its slot is asked for
@@ -180,7 +180,7 @@ class ModelSources:
         if other is not None:
             raise other
 
-    def _classify_given(self, given: str) -> _Entry:
+    def _classify_given(self, given: str) -> FolderEntry:
         """What a --model_paths entry is: a release single file (read in a family's format), a component folder
         without its config.json (DiffSynth's download: completed, models/configless.py), else a folder."""
         path = Path(given).expanduser()
@@ -200,7 +200,7 @@ class ModelSources:
         return self.family is not None and self.family.slot_of_subfolder(folder.name) is not None \
             and bool(weights_without_config(folder))
 
-    def _completed(self, folder: Path, files: list[Path], origin: str) -> _Entry:
+    def _completed(self, folder: Path, files: list[Path], origin: str) -> FolderEntry:
         """A folder of weights without config.json, completed with the family's released config they fit."""
         done = complete(folder, files, self.family, folder.name, origin)
         if done is None:
@@ -209,17 +209,17 @@ class ModelSources:
             self.completed.append(done)
         return classify_folder(done.completed, self.table, origin=origin)
 
-    def _single_file(self, path: Path, origin: str) -> _Entry:
+    def _single_file(self, path: Path, origin: str) -> FolderEntry:
         """A .safetensors file with no config.json beside it, classified by its header against the family's
         single-file formats (only the header is read)."""
         found = recognise(path, self.family, origin)
         if found is None:
             raise UnreadableLayout(origin, no_layout(self.family))
         slot, fmt = found
-        return _Entry(origin=origin, path=path, kind=slot, class_name=fmt.class_name, single_file=fmt,
+        return FolderEntry(origin=origin, path=path, kind=slot, class_name=fmt.class_name, single_file=fmt,
                       beside=beside_config(path, self.table[slot]))
 
-    def _add(self, entry: _Entry) -> None:
+    def _add(self, entry: FolderEntry) -> None:
         key = entry.path.resolve()
         if key not in self._seen:  # several shard files of one folder name that folder once
             self._seen.add(key)
@@ -241,7 +241,7 @@ class ModelSources:
         if is_pickle(pattern):
             raise UnreadableLayout(label, PICKLE_PROBLEM)
         folder = self._snapshot(model_id, pattern)
-        if not _origin_subfolder(pattern) and pattern.endswith(".safetensors") and not (folder / "config.json").is_file():
+        if not origin_subfolder(pattern) and pattern.endswith(".safetensors") and not (folder / "config.json").is_file():
             # DiffSynth reads release files at a repository's top (a DiT in its original layout, say): one file,
             # read through the family's single-file formats, or named in the one message
             files = sorted(f for f in folder.iterdir() if f.is_file() and fnmatch.fnmatchcase(f.name, pattern))
@@ -265,7 +265,7 @@ class ModelSources:
                 return entry.kind
         for i, (model_id, pattern) in enumerate(self._remote):
             if f"{model_id}:{pattern}" == given:
-                slots = self.table.shared_subfolder.get(_origin_subfolder(pattern), ())
+                slots = self.table.shared_subfolder.get(origin_subfolder(pattern), ())
                 if len(slots) == 1:
                     return slots[0]
                 self._fetch_remote(i)
@@ -274,16 +274,16 @@ class ModelSources:
 
     def _fetch_remote_for(self, slot: str) -> None:
         for i, (_, pattern) in enumerate(self._remote):
-            if slot in self.table.shared_subfolder.get(_origin_subfolder(pattern), ()):
+            if slot in self.table.shared_subfolder.get(origin_subfolder(pattern), ()):
                 self._fetch_remote(i)
 
-    def _unique(self, entries: list[_Entry], slot: str) -> _Entry | None:
+    def _unique(self, entries: list[FolderEntry], slot: str) -> FolderEntry | None:
         if len(entries) > 1:
             names = ", ".join(str(e.path) for e in entries)
             raise ModelLoadError(entries[1].path, f"more than one path provides {slot}: {names}")
         return entries[0] if entries else None
 
-    def _component(self, slot: str) -> _Entry | None:
+    def _component(self, slot: str) -> FolderEntry | None:
         return self._unique([e for e in self.entries if e.kind == slot], slot)
 
     def _pipeline_source(self, slot: str) -> ComponentSource | None:
@@ -352,10 +352,10 @@ class ModelSources:
         given, the slot's origin folder under them (as DiffSynth defaults its tokenizer and processor)."""
         kind = self.table[slot].kind
         if kind == "tokenizer":
-            given, is_folder, make = self._tokenizers_given.get(slot), _is_tokenizer_folder, self._tokenizer_source
+            given, is_folder, make = self._tokenizers_given.get(slot), is_tokenizer_folder, self._tokenizer_source
         else:
             given = self.processor_path if slot == self.table.processors[0] else None
-            is_folder, make = _is_processor_folder, self._processor_source
+            is_folder, make = is_processor_folder, self._processor_source
         if given is not None:
             local = Path(given).expanduser()
             if local.exists() or ":" not in given:
@@ -391,7 +391,7 @@ class ModelSources:
             raise pipeline_error
         raise self._missing(slot)
 
-    def _from_origins(self, slot: str, encoder: _Entry | None, make: Any,
+    def _from_origins(self, slot: str, encoder: FolderEntry | None, make: Any,
                       pipeline_error: ModelLoadError | None) -> ComponentSource | None:
         """The slot's origin folder (ModelSlot.origin's pattern) under the model ids given, the text encoder's
         first, then the family's default model id; None when no model id is given or the slot has no origin."""
@@ -414,14 +414,14 @@ class ModelSources:
         return None
 
     def _tokenizer_source(self, slot: str, folder: Path, origin: str) -> ComponentSource:
-        if not _is_tokenizer_folder(folder):
+        if not is_tokenizer_folder(folder):
             raise ModelLoadError(folder, "not a tokenizer folder (no tokenizer.json or tokenizer_config.json)")
-        return ComponentSource(slot, folder, _tokenizer_class(folder) or self.table.expected(slot), origin)
+        return ComponentSource(slot, folder, tokenizer_class_of(folder) or self.table.expected(slot), origin)
 
     def _processor_source(self, slot: str, folder: Path, origin: str) -> ComponentSource:
-        if not _is_processor_folder(folder):
+        if not is_processor_folder(folder):
             raise ModelLoadError(folder, "not a processor folder (no preprocessor_config.json)")
-        return ComponentSource(slot, folder, _processor_class(folder) or self.table.expected(slot), origin)
+        return ComponentSource(slot, folder, processor_class_of(folder) or self.table.expected(slot), origin)
 
     def _missing(self, slot: str) -> ModelLoadError:
         if not self.has_sources:
@@ -467,7 +467,7 @@ class ModelSources:
         source = self.resolve(slot)
         if source.single_file is not None:
             return component_files(source, "model")
-        return [_config_file(source)]
+        return [slot_config_file(source)]
 
     def load_config(self, slot: str) -> Any:
         """A model slot's configuration, from its config.json alone (its weights are never opened; a release single
@@ -480,14 +480,14 @@ class ModelSources:
                 from diffusers.configuration_utils import FrozenDict
 
                 return FrozenDict(config)
-            return _class(spec).config_class.from_dict({k: v for k, v in config.items() if not k.startswith("_")})
-        folder = _config_file(source).parent
+            return slot_class(spec).config_class.from_dict({k: v for k, v in config.items() if not k.startswith("_")})
+        folder = slot_config_file(source).parent
         check_config_sizes(folder)  # a unit or the memory plan may build from it
         try:
             if spec.library == "diffusers":
                 from diffusers.configuration_utils import FrozenDict
 
-                return FrozenDict(_class(spec).load_config(str(folder), local_files_only=True))
+                return FrozenDict(slot_class(spec).load_config(str(folder), local_files_only=True))
             from transformers import AutoConfig
 
             return AutoConfig.from_pretrained(str(folder), local_files_only=True)

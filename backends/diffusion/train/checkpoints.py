@@ -27,7 +27,7 @@ import torch
 from unitgraph.atomic import remove_stale_temps, write_bytes_atomic
 
 from ..errors import BackendError
-from ..models.lora import DIFFSYNTH_ROOT, METADATA_KEY, _jsonable, lora_state_dict, read_lora_file
+from ..models.lora import DIFFSYNTH_ROOT, METADATA_KEY, jsonable, lora_state_dict, read_lora_file
 
 
 def checkpoint_state(models: Mapping[str, torch.nn.Module], lora_slot: str | None, trainable: Iterable[str],
@@ -125,7 +125,7 @@ def save_checkpoint(path: str | Path, state: dict[str, torch.Tensor], lora_prefi
         scale = lora_scale(lora_config) if lora_config is not None else 1.0
         state = to_diffsynth(state, prefixes or {}, scale)
     elif lora_prefix is not None and lora_config is not None:
-        config = _jsonable(lora_config.to_dict())
+        config = jsonable(lora_config.to_dict())
         metadata[METADATA_KEY] = json.dumps({f"{lora_prefix}.{k}": v for k, v in config.items()}, indent=2, sort_keys=True)
     tensors = {}
     for key, value in state.items():

@@ -39,7 +39,30 @@ import torch
 
 from ..errors import BackendError
 
-__all__ = ["Steps", "ShardedSteps", "DeepSpeedSteps", "steps_for", "autocast_forward", "base_optimizer"]
+__all__ = ["Steps", "ShardedSteps", "DeepSpeedSteps", "steps_for", "autocast_forward", "base_optimizer",
+           "return_freed_weights"]
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_freed_weights() -> bool:
+    """Have the C allocator give every large freed block back to the system (glibc: a fixed mmap threshold).
+
+    Why: glibc raises its mmap threshold after a large block is freed, so later blocks of that size come from the heap
+    and stay with the process once freed. A sharded engine allocates and frees whole weights all the time (ZeRO-3 and
+    FSDP2 gather each layer's weights for its forward and backward and free them after; loading into partitions
+    reads each tensor whole): measured on a 1.42 B video DiT under ZeRO-3 over 2 processes, the heap kept growing
+    by the gathered layers until the machine's 24 GiB ran out, while with the threshold fixed at 128 KiB the same run
+    holds its partitions and one gather. Returns whether the allocator took the setting (False off glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024))
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        return False
 
 
 def autocast_forward(model: Any, dtype: Optional[torch.dtype], device: Any) -> None:
@@ -142,6 +165,7 @@ class ShardedSteps(Steps):
 
         from ..models.shards import fill_shards, kept_tensors
 
+        return_freed_weights()
         device = self.acc.device
         mesh = init_device_mesh(device.type, (self.acc.num_processes,))
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if self.engine.offload_params else OffloadPolicy()
@@ -223,6 +247,8 @@ class DeepSpeedSteps(Steps):
     def prepare(self, models, slots, make_optimizer, compute_dtype):
         from ..engine import deepspeed_config
 
+        if self.engine.zero_stage == 3:
+            return_freed_weights()
         (slot,) = slots  # config.check_engine refuses several trained models under DeepSpeed
         model = models[slot]
         autocast_forward(model, compute_dtype, self.acc.device)

@@ -37,9 +37,9 @@ from unitgraph.runtime import SINK, stage2_bindings
 from ..data.batching import (
     CachedItem,
     Element,
-    _cast,
-    _is_tensor,
-    _pin,
+    cast_floating,
+    is_tensor,
+    pin_tensors,
     bucket_batches,
     collate,
     entry_signature,
@@ -75,7 +75,7 @@ class Batch:
     def pin_memory(self) -> "Batch":
         """Called by a DataLoader with pin_memory=True (in the training process)."""
         if self.inputs is not None:
-            self.inputs = _pin(self.inputs)
+            self.inputs = pin_tensors(self.inputs)
         return self
 
 
@@ -197,7 +197,7 @@ class Stage2Data:
             return self._entries[sample_id]
         values = self.reader(item)
         if self.dtype is not None:
-            values = {k: _cast(v, self.dtype) for k, v in values.items()}
+            values = {k: cast_floating(v, self.dtype) for k, v in values.items()}
         if self.keep_in_memory:
             with self._lock:
                 self._entries[sample_id] = values
@@ -228,7 +228,7 @@ class Stage2Data:
             return
         for unit in units:
             inputs = self._inputs(state, unit.name)
-            needs = bool(set(unit.models) & self.backward) or any(_is_tensor(v) and v.requires_grad for v in inputs.values())
+            needs = bool(set(unit.models) & self.backward) or any(is_tensor(v) and v.requires_grad for v in inputs.values())
             with contextlib.nullcontext() if needs else torch.no_grad():
                 out = unit(ctx, inputs)
             for p in unit.outputs:
@@ -262,7 +262,7 @@ class Stage2Data:
         if self.step_units:
             return Batch(epoch, elements, prepared=states)
         inputs = collate([self.sink_inputs(s) for s in states], self.pad)
-        return Batch(epoch, elements, inputs=_pin(inputs) if pin else inputs)
+        return Batch(epoch, elements, inputs=pin_tensors(inputs) if pin else inputs)
 
     def finish(self, batch: Batch, ctx: Any) -> dict[str, Any]:
         """The batch's sink inputs: run the units that call models, per sample, then collate."""

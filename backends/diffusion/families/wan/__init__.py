@@ -138,12 +138,27 @@ WAN_TI2V = PipelineDef(
     index_marks={"expand_timesteps": True},  # a TI2V folder (model_index.json) chooses it over `wan`
 )
 
+# DiffSynth's special/direct_distill/Wan2.1-T2V-1.3B.sh: a few-step sampler trained towards each clip's latents from
+# noise its `seed` column fixes (deterministic, so stage 1 caches it with the latents and the prompt)
+WAN_DISTILL = PipelineDef(
+    "wan_distill", "direct_distill",
+    units=(u.video_shape_checker, u.video_encoder, u.prompt_encoder, posterior_mean, u.seeded_noise),
+    loss=losses.direct_distill_loss,
+    description="Wan direct distillation: a few-step Euler sampler from seeded noise (seed, num_inference_steps "
+                "columns), compared with the clip's latents",
+    required=("video", "prompt", "seed", "num_inference_steps"),
+    optional=("rand_device", "cfg_scale"),
+    image_params=(),
+    video_params=("video",),
+    param_types={"seed": int, "num_inference_steps": int, "cfg_scale": float},
+)
+
 FAMILY = Family(
     name="wan",
     title="Wan",
     package=__name__,
     slots=SLOTS,
-    pipelines=(WAN, WAN_I2V, WAN_TI2V),
+    pipelines=(WAN, WAN_I2V, WAN_TI2V, WAN_DISTILL),
     diffusers_pipelines=("WanPipeline", "WanImageToVideoPipeline"),
     demo={"lora_target_modules": "q,k,v,o,ffn.0,ffn.2", "lora_rank": 8, "learning_rate": 1e-3, "num_frames": 9},
     render=".render",

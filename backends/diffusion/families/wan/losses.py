@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...errors import BackendError
 from ...family import lazy_module, sink
 from ...flowmatch import flow_matching_mse
 
@@ -91,3 +92,27 @@ def ti2v_flow_matching_loss(ctx, input_latents, noise, timestep, loss_weight, pr
     if first_frame_latents is not None:
         pred, target = pred[:, :, 1:], target[:, :, 1:]
     return flow_matching_mse(pred, target, ctx.tensor(loss_weight))
+
+
+@sink(inputs=("input_latents", "noise", "prompt_emb", "num_inference_steps", "cfg_scale"), models=("dit",))
+def direct_distill_loss(ctx, input_latents, noise, prompt_emb, num_inference_steps, cfg_scale=None) -> torch.Tensor:
+    """DiffSynth's DirectDistillLoss for Wan: the Euler sampler of its Wan schedule (FlowMatchScheduler's
+    set_timesteps_wan: `num_inference_steps` sigmas from 1, shift 5, then 0), run with gradients from the seeded
+    noise with the prompt alone, and the MSE of where it ends to the clip's latents. DiffSynth's Wan training calls
+    the DiT without guidance here, so a `cfg_scale` column is read and, as there, not used."""
+    from dataclasses import replace
+
+    from .units import TRAINING_SCHEDULE
+
+    steps = int(num_inference_steps or 0)
+    if steps < 1:
+        raise BackendError("direct_distill needs num_inference_steps >= 1 (a metadata column)")
+    x0 = ctx.tensor(input_latents)
+    latents = ctx.tensor(noise)
+    sigmas = replace(TRAINING_SCHEDULE, steps=steps).sigmas().to(latents.device)
+    for i in range(steps):
+        sigma = sigmas[i]
+        following = sigmas[i + 1] if i + 1 < steps else sigma.new_zeros(())
+        velocity = predict(ctx, latents, (sigma * 1000.0).reshape(1), prompt_emb)
+        latents = latents + (following - sigma).to(latents.dtype) * velocity.to(latents.dtype)
+    return torch.nn.functional.mse_loss(latents.float(), x0.float())

@@ -210,3 +210,23 @@ def prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
       settings=("seed", "timestep_bounds", "loss_weighting", "cache_dtype"))
 def timestep_sampler(ctx) -> dict[str, Any]:
     return sample_training_timestep(ctx, TRAINING_SCHEDULE)
+
+
+# ------------------------------------------------------------------------------------------------
+# direct distillation (DiffSynth's examples/wanvideo/model_training/special/direct_distill)
+
+
+@unit("SeededNoise", inputs=("input_latents", "seed", "rand_device"), outputs=("noise",))
+def seeded_noise(ctx, input_latents: torch.Tensor, seed: Any, rand_device: Any) -> dict[str, Any]:
+    """The sampler's starting noise as DiffSynth's generate_noise draws it: float32 normals from a generator seeded
+    with the sample's `seed` on `rand_device` (default cpu), shaped as the clip's latents, then in their dtype.
+    Deterministic, so stage 1 computes it once."""
+    if seed is None:
+        raise BackendError("direct_distill needs a 'seed' column in the metadata (and --extra_inputs seed,...)")
+    device = str(rand_device or "cpu")
+    try:
+        generator = torch.Generator(device).manual_seed(int(seed))
+        noise = torch.randn(tuple(input_latents.shape), generator=generator, device=device, dtype=torch.float32)
+    except RuntimeError as exc:
+        raise BackendError(f"rand_device {device!r}: cannot draw noise there ({str(exc).splitlines()[0]})") from None
+    return {"noise": noise.to(device=input_latents.device, dtype=input_latents.dtype)}
