@@ -40,7 +40,7 @@ from unitgraph.errors import path_missing
 from unitgraph.userfiles import parse_user_json, read_user_json
 
 from ..errors import BackendError
-from .entries import HEADER_KEY, safetensors_header, entry_bytes, parse_entry
+from .entries import HEADER_KEY, entry_bytes, parse_entry, safetensors_header
 from .keys import HashMemo, sha256_bytes, sha256_file
 from .manifest import ENTRY_FIELDS, FORMAT, Manifest, describe_plan_change
 

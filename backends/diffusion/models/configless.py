@@ -74,20 +74,28 @@ def complete(folder: Path, files: list[Path], family: Any, subfolder: str, sourc
     weights: dict[str, tuple[int, ...]] = {}
     for path in files:
         weights.update(shapes_of(header(path, source if len(files) == 1 else str(path))))
+    renames = family.slot_of_subfolder(subfolder).library == "transformers"
     for release, config, states in released(family, subfolder):
-        if any(fits(weights, params) for params in states):
+        if any(fits(weights, params, renames) for params in states):
             completion = Completion(folder, _write(folder, files, subfolder, config, weights), release, subfolder)
             _DONE[key] = completion
             return completion
     return None
 
 
-def fits(weights: dict[str, tuple[int, ...]], params: dict[str, tuple[int, ...]]) -> bool:
-    """Whether a model whose state has `params` ({name: shape}) loads `weights`: the same names and shapes, or (a
-    transformers model, which may rename a checkpoint's keys as it loads them) the same shapes, as many of each."""
+def fits(weights: dict[str, tuple[int, ...]], params: dict[str, tuple[int, ...]], renames: bool = False) -> bool:
+    """Whether a model whose state has `params` ({name: shape}) loads `weights`: the same names and shapes, or, for a
+    model whose loader renames a checkpoint's keys as it loads them (`renames`: transformers'), the same shapes, as
+    many of each.
+
+    >>> fits({"a.weight": (2, 3)}, {"a.weight": (2, 3)}), fits({"a.weight": (2, 3)}, {"b.weight": (2, 3)})
+    (True, False)
+    >>> fits({"model.a.weight": (2, 3)}, {"model.lm.a.weight": (2, 3)}, renames=True)
+    True
+    """
     if weights == params:
         return True
-    return Counter(weights.values()) == Counter(params.values())
+    return renames and Counter(weights.values()) == Counter(params.values())
 
 
 def mismatch_problem(family: Any, subfolder: str, weights: int) -> str:

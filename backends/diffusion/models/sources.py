@@ -31,12 +31,12 @@ from typing import Any, Iterable, Optional, Sequence
 from unitgraph.errors import path_missing
 
 from ..family import Family, ModelSlot
-from .folders import (OFFLINE_ENV, ComponentSource, ModelLoadError, SlotTable, UnreadableLayout, slot_config_file, FolderEntry,
-                      is_processor_folder, is_tokenizer_folder, processor_class_of, shorten, tokenizer_class_of,
-                      check_config_sizes, classify_folder, component_files)
+from .folders import (OFFLINE_ENV, ComponentSource, FolderEntry, ModelLoadError, SlotTable, UnreadableLayout,
+                      check_config_sizes, classify_folder, component_files, is_processor_folder, is_tokenizer_folder,
+                      processor_class_of, shorten, slot_config_file, tokenizer_class_of)
 from .configless import complete, mismatch_problem, weights_without_config
 from .hub import Hub, origin_subfolder
-from .loading import slot_class, load_component
+from .loading import load_component, slot_class
 from .release import (PICKLE_PROBLEM, Unusable, beside_config, is_pickle, no_layout, recognise, release_problem,
                       single_file_config, unusable_message)
 
