@@ -135,3 +135,36 @@ def test_model_ids_resolve_as_diffsynth_resolves_them(tmp_path):
     line = str(exc.value)
     assert "\n" not in line and str(base / "acme" / "other") in line and "DIFFSYNTH_MODEL_BASE_PATH" in line
     assert "offline: DIFFSYNTH_SKIP_DOWNLOAD" in line and "--model_paths" in line and str(tmp_path / "ms") in line
+
+
+def test_every_local_copy_is_tried_before_any_download(tmp_path, monkeypatch):
+    """DiffSynth's edit commands name the DiT's and the encoders' model ids, and the processor defaults to another
+    (Qwen/Qwen-Image-Edit:processor/): the local copy of the processor is found before any model id is looked for
+    online (each failed download costs modelscope's retries)."""
+    import shutil
+
+    import modelscope
+
+    from unitgraph.backends.diffusion.families.qwen_image import FAMILY
+    from unitgraph.backends.diffusion.families.qwen_image.tiny import write_tiny_models
+    from unitgraph.backends.diffusion.models.hub import Hub
+    from unitgraph.backends.diffusion.models.sources import ModelSources
+
+    tiny = write_tiny_models(tmp_path / "tiny", size="test", seed=0, pipeline="qwen_image_edit_plus")
+    base = tmp_path / "models"
+    for model_id, subs in (("Qwen/Qwen-Image", ("text_encoder", "vae", "tokenizer")),
+                           ("Qwen/Qwen-Image-Edit-2509", ("transformer",)), ("Qwen/Qwen-Image-Edit", ("processor",))):
+        for sub in subs:
+            shutil.copytree(tiny / sub, base / model_id / sub)
+    calls = []
+
+    def snapshot_download(model_id, cache_dir=None, allow_patterns=None, local_files_only=False):
+        calls.append((model_id, local_files_only))
+        raise ValueError("not in the cache" if local_files_only else "no network")
+
+    monkeypatch.setattr(modelscope, "snapshot_download", snapshot_download)
+    ids = ("Qwen/Qwen-Image-Edit-2509:transformer/diffusion_pytorch_model*.safetensors,"
+           "Qwen/Qwen-Image:text_encoder/model*.safetensors,Qwen/Qwen-Image:vae/diffusion_pytorch_model.safetensors")
+    sources = ModelSources(FAMILY, model_id_with_origin_paths=ids, hub=Hub(base_path=base))
+    assert sources.resolve("processor").path == base / "Qwen" / "Qwen-Image-Edit" / "processor"
+    assert all(local for _, local in calls), calls  # the cache was asked, the network never

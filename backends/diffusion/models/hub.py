@@ -52,6 +52,20 @@ class Hub:
             return None
         return folder if matches(root, folder, pattern) else None
 
+    def found_locally(self, model_id: str, pattern: str) -> Optional[Path]:
+        """The folder of `pattern` in DiffSynth's local layout or the modelscope cache, without any network
+        lookup; None when neither holds it (a command naming several model ids tries every local copy before a
+        download of any: each download that fails costs modelscope's retries)."""
+        found = self.local(model_id, pattern)
+        if found is not None:
+            return found
+        from dataclasses import replace
+
+        try:
+            return replace(self, offline=True, offline_reason="local files first").snapshot(model_id, pattern, _Missing)
+        except _Missing:
+            return None
+
     def snapshot(self, model_id: str, pattern: str, error: Any) -> Path:
         """The folder holding `pattern` of `model_id` (see the module docstring); `error(path, problem)` builds
         the exception for a model found nowhere."""
@@ -95,3 +109,10 @@ def origin_subfolder(pattern: str) -> str:
 def matches(root: Path, folder: Path, pattern: str) -> bool:
     file_pattern = pattern + "*" if pattern.endswith("/") else pattern
     return any(fnmatch.fnmatch(str(f.relative_to(root)), file_pattern) for f in folder.rglob("*") if f.is_file())
+
+
+class _Missing(Exception):
+    """A model found nowhere locally (found_locally's own signal)."""
+
+    def __init__(self, where: Any, problem: str):
+        super().__init__(f"{where}: {problem}")

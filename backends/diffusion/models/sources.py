@@ -401,8 +401,16 @@ class ModelSources:
         ids = [encoder.model_id] if encoder is not None and encoder.model_id else []
         ids += [model_id for model_id, _ in self._remote]
         ids.append(origin[0])
+        ids = list(dict.fromkeys(ids))
+        for model_id in ids:  # local files first: DiffSynth's ./models, then the modelscope cache, no network
+            try:
+                folder = self.hub.found_locally(model_id, origin[1])
+            except ModelLoadError:
+                folder = None
+            if folder is not None:
+                return make(slot, folder, f"{model_id}:{origin[1]}")
         last_error = None
-        for model_id in dict.fromkeys(ids):
+        for model_id in ids:
             try:
                 folder = self._snapshot(model_id, origin[1])
             except ModelLoadError as exc:
