@@ -10,6 +10,7 @@ that cache keys record (`context.UnitSettings`), the optimisation (`OptimConfig`
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -59,12 +60,23 @@ class ModelConfig:
 
     def sources(self, family: Family, offline: Optional[bool] = None) -> ModelSources:
         """The family's slots resolved from these arguments (`offline` overrides the setting); the expert slot
-        from the chosen expert's subfolder."""
+        from the chosen expert's subfolder. Made once per run and family (this config object), so a run reads its
+        folders' configs and headers once however many of its parts ask."""
         hub = self.hub if offline is None or offline == self.hub.offline else \
             replace(self.hub, offline=offline, offline_reason=self.hub.offline_reason or "comparing stage-1 models")
-        return ModelSources(family.with_expert(self.expert), self.model_paths, self.model_id_with_origin_paths, self.tokenizer_path,
-                            self.cache_dir, offline=hub.offline, hub=hub, processor_path=self.processor_path,
-                            tokenizer_2_path=self.tokenizer_2_path)
+        memo = _SOURCES.get(id(self))
+        if memo is None:
+            memo = _SOURCES[id(self)] = {}
+            weakref.finalize(self, _SOURCES.pop, id(self), None)
+        key = (family.name, hub)
+        if key not in memo:
+            memo[key] = ModelSources(family.with_expert(self.expert), self.model_paths, self.model_id_with_origin_paths,
+                                     self.tokenizer_path, self.cache_dir, offline=hub.offline, hub=hub,
+                                     processor_path=self.processor_path, tokenizer_2_path=self.tokenizer_2_path)
+        return memo[key]
+
+
+_SOURCES: dict[int, dict[Any, ModelSources]] = {}  # id(ModelConfig) -> its sources by (family, hub)
 
 
 @dataclass(frozen=True)
