@@ -137,7 +137,7 @@ def test_model_ids_resolve_as_diffsynth_resolves_them(tmp_path):
     assert "offline: DIFFSYNTH_SKIP_DOWNLOAD" in line and "--model_paths" in line and str(tmp_path / "ms") in line
 
 
-def test_every_local_copy_is_tried_before_any_download(tmp_path, monkeypatch):
+def test_every_local_copy_is_tried_before_any_download(tiny, tmp_path, monkeypatch):
     """DiffSynth's edit commands name the DiT's and the encoders' model ids, and the processor defaults to another
     (Qwen/Qwen-Image-Edit:processor/): the local copy of the processor is found before any model id is looked for
     online (each failed download costs modelscope's retries)."""
@@ -146,16 +146,17 @@ def test_every_local_copy_is_tried_before_any_download(tmp_path, monkeypatch):
     import modelscope
 
     from unitgraph.backends.diffusion.families.qwen_image import FAMILY
-    from unitgraph.backends.diffusion.families.qwen_image.tiny import write_tiny_models
     from unitgraph.backends.diffusion.models.hub import Hub
     from unitgraph.backends.diffusion.models.sources import ModelSources
 
-    tiny = write_tiny_models(tmp_path / "tiny", size="test", seed=0, pipeline="qwen_image_edit_plus")
     base = tmp_path / "models"
     for model_id, subs in (("Qwen/Qwen-Image", ("text_encoder", "vae", "tokenizer")),
-                           ("Qwen/Qwen-Image-Edit-2509", ("transformer",)), ("Qwen/Qwen-Image-Edit", ("processor",))):
+                           ("Qwen/Qwen-Image-Edit-2509", ("transformer",))):
         for sub in subs:
             shutil.copytree(tiny / sub, base / model_id / sub)
+    processor = base / "Qwen" / "Qwen-Image-Edit" / "processor"  # resolving reads its config only
+    processor.mkdir(parents=True)
+    (processor / "preprocessor_config.json").write_text('{"processor_class": "Qwen2VLProcessor"}')
     calls = []
 
     def snapshot_download(model_id, cache_dir=None, allow_patterns=None, local_files_only=False):

@@ -60,33 +60,22 @@ def losses(folder: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_split_wan_distillation_is_the_unsplit_run_and_stage2_needs_no_encoder(tmp_path, capsys):
-    from safetensors.torch import load_file
-
+def test_diffsynths_wan_distillation_command_trains_wan_distill(tmp_path, capsys):
+    """DiffSynth's command, models given as a diffusers folder (its script names Wan's .pth release files, which are
+    pickles): the columns it hands over with --extra_inputs are read, and the run is the direct_distill pipeline.
+    Split == unsplit and stage 2 without the encoders are the conformance suite's (tests/test_conformance.py)."""
     from unitgraph.backends.diffusion.families.wan import tiny
 
     models = tiny.write_tiny_models(tmp_path / "wan", size="test", seed=0, pipeline="wan")
     data = tmp_path / "data"
     write_synthetic_dataset(data, count=2, size=32, seed=5, videos=["video"], frames=5)
     metadata = with_distill_columns(data)
-    common = ["train", "--model_paths", str(models), "--dataset_base_path", str(data), "--dataset_metadata_path",
-              str(metadata), "--extra_inputs", "seed,rand_device,num_inference_steps,cfg_scale", "--lora_base_model",
-              "dit", "--lora_rank", "4", "--num_frames", "5", "--height", "32", "--width", "32", "--learning_rate",
-              "1e-3", "--seed", "1", "--no-progress", "--no-plot"]
-    code, out, err = cli(capsys, *common, "--task", "direct_distill", "--output_path", str(tmp_path / "unsplit"))
+    code, out, err = cli(capsys, "train", "--model_paths", str(models), "--dataset_base_path", str(data),
+                         "--dataset_metadata_path", str(metadata), "--extra_inputs",
+                         "seed,rand_device,num_inference_steps,cfg_scale", "--trainable_models", "dit", "--task",
+                         "direct_distill", "--remove_prefix_in_ckpt", "pipe.dit.", "--num_frames", "5", "--height", "32",
+                         "--width", "32", "--learning_rate", "1e-5", "--no-progress", "--no-plot", "--output_path",
+                         str(tmp_path / "out"))
     assert code == 0, err
-    assert "pipeline: wan_distill" in out
-    code, out, err = cli(capsys, *common, "--task", "direct_distill:split", "--output_path", str(tmp_path / "split"))
-    assert code == 0, err
-    assert losses(tmp_path / "unsplit") == losses(tmp_path / "split") and len(losses(tmp_path / "split")) == 2
-    a, b = (load_file(str(tmp_path / n / "epoch-0.safetensors")) for n in ("unsplit", "split"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    # stage 2 alone, from the cache, with the encoders' folders gone
-    for sub in ("text_encoder", "vae"):
-        (models / sub).rename(tmp_path / f"gone-{sub}")
-    stage2 = list(common)
-    stage2[stage2.index("--dataset_base_path") + 1] = str(tmp_path / "split" / "cache")
-    del stage2[stage2.index("--dataset_metadata_path"):stage2.index("--dataset_metadata_path") + 2]
-    code, _, err = cli(capsys, *stage2, "--task", "direct_distill:train", "--output_path", str(tmp_path / "stage2"))
-    assert code == 0, err
-    assert losses(tmp_path / "stage2") == losses(tmp_path / "split")
+    assert out.startswith("pipeline: wan_distill") or "pipeline: wan_distill" in out.splitlines()[0]
+    assert len(losses(tmp_path / "out")) == 2 and all(float(x) > 0 for x in losses(tmp_path / "out"))
