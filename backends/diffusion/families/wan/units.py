@@ -216,7 +216,7 @@ def timestep_sampler(ctx) -> dict[str, Any]:
 # direct distillation (DiffSynth's examples/wanvideo/model_training/special/direct_distill)
 
 
-@unit("SeededNoise", inputs=("input_latents", "seed", "rand_device"), outputs=("noise",))
+@unit("SeededNoise", inputs=("input_latents", "seed", "rand_device"), outputs=("noise",), settings=("cache_dtype",))
 def seeded_noise(ctx, input_latents: torch.Tensor, seed: Any, rand_device: Any) -> dict[str, Any]:
     """The sampler's starting noise as DiffSynth's generate_noise draws it: float32 normals from a generator seeded
     with the sample's `seed` on `rand_device` (default cpu), shaped as the clip's latents, then in their dtype.
