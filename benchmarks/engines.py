@@ -168,7 +168,7 @@ def measure(size: str, steps: int, workdir: Path, modes: list[str]) -> list[dict
             config.write_text(config_text(engine))
             out = workdir / name
             cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
-                   "2", __file__, "--child", mode, "--models", str(folders[mode]), "--cache", str(cache), "--out",
+                   "2", "--main_process_port", "0", __file__, "--child", mode, "--models", str(folders[mode]), "--cache", str(cache), "--out",
                    str(out), "--steps", str(steps)]
             done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir)
             if done.returncode != 0:  # the row says so; the other engines are still measured

@@ -158,7 +158,7 @@ def run_child(spec: dict[str, Any], workdir: Optional[Path] = None) -> dict[str,
         spec = dict(spec)
         config = launch_config(spec.pop(LAUNCH), workdir or Path(spec["output_path"]).parent)
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
-                   "1", __file__, "--child"]
+                   "1", "--main_process_port", "0", __file__, "--child"]
     done = subprocess.run([*command, json.dumps(spec)], capture_output=True, text=True)
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["failed"])[-1]

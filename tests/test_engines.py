@@ -263,7 +263,7 @@ def launch(workdir: Path, config: str, jobs: list[tuple], processes: int = 2) ->
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "UNITGRAPH_", "FSDP_"))}
     env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
-                           "--num_processes", str(processes), str(JOBS), str(spec)], cwd=workdir, env=env,
+                           "--num_processes", str(processes), "--main_process_port", "0", str(JOBS), str(spec)], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=600)
     logs = {}
     for job in jobs:
@@ -344,8 +344,11 @@ def test_diffsynths_low_vram_zero3_split_training_runs_as_shipped(workdir, user_
 
 
 def test_zero3_partitions_the_weights_split_equals_unsplit_and_resumes_exactly(workdir):
+    # at fp32 on every machine (the default is bf16 on a CPU with bf16 kernels): there the two ways of loading
+    # (zero3_init_flag on and off) give the same partitions; at bf16 on such a CPU their first losses are 4e-4
+    # apart (split == unsplit and the resume stay exact there too)
     base = ["train", "--model_paths", "models/Qwen/Qwen-Image", "--max_pixels", "1024", "--num_epochs", "1",
-            "--learning_rate", "1e-3", "--no-progress", "--no-plot", "--seed", "3",
+            "--learning_rate", "1e-3", "--no-progress", "--no-plot", "--seed", "3", "--mixed_precision", "no",
             "--dataset_base_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image",
             "--dataset_metadata_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image/metadata.csv"]
     lora = [*base, "--lora_base_model", "dit", "--lora_rank", "4", "--max_grad_norm", "0.005"]
@@ -361,6 +364,7 @@ def test_zero3_partitions_the_weights_split_equals_unsplit_and_resumes_exactly(w
     assert 45 < share < 55, held  # about half of the weights: the other process holds the rest
     # zero3_init_flag: built without weights and read into the partitions (models/shards.py), the LoRA's base too
     assert "read into the partitions one tensor at a time" in held[0]
+    assert "its optimizer steps the fp32 weights' own partition (no master copy" in held[0]  # share_fp32_master
     assert "dit's weights partitioned over 2 processes" in logs["z3/lora"] and \
         "read into the partitions one tensor at a time" in logs["z3/lora"]
     # ... into the very partitions DeepSpeed cuts from a model loaded whole (the flag off): the same training
@@ -380,7 +384,7 @@ def test_zero3_partitions_the_weights_split_equals_unsplit_and_resumes_exactly(w
 
 def test_fsdp2_shards_trains_split_equal_to_unsplit_and_resumes_exactly(workdir):
     base = ["train", "--model_paths", "models/Qwen/Qwen-Image", "--max_pixels", "1024", "--learning_rate", "1e-3",
-            "--no-progress", "--no-plot", "--seed", "3", "--save_steps", "1",
+            "--no-progress", "--no-plot", "--seed", "3", "--save_steps", "1", "--mixed_precision", "no",  # as ZeRO-3's
             "--dataset_base_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image",
             "--dataset_metadata_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image/metadata.csv"]
     lora = [*base, "--lora_base_model", "dit", "--lora_rank", "4", "--num_epochs", "1", "--max_grad_norm", "0.005"]
@@ -421,7 +425,7 @@ def test_an_fsdp2_state_continues_on_another_number_of_processes_from_an_epochs_
         record.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     base = ["train", "--model_paths", "models/Qwen/Qwen-Image", "--max_pixels", "1024", "--learning_rate", "1e-3",
             "--no-progress", "--no-plot", "--seed", "3", "--trainable_models", "dit", "--num_epochs", "2",
-            "--save_steps", "1", "--resume",
+            "--save_steps", "1", "--resume", "--mixed_precision", "no",
             "--dataset_base_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image",
             "--dataset_metadata_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image/metadata.csv"]
     logs = launch(workdir, "fsdp2.yaml", [(base, "fsdp/by-one-fsdp2")], processes=1)
@@ -429,12 +433,19 @@ def test_an_fsdp2_state_continues_on_another_number_of_processes_from_an_epochs_
            "restored whole into this run's shards, and from epoch 1 on each epoch's samples are dealt to 1 " \
            "processes (4 steps an epoch, 2 before)" in logs["fsdp/by-one-fsdp2"], logs["fsdp/by-one-fsdp2"][-2000:]
     monkeypatch.chdir(workdir)
-    code, out, err = cli(capsys, *base, "--output_path", "fsdp/by-one")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the launched process (OMP_NUM_THREADS=1): the same kernels' summation order
+    try:
+        code, out, err = cli(capsys, *base, "--output_path", "fsdp/by-one")
+    finally:
+        torch.set_num_threads(threads)
     assert code == 0 and "the state was made by 2 processes, this run has 1" in out, err[-2000:]
     one, two = losses(workdir / "fsdp" / "by-one"), losses(workdir / "fsdp" / "by-one-fsdp2")
     assert one[:2] == two[:2] == losses(made) and len(one) == len(two) == 6  # 2 steps on two processes, 4 on one
-    # the same losses; the weights to rounding: this process sums its gradients on two threads, the launched one on one
-    assert one == two
+    # the first step on one process starts from the same restored weights: the same loss to the bit; after it the
+    # two optimizers' steps (on a DTensor shard, on a plain tensor) agree to rounding, and so do the later losses
+    assert one[2] == two[2]
+    assert one[3:] == pytest.approx(two[3:], rel=1e-5)
     left, right = (load_file(str(workdir / "fsdp" / n / "epoch-1.safetensors")) for n in ("by-one", "by-one-fsdp2"))
     assert left.keys() == right.keys() and all(torch.allclose(left[k], right[k], rtol=1e-5, atol=1e-7) for k in left)
 

@@ -22,8 +22,8 @@ The loop (`loop.py`) is the same under every engine; it asks the run's `Steps` f
   its gradient_clipping, at the boundary only. Under ZeRO-3 each trained weight is gathered whole with
   `GatheredParameters` to be saved. A training state holds the trained tensors whole and each process's
   partition of AdamW's state (the torch AdamW DeepSpeed steps over the process's flat fp32 partition) in a file of
-  its own; resuming sets the weights and lets DeepSpeed take its fp32 copies from them, exact as its precision is
-  off.
+  its own; resuming sets the weights, which are that partition (`share_fp32_master`: DeepSpeed's precision is off,
+  so its master copy would be the same fp32 values).
 
 Why split equals unsplit under an engine: both runs make the same engine over the same processes with the same
 seeded numbers, and the engine's reductions do not depend on where a batch came from.
@@ -40,7 +40,7 @@ import torch
 from ..errors import BackendError
 
 __all__ = ["Steps", "ShardedSteps", "DeepSpeedSteps", "steps_for", "autocast_forward", "base_optimizer",
-           "return_freed_weights"]
+           "return_freed_weights", "share_fp32_master"]
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -243,6 +243,7 @@ class DeepSpeedSteps(Steps):
         self.gathers = engine.zero_stage == 3
         self.ds_engine: Any = None
         self.loaded: Any = None  # models/shards.py's record when the model was read into its partitions
+        self.shared = 0  # the bytes of fp32 master copies share_fp32_master gave back
 
     def prepare(self, models, slots, make_optimizer, compute_dtype):
         from ..engine import deepspeed_config
@@ -263,6 +264,7 @@ class DeepSpeedSteps(Steps):
         self.loaded = partition_skeleton(model, config, self.acc.device)  # a model built without weights
         engine, optimizer = self.acc.prepare(model, make_optimizer(_trained(models, slots)))
         self.ds_engine, self.slot = engine, slot
+        self.shared = share_fp32_master(engine.optimizer)
         self.held = held_fraction(engine.module)
         return {**models, slot: engine}, optimizer
 
@@ -337,8 +339,9 @@ class DeepSpeedSteps(Steps):
 
     def restore(self, params, weights):
         """The trained weights set from a state's whole tensors (a ZeRO-3 partition from the main process's copy),
-        then DeepSpeed's fp32 copies taken from them, as its own checkpoint loading does: the weights are fp32 here
-        (DeepSpeed's precision is off), so the copies are exactly the saved ones."""
+        then DeepSpeed's fp32 masters taken from them, as its own checkpoint loading does: the weights are fp32 here
+        (DeepSpeed's precision is off), so the masters are exactly the saved ones (the weights' own partitions
+        when share_fp32_master shared them: a copy onto itself)."""
         import deepspeed
 
         for name, param in params.items():
@@ -351,12 +354,59 @@ class DeepSpeedSteps(Steps):
         self.ds_engine.optimizer._restore_from_bit16_weights()  # the engine's own: DeepSpeed's ZeRO optimizer
 
     def note(self):
+        shared = (f"its optimizer steps the fp32 weights' own partition (no master copy: {self.shared / 2**30:.2f} "
+                  f"GiB less a process)") if self.shared else None
         if self.engine.zero_stage != 3:
-            return None
+            return f"{self.engine.name}: {shared}" if shared else None
         how = ("read into the partitions one tensor at a time" if self.loaded is not None else
                "loaded whole first: zero3_init_flag is off")
         return (f"{self.engine.name}: {self.slot}'s weights partitioned over {self.acc.num_processes} processes "
-                f"(this process holds {self.held:.1%} of them, {how})")
+                f"(this process holds {self.held:.1%} of them, {how})" + (f"; {shared}" if shared else ""))
+
+
+def share_fp32_master(zero: Any) -> int:
+    """Let DeepSpeed's ZeRO optimizer step the weights' own partitions where its fp32 master copies would be the
+    same values in the same dtype on the same device; returns the bytes given back.
+
+    Why: unitgraph leaves DeepSpeed's precision off (trained weights stay fp32, as without an engine), so each
+    master partition is a clone of weights that are fp32 already: a third more than the weights and AdamW's moments
+    need. ZeRO-3 means to share them in that case (stage3.py `_create_fp32_partitions`: "we don't need another copy
+    of the weights"), but its test compares the tensor's torch.device with the accelerator's device *name*, a
+    string, which is never equal, so it always copies; ZeRO-1/2 always copy. Sharing changes no number: the master
+    and the weights hold equal fp32 values from the start, and DeepSpeed's copy of the one into the other after
+    each step and after loading becomes a copy onto itself. Skipped for offloaded or swapped optimizer state (on
+    another device by design) and for weights in another dtype.
+    """
+    if getattr(zero, "offload_optimizer", False) or getattr(zero, "cpu_offload", False):
+        return 0
+    if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3
+        pairs = list(zip(zero.fp16_partitioned_groups_flat, zero.fp32_partitioned_groups_flat))
+        swapped = getattr(zero, "_swappable_optimizer_subgroup", lambda i: False)
+        pairs = [(low, master) if not swapped(i) else (None, master) for i, (low, master) in enumerate(pairs)]
+    elif hasattr(zero, "single_partition_of_fp32_groups"):  # ZeRO-1/2
+        pairs = [(parts[dist_rank], master) for parts, master, dist_rank in
+                 zip(zero.parallel_partitioned_bit16_groups, zero.single_partition_of_fp32_groups,
+                     _partition_ids(zero))]
+    else:
+        return 0
+    given_back = 0
+    for low, master in pairs:
+        if low is None or master is low or low.dtype != master.dtype or low.device != master.device \
+                or low.shape != master.shape or low.untyped_storage().data_ptr() == \
+                master.untyped_storage().data_ptr() or not torch.equal(low, master):
+            continue
+        given_back += master.numel() * master.element_size()
+        master.data = low.data
+    if given_back and hasattr(zero, "_link_all_hp_params"):
+        zero._link_all_hp_params()  # ZeRO-1/2's per-weight views of the masters, made anew over the shared bytes
+    return given_back
+
+
+def _partition_ids(zero: Any) -> list[int]:
+    """This process's partition index in each of a ZeRO-1/2 optimizer's groups."""
+    from deepspeed import comm as dist
+
+    return [dist.get_rank(group=group) for group in zero.real_dp_process_group]
 
 
 def held_fraction(model: Any) -> float:
@@ -381,6 +431,7 @@ def held_bytes(models: dict[str, Any], optimizer: Any) -> tuple[int, int]:
     offloaded engine keeps them in CPU memory). What a run prints after its first step, and what the engines
     benchmark compares."""
     seen: set[int] = set()
+    stores: set[int] = set()  # the weights' bytes: a master copy sharing them (share_fp32_master) is not counted twice
     weights = 0
     for model in models.values():
         if not isinstance(model, torch.nn.Module):
@@ -392,6 +443,8 @@ def held_bytes(models: dict[str, Any], optimizer: Any) -> tuple[int, int]:
             local = param.ds_tensor if hasattr(param, "ds_tensor") else \
                 param.to_local() if hasattr(param, "to_local") else param
             weights += local.numel() * local.element_size()
+            if local.device.type != "meta":
+                stores.add(local.untyped_storage().data_ptr())
     state = 0
     counted: set[tuple[int, int, int]] = set()
 
@@ -401,7 +454,7 @@ def held_bytes(models: dict[str, Any], optimizer: Any) -> tuple[int, int]:
             local = value.to_local() if hasattr(value, "to_local") else value
             # by where its bytes are (a DTensor's local part is a new object at every call: ids get reused)
             where = (local.untyped_storage().data_ptr(), local.storage_offset(), local.numel())
-            if where not in counted and local.numel() > 1:
+            if where not in counted and where[0] not in stores and local.numel() > 1:
                 counted.add(where)
                 state += local.numel() * local.element_size()
         elif isinstance(value, (list, tuple)):
