@@ -5,7 +5,7 @@ second heavy job makes every figure 2-4x slower). With --write, each benchmark r
 as it finishes, and the run's summary (start, end, machine, versions, the commands and their wall
 times) replaces the `run` section at the top of the file; without it, nothing is written.
 
-    python benchmarks/run_all.py [--write] [--only planner,stage1,qwen_image,flux,wan,sd15,sdxl,z_image,flux2_klein,wan_ti2v,ltx2,object_store,thread_overlap,memory_plan,real_size,engines,vae_latents]
+    python benchmarks/run_all.py [--write] [--only planner,stage1,qwen_image,flux,wan,sd15,sdxl,z_image,flux2_klein,wan_ti2v,ltx2,object_store,thread_overlap,memory_plan,real_size,engines,vae_latents,recipe]
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ COMMANDS: dict[str, list[str]] = {
     "real_size": ["benchmarks/real_size.py"],
     "engines": ["benchmarks/engines.py"],
     "vae_latents": ["benchmarks/vae_latents.py"],
+    "recipe": ["benchmarks/recipe.py"],
 }
 
 

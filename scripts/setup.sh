@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prepare .venv for this checkout: the pinned CPU build of torch first (an unpinned torch would pull a
-# multi-GB CUDA build), then unitgraph itself (editable) with the diffusion backend, DeepSpeed and test extras,
-# and Graphviz's `dot` for SVG/PNG/PDF drawings. Re-running is cheap: it reinstalls only when
-# pyproject.toml or this script changed.
+# multi-GB CUDA build), then unitgraph itself (editable) with the diffusion backend, DeepSpeed and test extras, the
+# optimizers of --optimizer (pinned), and Graphviz's `dot` for SVG/PNG/PDF drawings. Re-running is cheap: it
+# reinstalls only when pyproject.toml or this script changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -17,6 +17,13 @@ if [ "$(cat .venv/.setup-stamp 2>/dev/null || true)" != "$stamp" ]; then
   echo "setup: installing $TORCH_PIN and unitgraph[diffusion,dev] into .venv (about a minute)" >&2
   .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_PIN"
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[diffusion,dev,deepspeed]"
+  # --optimizer prodigy, came and schedulefree (the optimizers extra), pinned; torch stays the pinned one
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_PIN" prodigyopt==1.1.2 came-pytorch==0.1.3 \
+    schedulefree==1.4.1
+  # LyCORIS' own reader of LoKr / LoHa files (the lycoris extra), for the tests of --lora_type lokr|loha: without its
+  # dependencies (it pins none of them usefully here; the tests need only its module loader and toml)
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps lycoris-lora==4.1.3 toml==0.10.2 \
+    || echo "setup: note: lycoris-lora is not available; the LyCORIS loader tests will be skipped" >&2
   # DiffSynth-Studio's own LoRA loader, for the tests of the diffsynth LoRA layout: unpacked beside the venv's
   # packages (not importable as `diffsynth`: its dependencies are not installed), read by path in the tests.
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --target .venv/diffsynth-wheel "diffsynth==2.1.12" \

@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import pytest
+
+
+def _threads_per_worker() -> None:
+    """Under pytest-xdist (scripts/test.sh runs a worker per core), each worker's torch gets its share of the cores
+    instead of all of them: OpenMP threads spinning for cores another worker holds made every worker slower than
+    one process alone. Set before torch is imported; a value the caller exported wins."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+
+
+_threads_per_worker()
 
 
 def pytest_runtest_setup(item):

@@ -7,7 +7,8 @@ the families, all standing on a small foundation of shared vocabulary (CONTRIBUT
                untrained
     rooms 2    train/, families/          (each may use the rooms below, never the other)
     rooms 1    models/, data/, cache/     (each uses only itself and the foundation)
-    foundation errors, randomness, family, context, flowmatch, report, result, tensorfile
+    foundation errors, randomness, family, context, flowmatch, ddpm, caption_dropout, masked_loss, report, result,
+               tensorfile
 
 An import goes down, or stays inside its own room. An import inside `if TYPE_CHECKING:` (a type for an
 annotation: a room's functions take the run's `RunConfig`) carries no run-time dependence, so it may
@@ -30,8 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 BACKEND = REPO / "backends" / "diffusion"
 PACKAGE = "unitgraph.backends.diffusion"
 
-FOUNDATION = ("errors", "randomness", "family", "context", "flowmatch", "ddpm", "report", "result", "tensorfile",
-              "engine")
+FOUNDATION = ("errors", "randomness", "family", "context", "flowmatch", "ddpm", "caption_dropout", "masked_loss",
+              "report", "result", "tensorfile", "engine")
 RUN = ("args", "choice", "config", "experts", "memory_plan", "memory_trace", "registry", "session", "stage1",
        "stage1_key", "stages", "untrained")
 # rank of each room: an import may go to a lower rank, or stay in its own room

@@ -306,3 +306,19 @@ def test_memory_plan_table_at_test_size(tmp_path):
     bench.write_section(doc, bench.BEGIN, bench.END, bench.TITLE, text.replace("bf16", "bf17"))
     content = doc.read_text()
     assert content.count(bench.BEGIN) == 1 and PLANNER in content and "bf17" in content
+
+
+def test_the_recipe_benchmark_reports_each_configuration_against_plain():
+    """benchmarks/recipe.py's section from made-up step times: one row per configuration, its ratio to the plain
+    step, and the ones above the noise named with why."""
+    path = ROOT / "benchmarks" / "recipe.py"
+    spec = importlib.util.spec_from_file_location("recipe_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    steps = {"plain": [0.2, 0.22], "--masked_loss": [0.21, 0.21], "--lora_type dora --use_rslora": [0.33, 0.31]}
+    text = module.render(steps, 2, "2026-01-01 00:00", "2026-01-01 00:05")
+    assert "| plain | 210.0 ms | 1.00 |" in text and "| `--masked_loss` | 210.0 ms | 1.00 |" in text
+    assert "| `--lora_type dora --use_rslora` | 320.0 ms | 1.52 |" in text
+    assert "noise of about 10% of the plain step: `--masked_loss`." in text
+    assert "Above it: `--lora_type dora --use_rslora` (each step takes the norm" in text
+    assert all(module.available(flags) for _, flags in module.CONFIGS.values() if "optimizer" not in flags)

@@ -120,6 +120,31 @@ def test_a_diffsynth_download_without_configs_is_read_with_the_released_configs(
     assert set(index["weight_map"].values()) == {p.name for p in user.iterdir()}
 
 
+def test_the_resolver_classifies_each_candidate_once_in_one_pass(diffsynth_models, monkeypatch):
+    """Parse, list the candidates, classify each once, choose: resolving every slot of DiffSynth's command twice
+    reads each model id's files once (the tokenizer, which no pattern names, from its origin beside them)."""
+    from unitgraph.backends.diffusion.families.qwen_image import FAMILY
+    from unitgraph.backends.diffusion.models import sources as sources_module
+    from unitgraph.backends.diffusion.models.hub import Hub
+
+    looked: list[tuple[str, str]] = []
+    snapshot = Hub.snapshot
+
+    def counted(self, model_id, pattern, error):
+        looked.append((model_id, pattern))
+        return snapshot(self, model_id, pattern, error)
+
+    monkeypatch.setattr(Hub, "snapshot", counted)
+    sources = sources_of(diffsynth_models, QWEN_IDS)
+    assert [c.origin for c in sources.candidates] == QWEN_IDS.split(",") and all(c.remote for c in sources.candidates)
+    slots = ["dit", "vae", "text_encoder", "tokenizer", "scheduler"]
+    first = {slot: sources.resolve(slot).path for slot in slots}
+    assert {slot: sources.resolve(slot).path for slot in slots} == first
+    assert sorted(set(looked)) == sorted(looked), looked  # nothing looked up twice
+    assert {c.origin for c in sources.candidates} <= {f"{m}:{p}" for m, p in looked}
+    assert len(sources.entries) == 3 and sources_module.Candidate("x").subfolder == ""
+
+
 def test_weights_that_fit_no_released_config_are_named_together_in_one_line(diffsynth_models, tmp_path):
     from unitgraph.backends.diffusion.models.folders import ModelLoadError
 

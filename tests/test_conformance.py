@@ -380,7 +380,7 @@ def two_process_stage1(tiny_models, tmp_path_factory):
         made[(pipeline.name, experts)] = (data, metadata, output)
     (root / "jobs.json").write_text(json.dumps(jobs, indent=1), encoding="utf-8")
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--num_machines", "1", "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no",
               str(Path(__file__).parent / "two_process_stage1.py"), str(root / "jobs.json")]
     done = subprocess.run(launch, capture_output=True, text=True, env=ENV, timeout=900)
 

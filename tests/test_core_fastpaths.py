@@ -288,12 +288,16 @@ def test_gc_paused_moves_survivors_to_the_oldest_generation_and_respects_a_froze
         assert not gc.isenabled()  # a collector the caller had off stays off
     finally:
         gc.enable()
+    host_object = [object()]  # a container the host froze
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
+        assert not any(o is host_object for o in gc.get_objects())  # frozen: out of every generation
         with gc_paused():
             more = [[i] for i in range(10)]
-        assert gc.get_freeze_count() == frozen and gc.isenabled() and more  # the host's frozen objects stay frozen
+        # the host's frozen objects stay frozen (the count itself may drop: a frozen object can still
+        # die by reference counting, e.g. in pytest-xdist's messaging thread)
+        assert gc.get_freeze_count() > 0 and gc.isenabled() and more
+        assert not any(o is host_object for o in gc.get_objects())
     finally:
         gc.unfreeze()
 

@@ -137,6 +137,45 @@ def test_model_ids_resolve_as_diffsynth_resolves_them(tmp_path):
     assert "offline: DIFFSYNTH_SKIP_DOWNLOAD" in line and "--model_paths" in line and str(tmp_path / "ms") in line
 
 
+def test_with_no_network_a_missing_model_fails_at_once_in_one_line(tmp_path, monkeypatch):
+    """Online, but modelscope's endpoint refuses connections: the cache is read, the download (and its retries,
+    about 25 s a model id) is never tried, and the line says there is no network."""
+    import socket
+    import time
+
+    import modelscope
+
+    from unitgraph.backends.diffusion.models import hub as hub_module
+    from unitgraph.backends.diffusion.models.folders import ModelLoadError
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for name in hub_module.PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MODELSCOPE_DOMAIN", f"127.0.0.1:{port}")  # modelscope adds https://
+    hub_module._unreachable.cache_clear()
+    calls = []
+
+    def snapshot_download(model_id, cache_dir=None, allow_patterns=None, local_files_only=False):
+        calls.append((model_id, local_files_only))
+        if local_files_only:
+            raise ValueError("not in the cache")
+        time.sleep(30)  # what modelscope's retries would cost
+
+    monkeypatch.setattr(modelscope, "snapshot_download", snapshot_download)
+    hub = hub_module.Hub(base_path=tmp_path / "models", cache_dir=str(tmp_path / "ms"))
+    started = time.monotonic()
+    with pytest.raises(ModelLoadError) as exc:
+        hub.snapshot("acme/tiny", "transformer/diffusion_pytorch_model*.safetensors", ModelLoadError)
+    assert time.monotonic() - started < hub_module.PROBE_SECONDS + 2
+    line = str(exc.value)
+    assert "\n" not in line and "acme/tiny" in line and "no network" in line and f"127.0.0.1:{port}" in line
+    assert str(tmp_path / "models" / "acme" / "tiny" / "transformer") in line and "--model_paths" in line
+    assert calls == [("acme/tiny", True)]  # the cache was asked, the network never
+    hub_module._unreachable.cache_clear()
+
+
 def test_every_local_copy_is_tried_before_any_download(tiny, tmp_path, monkeypatch):
     """DiffSynth's edit commands name the DiT's and the encoders' model ids, and the processor defaults to another
     (Qwen/Qwen-Image-Edit:processor/): the local copy of the processor is found before any model id is looked for

@@ -296,7 +296,7 @@ def test_bad_objective_flags_are_one_line(capsys, tiny, data, tmp_path):
             "--dataset_metadata_path", str(data / "metadata.csv"), "--lora_base_model", "dit",
             "--output_path", str(tmp_path / "out")]
     for flag, value, fragment in (("--vae_latents", "mode", "--vae_latents must be one of mean, sample"),
-                                  ("--loss_weighting", "snr", "--loss_weighting must be one of diffsynth, none"),
+                                  ("--loss_weighting", "snr", "--weighting_scheme must be one of diffsynth, none"),
                                   ("--lr_scheduler", "step", "--lr_scheduler must be one of diffsynth")):
         code, _, err = cli(capsys, *base, flag, value)
         one_error_line(code, err, fragment)

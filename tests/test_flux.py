@@ -161,8 +161,11 @@ def test_diffsynth_flux_lora_command_ports(models, data, tmp_path, capsys):
     assert "align_to_opensource_format" in out + err  # said, not silently ignored
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert plan["pipeline"] == "flux" and plan["train"]["models"] == ["dit"]  # the family came from the DiT folder's class
-    keys = load_file(str(tmp_path / "out" / "epoch-0.safetensors"))
-    modules = {k.split(".lora_")[0] for k in keys}
+    # --align_to_opensource_format wrote ComfyUI's layout; read back in diffusers' names
+    from unitgraph.backends.diffusion.models.lora import read_lora_file
+
+    assert all(k.startswith("diffusion_model.") for k in load_file(str(tmp_path / "out" / "epoch-0.safetensors")))
+    modules = set(read_lora_file(tmp_path / "out" / "epoch-0.safetensors", "dit", flux.FAMILY.lora_prefixes()).modules)
     for part in ("attn.to_q", "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff_context.net.2",
                  "norm1.linear", "norm1_context.linear", "single_transformer_blocks.0.norm.linear",
                  "single_transformer_blocks.0.proj_mlp", "single_transformer_blocks.0.proj_out"):

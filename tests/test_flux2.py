@@ -311,8 +311,10 @@ def test_render_draws_what_the_pipeline_draws(pipe):
     ctx = context(pipe)
     embeds = u.qwen3_prompt_embedder(ctx, {"prompt": "a cat"})
     models = {"dit": pipe.transformer, "vae": pipe.vae, "scheduler": pipe.scheduler}
-    got = render.render(flux2.FLUX2_KLEIN, models, embeds, SIZE, SIZE, 2, torch.Generator().manual_seed(1))
-    expected = pipe(prompt="a cat", width=SIZE, height=SIZE, num_inference_steps=2, guidance_scale=render.GUIDANCE,
+    negative = u.qwen3_prompt_embedder(ctx, {"prompt": ""})  # klein's guidance is against the empty prompt
+    got = render.render(flux2.FLUX2_KLEIN, models, embeds, SIZE, SIZE, 2, torch.Generator().manual_seed(1),
+                        negative=negative)
+    expected = pipe(prompt="a cat", width=SIZE, height=SIZE, num_inference_steps=2,  # its default guidance, 4
                     generator=torch.Generator().manual_seed(1)).images[0]
     assert got.size == (SIZE, SIZE) and got.tobytes() == expected.tobytes()
 

@@ -200,10 +200,13 @@ def test_render_draws_what_the_pipeline_draws(pipe):
     embeds = u.prompt_encoder(ctx, {"prompt": "a cat"})
     models = {"dit": pipe.transformer, "video_vae_encoder": pipe.vae, "audio_vae_encoder": pipe.audio_vae,
               "scheduler": pipe.scheduler}
-    got = render.render(ltx2.LTX2, models, embeds, SIZE, SIZE, 2, torch.Generator().manual_seed(1))
+    negative = u.prompt_encoder(ctx, {"prompt": ""})  # its guidance is against the empty prompt
+    got = render.render(ltx2.LTX2, models, embeds, SIZE, SIZE, 2, torch.Generator().manual_seed(1), negative=negative)
+    # the pipeline's classifier-free guidance at its defaults (3 for the video, 7 for the sound), its STG, modality
+    # isolation and rescale off
     frames = pipe(prompt="a cat", width=SIZE, height=SIZE, num_frames=render.FRAMES, num_inference_steps=2,
-                  guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, modality_scale=1.0, use_cross_timestep=False,
-                  generator=torch.Generator().manual_seed(1)).frames[0]
+                  stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0,
+                  audio_guidance_rescale=0.0, use_cross_timestep=False, generator=torch.Generator().manual_seed(1)).frames[0]
     import numpy as np
 
     assert got.size == (SIZE * render.FRAMES, SIZE) and len(frames) == render.FRAMES

@@ -34,7 +34,7 @@ BUCKET = "cache"
 SIZE = 32
 VENV_BIN = Path(sys.executable).parent
 LAUNCH2 = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-           "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+           "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ VENV_BIN = Path(sys.executable).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
 SIZE = 32
 LAUNCH2 = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no"]
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
 
 
 @pytest.fixture(scope="module")

@@ -232,7 +232,8 @@ def test_the_loss_is_diffsynths_flow_match_sft_loss_around_the_same_unet(diffsyn
         torch.manual_seed(seed)  # the same draws, in DiffSynth's order: the position, then the noise
         position = int(torch.randint(0, 1000, (1,)))
         noise = torch.randn_like(x0)
-        inputs = {"input_latents": x0, "noise": noise, "timestep": torch.tensor([999 - position]), "prompt_embeds": embeds}
+        inputs = {"input_latents": x0, "noise": noise, "timestep": torch.tensor([999 - position]), "loss_weight": None,
+                  "prompt_embeds": embeds}
         with torch.no_grad():
             ours = losses.ddpm_loss(ctx, inputs)
         assert float(ours) == pytest.approx(float(expected), rel=1e-5), (name, seed)
@@ -352,11 +353,15 @@ def test_the_dry_run_plans_the_unet_lora_from_configs(models, capsys):
 
 
 def test_a_validation_sample_renders_from_the_prompt_embeddings_alone(pipe):
+    """What the pipeline draws from the text, at its default guidance (7.5) against the empty prompt."""
     ctx = context(pipe)
     embeds = u.prompt_encoder(ctx, {"prompt": "a red circle"})
+    negative = u.prompt_encoder(ctx, {"prompt": ""})
     models = {"unet": pipe.unet, "vae": pipe.vae, "scheduler": pipe.scheduler}
-    images = [render.render(sd15.SD15, models, embeds, SIZE, SIZE, 2, torch.Generator().manual_seed(0)) for _ in range(2)]
-    assert images[0].size == (SIZE, SIZE) and images[0].tobytes() == images[1].tobytes()
+    got = render.render(sd15.SD15, models, embeds, SIZE, SIZE, 2, torch.Generator().manual_seed(0), negative=negative)
+    expected = pipe(prompt="a red circle", width=SIZE, height=SIZE, num_inference_steps=2,
+                    generator=torch.Generator().manual_seed(0)).images[0]
+    assert got.size == (SIZE, SIZE) and got.tobytes() == expected.tobytes()
 
 
 # --------------------------------------------------------------------------------------------

@@ -307,7 +307,7 @@ def test_the_loss_is_diffsynths_flowmatch_sft_loss_around_its_ddim_scheduler(pip
     t = int(scheduler.timesteps[position])
     assert t == 999 - position
     with torch.no_grad():
-        ours = losses.denoising_loss(ctx, {"input_latents": x0, "noise": noise, "timestep": torch.tensor([t]),
+        ours = losses.denoising_loss(ctx, {"input_latents": x0, "noise": noise, "timestep": torch.tensor([t]), "loss_weight": None,
                                       "prompt_emb": state["prompt_emb"], "pooled_prompt_emb": state["pooled_prompt_emb"],
                                       "add_time_ids": ids})
     assert float(ours) == pytest.approx(float(theirs), rel=2e-6, abs=1e-7)
@@ -472,17 +472,25 @@ def test_diffsynths_sdxl_lora_command_runs_verbatim(models, tmp_path, user_shell
     assert "--align_to_opensource_format" in done.stdout
     out = tmp_path / "models" / "train" / "stable-diffusion-xl-base-1.0_lora"
     assert sorted(p.name for p in out.glob("epoch-*.safetensors")) == ["epoch-0.safetensors", "epoch-1.safetensors"]
-    keys = load_file(str(out / "epoch-1.safetensors"))
-    adapted = {k.split(".lora_")[0].removeprefix("unet.") for k in keys}
+    # --align_to_opensource_format wrote ComfyUI's layout (the UNet's LDM names); read back in diffusers' names
+    from unitgraph.backends.diffusion.models.lora import read_lora_file
+
+    assert all(k.startswith("diffusion_model.") for k in load_file(str(out / "epoch-1.safetensors")))
+    config = json.loads((models / "unet" / "config.json").read_text())
+    adapted = set(read_lora_file(out / "epoch-1.safetensors", "unet", sdxl.FAMILY.lora_prefixes(), config=config).modules)
     present = {n for n, _ in diffusers.UNet2DConditionModel.from_pretrained(str(models / "unet")).named_modules()}
     # 12 modules (8 attention, 2 feed-forward, proj_in, proj_out) in each of down_blocks.1.attentions.0, mid_block's
     # and up_blocks.0.attentions.0 and .1
     assert adapted == set(diffsynth_targets()) & present and len(adapted) == 48
-    # diffusers loads it, and it changes the UNet
+    # converted to diffusers' layout (the file's header tells the UNet's layers per block), diffusers loads it, and it
+    # changes the UNet
+    done = user_shell.command(["lora", "convert", str(out / "epoch-1.safetensors"), str(tmp_path / "d.safetensors"),
+                               "--to", "diffusers", "--pipeline", "sdxl", "--model", "unet"], tmp_path)
+    assert done.returncode == 0, done.stderr
     pipe = diffusers.StableDiffusionXLPipeline.from_pretrained(str(tmp_path / SDXL_REPO))
     block = pipe.unet.down_blocks[1].attentions[0].transformer_blocks[0]
     before = block.attn1.to_q.weight.detach().clone()
-    pipe.load_lora_weights(str(out / "epoch-1.safetensors"))
+    pipe.load_lora_weights(str(tmp_path / "d.safetensors"))
     pipe.fuse_lora()
     assert not torch.equal(block.attn1.to_q.weight, before)
     if not (WHEEL.parent / "utils" / "lora" / "general.py").is_file():

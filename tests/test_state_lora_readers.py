@@ -375,12 +375,13 @@ HEADS = ["transformer.", "pipe.dit.", "", "diffusion_model.", "dit.", "text_enco
 FOREIGN = {"unet.", "pipe.unet.", "base_model.model.", "lora_unet.", "text_encoder_2."}
 MODULES = {**{m: (8, 8) for m in LORA_MODULES}, "proj_out": (8, 4), "nowhere.to_q": (8, 8)}  # module -> (in, out)
 DEFECTS = ["none"] * 6 + ["zero_d", "one_d", "three_d", "int", "bool", "half", "bf16", "rank", "no_B", "empty", "nan",
-                          "alpha", "bad_alpha"]
-HEADER_DEFECTS = {"zero_d", "one_d", "three_d", "int", "bool", "empty", "rank"}
+                          "alpha", "bad_alpha", "dora", "dora", "dora_len", "dora_2d", "dora_nan"]
+HEADER_DEFECTS = {"zero_d", "one_d", "three_d", "int", "bool", "empty", "rank", "dora_2d"}
 METADATA = [None, {"transformer.lora_alpha": 4.0, "transformer.r": 2}, {"lora_alpha": 1}, "[1, 2]", "{not json",
             {"lora_alpha": "eight"}, {"lora_alpha": 0}, {"transformer.lora_alpha": -1}, "{\"lora_alpha\": NaN}",
             {"lora_alpha": True}, {"r": 2.5}, {"transformer.r": 3}, {"text_encoder.lora_alpha": "x"},
-            {"lora_alpha": 10**400}, {"r": 10**400}]
+            {"lora_alpha": 10**400}, {"r": 10**400},
+            {"transformer.lora_alpha": 4.0, "transformer.r": 2, "transformer.use_rslora": True}]  # rsLoRA: alpha/sqrt(r)
 BAD_METADATA = {3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 14}  # indexes of METADATA that must be refused (11: unless ranks are 3)
 
 
@@ -408,6 +409,11 @@ def lora_tensors(entries: list[tuple[str, str, bool, int, str]], extra: bool) ->
             b[0, 0] = float("nan")
         elif defect in ("alpha", "bad_alpha"):
             out[f"{head}{module}.alpha"] = torch.tensor(3.0 if defect == "alpha" else -2.0)
+        elif defect.startswith("dora"):  # a DoRA magnitude per output row (peft's key), or a wrong one
+            magnitude = torch.rand(fan_out + (defect == "dora_len"), generator=generator) + 0.5
+            if defect == "dora_nan":
+                magnitude[0] = float("nan")
+            out[f"{head}{module}.lora_magnitude_vector{tag}"] = magnitude[None] if defect == "dora_2d" else magnitude
         out[f"{head}{module}.lora_A{tag}.weight"] = a
         if defect != "no_B":
             out[f"{head}{module}.lora_B{tag}.weight"] = b
@@ -437,6 +443,8 @@ def deltas(lora: Any) -> dict[str, torch.Tensor]:
 @given(entries=lora_entries, meta=st.sampled_from([0, 0, 1, 1, 2, *range(len(METADATA))]), extra=st.booleans(),
        to=st.sampled_from(["diffusers", "diffsynth"]))
 @example(entries=[("transformer.", m, False, 2, "none") for m in LORA_MODULES], meta=1, extra=True, to="diffsynth")
+@example(entries=[("transformer.", m, False, 2, "dora") for m in LORA_MODULES], meta=len(METADATA) - 1, extra=False,
+         to="diffusers")  # a whole DoRA with rsLoRA's scale
 @example(entries=[("pipe.dit.", m, True, 2, "alpha" if m.endswith("q") else "half") for m in LORA_MODULES], meta=0,
          extra=False, to="diffusers")
 @example(entries=[("unet.", "transformer_blocks.0.to_q", False, 2, "none")], meta=0, extra=False, to="diffsynth")
@@ -700,7 +708,7 @@ VALIDATION_CASES = {
     "a-mask-of-another-length": (lambda v: v[0].update(prompt_emb_mask=v[0]["prompt_emb_mask"][:, :-1]),
                                  "so the leading part of prompt_emb's"),
     "an-integer-embedding": (lambda v: v[0].update(prompt_emb=v[0]["prompt_emb"].to(torch.int64)),
-                             "prompt_emb of dtype int64, the cache's entries float"),
+                             "prompt_emb of dtype int64, the cache's entries "),
     "a-float-mask": (lambda v: v[1].update(prompt_emb_mask=v[1]["prompt_emb_mask"].float()),
                      "prompt_emb_mask of dtype float32, the cache's entries int64"),
     "an-output-missing": (lambda v: [x.pop("prompt_emb_mask") for x in v], "the cache's prompt units give prompt_emb, prompt_emb_mask"),
@@ -753,7 +761,9 @@ def test_encoded_prompts_without_a_checksum_are_refused_and_encoded_again_by_sta
     stage1[stage1.index("sft:split")] = "sft:data_process"
     code, _, err = cli(capsys, *stage1)
     assert code == 0, err
-    assert DIGEST_KEY in load_file_metadata(path) and len(load_encoded(cache_copy, prompts, key)) == 2
+    # the two prompts and the empty negative prompt their guidance uses, each encoded once
+    assert prompts == ["a red circle", "two blue squares", ""]
+    assert DIGEST_KEY in load_file_metadata(path) and len(load_encoded(cache_copy, prompts, key)) == 3
 
 
 def test_a_lora_checkpoint_of_a_foreign_prefix_stops_training_before_it_starts(cache_copy, tiny, tmp_path, capsys):

@@ -107,16 +107,20 @@ def test_each_familys_render_matches_its_pipeline(tmp_path, name, pipeline_class
         models = {"dit": pipe.transformer, "vae_encoder": pipe.vae, "scheduler": pipe.scheduler}
         expected = pipe(prompt_embeds=emb, pooled_prompt_embeds=pooled, width=SIZE, height=SIZE, num_inference_steps=2,
                         guidance_scale=render.GUIDANCE, generator=torch.Generator().manual_seed(1)).images[0]
-    else:
+        negative = None  # FLUX.1's guidance is embedded in its DiT: no negative prompt
+    else:  # classifier-free guidance at the pipeline's default scale, against the empty prompt as the pipeline uses
         emb = pipe.encode_prompt("a cat", do_classifier_free_guidance=False, max_sequence_length=512)[0]
         embeds = {"prompt_emb": emb}
+        negative = {"prompt_emb": pipe.encode_prompt("", do_classifier_free_guidance=False, max_sequence_length=512)[0]}
         models = {"dit": pipe.transformer, "vae": pipe.vae, "scheduler": pipe.scheduler}
-        frames = pipe(prompt_embeds=emb, width=SIZE, height=SIZE, num_frames=render.FRAMES, num_inference_steps=2,
-                      guidance_scale=1.0, generator=torch.Generator().manual_seed(1), output_type="pil").frames[0]
+        frames = pipe(prompt_embeds=emb, negative_prompt_embeds=negative["prompt_emb"], width=SIZE, height=SIZE,
+                      num_frames=render.FRAMES, num_inference_steps=2,  # the pipeline's default guidance
+                      generator=torch.Generator().manual_seed(1), output_type="pil").frames[0]
         expected = Image.new("RGB", (SIZE * len(frames), SIZE))
         for i, frame in enumerate(frames):
             expected.paste(frame, (i * SIZE, 0))
-    got = render.render(fam.pipelines[0], models, embeds, SIZE, SIZE, 2, torch.Generator().manual_seed(1))
+    got = render.render(fam.pipelines[0], models, embeds, SIZE, SIZE, 2, torch.Generator().manual_seed(1),
+                        negative=negative)
     assert got.size == expected.size and got.tobytes() == expected.tobytes()
 
 

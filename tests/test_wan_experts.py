@@ -281,17 +281,20 @@ def test_a_sample_of_one_expert_renders_through_both_as_the_two_expert_pipeline_
     pipe = diffusers.WanPipeline.from_pretrained(str(experts_folder))
     pipe.set_progress_bar_config(disable=True)
     emb = pipe.encode_prompt("a cat", do_classifier_free_guidance=False, max_sequence_length=512)[0]
-    frames = pipe(prompt_embeds=emb, width=SIZE, height=SIZE, num_frames=render.FRAMES, num_inference_steps=4,
-                  guidance_scale=1.0, generator=torch.Generator().manual_seed(1), output_type="pil").frames[0]
+    neg = pipe.encode_prompt("", do_classifier_free_guidance=False, max_sequence_length=512)[0]
+    frames = pipe(prompt_embeds=emb, negative_prompt_embeds=neg, width=SIZE, height=SIZE, num_frames=render.FRAMES,
+                  num_inference_steps=4, generator=torch.Generator().manual_seed(1),  # both experts at guidance 5
+                  output_type="pil").frames[0]
     expected = Image.new("RGB", (SIZE * len(frames), SIZE))
     for i, frame in enumerate(frames):
         expected.paste(frame, (i * SIZE, 0))
     models = {"dit": pipe.transformer_2, "vae": pipe.vae, "scheduler": pipe.scheduler, "boundary_ratio": 0.875,
               "experts": {"transformer": pipe.transformer, "transformer_2": pipe.transformer_2}}
-    got = render.render(wan.WAN, models, {"prompt_emb": emb}, SIZE, SIZE, 4, torch.Generator().manual_seed(1))
+    got = render.render(wan.WAN, models, {"prompt_emb": emb}, SIZE, SIZE, 4, torch.Generator().manual_seed(1),
+                        negative={"prompt_emb": neg})
     assert got.tobytes() == expected.tobytes()
     alone = render.render(wan.WAN, {**models, "experts": None, "dit": pipe.transformer_2}, {"prompt_emb": emb}, SIZE,
-                          SIZE, 4, torch.Generator().manual_seed(1))
+                          SIZE, 4, torch.Generator().manual_seed(1), negative={"prompt_emb": neg})
     assert alone.tobytes() != expected.tobytes()  # the low-noise expert alone draws something else
 
 
@@ -302,10 +305,10 @@ def test_validation_of_an_expert_run_loads_the_other_expert_for_the_render(exper
     seen = []
     original = render.render
 
-    def spy(pipeline, models, embeds, *args):
+    def spy(pipeline, models, embeds, *args, **kwargs):
         seen.append({sub: (m is models["dit"], float(next(m.parameters()).float().abs().sum()))
                      for sub, m in models["experts"].items()})
-        return original(pipeline, models, embeds, *args)
+        return original(pipeline, models, embeds, *args, **kwargs)
 
     monkeypatch.setattr(render, "render", spy)
     result = run(make_args(task="sft:split", output_path=str(tmp_path / "out"), expert="low_noise",

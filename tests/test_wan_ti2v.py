@@ -199,9 +199,12 @@ def test_the_image_to_video_loss_calls_the_dit_as_the_pipelines_denoising_step(p
 def test_render_draws_what_the_pipeline_draws(pipe):
     emb = pipe.encode_prompt("a cat", do_classifier_free_guidance=False, max_sequence_length=u.TEXT_LENGTH)[0]
     models = {"dit": pipe.transformer, "vae": pipe.vae, "scheduler": pipe.scheduler}
-    got = render.render(wan.WAN_TI2V, models, {"prompt_emb": emb}, SIZE, SIZE, 2, torch.Generator().manual_seed(1))
-    frames = pipe(prompt_embeds=emb, width=SIZE, height=SIZE, num_frames=render.FRAMES, num_inference_steps=2,
-                  guidance_scale=1.0, generator=torch.Generator().manual_seed(1), output_type="pil").frames[0]
+    neg = pipe.encode_prompt("", do_classifier_free_guidance=False, max_sequence_length=u.TEXT_LENGTH)[0]
+    got = render.render(wan.WAN_TI2V, models, {"prompt_emb": emb}, SIZE, SIZE, 2, torch.Generator().manual_seed(1),
+                        negative={"prompt_emb": neg})
+    frames = pipe(prompt_embeds=emb, negative_prompt_embeds=neg, width=SIZE, height=SIZE, num_frames=render.FRAMES,
+                  num_inference_steps=2, generator=torch.Generator().manual_seed(1),  # its default guidance, 5
+                  output_type="pil").frames[0]
     assert got.size == (SIZE * render.FRAMES, SIZE)
     assert got.crop((0, 0, SIZE, SIZE)).tobytes() == frames[0].tobytes()
     assert got.crop((SIZE * 4, 0, SIZE * 5, SIZE)).tobytes() == frames[4].tobytes()

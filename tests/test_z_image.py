@@ -274,8 +274,10 @@ def test_render_draws_what_the_pipeline_draws(pipe):
     ctx = context(pipe)
     embeds = u.prompt_encoder(ctx, {"prompt": "a cat"})
     models = {"dit": pipe.transformer, "vae_encoder": pipe.vae, "scheduler": pipe.scheduler}
-    got = render.render(z_image.Z_IMAGE, models, embeds, SIZE, SIZE, 2, torch.Generator().manual_seed(1))
-    expected = pipe(prompt="a cat", width=SIZE, height=SIZE, num_inference_steps=2, guidance_scale=render.GUIDANCE,
+    negative = u.prompt_encoder(ctx, {"prompt": ""})  # its guidance is against the empty prompt
+    got = render.render(z_image.Z_IMAGE, models, embeds, SIZE, SIZE, 2, torch.Generator().manual_seed(1),
+                        negative=negative)
+    expected = pipe(prompt="a cat", width=SIZE, height=SIZE, num_inference_steps=2,  # its default guidance, 5
                     generator=torch.Generator().manual_seed(1)).images[0]
     assert got.size == (SIZE, SIZE) and got.tobytes() == expected.tobytes()
 
@@ -607,8 +609,10 @@ def test_the_omni_t2i_render_draws_what_the_pipeline_draws(omni_pipe):
     ctx = omni_context(omni_pipe)
     embeds = omni.omni_t2i_prompt_encoder(ctx, {"prompt": "a cat"})
     models = {"dit": omni_pipe.transformer, "vae_encoder": omni_pipe.vae, "scheduler": omni_pipe.scheduler}
-    got = render.render(z_image.Z_IMAGE_OMNI_T2I, models, embeds, 64, 64, 2, torch.Generator().manual_seed(1))
-    expected = omni_pipe(prompt="a cat", width=64, height=64, num_inference_steps=2, guidance_scale=render.GUIDANCE,
+    negative = omni.omni_t2i_prompt_encoder(ctx, {"prompt": ""})
+    got = render.render(z_image.Z_IMAGE_OMNI_T2I, models, embeds, 64, 64, 2, torch.Generator().manual_seed(1),
+                        negative=negative)
+    expected = omni_pipe(prompt="a cat", width=64, height=64, num_inference_steps=2,  # its default guidance, 5
                          generator=torch.Generator().manual_seed(1)).images[0]
     assert got.size == (64, 64) and got.tobytes() == expected.tobytes()
 

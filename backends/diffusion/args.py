@@ -13,9 +13,12 @@ import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Optional
 
+from .caption_dropout import check_caption_dropout
 from .errors import BackendError
-from .flowmatch import LOSS_WEIGHTINGS, VAE_LATENTS
+from .flowmatch import LOSS_WEIGHTINGS, VAE_LATENTS, TimestepSampling
+from .masked_loss import check_unmasked_weight
 
+LORA_TYPES = ("lora", "dora", "lokr", "loha")  # --lora_type: peft's LoRA, DoRA, LoKr and LoHa (models/lora.py)
 MAX_FRAMES = 1025  # 4k+1 and 8k+1; 8x the longest clip a released video model trains on (121 frames)
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # PIL's Image.MAX_IMAGE_PIXELS, used when a program has set it to None
 
@@ -39,7 +42,7 @@ MAX_SEED = 1 << 63
 # sigma per step before the first (10^9 of them are killed for memory after the whole training)
 MAX_VALIDATION_INFERENCE_STEPS = 1000
 POLYNOMIAL_LR_END = 1e-7  # diffusers' get_polynomial_decay_schedule_with_warmup: lr_end, which must be below the rate
-LORA_FORMATS = ("diffusers", "diffsynth")
+LORA_FORMATS = ("diffusers", "diffsynth", "comfyui")
 # DiffSynth's tasks that unitgraph does not train, and whose they are
 OTHER_TASKS = {"trajectory_imitation": "trajectory imitation (Z-Image's distillation)", "dmd2": "DMD2 distillation",
                "cover": "cover (ACE-Step's)", "repaint": "repaint (ACE-Step's)",
@@ -52,8 +55,8 @@ REFUSED_DIFFSYNTH_FLAGS = {
     "enable_swanlab_log": "SwanLab is not among accelerate's trackers; unitgraph reports with --report_to tensorboard "
                           "or wandb, and always writes loss.csv",
     "swanlab_project": "SwanLab is not among accelerate's trackers; --report_to tensorboard or wandb",
-    "customized_optimizer": "unitgraph trains with torch's AdamW (--learning_rate, --weight_decay) and imports no class "
-                            "a command line names",
+    "customized_optimizer": "unitgraph imports no class a command line names; choose the optimizer with --optimizer "
+                            "adamw|adamw8bit|adafactor|prodigy|came|schedulefree (and --optimizer_args)",
     "quant_options": "unitgraph quantizes no model on loading; --fp8_models stores frozen models in fp8 "
                      "(float8_e4m3fn), computed layer by layer in the compute dtype",
     "template_model_id_or_path": NOT_TRAINED.format(what="template models"),
@@ -85,6 +88,7 @@ class TrainArgs:
     dataset_base_path: str = _f("", "Folder of the dataset files; for sft:train / direct_distill:train, the cache folder (or its s3://bucket/prefix URL).", "dataset")
     dataset_metadata_path: Optional[str] = _f(None, "Metadata file (csv, json or jsonl), one row per sample.", "dataset")
     dataset_repeat: int = _f(1, "Times each sample is seen per epoch (ignored by data_process).", "dataset")
+    dataset_config: Optional[str] = _f(None, "A TOML or JSON file of several datasets, each with its own base_path, metadata, repeats or sampling weight, and optionally max_pixels, height/width, data_file_keys and num_frames (docs/user-guide.md, 'Several datasets'), in place of --dataset_base_path, --dataset_metadata_path and --dataset_repeat. With :train (whose --dataset_base_path is the cache) it is optional and sets the datasets' repeats or weights (default: those stage 1 was given).", "dataset")
     dataset_num_workers: int = _f(0, "Stage 2: DataLoader worker processes that read cache entries and run the model-free train units; stage 1: threads that read and decode the samples' image and video files ahead of the encoders (0: in the main process).", "dataset")
     data_file_keys: str = _f("image", "Comma-separated metadata columns that name files to load.", "dataset")
     extra_inputs: Optional[str] = _f(None, "Comma-separated metadata columns handed to the pipeline (e.g. edit_image).", "dataset")
@@ -101,8 +105,12 @@ class TrainArgs:
     fp8_models: Optional[str] = _f(None, "Frozen models whose weights are stored in float8_e4m3fn and computed layer by layer in the compute dtype (norms, embeddings and LoRA adapters stay): slot names (dit,text_encoder) or, as DiffSynth takes them, the same model paths or ids as --model_paths / --model_id_with_origin_paths. A model whose own weights train cannot be fp8.", "models")
     expert: Optional[str] = _f(None, "The expert of a two-expert DiT to train (high_noise: the pipeline folder's transformer/, low_noise: its transformer_2/); it trains on its own timesteps unless the boundaries narrow them further. Default: the expert the model paths name (transformer_2/, DiffSynth's low_noise_model/), else the one whose timesteps --min/max_timestep_boundary select.", "models")
     # training
-    learning_rate: float = _f(1e-4, "AdamW learning rate.", "training")
-    weight_decay: float = _f(0.01, "AdamW weight decay.", "training")
+    learning_rate: float = _f(1e-4, "The optimizer's learning rate.", "training")
+    weight_decay: float = _f(0.01, "The optimizer's weight decay.", "training")
+    optimizer: str = _f("adamw", "adamw (torch's AdamW, the default), adamw8bit (bitsandbytes' AdamW8bit, CUDA only), adafactor (transformers' Adafactor, relative_step/scale_parameter/warmup_init false), prodigy (prodigyopt's Prodigy: give --learning_rate 1), came (came_pytorch's CAME) or schedulefree (schedulefree's AdamWScheduleFree: checkpoints and samples hold its averaged weights). Each resumes exactly (docs/objective.md, 'Optimizers').", "training")
+    optimizer_args: Optional[str] = _f(None, "The optimizer's own arguments, key=value,key=value: a JSON literal (1e-3, true, null) or a string each, a sequence with colons (betas=0.9:0.999); checked against its constructor. The rate and the decay are --learning_rate and --weight_decay.", "training")
+    ema_decay: Optional[float] = _f(None, "Keep an exponential moving average of the trained weights with this decay (0 < D < 1; diffusers' EMAModel schedule: min(D, (n+1)/(n+10)) at step n+1), updated after every optimizer step, saved in the training state and beside each checkpoint as <checkpoint>-ema.safetensors.", "training")
+    ema_device: Optional[str] = _f(None, "Where the moving average is kept: cpu (default: the training device).", "training")
     num_epochs: int = _f(1, "Number of epochs.", "training")
     trainable_models: Optional[str] = _f(None, "Comma-separated models trained in full (e.g. dit, text_encoder).", "training")
     gradient_accumulation_steps: int = _f(1, "Micro-steps per optimizer step.", "training")
@@ -119,20 +127,35 @@ class TrainArgs:
     task: str = _f("sft", "sft, sft:data_process, sft:train, sft:split, direct_distill[:data_process|:train|:split].", "training")
     max_timestep_boundary: float = _f(1.0, "End of the sampled range of the training schedule, as a fraction of its positions from the noisiest (DiffSynth's meaning: with a shift-5 schedule 0.358 keeps sigmas 1 to ~0.9, a high-noise expert's range).", "training")
     min_timestep_boundary: float = _f(0.0, "Start of the sampled range, as a fraction of the schedule's positions from the noisiest.", "training")
-    loss_weighting: str = _f("diffsynth", "Flow-matching loss weight per timestep: diffsynth (DiffSynth-Studio's training weight, a bell curve over the schedule with mean 1) or none (plain MSE).", "training")
+    loss_weighting: str = _f("diffsynth", "The former name of --weighting_scheme (same values).", "training")
+    weighting_scheme: Optional[str] = _f(None, "Flow-matching loss weight per timestep: diffsynth (the default: DiffSynth-Studio's training weight, a bell curve over the schedule with mean 1), none (plain MSE), or diffusers' compute_loss_weighting_for_sd3 at the drawn sigma: sigma_sqrt (1/sigma^2), cosmap. The DDPM families weigh by --snr_gamma instead.", "training")
+    caption_dropout: float = _f(0.0, "Probability that a step trains a sample on the empty prompt instead of its caption, drawn per sample and epoch from the run's seeded stream. Stage 1 encodes the empty prompt once and stores it beside the cache, so stage 2 still loads no text encoder; with a trained text encoder the empty prompt is encoded live.", "training")
+    masked_loss: bool = _f(False, "Weigh each latent position's loss by the sample's mask: the metadata's mask column names an image of the target's size per sample (white counts, grey partly). Stage 1 resizes it as the image and caches its coverage of each latent cell.", "training")
+    masked_loss_unmasked_weight: float = _f(0.0, "With --masked_loss, the loss weight of what the mask leaves out (black), 0 to 1; 1 trains as without a mask.", "training")
+    timestep_sampling: str = _f("diffsynth", "How a step's timestep is drawn from the positions the boundaries leave: diffsynth (uniform over the schedule's positions, as DiffSynth), or a density of diffusers' compute_density_for_timestep_sampling: uniform, logit_normal (--logit_mean, --logit_std), mode (--mode_scale).", "training")
+    logit_mean: float = _f(0.0, "Mean of --timestep_sampling logit_normal.", "training")
+    logit_std: float = _f(1.0, "Standard deviation of --timestep_sampling logit_normal.", "training")
+    mode_scale: float = _f(1.29, "Scale of --timestep_sampling mode.", "training")
+    snr_gamma: Optional[float] = _f(None, "Min-SNR weighting (gamma, 5.0 is the paper's) for the families trained with a DDPM objective (the UNet families): each sample's MSE times min(SNR, gamma)/SNR, as diffusers' examples do (diffusers' compute_snr).", "training")
     vae_latents: Optional[str] = _f(None, "The latent a step trains on: mean (the VAE posterior's mean, computed once in stage 1) or sample (a fresh draw of the posterior each epoch; the cache then keeps the posterior's mean and log-variance). Default: what DiffSynth-Studio trains the pipeline on, as it declares (the mean for the flow-matching families, a sample for the UNet families).", "training")
     lr_scheduler: str = _f("diffsynth", "Learning-rate schedule: diffsynth (as DiffSynth-Studio trains: torch's ConstantLR defaults, the first 5 steps at a third of --learning_rate), or one of diffusers' get_scheduler schedules: constant, constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial (over the run's optimizer steps).", "training")
     lr_warmup_steps: int = _f(0, "Optimizer steps of linear warm-up for the schedules that have one (constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial).", "training")
     # output
     output_path: str = _f("./models", "Output folder (plan.json, training_args.json, loss.csv, checkpoints); for :data_process, the cache folder (or an s3://bucket/prefix URL).", "output")
     remove_prefix_in_ckpt: Optional[str] = _f(None, "Strip this prefix from checkpoint keys (diffusers format: keys are 'transformer.…'; diffsynth format: 'pipe.dit.…', so DiffSynth's 'pipe.dit.' leaves the model's own module names).", "output")
-    align_to_opensource_format: bool = _f(False, "Accepted for DiffSynth's commands: LoRA files are already in the diffusers format, which diffusers and ComfyUI load (see --lora_format).", "output")
-    lora_format: str = _f("diffusers", "Checkpoint key layout: diffusers (a diffusers pipeline's load_lora_weights reads it) or diffsynth (DiffSynth-Studio's pipe.load_lora reads it); 'unitgraph lora convert' turns one into the other.", "output")
+    align_to_opensource_format: bool = _f(False, "DiffSynth's flag for a LoRA file other tools load: selects --lora_format comfyui (the release checkpoint's module names, as ComfyUI loads them). A LoKr or LoHa stays in LyCORIS' layout.", "output")
+    lora_format: str = _f("diffusers", "Checkpoint key layout: diffusers (a diffusers pipeline's load_lora_weights reads it), diffsynth (DiffSynth-Studio's pipe.load_lora reads it) or comfyui (the denoiser's LoRA in its release checkpoint's module names, diffusion_model.<module>.lora_up/lora_down/alpha, as ComfyUI loads it; a fused module such as a q/k/v projection gets one exact LoRA of the parts' summed rank); 'unitgraph lora convert' turns one into another. A LoKr or LoHa (--lora_type) is written in LyCORIS' layout whatever the format, and diffsynth is refused for it; a DoRA is refused in diffsynth and comfyui.", "output")
     save_steps: Optional[int] = _f(None, "Also save step-N.safetensors every N optimizer steps.", "output")
     resume: Optional[str] = _f(None, "Continue a killed or finished run exactly: from the newest training state in --output_path (--resume alone), or from a state folder (--resume OUTPUT/state/step-N). A state is written at every checkpoint.", "output")
     validation_prompt: Optional[list[str]] = _f(None, "Render this prompt (repeatable) at each checkpoint through the family's diffusers pipeline with the current weights: OUTPUT/samples/<checkpoint>/, a contact sheet per checkpoint and OUTPUT/samples.html. In split training stage 1 encodes the prompts.", "output")
     validation_steps: Optional[int] = _f(None, "Render the validation prompts every N optimizer steps (default: at each checkpoint).", "output")
+    validation_dataset: Optional[str] = _f(None, "A metadata file (csv, json or jsonl) of held-out samples, its file columns relative to its own folder: stage 1 caches them apart from the training samples, and stage 2 logs the trained model's loss on them (seeded fixed timesteps and noise, no gradient) every --validation_steps optimizer steps (default: at each epoch's end) to OUTPUT/validation_loss.csv, the trackers and loss.png. Split training only (:split, or :data_process then :train: stage 2 takes them from the cache).", "output")
     validation_inference_steps: int = _f(20, "Denoising steps of a validation sample.", "output")
+    validation_use_ema: bool = _f(False, "Render the validation samples with the moving average of the weights (--ema_decay) instead of the trained weights.", "output")
+    validation_guidance: Optional[float] = _f(None, "Guidance scale of the validation samples (default: the pipeline's own sampler default, as its diffusers pipeline's __call__ has it: classifier-free guidance, or the scale embedded in a guidance-distilled DiT; docs/user-guide.md has each pipeline's).", "output")
+    validation_negative_prompt: Optional[list[str]] = _f(None, "Negative prompt of the validation samples' classifier-free guidance: once for every --validation_prompt, or repeated once per prompt in their order (default: the empty prompt). Stage 1 encodes it beside the prompts.", "output")
+    validation_seed: Optional[int] = _f(None, "Seed of the validation samples (default: --seed); prompt k draws from seed * 1000 + k.", "output")
+    validation_image: Optional[list[str]] = _f(None, "Input image of a validation sample, repeated once per --validation_prompt in their order: the image an edit pipeline edits (those that render with one: docs/user-guide.md, 'Validation samples'), encoded by the pipeline at render time.", "output")
     report_to: str = _f("none", "Also log loss, learning rate and step time to tensorboard or wandb (through accelerate; OUTPUT/logs), or none.", "output")
     save_total_limit: Optional[int] = _f(1, "Keep only the newest K training states under OUTPUT/state (default 1: --resume needs only the newest, and a full fine-tune's state holds the model and its optimizer; 0 keeps every state). The checkpoints themselves are all kept.", "output")
     overwrite: bool = _f(False, "Start anew in an --output_path that holds an earlier run: its files are moved aside into OUTPUT/replaced-<time>/ (nothing is deleted; a cache in it is kept and reused).", "output")
@@ -141,8 +164,10 @@ class TrainArgs:
     lora_target_modules: Optional[str] = _f(None, "Comma-separated module names for LoRA (default: the family's targets for the LoRA base model, as DiffSynth's examples use).", "lora")
     lora_rank: int = _f(32, "LoRA rank.", "lora")
     lora_alpha: Optional[float] = _f(None, "LoRA alpha (default: the rank, as DiffSynth).", "lora")
-    lora_checkpoint: Optional[str] = _f(None, "Resume LoRA weights from this safetensors file.", "lora")
-    preset_lora_path: Optional[str] = _f(None, "A LoRA merged into --preset_lora_model before training.", "lora")
+    lora_type: str = _f("lora", "The adapter peft trains on the LoRA targets, rank and alpha: lora; dora (weight-decomposed: a magnitude per output beside the LoRA, which diffusers' load_lora_weights reads); lokr (peft's LoKr: the Kronecker product of two factors, the larger one rank-decomposed) or loha (peft's LoHa: the Hadamard product of two rank-r products), both written in LyCORIS' layout (lycoris_<module>.lokr_w1 ..., lora_unet_ for a UNet), which lycoris-lora and ComfyUI load (docs/objective.md, 'LoRA variants').", "lora")
+    use_rslora: bool = _f(False, "Rank-stabilised LoRA: scale the adapter by alpha / sqrt(rank) instead of alpha / rank (peft's use_rslora, kept in the file's metadata for diffusers).", "lora")
+    lora_checkpoint: Optional[str] = _f(None, "Resume LoRA weights from this safetensors file (a LoKr's or LoHa's in LyCORIS' layout for --lora_type lokr or loha).", "lora")
+    preset_lora_path: Optional[str] = _f(None, "A LoRA merged into --preset_lora_model before training (a LoKr or LoHa in LyCORIS' layout too).", "lora")
     preset_lora_model: Optional[str] = _f(None, "Model the preset LoRA is merged into (default: the LoRA base model).", "lora")
     # image size
     height: Optional[int] = _f(None, "Fixed image height (with --width); sides become multiples of 16.", "image")
@@ -157,7 +182,7 @@ class TrainArgs:
     enable_csv_log: bool = _f(False, "DiffSynth's: no effect (unitgraph always writes loss.csv and loss.png).", "diffsynth")
     enable_swanlab_log: bool = _f(False, "DiffSynth's: refused (SwanLab is not a tracker accelerate knows; --report_to tensorboard or wandb).", "diffsynth")
     swanlab_project: Optional[str] = _f(None, "DiffSynth's: refused with --enable_swanlab_log.", "diffsynth")
-    customized_optimizer: Optional[str] = _f(None, "DiffSynth's: refused (unitgraph trains with torch's AdamW; no class named on the command line is imported).", "diffsynth")
+    customized_optimizer: Optional[str] = _f(None, "DiffSynth's: refused (no class named on the command line is imported; --optimizer chooses one).", "diffsynth")
     quant_options: Optional[str] = _f(None, "DiffSynth's: refused (frozen models are stored in fp8 with --fp8_models).", "diffsynth")
     template_model_id_or_path: Optional[str] = _f(None, "DiffSynth's: refused (its template models are not trained by unitgraph).", "diffsynth")
     enable_lora_hot_loading: bool = _f(False, "DiffSynth's: refused (for its image-to-LoRA models, not trained by unitgraph).", "diffsynth")
@@ -271,8 +296,18 @@ class TrainArgs:
     def extra_input_names(self) -> list[str]:
         return split_list(self.extra_inputs)
 
+    def sampling(self) -> TimestepSampling:
+        """--timestep_sampling and its parameters."""
+        return TimestepSampling(self.timestep_sampling, float(self.logit_mean), float(self.logit_std),
+                                float(self.mode_scale))
+
     def file_keys(self) -> list[str]:
         return split_list(self.data_file_keys)
+
+    def output_format(self) -> str:
+        """The layout checkpoints are written in: --lora_format, or comfyui where --align_to_opensource_format asks for
+        the layout other tools load (DiffSynth's flag) and --lora_format is left at its default."""
+        return "comfyui" if self.align_to_opensource_format and self.lora_format == "diffusers" else self.lora_format
 
     def lora_targets(self) -> list[str]:
         return split_list(self.lora_target_modules)
@@ -303,6 +338,14 @@ class TrainArgs:
             if isinstance(self.validation_prompt, str):
                 self.validation_prompt = [self.validation_prompt]
             self.validation_prompt = [str(p) for p in self.validation_prompt] or None
+        for name in ("validation_negative_prompt", "validation_image"):  # repeatable, as --validation_prompt
+            given = getattr(self, name)
+            if given is not None:
+                setattr(self, name, [str(p) for p in ([given] if isinstance(given, str) else given)] or None)
+        self._check_validation_flags()
+        if self.validation_dataset and self.stage == "":
+            raise BackendError(f"--validation_dataset: the held-out loss is computed from stage 1's cache entries; train "
+                               f"with --task {self.family}:split (or :data_process, then :train)")
         if self.validation_steps is not None and self.validation_steps < 1:
             raise BackendError(f"--validation_steps must be at least 1, got {self.validation_steps}")
         if not 1 <= self.validation_inference_steps <= MAX_VALIDATION_INFERENCE_STEPS:
@@ -316,8 +359,22 @@ class TrainArgs:
             needed = {"tensorboard": "tensorboard", "wandb": "wandb"}[self.report_to]
             if importlib.util.find_spec(needed) is None:
                 raise BackendError(f"--report_to {self.report_to} needs the {needed} package (pip install {needed})")
+        if self.weighting_scheme is not None:
+            if self.loss_weighting not in ("diffsynth", self.weighting_scheme):
+                raise BackendError(f"--weighting_scheme {self.weighting_scheme} and --loss_weighting {self.loss_weighting} "
+                                   "disagree (--loss_weighting is its former name): give one of them")
+            self.loss_weighting = self.weighting_scheme
         if self.loss_weighting not in LOSS_WEIGHTINGS:
-            raise BackendError(f"--loss_weighting must be one of {', '.join(LOSS_WEIGHTINGS)}, got {self.loss_weighting!r}")
+            raise BackendError(f"--weighting_scheme must be one of {', '.join(LOSS_WEIGHTINGS)}, got {self.loss_weighting!r}")
+        check_caption_dropout(self.caption_dropout)
+        check_unmasked_weight(self.masked_loss_unmasked_weight)
+        if self.masked_loss_unmasked_weight and not self.masked_loss:
+            raise BackendError("--masked_loss_unmasked_weight has no effect without --masked_loss")
+        problem = self.sampling().problem()
+        if problem:
+            raise BackendError(problem)
+        if self.snr_gamma is not None and not (math.isfinite(self.snr_gamma) and self.snr_gamma > 0):
+            raise BackendError(f"--snr_gamma must be a number above 0 (5.0 is Min-SNR's), got {self.snr_gamma}")
         if self.vae_latents is not None and self.vae_latents not in VAE_LATENTS:
             raise BackendError(f"--vae_latents must be one of {', '.join(VAE_LATENTS)}, got {self.vae_latents!r}")
         if self.lr_scheduler not in LR_SCHEDULERS:
@@ -338,6 +395,7 @@ class TrainArgs:
         for name in ("num_epochs", "gradient_accumulation_steps", "dataset_repeat", "lora_rank", "max_pixels"):
             if getattr(self, name) < 1:
                 raise BackendError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        self._check_dataset_config()
         if self.save_steps is not None and self.save_steps < 1:
             raise BackendError(f"--save_steps must be at least 1, got {self.save_steps}")
         if self.batch_size < 1:
@@ -399,6 +457,45 @@ class TrainArgs:
                                f"--learning_rate must be larger than that, got {self.learning_rate:g}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise BackendError(f"--weight_decay must be 0 or a positive number, got {self.weight_decay}")
+        if self.ema_decay is not None and not (math.isfinite(self.ema_decay) and 0 < self.ema_decay < 1):
+            raise BackendError(f"--ema_decay must be a number between 0 and 1 (0.999 is usual), got {self.ema_decay}")
+        if self.ema_device is not None and self.ema_device != "cpu":
+            raise BackendError(f"--ema_device must be cpu (the default keeps the average on the training device), got "
+                               f"{self.ema_device!r}")
+        if self.ema_device is not None and self.ema_decay is None:
+            raise BackendError("--ema_device places the moving average of --ema_decay: give --ema_decay too")
+        if self.validation_use_ema and (self.ema_decay is None or not self.validation_prompt):
+            raise BackendError("--validation_use_ema renders the --validation_prompt samples with the moving average of "
+                               "--ema_decay: give both")
+        from .train.optimizers import check_optimizer  # torch only for an optimizer other than plain AdamW
+
+        check_optimizer(self.optimizer, self.optimizer_args, cuda=None if self.dry_run or self.stage == "data_process"
+                        else cuda_available)
+        if self.lora_type not in LORA_TYPES:
+            raise BackendError(f"--lora_type must be one of {', '.join(LORA_TYPES)}, got {self.lora_type!r}")
+        if (self.lora_type != "lora" or self.use_rslora) and not self.lora_base_model:
+            raise BackendError(f"--{'lora_type' if self.lora_type != 'lora' else 'use_rslora'} needs --lora_base_model "
+                               "(it shapes the LoRA adapter)")
+        if self.lora_type == "dora" and self.lora_format == "diffsynth":
+            raise BackendError("--lora_type dora with --lora_format diffsynth: DiffSynth-Studio's LoRA layout has no "
+                               "DoRA magnitudes; write --lora_format diffusers")
+        if self.align_to_opensource_format and self.lora_format == "diffsynth":
+            raise BackendError("--align_to_opensource_format with --lora_format diffsynth: the flag selects ComfyUI's "
+                               "layout (--lora_format comfyui); drop one of them")
+        if self.lora_type == "dora" and self.output_format() == "comfyui":
+            flag = "--lora_format comfyui" if self.lora_format == "comfyui" else "--align_to_opensource_format"
+            raise BackendError(f"--lora_type dora with {flag}: ComfyUI's dora_scale divides by the base weight's row "
+                               "norms where peft's DoRA divides by the adapted weight's, so a DoRA cannot be written "
+                               "for it exactly; write --lora_format diffusers")
+        if self.lora_type in ("lokr", "loha"):
+            name = {"lokr": "LoKr", "loha": "LoHa"}[self.lora_type]
+            if self.lora_format == "diffsynth":
+                raise BackendError(f"--lora_type {self.lora_type} with --lora_format diffsynth: DiffSynth-Studio's "
+                                   f"load_lora fuses lora_A/lora_B pairs only, and a {name} is none; a {name} is "
+                                   "written in LyCORIS' layout (drop --lora_format)")
+            if self.use_rslora:
+                raise BackendError(f"--use_rslora with --lora_type {self.lora_type}: peft's {name} scales by alpha / "
+                                   "rank and has no rank-stabilised scale; set --lora_alpha instead")
         if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
             raise BackendError(f"--lora_alpha must be a positive number (default: the rank), got {self.lora_alpha}")
         for name in ("trainable_models", "lora_target_modules", "data_file_keys", "extra_inputs"):
@@ -413,8 +510,48 @@ class TrainArgs:
             raise BackendError("--preset_lora_model names the model a --preset_lora_path is merged into; give both")
         return self
 
+    def _check_dataset_config(self) -> None:
+        """--dataset_config lists the datasets, their folders, metadata and repeats: the flags that say the same of one
+        dataset go without it (in :train --dataset_base_path is the cache, and stays)."""
+        if not self.dataset_config:
+            return
+        given = [flag for flag, value in (("--dataset_base_path", self.stage != "train" and self.dataset_base_path),
+                                          ("--dataset_metadata_path", self.dataset_metadata_path),
+                                          ("--dataset_repeat", self.dataset_repeat != 1)) if value]
+        if given:
+            raise BackendError(f"--dataset_config lists each dataset's base_path, metadata and repeats: give "
+                               f"{', '.join(given)} there instead, not beside it", source=self.dataset_config)
+
+    def _check_validation_flags(self) -> None:
+        """The flags that shape the --validation_prompt samples: given with prompts, once or once per prompt."""
+        prompts = len(self.validation_prompt or ())
+        for name in ("validation_guidance", "validation_negative_prompt", "validation_seed", "validation_image"):
+            if getattr(self, name) is not None and not prompts:
+                raise BackendError(f"--{name} shapes the --validation_prompt samples: give --validation_prompt too")
+        negatives = self.validation_negative_prompt
+        if negatives is not None and len(negatives) not in (1, prompts):
+            raise BackendError(f"--validation_negative_prompt is given {len(negatives)} times for {prompts} "
+                               "--validation_prompt values: give it once (for every prompt) or once per prompt")
+        if self.validation_image is not None and len(self.validation_image) != prompts:
+            raise BackendError(f"--validation_image is given {len(self.validation_image)} times for {prompts} "
+                               "--validation_prompt values: give one image per prompt, in their order")
+        if self.validation_seed is not None:
+            check_seed(self.validation_seed, "--validation_seed")
+        guidance = self.validation_guidance
+        if guidance is not None and not (math.isfinite(guidance) and guidance >= 0):
+            raise BackendError(f"--validation_guidance must be a number of at least 0, got {guidance}")
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+
+def cuda_available() -> bool:
+    """Whether the run will have a CUDA device (accelerate's ACCELERATE_USE_CPU keeps it on the CPU)."""
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes", "y", "on"):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def check_seed(seed: int, flag: str = "--seed") -> None:

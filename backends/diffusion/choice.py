@@ -31,6 +31,7 @@ from typing import Callable, Iterable, Optional
 from .args import TrainArgs
 from .cache.cache import MANIFEST
 from .data.dataset import metadata_columns
+from .data.dataset_config import config_columns
 from .errors import BackendError
 from .family import Family, PipelineDef
 from .models.folders import ModelLoadError
@@ -246,7 +247,7 @@ def choose(args: TrainArgs) -> Choice:
     signals = folder_signals(paths, task) + model_id_signals(items, task)
     if not signals:
         unknown_class(paths)
-    columns = metadata_columns(args.dataset_metadata_path)
+    columns = config_columns(args.dataset_config) if args.dataset_config else metadata_columns(args.dataset_metadata_path)
     extra = frozenset(args.extra_input_names())
     data = Data(None if columns is None else frozenset(columns), extra, extra | frozenset(args.file_keys()))
     cached = partial(_cached_pipeline, args)  # read only when the choice is open: a cache's manifest can be large

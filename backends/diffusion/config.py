@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from .args import MIXED_PRECISION, TrainArgs, split_list
+from .caption_dropout import with_caption_dropout
+from .data.masks import with_masked_loss
 from .context import CACHE_DTYPES, DTYPE, ImageSize, UnitSettings
 from .engine import Engine, check_batches, engine_from_config_file, engine_from_env
 from .errors import BackendError
@@ -25,6 +27,7 @@ from .models.hub import Hub
 from .models.sources import ModelSources
 from .choice import choose
 from .experts import choose_expert
+from .train.optimizers import OPTIMIZERS, parse_optimizer_args
 
 
 def offline_from_env(environ: Any = None) -> bool:
@@ -41,6 +44,11 @@ class DataConfig:
     repeat: int = 1
     num_workers: int = 0
     num_frames: int = 81  # frames per video clip
+    # --dataset_config: the datasets (data/dataset_config.DatasetSpec) in place of base_path/metadata_path/repeat
+    datasets: tuple[Any, ...] = ()
+    config_path: Optional[str] = None
+    # --validation_dataset: the held-out samples stage 1 caches apart (a DatasetSpec), whose loss stage 2 logs
+    held_out: Any = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,8 @@ class LoraSpec:
     checkpoint: Optional[str] = None
     preset_path: Optional[str] = None
     preset_model: Optional[str] = None
+    kind: str = "lora"  # --lora_type: lora, dora, lokr or loha (models/lora.add_lora)
+    rslora: bool = False  # --use_rslora
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,10 @@ class OptimConfig:
     lr_scheduler: str = "diffsynth"  # train/lr.py
     lr_warmup_steps: int = 0
     max_grad_norm: Optional[float] = None  # clip the trained gradients' global norm (None: no clipping)
+    optimizer: str = "adamw"  # --optimizer (train/optimizers.py)
+    optimizer_args: dict[str, Any] = field(default_factory=dict)  # --optimizer_args, parsed
+    ema_decay: Optional[float] = None  # --ema_decay: a moving average of the trained weights (train/ema.py)
+    ema_device: Optional[str] = None  # where it is kept (None: the training device)
 
 
 @dataclass(frozen=True)
@@ -246,6 +260,29 @@ class ValidationConfig:
     prompts: tuple[str, ...] = ()
     steps: Optional[int] = None  # every N optimizer steps; None: at each checkpoint
     inference_steps: int = 20
+    use_ema: bool = False  # --validation_use_ema: rendered with the moving average of the weights
+    guidance: Optional[float] = None  # --validation_guidance; None: the pipeline's own default (its render module's)
+    negative_prompts: tuple[str, ...] = ()  # --validation_negative_prompt: one for all prompts, or one per prompt
+    seed: Optional[int] = None  # --validation_seed; None: --seed
+    images: tuple[str, ...] = ()  # --validation_image: one per prompt (edit image, first frame)
+
+
+def check_objective_flags(args: TrainArgs, pipeline: Any) -> None:
+    """Refuse, in one line, an objective flag the pipeline's units do not read: Min-SNR (--snr_gamma) is the DDPM
+    families' weight, diffusers' SD3 weights (--weighting_scheme sigma_sqrt|cosmap) the flow-matching families';
+    a setting no unit declares would otherwise change nothing, silently."""
+    from .flowmatch import SD3_WEIGHTINGS
+
+    read = {name for unit in pipeline.units for name in unit.settings}
+    if args.snr_gamma is not None and "snr_gamma" not in read:
+        raise BackendError(f"--snr_gamma: pipeline {pipeline.name} does not train with a DDPM objective (Min-SNR "
+                           "weighs the UNet families' loss); weigh a flow-matching loss with --weighting_scheme")
+    if args.loss_weighting in SD3_WEIGHTINGS and "loss_weighting" not in read:
+        raise BackendError(f"--weighting_scheme {args.loss_weighting}: pipeline {pipeline.name} draws no flow-matching "
+                           "sigma to weigh by (a DDPM family: use --snr_gamma)")
+    if args.timestep_sampling != "diffsynth" and "timestep_sampling" not in read:
+        raise BackendError(f"--timestep_sampling {args.timestep_sampling}: pipeline {pipeline.name} draws no training "
+                           "timestep (its loss does not sample one)")
 
 
 @dataclass(frozen=True)
@@ -276,9 +313,13 @@ class RunConfig:
     def from_args(cls, args: TrainArgs, environ: Any = None) -> "RunConfig":
         args.validate()
         check_environment(environ)
+        datasets = dataset_specs(args)
         chosen = choose(args)
         family, pipeline = chosen.family, chosen.pipeline
         pipeline = with_vae_latents(pipeline, args.vae_latents)
+        pipeline = with_caption_dropout(pipeline, args.caption_dropout, [*args.trainable(), args.lora_base_model])
+        pipeline = with_masked_loss(pipeline, args.masked_loss)
+        check_objective_flags(args, pipeline)
         models = pipeline.spec().models
         if args.lora_base_model and args.lora_base_model not in models:
             raise BackendError(f"--lora_base_model {args.lora_base_model!r} is not a model of pipeline {pipeline.name} "
@@ -314,11 +355,43 @@ class RunConfig:
             raise BackendError("--blocks_to_swap moves blocks of a frozen LoRA base model; give --lora_base_model")
         engine = run_engine(args, environ)
         check_engine(args, engine, fp8)
+        if args.lora_type == "dora" and args.stage != "data_process":
+            if args.lora_base_model in fp8:
+                raise BackendError(f"--lora_type dora with --fp8_models {args.lora_base_model}: DoRA normalises the "
+                                   "base weight with the adapter at every step, which float8 storage does not keep; "
+                                   "train a plain LoRA on an fp8 base, or DoRA without --fp8_models")
+            if engine.shards_frozen:
+                raise BackendError(f"--lora_type dora with {engine.name}: DoRA reads each base weight whole at every "
+                                   "step, and this engine shards the frozen base; train --lora_type lora here, or "
+                                   "DoRA under data parallel or ZeRO-1/2", source=engine.source)
+        if args.lora_type in ("lokr", "loha") and args.stage != "data_process":
+            name = {"lokr": "LoKr", "loha": "LoHa"}[args.lora_type]
+            if args.lora_base_model in fp8:
+                raise BackendError(f"--lora_type {args.lora_type} with --fp8_models {args.lora_base_model}: unitgraph's "
+                                   "float8 storage tells a LoRA's tensors (lora_A/lora_B) from the model's own, not "
+                                   f"{name}'s factors; train {name} without --fp8_models, or a LoRA on the fp8 base")
+            if engine.shards_frozen:
+                raise BackendError(f"--lora_type {args.lora_type} with {engine.name}: unitgraph trains {name} where the "
+                                   "frozen base is whole (data parallel, ZeRO-1/2): peft's layer reads its base weight's "
+                                   "shape at every step, which ZeRO-3 partitions away, and it is untested under FSDP2",
+                                   source=engine.source)
         notes = [chosen.line, *([expert.line] if expert.line else [])]
-        if args.align_to_opensource_format:
-            notes.append("note: --align_to_opensource_format: LoRA files are written in the diffusers format "
-                         "(--lora_format), which diffusers' load_lora_weights and ComfyUI read; DiffSynth's own "
-                         "kohya-style renaming is not done")
+        lycoris = args.lora_type in ("lokr", "loha")
+        if args.align_to_opensource_format and lycoris:
+            notes.append("note: --align_to_opensource_format: a LoKr or LoHa is written in LyCORIS' layout, which "
+                         "ComfyUI reads")
+        elif args.align_to_opensource_format:
+            notes.append("note: --align_to_opensource_format: LoRA files are written in ComfyUI's layout "
+                         "(--lora_format comfyui: the release checkpoint's module names under diffusion_model., "
+                         "where DiffSynth writes kohya's lora_unet_ spelling of the same names)")
+        if args.output_format() == "comfyui" and args.lora_base_model and args.stage != "data_process" \
+                and family.slot(args.lora_base_model).comfyui is None:
+            raise BackendError(f"--lora_format comfyui holds the denoiser's LoRA in its release names, and "
+                               f"--lora_base_model {args.lora_base_model} has none here; write --lora_format diffusers")
+        if lycoris and args.remove_prefix_in_ckpt and args.stage != "data_process":
+            notes.append(f"note: --remove_prefix_in_ckpt {args.remove_prefix_in_ckpt}: the {args.lora_type} adapter's "
+                         "keys are LyCORIS' own (lycoris_<module>, lora_unet_<module>) and keep their prefix; it strips "
+                         "only the keys of models trained in full")
         workers = args.dataset_num_workers
         cores = usable_cores()
         if workers > cores:
@@ -330,32 +403,60 @@ class RunConfig:
             units=UnitSettings(image_size=ImageSize(args.height, args.width, args.max_pixels), seed=args.seed,
                                timestep_bounds=expert.bounds,
                                dtype=compute, cache_dtype=cache_dtype, loss_weighting=args.loss_weighting,
+                               timestep_sampling=args.sampling(), snr_gamma=args.snr_gamma,
+                               caption_dropout=float(args.caption_dropout),
+                               masked_loss=float(args.masked_loss_unmasked_weight) if args.masked_loss else None,
                                derived_inputs=tuple(n for n in args.extra_input_names() if n in pipeline.derived_inputs)),
             data=DataConfig(args.dataset_base_path, args.dataset_metadata_path, tuple(args.file_keys()),
                             tuple(n for n in args.extra_input_names() if n not in pipeline.derived_inputs),
-                            args.dataset_repeat, workers, args.num_frames),
+                            args.dataset_repeat, workers, args.num_frames, datasets, args.dataset_config,
+                            held_out_spec(args)),
             models=model_config,
             optim=OptimConfig(args.learning_rate, args.weight_decay, args.num_epochs, args.gradient_accumulation_steps,
                               args.batch_size, tuple(args.trainable()),
                               args.use_gradient_checkpointing or args.use_gradient_checkpointing_offload,
                               args.find_unused_parameters, args.lr_scheduler, args.lr_warmup_steps,
-                              args.max_grad_norm),
+                              args.max_grad_norm, args.optimizer, parse_optimizer_args(args.optimizer_args),
+                              args.ema_decay, args.ema_device),
             lora=LoraSpec(args.lora_base_model, targets, args.lora_rank, args.lora_alpha, args.lora_checkpoint,
-                          args.preset_lora_path, preset_model if args.preset_lora_path else None),
+                          args.preset_lora_path, preset_model if args.preset_lora_path else None,
+                          args.lora_type, bool(args.use_rslora)),
             output=OutputConfig(args.output_path, args.remove_prefix_in_ckpt, args.save_steps, args.plot, args.progress,
-                                args.overwrite, args.lora_format, args.resume, args.save_total_limit, args.report_to),
+                                args.overwrite, args.output_format(), args.resume, args.save_total_limit, args.report_to),
             precision=PrecisionConfig(mixed, compute, fp8, args.use_gradient_checkpointing_offload, args.blocks_to_swap),
             notes=tuple(notes),
             choice=chosen.line,
             engine=engine,
             validation=ValidationConfig(tuple(args.validation_prompt or ()), args.validation_steps,
-                                        args.validation_inference_steps),
+                                        args.validation_inference_steps, args.validation_use_ema,
+                                        args.validation_guidance, tuple(args.validation_negative_prompt or ()),
+                                        args.validation_seed, tuple(args.validation_image or ())),
         )
 
     @property
     def prefixes(self) -> dict[str, str]:
         """Checkpoint key prefix of each model slot (its diffusers pipeline attribute)."""
-        return {s.name: s.lora_prefix or s.name for s in self.family.slots if s.kind == "model"}
+        return self.family.lora_prefixes()
+
+
+def dataset_specs(args: TrainArgs) -> tuple[Any, ...]:
+    """The datasets of --dataset_config (none without it); stage 2 reads only their shares and settings, so their
+    folders need not be there."""
+    if not args.dataset_config:
+        return ()
+    from .data.dataset_config import read_dataset_config
+
+    return read_dataset_config(args.dataset_config, check_files=args.stage != "train")
+
+
+def held_out_spec(args: TrainArgs) -> Any:
+    """--validation_dataset as a dataset (files relative to the metadata file's folder), checked to be there where
+    stage 1 reads it; None without it."""
+    if not args.validation_dataset:
+        return None
+    from .data.dataset_config import held_out_dataset
+
+    return held_out_dataset(args.validation_dataset, check_files=args.stage != "train")
 
 
 def run_engine(args: TrainArgs, environ: Any = None) -> Engine:
@@ -387,6 +488,22 @@ def check_engine(args: TrainArgs, engine: Engine, fp8: tuple[str, ...]) -> None:
         raise BackendError(f"--validation_prompt with {engine.name}: validation samples are rendered by one process, "
                            "which holds only its shard of the weights here; render from a checkpoint after training, "
                            "or train under ZeRO-1/2 or data parallel", source=engine.source)
+    if args.validation_dataset:
+        raise BackendError(f"--validation_dataset with {engine.name}: the held-out loss is computed by unitgraph's own "
+                           "forward of the trained model, which this engine shards or wraps; train under data "
+                           "parallel, or compute it from a checkpoint", source=engine.source)
+    if args.ema_decay is not None:
+        raise BackendError(f"--ema_decay with {engine.name}: unitgraph keeps the moving average under data parallel "
+                           "only (the engines partition or step the weights it averages themselves); train under data "
+                           "parallel, or without --ema_decay", source=engine.source)
+    spec = OPTIMIZERS.get(args.optimizer)
+    if args.optimizer != "adamw" and (engine.kind != "fsdp2" or spec is None or spec.not_sharded):
+        why = ("DeepSpeed steps its own partitions with AdamW here (a training state keeps AdamW's state per "
+               "partition)" if engine.kind == "deepspeed" else f"{spec.label if spec else args.optimizer}: "
+               f"{spec.not_sharded if spec else 'unknown'}")
+        raise BackendError(f"--optimizer {args.optimizer} with {engine.name}: {why}; under an engine train with adamw"
+                           f"{' or schedulefree' if engine.kind == 'fsdp2' else ''}, or under data parallel",
+                           source=engine.source)
     trained = [*args.trainable(), *([args.lora_base_model] if args.lora_base_model else [])]
     if engine.kind == "deepspeed" and len(set(trained)) > 1:
         raise BackendError(f"{engine.name} trains one model per engine and this run trains {len(set(trained))} "

@@ -51,7 +51,12 @@ class UnitSettings:
     timestep_bounds: tuple[float, float] = (0.0, 1.0)
     dtype: str = DTYPE
     cache_dtype: str = DTYPE  # the dtype stage 1 stores floating tensors in
-    loss_weighting: str = "diffsynth"  # --loss_weighting: the timestep sampler's loss weight (flowmatch.py)
+    loss_weighting: str = "diffsynth"  # --weighting_scheme: the timestep sampler's loss weight (flowmatch.py)
+    # --timestep_sampling and its parameters: how the timestep sampler draws a position (flowmatch.TimestepSampling)
+    timestep_sampling: Any = None
+    snr_gamma: Optional[float] = None  # --snr_gamma: Min-SNR weighting of the DDPM families (ddpm.py)
+    caption_dropout: float = 0.0  # --caption_dropout: the probability a sample's caption is dropped (caption_dropout.py)
+    masked_loss: Optional[float] = None  # with --masked_loss, the weight of what the mask leaves out (masked_loss.py)
     # the pipeline's derived inputs --extra_inputs names: DiffSynth computes such an input (a clip's first frame as
     # `input_image`) only when asked, and what is trained changes with it
     derived_inputs: tuple[str, ...] = ()
@@ -69,6 +74,15 @@ class UnitSettings:
             everything["cache_dtype"] = self.cache_dtype
         if self.derived_inputs:  # left out when none is asked for, so keys made before it existed still match
             everything["derived_inputs"] = sorted(self.derived_inputs)
+        # each left out at its default, so states and keys made before it existed still match
+        if self.timestep_sampling is not None and self.timestep_sampling.scheme != "diffsynth":
+            everything["timestep_sampling"] = self.timestep_sampling.key()
+        if self.snr_gamma is not None:
+            everything["snr_gamma"] = self.snr_gamma
+        if self.caption_dropout:
+            everything["caption_dropout"] = self.caption_dropout
+        if self.masked_loss is not None:
+            everything["masked_loss"] = {"unmasked_weight": self.masked_loss}
         wanted = everything if names is None else set(names)
         return {name: everything[name] for name in sorted(wanted) if name in everything}
 
@@ -84,7 +98,16 @@ def describe_setting(name: str, value: Any) -> str:
     if name == "seed":
         return f"--seed {value}"
     if name == "loss_weighting":
-        return f"--loss_weighting {value}"
+        return f"--weighting_scheme {value}"
+    if name == "timestep_sampling" and isinstance(value, dict):
+        return " ".join([f"--timestep_sampling {value.get('scheme')}",
+                         *(f"--{k} {v}" for k, v in value.items() if k != "scheme")])
+    if name == "snr_gamma":
+        return f"--snr_gamma {value}"
+    if name == "caption_dropout":
+        return f"--caption_dropout {value}"
+    if name == "masked_loss" and isinstance(value, dict):
+        return f"--masked_loss --masked_loss_unmasked_weight {value.get('unmasked_weight')}"
     if name == "derived_inputs":
         return f"--extra_inputs {','.join(value)}" if value else "no derived --extra_inputs"
     if name == "cache_dtype":
@@ -115,6 +138,9 @@ class UnitContext:
     # slot -> its configuration, for the models units read the config of without calling (unit `configs`);
     # called at most once per slot and context, only when a unit asks
     config_loader: Optional[Callable[[str], Any]] = None
+    # the prompt units' outputs for the empty prompt, which CaptionDropout puts in place of a dropped caption's
+    # (caption_dropout.py); set by the training run, None elsewhere
+    empty_prompt: Optional[dict] = None
 
     @property
     def size(self) -> ImageSize:

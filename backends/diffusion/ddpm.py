@@ -9,6 +9,10 @@ scheduler's alphas, the target the noise (`epsilon` prediction) or v = sqrt(a_t)
 zero-terminal-SNR rescaling come from the scheduler config of the model's own folder (`scheduler/`), as
 diffusers' pipelines read it.
 
+`--timestep_sampling` draws the position through diffusers' densities as for flow matching
+(flowmatch.draw_position), and `--snr_gamma` weighs each sample's MSE by Min-SNR (`min_snr_weight`, from
+diffusers' `compute_snr`), as diffusers' text-to-image example does.
+
 Where unitgraph knowingly differs: DiffSynth casts the drawn timestep to bf16 before it looks a_t up, which
 rounds timesteps above 256 to even numbers (above 512 to multiples of 4); here the drawn integer is used as it is.
 """
@@ -19,9 +23,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .flowmatch import position_range
+from .flowmatch import draw_position
 
-__all__ = ["DdpmSchedule", "PREDICTION_TYPES", "ddpm_loss", "noisy_latents", "sample_ddpm_timestep", "training_target"]
+__all__ = ["DdpmSchedule", "PREDICTION_TYPES", "ddpm_loss", "min_snr_weight", "noisy_latents", "sample_ddpm_timestep",
+           "training_target"]
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 
@@ -91,25 +96,52 @@ def _schedule(ctx: Any) -> DdpmSchedule:
 
 def sample_ddpm_timestep(ctx: Any) -> dict[str, Any]:
     """One training timestep, drawn from `ctx.rng("timestep")` within the bounds: {"timestep": t (shape (1,),
-    int64), "loss_weight": None (DiffSynth's DDPM weight is 1)}.
+    int64), "loss_weight": None (DiffSynth's DDPM weight is 1), or Min-SNR's weight with --snr_gamma}.
 
     As DiffSynth's training scheduler orders them, position k of the schedule is timestep T - 1 - k, so the
     boundaries (fractions of the positions from the noisiest end) mean the same as for the flow-matching families.
     """
     import torch
 
-    steps = _schedule(ctx).num_train_timesteps
-    first, last = position_range(ctx.timestep_bounds, steps)
-    position = int(torch.randint(first, last, (1,), generator=ctx.rng("timestep")).item())
-    return {"timestep": torch.tensor([steps - 1 - position], dtype=torch.long, device=ctx.device), "loss_weight": None}
+    schedule = _schedule(ctx)
+    steps = schedule.num_train_timesteps
+    timestep = torch.tensor([steps - 1 - draw_position(ctx, steps)], dtype=torch.long)
+    gamma = ctx.settings.snr_gamma
+    weight = None if gamma is None else min_snr_weight(_alphas(ctx), timestep, gamma, schedule.prediction_type)
+    return {"timestep": timestep.to(ctx.device), "loss_weight": None if weight is None else weight.to(ctx.device)}
+
+
+def min_snr_weight(alphas_cumprod: Any, timestep: Any, gamma: float, prediction_type: str) -> Any:
+    """Min-SNR-gamma's loss weight per timestep (Hang et al. 2023), as diffusers' train_text_to_image computes it:
+    min(SNR, gamma) / SNR for epsilon prediction, / (SNR + 1) for v prediction, with the SNR from diffusers'
+    `compute_snr`. A timestep of SNR 0 (the last one of a zero-terminal-SNR schedule) weighs 1 rather than 0/0.
+
+    >>> import torch
+    >>> w = min_snr_weight(DdpmSchedule().alphas_cumprod(), torch.tensor([0, 999]), 5.0, "epsilon")
+    >>> [round(float(x), 4) for x in w]
+    [0.0043, 1.0]
+    """
+    from types import SimpleNamespace
+
+    import torch
+    from diffusers.training_utils import compute_snr
+
+    snr = compute_snr(SimpleNamespace(alphas_cumprod=alphas_cumprod), timestep.long())
+    clipped = torch.minimum(snr, torch.full_like(snr, float(gamma)))
+    weight = clipped / (snr + 1.0 if prediction_type == "v_prediction" else snr)
+    return torch.where(snr == 0, torch.ones_like(weight), weight).float()
+
+
+def _alphas(ctx: Any) -> Any:
+    key = ("ddpm-alphas",)
+    if key not in ctx.memo:
+        ctx.memo[key] = _schedule(ctx).alphas_cumprod()
+    return ctx.memo[key]
 
 
 def _coefficients(ctx: Any, timestep: Any, like: Any) -> tuple[Any, Any]:
     """sqrt(a_t) and sqrt(1 - a_t) per sample, shaped to broadcast over `like` (B, ...)."""
-    key = ("ddpm-alphas",)
-    if key not in ctx.memo:
-        ctx.memo[key] = _schedule(ctx).alphas_cumprod()
-    a = ctx.memo[key].to(like.device)[timestep.long().reshape(-1).to(like.device)]
+    a = _alphas(ctx).to(like.device)[timestep.long().reshape(-1).to(like.device)]
     shape = (-1,) + (1,) * (like.dim() - 1)
     return a.sqrt().reshape(shape).to(like.dtype), (1.0 - a).sqrt().reshape(shape).to(like.dtype)
 
@@ -128,8 +160,17 @@ def training_target(ctx: Any, x0: Any, noise: Any, timestep: Any) -> Any:
     return keep * noise - mix * x0
 
 
-def ddpm_loss(pred: Any, target: Any) -> Any:
-    """The plain MSE over the batch, in fp32 (DiffSynth's DDPM training weight is 1)."""
+def ddpm_loss(pred: Any, target: Any, loss_weight: Any = None) -> Any:
+    """The plain MSE over the batch, in fp32 (DiffSynth's DDPM training weight is 1); with a weight per sample
+    (--snr_gamma), each sample's MSE times its weight, averaged over the batch (diffusers' reduction)."""
     import torch.nn.functional as F
 
-    return F.mse_loss(pred.float(), target.float())
+    from .masked_loss import masked_mse
+
+    masked = masked_mse(pred.float(), target.float(), loss_weight)
+    if masked is not None:
+        return masked
+    if loss_weight is None:
+        return F.mse_loss(pred.float(), target.float())
+    per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").flatten(1).mean(dim=1)
+    return (per_sample * loss_weight.float().reshape(-1)).mean()

@@ -32,6 +32,7 @@ from unitgraph.spec import Pipeline, Sink, Unit
 
 __all__ = [
     "Family",
+    "Guidance",
     "ModelRepo",
     "ModelSlot",
     "PipelineDef",
@@ -47,7 +48,8 @@ __all__ = [
 
 # The settings a unit may read from its context (see context.UnitSettings). A unit declares the ones
 # it reads; a stage-1 cache key holds exactly the settings of the plan's data_process units.
-SETTINGS = ("image_size", "dtype", "cache_dtype", "seed", "timestep_bounds", "loss_weighting", "derived_inputs")
+SETTINGS = ("image_size", "dtype", "cache_dtype", "seed", "timestep_bounds", "loss_weighting", "derived_inputs",
+            "timestep_sampling", "snr_gamma", "caption_dropout", "masked_loss")
 
 
 class _LazyModule(ModuleType):
@@ -328,6 +330,9 @@ class ModelSlot:
     release publishes this component in (one file at the top of the model's repository), imported when a file needs it:
     an object with `description`, `class_name`, `matches(shapes)`, `config(shapes, beside)` (the diffusers
     config.json content) and `convert(tensors)` (the diffusers state dict); see models/release.py.
+    comfyui: "module:ATTR" (relative to the family's package) naming the slot's module names in its release
+    checkpoint, which ComfyUI's own model classes use (a `models/release_names.ReleaseNames`, or an object with its
+    `for_config`): how `--lora_format comfyui` names and stacks a LoRA of this slot (models/lora.py reads it back).
     module: the module the class is imported from when the library does not export it at its top (a model
     class diffusers keeps beside its pipeline, say); None: the library itself.
     optional: a model some releases of the family's pipelines go without (an image encoder whose features only
@@ -351,6 +356,7 @@ class ModelSlot:
     single_file: Optional[str] = None
     module: Optional[str] = None
     optional: bool = False
+    comfyui: Optional[str] = None
 
     @property
     def class_names(self) -> tuple[str, ...]:
@@ -365,6 +371,15 @@ class ModelSlot:
         ('to_q', 'to_k', 'to_v', 'proj_out')
         """
         return tuple(dict.fromkeys(m for t in targets for m in self.lora_aliases.get(t, (t,))))
+
+
+class LoraPrefixes(dict):
+    """slot -> the diffusers prefix its LoRA keys live under, as a plain dict, and the family they are of: the readers
+    and writers of LoRA files take it where they may meet a slot's release names (`Family.comfyui_names`)."""
+
+    def __init__(self, prefixes: Mapping[str, str], family: Optional["Family"] = None):
+        super().__init__(prefixes)
+        self.family = family
 
 
 @dataclass(frozen=True)
@@ -456,6 +471,20 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class Guidance:
+    """How a pipeline guides its validation samples, as its family's render module declares it (`guidance(pipeline)`,
+    train/validation.py): `default`, the scale its diffusers pipeline's `__call__` defaults to; `negative`, whether it
+    guides against a negative prompt (classifier-free guidance: a second pass of the denoiser) or takes none (a scale
+    embedded in a distilled DiT); `empty_negative`, whether, with no --validation_negative_prompt, it guides against
+    the empty prompt's encoding (stage 1 encodes it), or else against what its pipeline makes without one (zeros, where
+    the pipeline's `force_zeros_for_empty_prompt` says so)."""
+
+    default: float
+    negative: bool = True
+    empty_negative: bool = True
+
+
+@dataclass(frozen=True)
 class Family:
     """A model family: everything the generic machinery needs to train it.
 
@@ -465,8 +494,9 @@ class Family:
     package) with `SIZES` and `write_tiny_models(outdir, size, seed, pipeline=None)` (the folder for a
     pipeline's diffusers class; None: the family's first pipeline's). pad: params padded
     along dim 1 in a batch, each with its 0/1 mask param. demo: flags the demo trains with (`images` and `resolution`: its data's defaults). render: the module
-    (relative to the package) whose `render(pipeline, models, embeds, width, height, steps, generator) -> PIL`
-    draws a validation sample with the family's diffusers pipeline; render_models: the models it needs beyond
+    (relative to the package) whose `render(pipeline, models, embeds, width, height, steps, generator, guidance=,
+    negative=) -> PIL` draws a validation sample with the family's diffusers pipeline (and whose `guidance(pipeline)`
+    says how: a `Guidance`, or None); render_models: the models it needs beyond
     the stage's (the VAE, for its decoder), loaded only while rendering. repos: the model repositories its
     commands name (`ModelRepo`), most specific first: how a run tells the family and pipeline from model ids,
     and where a release file's diffusers twin is. experts: a denoiser released as experts over noise levels
@@ -541,6 +571,19 @@ class Family:
             return None
         module, _, attr = where.partition(":")
         return getattr(importlib.import_module(module, self.package), attr)
+
+    def comfyui_names(self, slot: str) -> Any:
+        """The release module names a slot declares for ComfyUI's layout (`ModelSlot.comfyui`), imported now; None
+        without them."""
+        where = self.slot(slot).comfyui
+        if where is None:
+            return None
+        module, _, attr = where.partition(":")
+        return getattr(importlib.import_module(module, self.package), attr)
+
+    def lora_prefixes(self) -> "LoraPrefixes":
+        """Each model slot's checkpoint key prefix (its diffusers pipeline attribute), the denoiser first."""
+        return LoraPrefixes({s.name: s.lora_prefix or s.name for s in self.slots if s.kind == "model"}, family=self)
 
     def slot(self, name: str) -> ModelSlot:
         for slot in self.slots:

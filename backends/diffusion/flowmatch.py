@@ -5,9 +5,15 @@ What a flow-matching step trains on, by default the objective DiffSynth-Studio's
   * the latent: the VAE posterior's mean (`posterior_mean`), or with `--vae_latents sample` a fresh draw of
     the posterior each epoch (`latent_sampler`);
   * the noise level: one position of the family's `TrainingSchedule` (DiffSynth's template for the family: one
-    fixed table of 1000 sigmas), uniform over the positions `--min/max_timestep_boundary` leave (`_draw_index`);
+    fixed table of 1000 sigmas), uniform over the positions `--min/max_timestep_boundary` leave (`draw_position`);
+    `--timestep_sampling uniform|logit_normal|mode` draws the position through diffusers'
+    `compute_density_for_timestep_sampling` instead (SD3's densities over [0, 1], mapped onto those positions);
   * the loss: the MSE of the predicted velocity against noise - x0, times the schedule's training weight at the
-    drawn position (`--loss_weighting diffsynth`), or unweighted (`--loss_weighting none`).
+    drawn position (`--weighting_scheme diffsynth`), unweighted (`none`), or weighted by diffusers'
+    `compute_loss_weighting_for_sd3` at the drawn sigma (`sigma_sqrt`, `cosmap`).
+
+Every draw comes from the sample's `timestep` stream (randomness.py), whatever the scheme, so a split run, an
+unsplit run and a resumed run draw the same positions.
 
 `schedule_sigmas` is the sampler's side: the sigmas a diffusers FlowMatchEulerDiscreteScheduler config gives
 for inference (direct distillation's few-step sampler), memoised per (sequence length, steps) in the context.
@@ -21,9 +27,9 @@ from typing import Any, Optional
 
 from .family import unit
 
-__all__ = ["LOSS_WEIGHTINGS", "TrainingSchedule", "VAE_LATENTS", "calculate_shift", "draw_latents", "draw_noise",
-           "flow_matching_mse", "latent_sampler", "position_range", "posterior_mean", "sample_training_timestep",
-           "schedule_sigmas", "with_vae_latents"]
+__all__ = ["LOSS_WEIGHTINGS", "TIMESTEP_SAMPLINGS", "TimestepSampling", "TrainingSchedule", "VAE_LATENTS",
+           "calculate_shift", "draw_latents", "draw_noise", "draw_position", "flow_matching_mse", "latent_sampler",
+           "position_range", "posterior_mean", "sample_training_timestep", "schedule_sigmas", "with_vae_latents"]
 
 
 def calculate_shift(seq_len: int, config: Any) -> float:
@@ -75,7 +81,7 @@ class TrainingSchedule:
 
     >>> s = TrainingSchedule(shift=5.0)
     >>> [round(float(x), 4) for x in s.sigmas()[:2]], round(float(s.sigmas()[-1]), 4)
-    ([1.0, 0.9992], 0.005)
+    ([1.0, 0.9998], 0.005)
     """
 
     shift: float = 1.0
@@ -114,14 +120,49 @@ class TrainingSchedule:
         return bell * (self.steps / bell.sum())
 
 
-LOSS_WEIGHTINGS = ("diffsynth", "none")
+LOSS_WEIGHTINGS = ("diffsynth", "none", "sigma_sqrt", "cosmap")
+SD3_WEIGHTINGS = ("sigma_sqrt", "cosmap")  # computed by diffusers' compute_loss_weighting_for_sd3
+TIMESTEP_SAMPLINGS = ("diffsynth", "uniform", "logit_normal", "mode")
+
+
+@dataclass(frozen=True)
+class TimestepSampling:
+    """How a training position is drawn (--timestep_sampling and its parameters, diffusers' names and defaults).
+
+    `diffsynth`, the default, is DiffSynth's uniform draw of an integer position. The others are the densities of
+    diffusers' `compute_density_for_timestep_sampling` (SD3's: `uniform`, `logit_normal` with `logit_mean` and
+    `logit_std`, `mode` with `mode_scale`): a value u in [0, 1] maps to position int(u x n) of the n positions
+    the boundaries leave, as diffusers' flow-matching training examples index their scheduler's timesteps (u near 0: the
+    noisiest position). The parameters of a scheme that does not read them are not recorded (`key`).
+    """
+
+    scheme: str = "diffsynth"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+
+    def key(self) -> dict[str, Any]:
+        """What a resume state records: the scheme and the parameters it reads."""
+        read = {"logit_normal": ("logit_mean", "logit_std"), "mode": ("mode_scale",)}.get(self.scheme, ())
+        return {"scheme": self.scheme, **{name: getattr(self, name) for name in read}}
+
+    def problem(self) -> str:
+        """Why these settings cannot be drawn from ("" when they can)."""
+        if self.scheme not in TIMESTEP_SAMPLINGS:
+            return f"--timestep_sampling must be one of {', '.join(TIMESTEP_SAMPLINGS)}, got {self.scheme!r}"
+        for name in ("logit_mean", "logit_std", "mode_scale"):
+            if not math.isfinite(getattr(self, name)):
+                return f"--{name} must be a finite number, got {getattr(self, name)}"
+        if self.logit_std <= 0:
+            return f"--logit_std must be above 0, got {self.logit_std}"
+        return ""
 
 
 def sample_training_timestep(ctx: Any, schedule: TrainingSchedule) -> dict[str, Any]:
     """One training timestep of `schedule`, drawn from `ctx.rng("timestep")` within the bounds, and its loss weight.
 
-    {"timestep": sigma * 1000 (shape (1,)), "loss_weight": the schedule's weight at the drawn position (shape (1,)),
-    or None with --loss_weighting none}. The timestep is the schedule's float32 value: DiffSynth first casts it to
+    {"timestep": sigma * 1000 (shape (1,)), "loss_weight": the weight of --weighting_scheme at the drawn position
+    (shape (1,)), or None with `none`}. The timestep is the schedule's float32 value: DiffSynth first casts it to
     bf16 and looks the sigma up again by the nearest timestep, which leaves only about a third of the positions
     reachable; that is an artifact of its dtype handling, not part of the objective, so it is not reproduced.
     """
@@ -129,22 +170,42 @@ def sample_training_timestep(ctx: Any, schedule: TrainingSchedule) -> dict[str, 
     if key not in ctx.memo:
         ctx.memo[key] = (schedule.sigmas(), schedule.weights())
     sigmas, weights = ctx.memo[key]
-    index = _draw_index(ctx, schedule.steps)
-    weight = weights[index].reshape(1).to(ctx.device) if ctx.settings.loss_weighting == "diffsynth" else None
-    return {"timestep": (sigmas[index] * 1000.0).reshape(1).to(ctx.device), "loss_weight": weight}
+    index = draw_position(ctx, schedule.steps)
+    scheme = ctx.settings.loss_weighting
+    if scheme == "diffsynth":
+        weight = weights[index].reshape(1)
+    elif scheme in SD3_WEIGHTINGS:
+        from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+        weight = compute_loss_weighting_for_sd3(scheme, sigmas[index].reshape(1)).float()
+    else:
+        weight = None
+    return {"timestep": (sigmas[index] * 1000.0).reshape(1).to(ctx.device),
+            "loss_weight": None if weight is None else weight.to(ctx.device)}
 
 
-def _draw_index(ctx: Any, steps: int) -> int:
-    """An index into a schedule of `steps` sigmas, uniform in [min_boundary * steps, max_boundary * steps).
+def draw_position(ctx: Any, steps: int) -> int:
+    """An index into a schedule of `steps` positions, within [min_boundary * steps, max_boundary * steps).
 
     As DiffSynth-Studio's FlowMatchSFTLoss reads --min/max_timestep_boundary: fractions of the schedule's
     positions counted from its noisiest end (index 0, sigma ~1), so a two-expert video model's high-noise
-    expert trains on `--max_timestep_boundary 0.358` (shift 5: sigmas from 1 down to ~0.9), the low-noise one on the rest.
+    expert trains on `--max_timestep_boundary 0.358` (shift 5: sigmas from 1 down to ~0.9), the low-noise one on
+    the rest. Uniform over them by default (DiffSynth's draw); else u of diffusers' density for
+    --timestep_sampling (one value from the same stream) picks position first + int(u x count).
     """
     import torch
 
     first, last = position_range(ctx.timestep_bounds, steps)
-    return int(torch.randint(first, last, (1,), generator=ctx.rng("timestep")).item())
+    sampling = ctx.settings.timestep_sampling
+    if sampling is None or sampling.scheme == "diffsynth":
+        return int(torch.randint(first, last, (1,), generator=ctx.rng("timestep")).item())
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    u = compute_density_for_timestep_sampling(sampling.scheme, 1, logit_mean=sampling.logit_mean,
+                                              logit_std=sampling.logit_std, mode_scale=sampling.mode_scale,
+                                              device="cpu", generator=ctx.rng("timestep"))
+    u = min(max(float(u[0]), 0.0), 1.0)  # `mode` leaves [0, 1] for a mode_scale above about 1.3
+    return min(last - 1, first + int(u * (last - first)))
 
 
 def position_range(bounds: tuple[float, float], steps: int) -> tuple[int, int]:
@@ -168,7 +229,12 @@ def flow_matching_mse(pred: Any, target: Any, loss_weight: Any = None) -> Any:
     """
     import torch.nn.functional as F
 
+    from .masked_loss import masked_mse
+
     pred, target = pred.float(), target.float()
+    masked = masked_mse(pred, target, loss_weight)
+    if masked is not None:
+        return masked
     if loss_weight is None:
         return F.mse_loss(pred, target)
     weight = loss_weight.float().reshape(-1)

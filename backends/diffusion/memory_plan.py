@@ -12,7 +12,11 @@ How the estimate is made:
   transformers' strict list at bf16, both lists at fp16); a model trained in full at fp32; the LoRA base gets its
   adapter through `models.lora.add_lora` and `precision.adapters_to_fp32`; `--fp8_models` through
   `precision.store_fp8`. The bytes are summed per storage dtype over the built parameters (tied ones once).
-- **Trainable state.** 16 bytes per trained parameter: the fp32 value, its gradient, AdamW's two moments.
+- **Trainable state.** Per trained parameter its fp32 value and gradient (8 bytes) and what the optimizer keeps for it
+  (`train/optimizers.state_bytes`, from the parameter's shape): AdamW's two moments, 8 bytes, so 16 in all;
+  Adafactor's row and column factors, a few bytes a matrix; Prodigy's 16; ... (docs/objective.md, 'Optimizers').
+- **EMA.** With --ema_decay, 4 bytes per trained parameter (the moving average's fp32 copy) on the device, or in
+  host memory with --ema_device cpu.
 - **Activations.** One training step is traced under torch's FakeTensorMode: the built models' parameters become
   fake tensors of the same shapes and dtypes, the family's `memory.py` gives the loss's inputs at the run's size
   (and the encoders' calls), the loss runs as a run calls it (`PipelineDef.loss` under the context's autocast), then
@@ -34,8 +38,8 @@ How the estimate is made:
   activations). Stage 1 trains nothing and is the same under every engine; a model a training stage does not
   prepare for the backward (a frozen encoder) is whole on every process; the activations are one process's batch.
   The models the engine prepares (`plan.models_require_backward`, as train/loop.py) are counted by
-  `engine_share`: ZeRO-1/2 keep every weight whole and split AdamW's state (ZeRO-2 the gradients too) with
-  DeepSpeed's own fp32 copy of the partition; ZeRO-3 splits every weight, frozen base included, in ceil(numel/N)
+  `engine_share`: ZeRO-1/2 keep every weight whole and split AdamW's state (ZeRO-2 the gradients too; with
+  offload_optimizer an fp32 copy of the partition in host memory too); ZeRO-3 splits every weight, frozen base included, in ceil(numel/N)
   partitions but keeps the parameters of at most stage3_param_persistence_threshold elements whole; FSDP2 splits
   each parameter's dim 0 (ceil), its gradient and AdamW's state; offload moves the named parts to host memory.
   Beside the shards a process holds whole weights while layers compute (`gathered_bytes`: ZeRO-3 up to
@@ -65,6 +69,7 @@ from .args import image_pixel_limit
 from .config import precision_note
 from .errors import BackendError
 from .memory_trace import HostSaved, StorageLog, trace_layerwise_casting
+from .train.optimizers import optimizer_label
 
 if TYPE_CHECKING:  # annotations only
     from unitgraph.plan import Plan
@@ -74,6 +79,8 @@ if TYPE_CHECKING:  # annotations only
 STAGES = ("data_process", "train", "unsplit")
 STAGE_TITLES = {"data_process": "stage 1 (data_process)", "train": "stage 2 (train)", "unsplit": "unsplit run"}
 TRAINABLE_BYTES_PER_PARAM = 16  # fp32 value 4 + gradient 4 + AdamW exp_avg 4 + exp_avg_sq 4
+VALUE_AND_GRAD_BYTES = 8  # a trained parameter's fp32 value and gradient, whatever the optimizer
+EMA_BYTES_PER_PARAM = 4  # --ema_decay: the moving average keeps an fp32 copy of each trained parameter
 GIB = 1 << 30
 # Bounds on what a config.json may make, checked on the meta-device model before a parameter becomes a fake tensor or
 # a step is traced (docs/safety.md): released models stay far below (Qwen-Image's DiT: 20 B parameters, its largest
@@ -100,6 +107,12 @@ class Built:
     in_flight_bytes: int = 0
     fp8_params: int = 0
     notes: list[str] = field(default_factory=list)
+    trained_bytes: Optional[int] = None  # value, gradient and optimizer state of the trained parameters (None: AdamW's)
+
+    @property
+    def trainable_bytes(self) -> int:
+        """Bytes of the trained parameters with their gradients and the optimizer's state."""
+        return self.trainable_params * TRAINABLE_BYTES_PER_PARAM if self.trained_bytes is None else self.trained_bytes
 
     @property
     def weight_bytes(self) -> int:
@@ -117,7 +130,7 @@ class Built:
         out = {"dtype": self.dtype, "weight_bytes": self.weight_bytes, "role": self.role, "params": self.params,
                "bytes_by_dtype": dict(sorted(self.bytes_by_dtype.items())),
                "trainable_params": self.trainable_params,
-               "trainable_bytes": self.trainable_params * TRAINABLE_BYTES_PER_PARAM}
+               "trainable_bytes": self.trainable_bytes}
         if self.fp8_params:
             out["fp8_params"] = self.fp8_params
         if self.swapped_bytes:
@@ -213,6 +226,17 @@ def count_bytes(model: Any) -> tuple[dict[str, int], int, int]:
         name = str(param.dtype).replace("torch.", "")
         by_dtype[name] = by_dtype.get(name, 0) + param.numel() * param.element_size()
     return by_dtype, params, trainable
+
+
+def trained_state_bytes(model: Any, optimizer: str, args: dict[str, Any]) -> Optional[int]:
+    """Bytes of the model's trained parameters as a run holds them: each one's fp32 value and gradient and what the
+    optimizer keeps for a parameter of its shape (train/optimizers.state_bytes); None for AdamW (16 bytes each)."""
+    if optimizer == "adamw":
+        return None
+    from .train.optimizers import state_bytes
+
+    return sum(VALUE_AND_GRAD_BYTES * p.numel() + state_bytes(optimizer, args, tuple(p.shape))
+               for p in model.parameters() if p.requires_grad)
 
 
 def fakify(model: Any, mode: Any) -> list[Any]:
@@ -332,7 +356,8 @@ class _Planner:
             lora = cfg.lora
             check_rank(model, slot, list(lora.targets), lora.rank)  # the run's own refusal (train/loop.prepare_models)
             with _quiet_libraries():
-                add_lora(model, slot, list(lora.targets), lora.rank, lora.alpha, cfg.seed)
+                add_lora(model, slot, list(lora.targets), lora.rank, lora.alpha, cfg.seed, kind=lora.kind,
+                         rslora=lora.rslora)
             adapters_to_fp32(model)
             model.train()
         if fp8 and role != "full":
@@ -341,7 +366,8 @@ class _Planner:
             enable_checkpointing(model)
         by_dtype, params, trainable = count_bytes(model)
         built = Built(slot, role, model, by_dtype, params, trainable,
-                      fp8_params=sum(p.numel() for p in model.parameters() if str(p.dtype) == "torch.float8_e4m3fn"))
+                      fp8_params=sum(p.numel() for p in model.parameters() if str(p.dtype) == "torch.float8_e4m3fn"),
+                      trained_bytes=trained_state_bytes(model, cfg.optim.optimizer, cfg.optim.optimizer_args))
         if role == "lora" and training and cfg.precision.blocks_to_swap:
             self._swap(built)
         return built
@@ -447,6 +473,7 @@ class _Planner:
                         with ctx.autocast():
                             outputs.append(calls[slot](models[slot]))
                 inputs = self.memory.sink_inputs(cfg, self.dims, self.configs, batch, self.dtype)
+                inputs.setdefault("loss_mask", None)  # --masked_loss: weights of a negligible size
                 loss = cfg.pipeline.loss(ctx, inputs)
                 for out in outputs:  # the encoder's output feeds the loss in a run; here it joins the backward
                     loss = loss + out.float().mean() * 0.0
@@ -493,6 +520,12 @@ class _Planner:
         host_parts = {"weights": sum(s.host_weight_bytes for s in shares.values()),
                       "trainable": sum(s.host_trainable_bytes for s in shares.values()) if training else 0,
                       "activations": host}
+        # --ema_decay: the moving average, an fp32 copy of every trained parameter, on the device or in host memory
+        ema = (EMA_BYTES_PER_PARAM * sum(b.trainable_params for b in built.values())
+               if training and cfg.optim.ema_decay is not None else 0)
+        ema_device = 0 if cfg.optim.ema_device == "cpu" else ema
+        if ema and not ema_device:
+            host_parts["ema"] = ema
 
         def model_summary(slot: str) -> dict[str, Any]:
             b, share = built[slot], shares[slot]
@@ -504,7 +537,7 @@ class _Planner:
             return out
 
         out: dict[str, Any] = {
-            "peak_bytes": weights + trainable + activations + gathered + buffers,
+            "peak_bytes": weights + trainable + activations + gathered + buffers + ema_device,
             "weight_bytes": weights,
             "trainable_bytes": trainable,
             "activation_bytes": activations,
@@ -515,6 +548,8 @@ class _Planner:
             "models": {slot: model_summary(slot) for slot in built},
             "encoder_activation_bytes": inference,
         }
+        if ema:
+            out["ema_bytes"], out["ema_on_host"] = ema, not ema_device
         if training:
             out["step_activation_bytes"] = step
         return out
@@ -544,7 +579,7 @@ class Share:
     def summary(self, built: Built) -> dict[str, Any]:
         whole = sum(built.bytes_by_dtype.values())
         return {"sharded_weights": self.sharded, "whole_weight_bytes": whole,
-                "whole_trainable_bytes": built.trainable_params * TRAINABLE_BYTES_PER_PARAM,
+                "whole_trainable_bytes": built.trainable_bytes,
                 "host_weight_bytes": self.host_weight_bytes, "host_trainable_bytes": self.host_trainable_bytes,
                 "gathered_bytes": self.gathered_bytes}
 
@@ -586,19 +621,20 @@ def engine_share(built: Built, engine: Any, wrapped: bool) -> Share:
 
     - a model the engine does not prepare (a frozen encoder) is whole on every process;
     - data parallel (and DeepSpeed without ZeRO, stage 0): everything whole;
-    - DeepSpeed ZeRO-1/2: frozen and trained weights whole; DeepSpeed's own fp32 copy of this process's partition
-      of the trained weights (the optimizer steps it, then copies back), AdamW's state of that partition, and under
-      ZeRO-2 the gradient partition; ZeRO-1 keeps whole gradients. offload_optimizer moves the copy, the state and
-      the gradient partition to host memory;
+    - DeepSpeed ZeRO-1/2: frozen and trained weights whole; AdamW's state of this process's partition of the
+      trained weights (the optimizer steps the weights' own fp32 partition: train/engines.share_fp32_master), and
+      under ZeRO-2 the gradient partition; ZeRO-1 keeps whole gradients. offload_optimizer puts an fp32 copy of the
+      partition, the state and the gradient partition in host memory;
     - DeepSpeed ZeRO-3: each weight split in ceil(numel/N) partitions, frozen and trained alike, except the
       parameters of at most stage3_param_persistence_threshold elements (1e5 by default), which every process also
-      keeps whole; the trained partitions are the optimizer's fp32 values (no copy), their gradients and AdamW's
-      state are partitioned too. offload_param moves the weight partitions to host memory, offload_optimizer the
+      keeps whole; the trained partitions are the optimizer's fp32 values (no copy: train/engines.share_fp32_master),
+      their gradients and AdamW's state are partitioned too. offload_param moves the weight partitions to host memory, offload_optimizer the
       gradients, the state and an fp32 copy of the partitions;
     - FSDP2: each parameter's dim 0 split in N chunks (ceil), its gradient and AdamW's state the same;
       fsdp_offload_params moves all of it to host memory, the optimizer step included.
     """
-    trained = built.trainable_params * TRAINABLE_BYTES_PER_PARAM
+    trained = built.trainable_bytes  # the run's optimizer (under an engine AdamW's 16 bytes a parameter, or under FSDP2
+    # schedule-free AdamW's, the same 16: config.check_engine refuses the others)
     n = max(engine.processes, 1)
     if not wrapped or engine.kind == "ddp" or (engine.kind == "deepspeed" and engine.zero_stage == 0):
         return Share(built.weight_bytes, trained, host_weight_bytes=built.swapped_bytes, wrapped=wrapped)
@@ -608,9 +644,9 @@ def engine_share(built: Built, engine: Any, wrapped: bool) -> Share:
         weights = grads = 4 * built.trainable_params
         if engine.zero_stage == 2:
             grads = 4 * part
-        state = (4 + 8) * part  # the fp32 copy of the partition, AdamW's two moments
+        state = 8 * part  # AdamW's two moments; the optimizer steps the weights' own partition (share_fp32_master)
         if engine.offload_optimizer:
-            host = state + 4 * part  # and the fp32 gradient partition the CPU step reads
+            host = state + (4 + 4) * part  # an fp32 copy of the partition and its gradient, which the CPU step reads
             device = weights + (grads if engine.zero_stage == 1 else 0)
             return Share(built.weight_bytes, device, host_trainable_bytes=host, wrapped=True)
         return Share(built.weight_bytes, weights + grads + state, wrapped=True)
@@ -789,6 +825,7 @@ def settings(cfg: RunConfig, plan: Plan, dims: dict[str, Any]) -> dict[str, Any]
         "train_models": list(plan.train_models),
         "size": dims,
         "engine_source": cfg.engine.source,
+        "optimizer": cfg.optim.optimizer,
     }
 
 
@@ -820,8 +857,10 @@ def engine_notes(engine: Any, stages: dict[str, Any]) -> list[str]:
              "process; the activations are one process's batch"]
     if engine.kind == "deepspeed":
         if engine.zero_stage in (1, 2):
-            notes.append(f"{engine.name} keeps every weight whole on each process, and its own fp32 copy of this "
-                         "process's partition of the trained weights for the optimizer step")
+            notes.append(f"{engine.name} keeps every weight whole on each process; its optimizer steps this "
+                         "process's partition of the fp32 trained weights in place" +
+                         (", from an fp32 copy of it in host memory" if engine.offload_optimizer else
+                          " (no fp32 master copy)"))
         elif engine.zero_stage == 3:
             threshold = zero_setting(engine, "stage3_param_persistence_threshold")
             notes.append(f"{engine.name} keeps the parameters of at most {threshold:g} elements whole on every process "
@@ -861,7 +900,7 @@ def engine_line(plan: dict[str, Any]) -> Optional[str]:
             "per process, on its device, with what it keeps in host memory apart")
 
 
-def _model_row(slot: str, model: dict[str, Any], width: int, processes: int) -> str:
+def _model_row(slot: str, model: dict[str, Any], width: int, processes: int, col: int = 14) -> str:
     extra = ""
     share = model.get("engine") or {}
     if share.get("sharded_weights") and share.get("whole_weight_bytes"):
@@ -872,7 +911,7 @@ def _model_row(slot: str, model: dict[str, Any], width: int, processes: int) -> 
         extra += f"  + {model['trainable_params'] / 1e6:.1f} M trained params"
     if model.get("swapped_bytes"):
         extra += f"  ({gib(model['swapped_bytes'])} GiB swapped to host)"
-    return f"  {slot:<{width}}  {model['dtype']:<14} {gib(model['weight_bytes']):>8} GiB{extra}"
+    return f"  {slot:<{width}}  {model['dtype']:<{col}} {gib(model['weight_bytes']):>8} GiB{extra}"
 
 
 def format_memory_plan(plan: dict[str, Any]) -> list[str]:
@@ -904,6 +943,8 @@ def format_memory_plan(plan: dict[str, Any]) -> list[str]:
         lines.append("memory plan: " + ", ".join(what))
     processes = int(plan.get("processes") or 1)
     per = " per process" if engine else ""
+    trainable = "fp32 + " + optimizer_label(s.get("optimizer") or "adamw")
+    col = max(14, len(trainable))  # the dtype column, wide enough for the optimizer's name
     labels = ["activations"] + (["engine buffers"] if any(st.get("engine_buffer_bytes") for st in
                                                            plan["stages"].values()) else [])
     slots = [slot for st in plan["stages"].values() for slot in st["models"]]
@@ -915,18 +956,21 @@ def format_memory_plan(plan: dict[str, Any]) -> list[str]:
         lines.append("")
         lines.append(f"{STAGE_TITLES[name]}: peak {gib(stage['peak_bytes'])} GiB{per}")
         for slot, model in stage["models"].items():
-            lines.append(_model_row(slot, model, width, processes))
-        lines.append(f"  {'trainable':<{width}}  {'fp32 + AdamW':<14} {gib(stage['trainable_bytes']):>8} GiB")
-        lines.append(f"  {'activations':<{width}}  {'':<14} {gib(stage['activation_bytes']):>8} GiB")
+            lines.append(_model_row(slot, model, width, processes, col))
+        lines.append(f"  {'trainable':<{width}}  {trainable:<{col}} {gib(stage['trainable_bytes']):>8} GiB")
+        if stage.get("ema_bytes"):
+            where = "(host, fp32)" if stage.get("ema_on_host") else "fp32"
+            lines.append(f"  {'ema':<{width}}  {where:<{col}} {gib(stage['ema_bytes']):>8} GiB")
+        lines.append(f"  {'activations':<{width}}  {'':<{col}} {gib(stage['activation_bytes']):>8} GiB")
         if stage.get("gathered_bytes"):
-            lines.append(f"  {'gathered':<{width}}  {'(in flight)':<14} {gib(stage['gathered_bytes']):>8} GiB")
+            lines.append(f"  {'gathered':<{width}}  {'(in flight)':<{col}} {gib(stage['gathered_bytes']):>8} GiB")
         if stage.get("engine_buffer_bytes"):
-            lines.append(f"  {'engine buffers':<{width}}  {'':<14} {gib(stage['engine_buffer_bytes']):>8} GiB")
+            lines.append(f"  {'engine buffers':<{width}}  {'':<{col}} {gib(stage['engine_buffer_bytes']):>8} GiB")
         if stage.get("host_bytes"):
             parts = stage.get("host") or {}
-            shown = ", ".join(f"{what} {gib(parts[what])}" for what in ("weights", "trainable", "activations")
+            shown = ", ".join(f"{what} {gib(parts[what])}" for what in ("weights", "trainable", "activations", "ema")
                               if parts.get(what))
-            lines.append(f"  {'host':<{width}}  {'(not on device)':<14} {gib(stage['host_bytes']):>8} GiB"
+            lines.append(f"  {'host':<{width}}  {'(not on device)':<{col}} {gib(stage['host_bytes']):>8} GiB"
                          + (f"  ({shown})" if len([v for v in parts.values() if v]) > 1 else ""))
     notes = plan.get("notes") or []
     if notes:

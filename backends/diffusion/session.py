@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,9 @@ from unitgraph.graph import VersionGraph
 from unitgraph.plan import Plan, split
 
 from .config import RunConfig
+from .context import ImageSize
 from .data.dataset import DiffusionDataset
+from .data.mixture import DatasetMixture
 from .errors import BackendError
 
 
@@ -95,14 +98,62 @@ def _forget_other_precision(mixed: str, multi: bool) -> None:
         AcceleratorState._reset_state()
 
 
-def make_dataset(cfg: RunConfig) -> DiffusionDataset:
+def make_dataset(cfg: RunConfig, held_out: bool = False) -> "DiffusionDataset | DatasetMixture":
+    """The run's dataset: the one of --dataset_base_path, or the datasets of --dataset_config as one; with
+    `held_out` (stage 1) and --validation_dataset, its samples follow the training samples'
+    (`DatasetMixture.held_out_from`)."""
+    extra = cfg.data.held_out if held_out else None
+    if not cfg.data.datasets and extra is None:
+        return _one_dataset(cfg)
+    parts: list[tuple[Any, Any, dict[str, Any]]] = []
+    for spec in cfg.data.datasets:
+        own = dataset_config(cfg, spec)
+        parts.append((spec.name, _one_dataset(own), own_shaping(cfg, own)))
+    if not parts:
+        parts.append((None, _one_dataset(cfg), {}))  # the run's one dataset, its records as they always were
+    if extra is not None:
+        parts.append((extra.name, _one_dataset(dataset_config(cfg, extra)), {}))
+    return DatasetMixture(parts, str(cfg.data.config_path or cfg.data.metadata_path),
+                          held_out=extra is not None)
+
+
+def _one_dataset(cfg: RunConfig) -> DiffusionDataset:
     spec = cfg.pipeline.spec_pipeline
     return DiffusionDataset(cfg.data.base_path, cfg.data.metadata_path, VersionGraph.of(spec).dataset_params,
                             data_file_keys=cfg.data.file_keys, extra_inputs=cfg.data.extra_inputs,
                             required=cfg.pipeline.required, optional=cfg.pipeline.optional,
                             image_params=cfg.pipeline.image_params, param_types=cfg.pipeline.param_types,
                             video_params=cfg.pipeline.video_params, num_frames=cfg.data.num_frames,
-                            audio_params=cfg.pipeline.audio_params)
+                            audio_params=cfg.pipeline.audio_params,
+                            strict=("mask",) if cfg.units.masked_loss is not None else ())
+
+
+def dataset_config(cfg: RunConfig, spec: Any) -> RunConfig:
+    """The run as one dataset of its --dataset_config sees it: its folder and metadata, and its own size, file
+    columns and clip length where it gives them (a size given replaces the run's --height/--width/--max_pixels
+    whole). A dataset that gives nothing of its own is the run itself: its entries' keys are the run's."""
+    size = cfg.units.image_size
+    if spec.height is not None:
+        size = ImageSize(spec.height, spec.width, spec.max_pixels or size.max_pixels)
+    elif spec.max_pixels is not None:
+        size = ImageSize(None, None, spec.max_pixels)
+    data = replace(cfg.data, base_path=spec.base_path, metadata_path=spec.metadata, repeat=1,
+                   file_keys=tuple(spec.data_file_keys) if spec.data_file_keys is not None else cfg.data.file_keys,
+                   num_frames=spec.num_frames if spec.num_frames is not None else cfg.data.num_frames)
+    return replace(cfg, units=replace(cfg.units, image_size=size), data=data)
+
+
+def own_shaping(cfg: RunConfig, own: RunConfig) -> dict[str, Any]:
+    """What one dataset's config changes of the run's settings that shape entries ({} when nothing): the image size
+    as a cache key records it, the file columns, the clip length."""
+    out: dict[str, Any] = {}
+    if own.units.image_size.key() != cfg.units.image_size.key():
+        out["image_size"] = own.units.image_size.key()
+    if own.data.file_keys != cfg.data.file_keys:
+        out["data_file_keys"] = list(own.data.file_keys)
+    if own.data.num_frames != cfg.data.num_frames and (cfg.pipeline.video_params or cfg.pipeline.audio_params):
+        out["num_frames"] = own.data.num_frames
+    return out
 
 
 def unit_grad(unit: Any, backward: set[str], inputs: dict[str, Any]) -> Any:

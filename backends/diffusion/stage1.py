@@ -35,7 +35,8 @@ from .data.dataset import DiffusionDataset, SampleError
 from .errors import BackendError
 from .models.stage import load_models, make_context
 from .report import Reporter, count, progress
-from .session import make_dataset
+from .data.mixture import DatasetMixture
+from .session import dataset_config, make_dataset, own_shaping
 from .stage1_key import describe_key_change, key_inputs, made_with, recorded_settings
 
 
@@ -80,18 +81,21 @@ def prepare_stage1(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache:
     memo = cache.memo()
     inputs = key_inputs(cfg, plan, memo)
     static = canonical_hash(inputs)
+    statics = dataset_statics(cfg, plan, memo, static)
     params = inputs["dataset_params"]
     samples: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     digest = functools.lru_cache(maxsize=None)(memo.digest)  # a file many rows name is looked at once per run
+    held_out_from = getattr(dataset, "held_out_from", len(dataset))
     for i in range(len(dataset)):
+        place = placement(dataset, i)
         try:
             sid = dataset.sample_id(i, digest)
-            key = entry_key(static, dataset.key_inputs(i, params, digest))
+            key = entry_key(statics.get(place.get("dataset"), static), dataset.key_inputs(i, params, digest))
         except SampleError as exc:
             _skip(skipped, i, exc)
             continue
-        samples.append({"index": i, "sample_id": sid, "key": key})
+        samples.append({"index": i, "sample_id": sid, "key": key, **place})
 
     # what is already there: the manifest's records and those of an interrupted run's journals
     records: dict[str, dict[str, Any]] = dict(existing.entries if existing is not None else {})
@@ -125,6 +129,8 @@ def prepare_stage1(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache:
             for other in by_key[key]:
                 _skip(skipped, other["index"], exc)
     samples = [s for s in samples if s["key"] not in bad_keys]
+    held_out = [s for s in samples if s["index"] >= held_out_from]  # --validation_dataset: cached, never trained
+    samples = [s for s in samples if s["index"] < held_out_from]
     skipped.sort(key=lambda s: s["index"])
     if not samples:
         first_reason = skipped[0]["reason"] if skipped else "the metadata has no rows"
@@ -145,8 +151,28 @@ def prepare_stage1(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache:
         # while filling, records of other entries still on disk are kept (a changed setting may be reverted)
         entries={**{k: r for k, r in records.items() if k not in first and r["file"] in on_store},
                  **valid} if pending else valid,
-        skipped=skipped, pending=pending or None, layout=cfg.args.cache_layout)
+        skipped=skipped, pending=pending or None, layout=cfg.args.cache_layout,
+        datasets=[spec.record() for spec in cfg.data.datasets] or None, held_out=held_out or None)
     return Stage1Work(manifest, reason, memo, existing is None or manifest.to_dict() != existing.to_dict())
+
+
+def dataset_statics(cfg: RunConfig, plan: Plan, memo: HashMemo, static: str) -> dict[str, str]:
+    """{dataset: the shared part of its entries' keys} of a --dataset_config run: the run's own (`static`) for a
+    dataset that gives no setting of its own, so adding a dataset, or one of the run's flags' values, keeps the
+    entries the others have; else the hash of the key inputs under its settings."""
+    out = {}
+    for spec in cfg.data.datasets:
+        own = dataset_config(cfg, spec)
+        out[spec.name] = canonical_hash(key_inputs(own, plan, memo)) if own_shaping(cfg, own) else static
+    return out
+
+
+def placement(dataset: Any, index: int) -> dict[str, Any]:
+    """What a manifest's sample record says of its dataset ({} for the run's one dataset): its name and row."""
+    if not isinstance(dataset, DatasetMixture):
+        return {}
+    k, row = dataset.locate(index)
+    return {"dataset": dataset.names[k], "row": row + 1} if dataset.names[k] is not None else {}
 
 
 def check_read_only(cache: Cache, work: Stage1Work) -> None:
@@ -208,9 +234,10 @@ def finish_stage1(cache: Cache, manifest: Manifest) -> tuple[list[int], dict[int
                 computed.append(int(raw["index"]))
             rank = int(raw.get("rank", 0))
             per_process[rank] = per_process.get(rank, 0) + 1
-    needed = {s["key"] for s in manifest.samples}
+    every = manifest.samples + (manifest.held_out or [])
+    needed = {s["key"] for s in every}
     files = present(cache)
-    missing = [s for s in manifest.samples if s["key"] not in entries or entries[s["key"]]["file"] not in files]
+    missing = [s for s in every if s["key"] not in entries or entries[s["key"]]["file"] not in files]
     if missing:  # pragma: no cover - every process computes its share or stops with an error
         raise RuntimeError(f"stage 1 left {len(missing)} samples without a cache entry (e.g. index {missing[0]['index']})")
     manifest.status, manifest.pending = "complete", None
@@ -231,7 +258,7 @@ def compute_entries(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache
     """
     if models is None:
         models = load_models(cfg, plan.data_process_models, training=False, device=accelerator.device)
-    ctx = make_context(cfg, models, accelerator.device)
+    contexts = dataset_contexts(cfg, dataset, models, accelerator.device)
     schedule = stage1_schedule(plan)
     code = cfg.pipeline.unit_code()
     store_dtype = None if cfg.units.cache_dtype == cfg.units.dtype else getattr(torch, cfg.units.cache_dtype)
@@ -240,16 +267,16 @@ def compute_entries(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache
     bar = progress(None, len(work), "stage 1 (data_process)", cfg.output.progress and accelerator.is_local_main_process)
     with torch.no_grad(), cache.writer(accelerator.process_index, cfg.args.cache_layout) as writer, \
             decoded_ahead(dataset, [int(item["index"]) for item in work], cfg.data.num_workers) as samples:
-        for first in range(0, len(work), size):
-            chunk = work[first:first + size]
+        for chunk in dataset_chunks(work, size, dataset):
             indices = [int(item["index"]) for item in chunk]
+            ctx = contexts(indices[0])  # a chunk lies in one dataset: one size, one context
             states = []
             for index in indices:
-                with _naming(index, done):
+                with _naming(index, done, dataset.where):
                     states.append(samples(index))
             values = [{key: state.get(param) for param, key in schedule.snapshots_after.get(None, [])} for state in states]
             for name in schedule.units:
-                for state, out in zip(states, run_unit(code[name], ctx, states, indices, done)):
+                for state, out in zip(states, run_unit(code[name], ctx, states, indices, done, dataset.where)):
                     state.update(out)
                 for param, key in schedule.snapshots_after.get(name, []):
                     for state, kept in zip(states, values):
@@ -265,23 +292,51 @@ def compute_entries(cfg: RunConfig, plan: Plan, dataset: DiffusionDataset, cache
     bar.close()
 
 
+def dataset_contexts(cfg: RunConfig, dataset: Any, models: dict[str, Any], device: Any) -> Callable[[int], Any]:
+    """index -> the unit context its sample runs in: the run's, or under --dataset_config its dataset's (its own
+    size), each made once."""
+    ctx = make_context(cfg, models, device)
+    if not isinstance(dataset, DatasetMixture):
+        return lambda index: ctx
+    own = [make_context(dataset_config(cfg, spec), models, device) for spec in cfg.data.datasets] or [ctx]
+    if len(own) < len(dataset.parts):  # --validation_dataset's samples: the run's settings
+        own.append(ctx)
+    return lambda index: own[dataset.locate(index)[0]]
+
+
+def dataset_chunks(work: list[dict[str, Any]], size: int, dataset: Any) -> list[list[dict[str, Any]]]:
+    """The work in runs of at most `size` entries, a run never crossing from one dataset to the next (whose units
+    may read another size)."""
+    part = (lambda item: dataset.locate(int(item["index"]))[0]) if isinstance(dataset, DatasetMixture) else (lambda item: 0)
+    chunks: list[list[dict[str, Any]]] = []
+    for item in work:
+        if chunks and len(chunks[-1]) < size and part(chunks[-1][-1]) == part(item):
+            chunks[-1].append(item)
+        else:
+            chunks.append([item])
+    return chunks
+
+
 def data_process_batch_size(cfg: RunConfig) -> int:
     """--data_process_batch_size, else the family's default."""
     return int(cfg.args.data_process_batch_size or cfg.family.data_process_batch_size)
 
 
 @contextlib.contextmanager
-def _naming(index: int, done: int):
-    """A BackendError about one sample becomes stage 1's one line naming it (and what is kept)."""
+def _naming(index: int, done: int, where: Optional[Callable[[int], str]] = None):
+    """A BackendError about one sample becomes stage 1's one line naming it (`where`: its place in words) and what
+    is kept."""
     try:
         yield
     except BackendError as exc:
-        raise BackendError(f"stage 1 stopped at sample {index} (metadata row {index + 1}): {exc.one_line()}; "
+        place = where(index) if where is not None else f"metadata row {index + 1}"
+        raise BackendError(f"stage 1 stopped at sample {index} ({place}): {exc.one_line()}; "
                            f"the entries finished so far ({done} in this process) are kept: fix the input "
                            "and run the same command again") from None
 
 
-def run_unit(unit: Any, ctx: Any, states: list[dict[str, Any]], indices: list[int], done: int) -> list[dict[str, Any]]:
+def run_unit(unit: Any, ctx: Any, states: list[dict[str, Any]], indices: list[int], done: int,
+             where: Optional[Callable[[int], str]] = None) -> list[dict[str, Any]]:
     """One unit over a batch of samples: batched where the unit can (a bad sample then runs alone, so the error
     names it), else sample by sample."""
     if len(states) > 1 and unit.batch is not None:
@@ -294,7 +349,7 @@ def run_unit(unit: Any, ctx: Any, states: list[dict[str, Any]], indices: list[in
             pass  # one of them is bad: run one by one below, which names it
     outs = []
     for state, index in zip(states, indices):
-        with _naming(index, done):
+        with _naming(index, done, where):
             outs.append(unit(ctx, state))
             check_finite(unit, outs[-1], state)
     return outs
@@ -399,7 +454,7 @@ def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: "s
     start = time.perf_counter()
     cache = Cache(cache_dir)
     main = accelerator.is_main_process
-    dataset = make_dataset(cfg)
+    dataset = make_dataset(cfg, held_out=True)
     manifest: Optional[Manifest] = None
     reason = ""
     computed: list[int] = []
@@ -459,33 +514,46 @@ def run_data_process(cfg: RunConfig, plan: Plan, accelerator: Any, cache_dir: "s
     if main and skipped:
         report(f"stage 1: skipped {len(skipped)} of {len(skipped) + manifest.num_samples} samples (warnings above); "
                "they are left out of the cache")
-    unique = len({s["key"] for s in manifest.samples})
+    unique = len({s["key"] for s in manifest.samples + (manifest.held_out or [])})
     return Stage1Result(seconds=time.perf_counter() - start, samples=manifest.num_samples,
                         computed=computed, reused=unique - len(pending), skipped=skipped, reason=reason)
 
 
 def stage1_validation(cfg: RunConfig, plan: Plan, cache: Cache, key_hash: str, accelerator: Any,
                       report: Reporter) -> None:
-    """--validation_prompt in split training: the prompt units run here, on the prompts, and their outputs are
-    stored beside the cache, so stage 2 renders samples without a text encoder (train/validation.py)."""
-    from .train.validation import VALIDATION_FILE, encode_prompts, load_encoded, prompt_units, store_encoded
+    """The prompts stage 2 needs encoded without a text encoder, stored beside the cache by the prompt units run
+    here: the --validation_prompt values and the negative prompts their guidance reads (train/validation.py) and,
+    with --caption_dropout, the empty prompt (caption_dropout.py). The models are loaded once for all, and only when
+    a file is missing or stale."""
+    from .cache.encoded_prompts import EMPTY_PROMPT, VALIDATION
+    from .caption_dropout import CAPTION_DROPOUT, EMPTY
+    from .train.validation import encode_prompts, load_encoded, prompt_units, store_encoded, validation_texts
 
-    prompts = list(cfg.validation.prompts)
     units = prompt_units(cfg.pipeline)
-    if not prompts or not accelerator.is_main_process or not units \
-            or not all(u.name in plan.data_process_units for u in units):
-        return  # nothing to encode, or the prompt units train (they run at render time)
-    try:
-        load_encoded(cache, prompts, key_hash)
-        return  # already there for these prompts and this cache
-    except BackendError:
-        pass
+    if not accelerator.is_main_process or not units or not all(u.name in plan.data_process_units for u in units):
+        return  # nothing to encode, or the prompt units train (they run in stage 2)
+    wanted = [(kind, prompts) for kind, prompts in ((VALIDATION, validation_texts(cfg).texts),
+                                                    (EMPTY_PROMPT, [EMPTY] if CAPTION_DROPOUT in plan.train_units else []))
+              if prompts]
+    missing = []
+    for kind, prompts in wanted:
+        try:
+            load_encoded(cache, prompts, key_hash, kind=kind)  # already there for these prompts and this cache
+        except BackendError:
+            missing.append((kind, prompts))
+    if not missing:
+        return
     needed = sorted({m for u in units for m in u.models})
     models = load_models(cfg, needed, training=False, device=accelerator.device)
-    encoded = encode_prompts(make_context(cfg, models, accelerator.device), cfg.pipeline, prompts)
-    store_encoded(cache, prompts, key_hash, encoded)
-    report(f"stage 1: encoded {count(len(prompts), 'validation prompt', 'validation prompts')} for stage 2 ({VALIDATION_FILE}), which "
-           f"renders samples without loading {', '.join(needed)}")
+    ctx = make_context(cfg, models, accelerator.device)
+    for kind, prompts in missing:
+        store_encoded(cache, prompts, key_hash, encode_prompts(ctx, cfg.pipeline, prompts), kind=kind)
+        negatives = len(prompts) - len(cfg.validation.prompts)
+        what = (count(len(cfg.validation.prompts), "validation prompt", "validation prompts")
+                + (f" and {count(negatives, 'negative prompt', 'negative prompts')}" if negatives > 0 else "")
+                + " for stage 2, which renders samples" if kind is VALIDATION
+                else "the empty prompt for caption dropout: stage 2 trains")
+        report(f"stage 1: encoded {what} without loading {', '.join(needed)} ({kind.name})")
 
 
 def repair_cache(cache_dir: str | Path, overrides: Optional[dict[str, Any]] = None,

@@ -127,7 +127,12 @@ def made_with(cfg: RunConfig) -> dict[str, Any]:
         "lora_base_model": args.lora_base_model, "cache_mode": args.cache_mode,
         "height": args.height, "width": args.width, "max_pixels": args.max_pixels, "cache_dtype": args.cache_dtype,
         **({"num_frames": args.num_frames} if cfg.pipeline.video_params else {}),
+        **({"dataset_config": absolute(args.dataset_config)} if args.dataset_config else {}),
         **({"cache_layout": args.cache_layout} if args.cache_layout != "files" else {}),
+        # the flags that add or swap units (each recorded only when given, as before they existed)
+        **({"vae_latents": args.vae_latents} if args.vae_latents else {}),
+        **({"caption_dropout": args.caption_dropout} if args.caption_dropout else {}),
+        **({"masked_loss": True} if args.masked_loss else {}),
     }
 
 

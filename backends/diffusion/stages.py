@@ -37,10 +37,12 @@ from .errors import BackendError
 from .family import PipelineDef
 from .report import Reporter
 from .result import RunResult
-from .session import make_accelerator, make_dataset, plan_for, unit_grad
-from .stage1 import run_data_process
+from .data.batching import Share
+from .data.mixture import DatasetMixture
+from .session import dataset_config, make_accelerator, make_dataset, plan_for, unit_grad
+from .stage1 import placement, run_data_process
 from .stage1_key import key_settings, model_files
-from .train.executor import LiveData, Stage2Data
+from .train.executor import LiveData, Stage2Data, own_settings
 from .train.loop import run_training
 from .train.outputs import RunFolder
 from .train.validation import check_supported
@@ -108,6 +110,7 @@ class ReadAhead:
 class Item:
     index: int
     sample_id: str
+    dataset: Optional[str] = None  # the --dataset_config dataset it comes from (None: the run's one dataset)
 
 
 class LiveProvider:
@@ -123,10 +126,14 @@ class LiveProvider:
         self.dataset = make_dataset(cfg)
         self.items: list[Item] = []
         self.skipped: list[dict[str, Any]] = []
+        self.specs = tuple(cfg.data.datasets)
+        self.shares = shares_of(self.specs)
+        self.settings = dataset_settings(cfg, self.specs)  # the datasets' own sizes, which their units read
+        mixture = isinstance(self.dataset, DatasetMixture)
         for i in range(len(self.dataset)):
             try:
                 self.dataset.check(i)
-                self.items.append(Item(i, self.dataset.sample_id(i)))
+                self.items.append(Item(i, self.dataset.sample_id(i), self.dataset.name_of(i) if mixture else None))
             except SampleError as exc:
                 self.skipped.append({"index": i, "reason": exc.one_line()})
         if not self.items:
@@ -138,15 +145,67 @@ class LiveProvider:
         self.backward = set(plan.models_require_backward)
 
     def label(self, item: Item) -> str:
-        return sample_label({"index": item.index, "sample_id": item.sample_id})
+        place = placement(self.dataset, item.index)
+        return sample_label({"index": item.index, "sample_id": item.sample_id, **place})
 
     def sink_inputs(self, item: Item, ctx: UnitContext) -> dict[str, Any]:
-        """Every unit of the pipeline on the raw sample, in order: the unsplit run's sink inputs."""
+        """Every unit of the pipeline on the raw sample, in order (under its dataset's own settings, if it has
+        any): the unsplit run's sink inputs."""
         state = self.dataset.sample(item.index)
-        for unit in self.pipeline.units:
-            with unit_grad(unit, self.backward, {p: state.get(p) for p in unit.inputs}):
-                state.update(unit(ctx, state))
+        with own_settings(ctx, self.settings.get(item.dataset)):
+            for unit in self.pipeline.units:
+                with unit_grad(unit, self.backward, {p: state.get(p) for p in unit.inputs}):
+                    state.update(unit(ctx, state))
         return {p: state.get(p) for p in self.pipeline.loss.declaration.inputs}
+
+
+def shares_of(specs: Any) -> tuple[Share, ...]:
+    """Each dataset's part of an epoch (none for the run's one dataset, which --dataset_repeat expands)."""
+    return tuple(Share(spec.name, spec.repeats, spec.weight) for spec in specs)
+
+
+def dataset_settings(cfg: RunConfig, specs: Any) -> dict[str, Any]:
+    """{dataset: its unit settings} for the datasets of a --dataset_config that give a size of their own."""
+    out = {}
+    for spec in specs:
+        own = dataset_config(cfg, spec)
+        if own.units != cfg.units:
+            out[spec.name] = own.units
+    return out
+
+
+def stage2_datasets(cfg: RunConfig, manifest: Manifest, cache: Cache) -> tuple[Any, ...]:
+    """The datasets stage 2 trains on and their shares: those of --dataset_config when it is given (the cache's
+    datasets, in their order, each with the settings its entries were made with), else those stage 1 recorded.
+    A cache of one dataset made without a config has none; --dataset_repeat expands it."""
+    from .data.dataset_config import SHAPING, parse_dataset
+
+    recorded = manifest.datasets
+    source = cache.manifest_path
+    if recorded is None:
+        if cfg.data.datasets:
+            raise BackendError("--dataset_config: this cache holds one dataset, made without a dataset config; train "
+                               "it with --dataset_repeat, or make its cache with --dataset_config", source=source)
+        return ()
+    if not cfg.data.datasets:
+        if cfg.data.repeat != 1:
+            raise BackendError(f"--dataset_repeat {cfg.data.repeat}: this cache holds the datasets of a dataset config, "
+                               "each with its own repeats or weight; give --dataset_config to change them",
+                               source=source)
+        return tuple(parse_dataset(record, n, source, Path(source).parent, check_files=False)
+                     for n, record in enumerate(recorded, start=1))
+    names, theirs = [s.name for s in cfg.data.datasets], [r["name"] for r in recorded]
+    if names != theirs:
+        raise BackendError(f"--dataset_config lists the datasets {', '.join(names)}; this cache holds "
+                           f"{', '.join(theirs)} (in that order): give the config stage 1 was given, or run stage 1 "
+                           "with this one", source=cfg.data.config_path)
+    for spec, record in zip(cfg.data.datasets, recorded):
+        made = {k: v for k, v in record.items() if k in SHAPING}
+        if spec.shaping() != made:
+            raise BackendError(f"dataset {spec.name!r}: its settings ({spec.shaping() or 'the run flags'}) are not "
+                               f"those its cache entries were made with ({made or 'the run flags'}); rebuild them with "
+                               f"--task {cfg.task}:data_process (same config)", source=cfg.data.config_path)
+    return tuple(cfg.data.datasets)
 
 
 
@@ -211,16 +270,26 @@ class CacheProvider:
         if cfg is not None:
             check_cache_matches(cfg, plan, self.cache, manifest, save_memo=main)
         samples = sorted(manifest.samples, key=lambda s: int(s["index"]))
-        self.items = [Item(int(s["index"]), str(s["sample_id"])) for s in samples]
-        self._keys = {str(s["sample_id"]): str(s["key"]) for s in samples}
-        self._labels = {str(s["sample_id"]): sample_label(s) for s in samples}
+        self.items = [Item(int(s["index"]), str(s["sample_id"]), s.get("dataset")) for s in samples]
+        self.specs = stage2_datasets(cfg, manifest, self.cache) if cfg is not None else ()
+        self.shares = shares_of(self.specs)
+        self.settings = dataset_settings(cfg, self.specs) if cfg is not None else {}
+        # --validation_dataset's samples: entries read like the training samples', never trained
+        held_out = sorted(manifest.held_out or [], key=lambda s: int(s["index"]))
+        if cfg is not None and cfg.data.held_out is not None and not held_out:
+            raise BackendError("--validation_dataset: this cache holds no held-out samples; make it with "
+                               f"--validation_dataset (--task {cfg.task}:data_process or :split)",
+                               source=self.cache.manifest_path)
+        self.held_out_items = [Item(int(s["index"]), str(s["sample_id"]), s.get("dataset")) for s in held_out]
+        self._keys = {str(s["sample_id"]): str(s["key"]) for s in held_out + samples}
+        self._labels = {str(s["sample_id"]): sample_label(s) for s in held_out + samples}
         self.records = manifest.entries
         self.cache_dir, self.key_hash = self.cache, manifest.key_inputs_hash  # validation prompts beside it
         if cfg is not None and cfg.validation.prompts:
-            from .train.validation import load_encoded, prompt_units
+            from .train.validation import load_encoded, prompt_units, validation_texts
 
             if all(u.name in plan.data_process_units for u in prompt_units(pipeline)):
-                load_encoded(self.cache_dir, list(cfg.validation.prompts), self.key_hash)  # before anything is written
+                load_encoded(self.cache_dir, validation_texts(cfg).texts, self.key_hash)  # before anything is written
         self.skipped = list(manifest.skipped)
         self.models = list(plan.train_models)
         self.backward = set(plan.models_require_backward)
@@ -233,7 +302,7 @@ class CacheProvider:
         total = 0
         hint = f"run 'unitgraph cache repair {self.cache.location}' or the data_process stage again"
         sizes = present_sizes(listing)  # not a request per entry
-        for s in samples:
+        for s in samples + held_out:
             record = self.records.get(str(s["key"]))
             if record is None:
                 raise BackendError(f"{sample_label(s)} has no entry record; {hint}", source=self.cache.manifest_path)
@@ -252,8 +321,8 @@ class CacheProvider:
                    f"('unitgraph cache info {self.cache.location}' lists them)")
         if self.keep_in_memory:
             if self.ahead is not None:  # fetched concurrently, checked as each is parsed
-                self.ahead.schedule([self._keys[item.sample_id] for item in self.items])
-            for item in self.items:
+                self.ahead.schedule([self._keys[item.sample_id] for item in self.items + self.held_out_items])
+            for item in self.items + self.held_out_items:
                 self.entry(item.sample_id)
 
     def label(self, item: Item) -> str:
@@ -302,7 +371,17 @@ def stage2_data(cfg: RunConfig, provider: CacheProvider) -> Stage2Data:
     return Stage2Data(provider.pipeline, provider.plan, provider.items, read=lambda it: provider.entry(it.sample_id),
                       entry_path=provider.entry_file, seed=cfg.seed, batch_size=cfg.optim.batch_size,
                       dataset_repeat=cfg.data.repeat, pad=cfg.family.pad, backward=provider.backward, dtype=provider.dtype,
-                      ahead=provider.read_ahead)
+                      ahead=provider.read_ahead, shares=provider.shares, settings=provider.settings)
+
+
+def held_out_data(cfg: RunConfig, provider: CacheProvider) -> Optional[Stage2Data]:
+    """The held-out samples' entries (--validation_dataset) as stage 2 reads the training ones, one a batch; None
+    when the cache holds none."""
+    if not provider.held_out_items:
+        return None
+    return Stage2Data(provider.pipeline, provider.plan, provider.held_out_items,
+                      read=lambda it: provider.entry(it.sample_id), entry_path=provider.entry_file, seed=cfg.seed,
+                      pad=cfg.family.pad, backward=provider.backward, dtype=provider.dtype)
 
 
 def model_notes(cfg: RunConfig) -> list[str]:
@@ -415,11 +494,12 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, accelerat
         if cfg.stage == "train":
             result.skipped = provider.skipped
         data: Any = stage2_data(cfg, provider)
+        provider.held_out_data = held_out_data(cfg, provider)
         name = "stage 2 (train)"
     else:
         provider = LiveProvider(cfg, plan, report)
         result.skipped = provider.skipped
-        data = LiveData(provider.items, provider.sink_inputs, cfg.seed, cfg.data.repeat)
+        data = LiveData(provider.items, provider.sink_inputs, cfg.seed, cfg.data.repeat, provider.shares)
         name = "train"
     result.samples = len(provider.items)
     start = time.perf_counter()

@@ -68,7 +68,11 @@ UNSAFE_SUFFIXES = (".pkl", ".pickle", ".pth", ".pt", ".ckpt", ".bin", ".joblib",
 def sample_label(sample: dict[str, Any]) -> str:
     index = int(sample["index"])
     sid = str(sample.get("sample_id") or "")[:12]
-    return f"sample {index} (metadata row {index + 1}{', id ' + sid if sid else ''})"
+    if sample.get("dataset") is not None:  # --dataset_config: the row of its own dataset's metadata
+        place = f"dataset {sample['dataset']!r} metadata row {sample.get('row', '?')}"
+    else:
+        place = f"metadata row {index + 1}"
+    return f"sample {index} ({place}{', id ' + sid if sid else ''})"
 
 
 def entry_record(record: Any) -> Optional[dict[str, Any]]:
@@ -216,7 +220,7 @@ class Cache:
         if manifest.plan_fingerprint != plan.fingerprint:
             raise BackendError(
                 f"cache was made under another plan ({describe_plan_change(manifest, plan)}); train with the "
-                "--trainable_models/--lora_base_model/--cache_mode it was made with, or build this plan's cache in another "
+                "--trainable_models/--lora_base_model/--cache_mode (and --caption_dropout, --vae_latents) it was made with, or build this plan's cache in another "
                 f"folder (--task {task}:data_process, or --task {task}:split)",
                 source=self.location)
         if not manifest.complete:

@@ -1,7 +1,9 @@
-"""The encoded validation prompts stored beside a cache (`validation.safetensors`): sealed, and checked whole.
+"""Encoded prompts stored beside a cache: the validation prompts (`validation.safetensors`) and the empty prompt
+of caption dropout (`empty_prompt.safetensors`), each sealed and checked whole (a `PromptFile` names which).
 
-Stage 1 stores the prompt units' outputs for the --validation_prompt values beside the cache, so stage 2
-renders samples without a text encoder (train/validation.py). The file carries its own checksum in its
+Stage 1 stores the prompt units' outputs for the --validation_prompt values, followed by those of the negative
+prompts their guidance reads, beside the cache, so stage 2 renders samples without a text encoder
+(train/validation.py); the file's `prompts` are all of these texts, so its key covers the negative prompts too. The file carries its own checksum in its
 header (`unitgraph_validation_sha256`: the sha256 of its tensor table, its other metadata and its tensor
 bytes), so a flipped bit anywhere is found by `cache verify` and by stage 2 before it trains, rather
 than used silently. Its structure is checked against the cache it sits in: each prompt holds exactly
@@ -26,13 +28,30 @@ if TYPE_CHECKING:
     from .cache import Cache
     from .manifest import Manifest
 
-__all__ = ["DIGEST_KEY", "EncodedPrompts", "HINT", "META_KEY", "VALIDATION_FILE", "check_against_cache",
+__all__ = ["DIGEST_KEY", "EMPTY_PROMPT", "EncodedPrompts", "HINT", "META_KEY", "PromptFile", "VALIDATION",
+           "VALIDATION_FILE", "check_against_cache",
            "content_digest", "prompts_key", "read_encoded", "validation_problem"]
 
 VALIDATION_FILE = "validation.safetensors"
 META_KEY = "unitgraph_validation"
 DIGEST_KEY = "unitgraph_validation_sha256"
-HINT = "run stage 1 (--task sft:data_process, or sft:split) with the same --validation_prompt values"
+HINT = ("run stage 1 (--task sft:data_process, or sft:split) with the same --validation_prompt and "
+        "--validation_negative_prompt values")
+
+
+@dataclass(frozen=True)
+class PromptFile:
+    """Which file of encoded prompts: its name beside the entries, how messages call it, how to make it again."""
+
+    name: str
+    what: str  # "encoded validation prompts"
+    one: str  # "encoded validation prompt" (one of them)
+    hint: str
+
+
+VALIDATION = PromptFile(VALIDATION_FILE, "encoded validation prompts", "encoded validation prompt", HINT)
+EMPTY_PROMPT = PromptFile("empty_prompt.safetensors", "encoded empty prompt", "encoded empty prompt",
+                          "run stage 1 (--task sft:data_process, or sft:split) with --caption_dropout")
 _NAME = re.compile(r"(0|[1-9][0-9]*)\.(.+)")
 
 
@@ -63,41 +82,41 @@ class EncodedPrompts:
     values: list[dict[str, Optional[TensorInfo]]]  # per prompt: output -> its tensor (None: the unit gave None)
 
 
-def read_encoded(data: bytes, source: str) -> EncodedPrompts:
+def read_encoded(data: bytes, source: str, kind: PromptFile = VALIDATION) -> EncodedPrompts:
     """The file's header checked whole: a safetensors file, unitgraph's metadata, the checksum over all of it,
     and one value per prompt for each of the same outputs."""
     header = header_of_bytes(data, source)
     meta = metadata_object(header, META_KEY, source)
     if meta is None:
-        raise BackendError(f"not the encoded validation prompts of a unitgraph cache (no {META_KEY} in its header); "
-                           f"{HINT}", source=source)
+        raise BackendError(f"not the {kind.what} of a unitgraph cache (no {META_KEY} in its header); "
+                           f"{kind.hint}", source=source)
     digest = header.metadata.get(DIGEST_KEY)
     if digest is None:
-        raise BackendError(f"the encoded validation prompts have no checksum (written by an older unitgraph); {HINT}",
+        raise BackendError(f"the {kind.what} have no checksum (written by an older unitgraph); {kind.hint}",
                            source=source)
     if digest != content_digest(header, data):
-        raise BackendError(f"the encoded validation prompts do not match their checksum (corrupted); {HINT}",
+        raise BackendError(f"the {kind.what} do not match their checksum (corrupted); {kind.hint}",
                            source=source)
     prompts, key, none = meta.get("prompts"), meta.get("key"), meta.get("none", [])
     if not (isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts) and isinstance(key, str)
             and isinstance(none, list) and all(isinstance(n, str) for n in none)):
-        raise BackendError(f"damaged encoded validation prompts: its {META_KEY} is not {{prompts, key, none}}; {HINT}",
+        raise BackendError(f"damaged {kind.what}: its {META_KEY} is not {{prompts, key, none}}; {kind.hint}",
                            source=source)
     values: list[dict[str, Optional[TensorInfo]]] = [{} for _ in prompts]
     for name, info in [*header.tensors.items(), *((n, None) for n in none)]:
         match = _NAME.fullmatch(name)
         if match is None or int(match.group(1)) >= len(prompts):
-            raise BackendError(f"damaged encoded validation prompts: {name[:60]!r} is not <prompt 0..{len(prompts) - 1}>."
-                               f"<output>; {HINT}", source=source)
+            raise BackendError(f"damaged {kind.what}: {name[:60]!r} is not <prompt 0..{len(prompts) - 1}>."
+                               f"<output>; {kind.hint}", source=source)
         index, output = int(match.group(1)), match.group(2)
         if output in values[index]:
-            raise BackendError(f"damaged encoded validation prompts: {name[:60]!r} is given twice; {HINT}", source=source)
+            raise BackendError(f"damaged {kind.what}: {name[:60]!r} is given twice; {kind.hint}", source=source)
         values[index][output] = info
     for index, outputs in enumerate(values):
         if set(outputs) != set(values[0]) or not outputs:
-            raise BackendError(f"damaged encoded validation prompts: prompt {index} holds "
+            raise BackendError(f"damaged {kind.what}: prompt {index} holds "
                                f"{', '.join(sorted(outputs)) or 'nothing'}, prompt 0 {', '.join(sorted(values[0]))}; "
-                               f"{HINT}", source=source)
+                               f"{kind.hint}", source=source)
     return EncodedPrompts(header, list(prompts), key, values)
 
 
@@ -148,20 +167,21 @@ def _leading_part_of(output: str, reference: dict[str, TensorInfo]) -> Optional[
     return None
 
 
-def check_against_cache(encoded: EncodedPrompts, cache: "Cache", manifest: "Manifest", source: str) -> None:
+def check_against_cache(encoded: EncodedPrompts, cache: "Cache", manifest: "Manifest", source: str,
+                        kind: PromptFile = VALIDATION) -> None:
     """Each prompt holds exactly the outputs of the cache's prompt units, each as the denoiser reads it from the
     cache's entries: the same dtype (floating ones in the dtype stage 1 computed in), rank and batch size, the
     same feature size, a mask as long as its embeddings."""
     outputs = _prompt_outputs(manifest)
     if outputs and set(encoded.values[0]) != set(outputs):
-        raise BackendError(f"the encoded validation prompts hold {', '.join(sorted(encoded.values[0]))}, the cache's "
-                           f"prompt units give {', '.join(sorted(outputs))}; {HINT}", source=source)
+        raise BackendError(f"the {kind.what} hold {', '.join(sorted(encoded.values[0]))}, the cache's "
+                           f"prompt units give {', '.join(sorted(outputs))}; {kind.hint}", source=source)
     reference = _reference(cache, manifest, outputs)
     settings = manifest.key_inputs.get("settings")
     compute = settings.get("dtype") if isinstance(settings, dict) else None
     compute = dtype_code(compute) if isinstance(compute, str) else None
     for index, values in enumerate(encoded.values):
-        label = f"the encoded validation prompt {index} ({encoded.prompts[index][:40]!r})"
+        label = f"the {kind.one} {index} ({encoded.prompts[index][:40]!r})"
         for output, info in sorted(values.items()):
             ref = reference.get(output)
             if info is None or ref is None:
@@ -173,7 +193,7 @@ def check_against_cache(encoded: EncodedPrompts, cache: "Cache", manifest: "Mani
                 ok, wanted = info.dtype == ref.dtype, ref.torch_name
             if not ok:
                 raise BackendError(f"{label} has {output} of dtype {info.torch_name}, the cache's entries {wanted}; "
-                                   f"{HINT}", source=source)
+                                   f"{kind.hint}", source=source)
             problem = None
             if len(info.shape) != len(ref.shape) or (ref.shape and info.shape[0] != ref.shape[0]):
                 problem = f"{len(ref.shape)}-D with a batch of {ref.shape[0] if ref.shape else 1}"
@@ -187,22 +207,23 @@ def check_against_cache(encoded: EncodedPrompts, cache: "Cache", manifest: "Mani
                     problem = f"of size {ref.shape[-1]} in its last dimension"
             if problem is not None:
                 raise BackendError(f"{label} has {output} of shape {list(info.shape)}, which the denoiser cannot read "
-                                   f"(in the cache's entries: {list(ref.shape)}, so {problem}); {HINT}", source=source)
+                                   f"(in the cache's entries: {list(ref.shape)}, so {problem}); {kind.hint}", source=source)
 
 
-def validation_problem(cache: "Cache", manifest: "Manifest") -> Optional[str]:
-    """What `cache verify` says of the cache's validation.safetensors: None when it has none or it is sound."""
-    if cache.store.size(VALIDATION_FILE) is None:
+def validation_problem(cache: "Cache", manifest: "Manifest", kind: PromptFile = VALIDATION) -> Optional[str]:
+    """What `cache verify` says of one file of encoded prompts beside the cache (validation.safetensors by
+    default): None when it has none or it is sound."""
+    if cache.store.size(kind.name) is None:
         return None
-    shown = cache.describe(VALIDATION_FILE)
+    shown = cache.describe(kind.name)
     try:
-        data = cache.store.read(VALIDATION_FILE)
+        data = cache.store.read(kind.name)
     except OSError as exc:
         return f"{shown}: unreadable ({getattr(exc, 'strerror', None) or exc})"
     try:
-        encoded = read_encoded(data, shown)
+        encoded = read_encoded(data, shown, kind)
         if encoded.key == prompts_key(encoded.prompts, manifest.key_inputs_hash):  # else stale: stage 1 replaces it
-            check_against_cache(encoded, cache, manifest, shown)
+            check_against_cache(encoded, cache, manifest, shown, kind)
     except BackendError as exc:
         return exc.one_line()
     return None

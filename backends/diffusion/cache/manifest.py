@@ -38,6 +38,11 @@ class Manifest:
     skipped: list[dict[str, Any]] = field(default_factory=list)  # {"index", "reason"}
     pending: Optional[list[dict[str, Any]]] = None  # while filling: {"key", "index", "sample_id"}
     layout: str = "files"  # how new entries are written: a file each, or packed in per-process shards
+    # --dataset_config: the datasets as stage 1 was given them (DatasetSpec.record()), in order; each sample record
+    # then names its "dataset" and "row". None (absent from the file) for the run's one dataset
+    datasets: Optional[list[dict[str, Any]]] = None
+    # --validation_dataset: its samples' records ({index, sample_id, key, dataset, row}), cached and never trained
+    held_out: Optional[list[dict[str, Any]]] = None
     format: str = FORMAT
 
     @property
@@ -58,6 +63,10 @@ class Manifest:
             del data["pending"]
         if data["layout"] == "files":  # the manifests of one-file-per-entry caches stay as they were
             del data["layout"]
+        if data["datasets"] is None:  # and those of one dataset
+            del data["datasets"]
+        if data["held_out"] is None:  # and those without held-out samples
+            del data["held_out"]
         return data
 
     @classmethod
@@ -105,6 +114,21 @@ class Manifest:
             if not (isinstance(item, dict) and isinstance(item.get("index"), int)):
                 raise BackendError(f"damaged cache manifest: skipped[{n}] is not {{index, reason}}", source=source)
         pending = need("pending", list, None)
+        held_out = need("held_out", list, None)
+        for n, sample in enumerate(held_out or []):
+            if not (isinstance(sample, dict) and isinstance(sample.get("index"), int) and isinstance(sample.get("key"), str)
+                    and isinstance(sample.get("sample_id"), str)):
+                raise BackendError(f"damaged cache manifest: held_out[{n}] is not {{index, sample_id, key}}", source=source)
+        datasets = need("datasets", list, None)
+        for n, spec in enumerate(datasets or []):
+            if not (isinstance(spec, dict) and isinstance(spec.get("name"), str)):
+                raise BackendError(f"damaged cache manifest: datasets[{n}] is not a dataset record", source=source)
+        if datasets is not None:
+            names = {spec["name"] for spec in datasets}
+            for n, sample in enumerate(samples):
+                if sample.get("dataset") not in names:
+                    raise BackendError(f"damaged cache manifest: samples[{n}] names no dataset of the cache",
+                                       source=source)
         status = need("status", str)
         layout = need("layout", str, "files")
         if layout not in LAYOUTS:
@@ -116,7 +140,8 @@ class Manifest:
                    key_inputs=need("key_inputs", dict), key_inputs_hash=need("key_inputs_hash", str, ""),
                    settings=need("settings", dict, {}), settings_hash=need("settings_hash", str, ""),
                    made_with=need("made_with", dict, {}), num_samples=need("num_samples", int, len(samples)),
-                   samples=samples, entries=entries, skipped=skipped, pending=pending, layout=layout)
+                   samples=samples, entries=entries, skipped=skipped, pending=pending, layout=layout,
+                   datasets=datasets, held_out=held_out)
 
 
 def _kind_name(kind: Any) -> str:
@@ -124,6 +149,19 @@ def _kind_name(kind: Any) -> str:
 
 
 def describe_plan_change(manifest: Manifest, plan: Any) -> str:
+    """What differs between the plan a cache was made under and this run's: the pipeline, the trained models, the
+    cache mode, and the units only one of them has (a --caption_dropout or --vae_latents unit, say)."""
     theirs = manifest.plan
-    return (f"cache: {manifest.pipeline}, backward {theirs.get('models_require_backward')}, {manifest.cache_mode}; "
+    text = (f"cache: {manifest.pipeline}, backward {theirs.get('models_require_backward')}, {manifest.cache_mode}; "
             f"now: {plan.pipeline}, backward {plan.models_require_backward}, {plan.cache_mode}")
+    units = [(theirs.get(stage) or {}).get("units") if isinstance(theirs.get(stage), dict) else None
+             for stage in ("data_process", "train")]
+    if all(isinstance(u, list) for u in units):
+        before = set(units[0]) | set(units[1])
+        now = set(plan.data_process_units) | set(plan.train_units)
+        added, gone = sorted(now - before), sorted(before - now)
+        if added:
+            text += f"; units only this run has: {', '.join(map(str, added))}"
+        if gone:
+            text += f"; units only the cache's plan has: {', '.join(map(str, gone))}"
+    return text

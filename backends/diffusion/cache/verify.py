@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import BackendError
 from .cache import Cache, sample_label
-from .encoded_prompts import validation_problem
+from .encoded_prompts import EMPTY_PROMPT, VALIDATION, validation_problem
 from .entries import header_key_sizes
 from .manifest import Manifest
 
@@ -34,7 +34,7 @@ def verify_cache(location: str | Path) -> tuple[list[str], dict[str, Any]]:
     (their checksum and shapes). Returns (problems, statistics)."""
     start = time.perf_counter()
     cache, manifest = open_cache(location)
-    records, samples = manifest.entries, manifest.samples
+    records, samples = manifest.entries, manifest.samples + (manifest.held_out or [])  # held-out entries are checked too
     problems: list[str] = []
     unrecorded = [s for s in samples if s.get("key") not in records]
     if not manifest.complete:
@@ -50,9 +50,10 @@ def verify_cache(location: str | Path) -> tuple[list[str], dict[str, Any]]:
         record = records.get(s.get("key"))
         if record is not None and results[record["key"]] is not None:
             problems.append(f"{cache.describe(record['file'])}: {sample_label(s)}: {results[record['key']]}")
-    validation = validation_problem(cache, manifest)
-    if validation is not None:
-        problems.append(validation)
+    for kind in (VALIDATION, EMPTY_PROMPT):  # the encoded prompts beside the entries
+        problem = validation_problem(cache, manifest, kind)
+        if problem is not None:
+            problems.append(problem)
     stats = {"samples": len(samples), "entries": len(results), "bytes": total,
              "seconds": time.perf_counter() - start, "skipped": len(manifest.skipped)}
     return problems, stats

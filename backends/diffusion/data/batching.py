@@ -2,7 +2,10 @@
 
 * **Elements.** An epoch walks the expanded list `[(item, r) for item in items for r in range(repeat)]`;
   each element has the sample key `"{index}:{sample_id}:{repeat}"` from which all of its randomness
-  is derived, so a sample draws the same numbers in the unsplit loop and in stage 2.
+  is derived, so a sample draws the same numbers in the unsplit loop and in stage 2. With several
+  datasets (--dataset_config) each dataset contributes its own `Share` (`mixed_elements`): its repeats,
+  or by weight whole passes plus a subset drawn per epoch from the seed; one dataset of repeats r is
+  the expanded list above.
 * **Shape buckets.** Two samples may share a batch when their sink inputs have the same shapes.
   `entry_signature` reads that from the safetensors header of the cache entry alone (no tensor
   data): the shape and dtype of every cached tensor, the None-ness of every value, and the value of
@@ -22,10 +25,11 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Hashable, Iterable, Mapping, Optional, Sequence
 
 from ..randomness import permutation
 
@@ -42,6 +46,7 @@ class CachedItem:
 
     index: int
     sample_id: str
+    dataset: Optional[str] = None  # the --dataset_config dataset it comes from (None: the run's one dataset)
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,54 @@ class Element:
 def expand(items: Sequence[Any], repeat: int = 1) -> list[Element]:
     """The epoch's elements: each item `repeat` times (--dataset_repeat), in item order."""
     return [Element(item, r) for item in items for r in range(repeat)]
+
+
+@dataclass(frozen=True)
+class Share:
+    """One dataset's part of an epoch (--dataset_config): `repeats` passes over its samples, or with `weight` a
+    number of draws proportional to its size (`draws`)."""
+
+    name: str
+    repeats: int = 1
+    weight: Optional[float] = None
+
+    def draws(self, size: int) -> int:
+        """Elements an epoch takes from a dataset of `size` samples: repeats x size, or round(weight x size) (halves
+        rounded up), at least one."""
+        if self.weight is None:
+            return self.repeats * size
+        return max(1, math.floor(self.weight * size + 0.5)) if size else 0
+
+
+def mixed_elements(items: Sequence[Any], shares: Sequence[Share], seed: int, epoch: int) -> list[Element]:
+    """One epoch's elements of several datasets (items carry `.dataset`, the name of a share), dataset by dataset in
+    the shares' order, each dataset's items in their order.
+
+    A share of `repeats` r expands its items r times (as `expand`); one of `weight` takes floor(draws / n) whole
+    passes and then a subset of the rest's size drawn anew each epoch, from the seeded stream of the purpose
+    ("dataset", name, epoch): it depends on nothing else, so the unsplit run and stage 2 draw the same subset. The
+    subset's elements have the next repeat number, so a sample drawn in two epochs keeps its key.
+    """
+    by_name: dict[str, list[Any]] = {share.name: [] for share in shares}
+    for item in items:
+        by_name[item.dataset].append(item)
+    out: list[Element] = []
+    for share in shares:
+        group = by_name[share.name]
+        if share.weight is None:
+            out += expand(group, share.repeats)
+            continue
+        whole, rest = divmod(share.draws(len(group)), len(group)) if group else (0, 0)
+        out += expand(group, whole)
+        if rest:
+            chosen = sorted(permutation(len(group), seed, "dataset", share.name, epoch)[:rest])
+            out += [Element(group[k], whole) for k in chosen]
+    return out
+
+
+def varies_by_epoch(shares: Sequence[Share]) -> bool:
+    """Whether an epoch's elements depend on the epoch: some share draws a subset by weight."""
+    return any(share.weight is not None and share.weight != int(share.weight) for share in shares)
 
 
 def bucket_batches(keys: Sequence[Hashable], batch_size: int, seed: int, epoch: int,

@@ -163,6 +163,7 @@ class DiffusionDataset:
         video_params: Iterable[str] = (),
         num_frames: int = 81,
         audio_params: Iterable[str] = (),
+        strict: Iterable[str] = (),
     ):
         self.base_path = Path(base_path or ".")
         if not self.base_path.is_dir():
@@ -194,26 +195,37 @@ class DiffusionDataset:
             for name in self.required:
                 if row.get(name) in (None, ""):
                     raise BackendError(f"row {n + 1}: empty value in required column {name!r}", source=str(self.metadata_path))
+        # params whose file problems stop the run in one line rather than skip the sample (a --masked_loss mask:
+        # a sample trained without its mask would train what the mask leaves out)
+        self.strict = tuple(strict)
         self._ids: dict[int, str] = {}
         self._problems: dict[str, Optional[str]] = {}
 
     def __len__(self) -> int:
         return len(self.rows)
 
+    def where(self, index: int) -> str:
+        """The sample's place in words (its metadata row), for messages; `DatasetMixture.where` adds the dataset."""
+        return f"metadata row {index + 1}"
+
+    def _problem(self, index: int, key: str, message: str) -> Exception:
+        """A sample's problem with its `key` column: a SampleError (the sample is skipped), or for a strict column
+        a BackendError (the run stops in one line)."""
+        if key in self.strict:
+            return BackendError(message, source=str(self.metadata_path))
+        return SampleError(message, index=index, source=str(self.metadata_path))
+
     def _file(self, index: int, key: str, name: Any) -> Path:
         if not isinstance(name, str) or not name:
-            raise SampleError(f"row {index + 1}: column {key!r} must name a file, got {name!r}", index=index,
-                              source=str(self.metadata_path))
+            raise self._problem(index, key, f"row {index + 1}: column {key!r} must name a file, got {name!r}")
         path = self.base_path / name
         if name not in self._problems:  # a file many rows name is looked at once
             self._problems[name] = _not_a_file(path)
         problem = self._problems[name]
         if problem == "is missing":
-            raise SampleError(f"row {index + 1}: missing file {name!r} (column {key!r}) under {self.base_path}",
-                              index=index, source=str(self.metadata_path))
+            raise self._problem(index, key, f"row {index + 1}: missing file {name!r} (column {key!r}) under {self.base_path}")
         if problem:
-            raise SampleError(f"row {index + 1}: {name!r} (column {key!r}) under {self.base_path} {problem}",
-                              index=index, source=str(self.metadata_path))
+            raise self._problem(index, key, f"row {index + 1}: {name!r} (column {key!r}) under {self.base_path} {problem}")
         return path
 
     def files(self, index: int) -> dict[str, list[Path]]:
@@ -225,8 +237,7 @@ class DiffusionDataset:
                 continue
             names = value if isinstance(value, list) else [value]
             if not names:
-                raise SampleError(f"row {index + 1}: column {key!r} names no file (an empty list)", index=index,
-                                  source=str(self.metadata_path))
+                raise self._problem(index, key, f"row {index + 1}: column {key!r} names no file (an empty list)")
             out[key] = [self._file(index, key, name) for name in names]
         return out
 
@@ -265,8 +276,10 @@ class DiffusionDataset:
 
     def check(self, index: int) -> None:
         """A cheap look at one sample's images, without decoding them: SampleError when one is missing, not an
-        image, too small, too large (a decompression bomb) or of a mode that has no RGB conversion."""
+        image, too small, too large (a decompression bomb) or of a mode that has no RGB conversion; a BackendError
+        for such a problem in a strict column, or a strict column's image of another size than the sample's image."""
         files = self.files(index)
+        sizes: dict[str, tuple[int, int]] = {}
         for param in self.inputs:
             for path in files.get(param, []):
                 where = f"row {index + 1}: {path.name!r} (column {param!r})"
@@ -281,16 +294,22 @@ class DiffusionDataset:
                         size, mode = img.size, img.mode
                         img.verify()  # reads the file's structure (PNG chunk checksums) without decoding
                 except ImageProblem as exc:
-                    raise SampleError(f"{where} {exc}", index=index, source=str(self.metadata_path)) from None
+                    raise self._problem(index, param, f"{where} {exc}") from None
                 except Exception as exc:  # PIL's plugins raise many types for damaged files (struct.error, EOFError, ...)
-                    raise SampleError(f"{where} is not a readable image ({type(exc).__name__}: {_first_line(exc)})",
-                                      index=index, source=str(self.metadata_path)) from None
+                    raise self._problem(index, param, f"{where} is not a readable image ({type(exc).__name__}: "
+                                                      f"{_first_line(exc)})") from None
                 if min(size) < MIN_IMAGE_SIDE:
-                    raise SampleError(f"row {index + 1}: image {path.name!r} (column {param!r}) is {size[0]}x{size[1]} px, "
-                                      f"smaller than {MIN_IMAGE_SIDE} px", index=index, source=str(self.metadata_path))
+                    raise self._problem(index, param, f"row {index + 1}: image {path.name!r} (column {param!r}) is "
+                                                      f"{size[0]}x{size[1]} px, smaller than {MIN_IMAGE_SIDE} px")
                 if not _converts_to_rgb(mode):
-                    raise SampleError(f"{where} is an image of mode {mode}, which has no RGB conversion", index=index,
-                                      source=str(self.metadata_path))
+                    raise self._problem(index, param, f"{where} is an image of mode {mode}, which has no RGB conversion")
+                sizes[param] = size
+        for param in self.strict:  # a mask must cover its image pixel for pixel
+            image, own = sizes.get("image"), sizes.get(param)
+            if image is not None and own is not None and image != own:
+                raise BackendError(f"row {index + 1}: the {param} {files[param][0].name!r} is {own[0]}x{own[1]} px, its "
+                                   f"image {files['image'][0].name!r} {image[0]}x{image[1]} px: they must be the same size",
+                                   source=str(self.metadata_path))
 
     def _check_video(self, index: int, param: str, path: Path, where: str) -> None:
         try:
@@ -555,3 +574,30 @@ def write_synthetic_dataset(folder: str | Path, count: int = 8, size: int = 64, 
         writer.writeheader()
         writer.writerows(rows)
     return path
+
+
+def add_synthetic_masks(folder: str | Path, size: Optional[tuple[int, int]] = None) -> None:
+    """A `mask` column for a synthetic dataset's metadata.csv (--masked_loss), for tests and benchmarks: per row in
+    turn, a mask whose left half is white, a vertical grey ramp, an all-white mask; each of its image's size, or
+    of `size` (a wrong one, to test the check)."""
+    from PIL import Image
+
+    folder = Path(folder)
+    with (folder / "metadata.csv").open(newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    for i, row in enumerate(rows):
+        with Image.open(folder / row["image"]) as image:
+            w, h = size or image.size
+        mask = Image.new("L", (w, h), 0)
+        if i % 3 == 0:
+            mask.paste(255, (0, 0, w // 2, h))
+        elif i % 3 == 1:
+            mask.putdata([int(255 * y / max(1, h - 1)) for y in range(h) for _ in range(w)])
+        else:
+            mask.paste(255, (0, 0, w, h))
+        row["mask"] = f"mask-{i}.png"
+        mask.save(folder / row["mask"])
+    with (folder / "metadata.csv").open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

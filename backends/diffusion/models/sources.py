@@ -13,6 +13,16 @@ are only classified by their small config files. A release single file (a `.safe
 config.json beside it) is classified by its header against the family's single-file formats, and every
 file of the arguments that cannot be read is named in one message (models/release.py).
 
+One pass, in four steps (`ModelSources`): the arguments are **parsed** (`parse_model_paths`,
+`parse_model_id_with_origin_paths`); each becomes a **candidate** (`Candidate`: a local path or a model id with
+its pattern, the slots its subfolder hints at); each candidate is **classified** once, by `_classify`, into what it
+provides (a component folder of a slot, a release single file, a folder of weights completed from the released
+configs, a whole pipeline folder); and `resolve` **chooses** each slot's source among the classified candidates,
+then a pipeline folder's subfolder, then the companion rules (a tokenizer beside its text encoder, ...). A
+candidate is classified when the sources are made if it must be (a local path; a model id whose slot is unknown, or
+whose local copy lacks its configs: every unreadable one is named in one message), else when a slot it may
+provide is asked for (a stage never downloads the encoders it does not load).
+
 Every problem is raised as :class:`ModelLoadError`, whose message is one line naming the path
 and the problem. Weights are read from safetensors only (never pickle).
 
@@ -26,6 +36,7 @@ import fnmatch
 import json
 import os
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
 from unitgraph.errors import path_missing
@@ -108,6 +119,34 @@ def parse_model_id_with_origin_paths(spec: Any) -> list[tuple[str, str]]:
 # Resolving slots
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """One model the command names: a --model_paths entry (`path`) or a --model_id_with_origin_paths item
+    (`model_id`, `pattern`). `origin` is how the user wrote it, which every message quotes."""
+
+    origin: str
+    path: Optional[Path] = None
+    model_id: Optional[str] = None
+    pattern: Optional[str] = None
+
+    @property
+    def remote(self) -> bool:
+        return self.model_id is not None
+
+    @property
+    def subfolder(self) -> str:
+        """The pipeline subfolder a model id's pattern names ('transformer/...' -> 'transformer'), else ''."""
+        return origin_subfolder(self.pattern) if self.pattern else ""
+
+
+def candidates(model_paths: Any, model_id_with_origin_paths: Any) -> list[Candidate]:
+    """The command's model arguments, parsed, as candidates: the local paths first, then the model ids."""
+    local = [Candidate(given, path=Path(given).expanduser()) for given in parse_model_paths(model_paths)]
+    remote = [Candidate(f"{model_id}:{pattern}", model_id=model_id, pattern=pattern)
+              for model_id, pattern in parse_model_id_with_origin_paths(model_id_with_origin_paths)]
+    return local + remote
+
+
 class ModelSources:
     """The user's model arguments, resolved lazily slot by slot for one family's slots.
 
@@ -141,44 +180,68 @@ class ModelSources:
         given = [self.tokenizer_path, None if tokenizer_2_path in (None, "") else str(tokenizer_2_path)]
         self._tokenizers_given = {slot: path for slot, path in zip(pairs, given) if path is not None}
         self.processor_path = None if processor_path in (None, "") else str(processor_path)
-        self._remote = parse_model_id_with_origin_paths(model_id_with_origin_paths)
-        self.entries: list[FolderEntry] = []
+        self.candidates = candidates(model_paths, model_id_with_origin_paths)
+        self.entries: list[FolderEntry] = []  # what the candidates classified so far provide, in order
         self.completed: list[Any] = []  # configless.Completion of each folder of weights without a config
         self._seen: set[Path] = set()
+        self._classified: set[int] = set()  # candidates classified (or found unusable) already
         unusable: list[Unusable] = []
-        for given in parse_model_paths(model_paths):
-            try:
-                self._add(self._classify_given(given))
-            except UnreadableLayout as exc:
-                unusable.append(Unusable(given, exc.problem))
-        self._remote_done: set[int] = set()
         other: Optional[ModelLoadError] = None
-        for i, (model_id, pattern) in enumerate(self._remote):
-            label = f"{model_id}:{pattern}"
-            known = release_problem(self.family, model_id, pattern)  # a pickle or a release file: never fetched
-            if known is not None:
-                self._remote_done.add(i)
-                unusable.append(Unusable(label, known, model_id, pattern))
+        for i, candidate in enumerate(self.candidates):
+            known = release_problem(self.family, candidate.model_id, candidate.pattern) if candidate.remote else None
+            if known is not None:  # a pickle or a release file a model id names: never fetched
+                self._classified.add(i)
+                unusable.append(Unusable(candidate.origin, known, candidate.model_id, candidate.pattern))
                 continue
-            if self.table.by_subfolder.get(origin_subfolder(pattern)) is not None:
-                local = self.hub.local(model_id, pattern)
-                if local is None or not weights_without_config(local):
-                    continue  # fetched when its slot is asked for
-                try:  # DiffSynth's download, weights without configs: completed now, every misfit in one message
-                    self._fetch_remote(i)
-                except UnreadableLayout as exc:
-                    unusable.append(Unusable(label, exc.problem))
-                continue
-            try:  # an entry with no slot hint must be fetched to know what it is
-                self._fetch_remote(i)
+            if not self._classify_now(candidate):
+                continue  # classified when a slot it may provide is asked for
+            try:
+                self._classify(i)
             except UnreadableLayout as exc:
-                unusable.append(Unusable(label, exc.problem, model_id, pattern))
-            except ModelLoadError as exc:  # not found: said after the files that cannot be read, which say more
-                other = other or exc
+                unusable.append(Unusable(candidate.origin, exc.problem, candidate.model_id, candidate.pattern)
+                                if candidate.remote and self.table.by_subfolder.get(candidate.subfolder) is None
+                                else Unusable(candidate.origin, exc.problem))
+            except ModelLoadError as exc:
+                if not candidate.remote:
+                    raise
+                other = other or exc  # not found: said after the files that cannot be read, which say more
         if unusable:
-            raise ModelLoadError(None, unusable_message(unusable, self.family, self._remote))
+            raise ModelLoadError(None, unusable_message(unusable, self.family, self._model_ids()))
         if other is not None:
             raise other
+
+    def _model_ids(self) -> list[tuple[str, str]]:
+        return [(c.model_id, c.pattern) for c in self.candidates if c.remote]
+
+    def _classify_now(self, candidate: Candidate) -> bool:
+        """Whether a candidate is classified when the sources are made: a local path always; a model id whose
+        pattern names no slot (only its files say what it is); a model id of a slot whose local copy holds weights
+        without their configs (DiffSynth's download: completed now, so every misfit is named in one message)."""
+        if not candidate.remote:
+            return True
+        if self.table.by_subfolder.get(candidate.subfolder) is None:
+            return True
+        local = self.hub.local(candidate.model_id, candidate.pattern)
+        return local is not None and bool(weights_without_config(local))
+
+    def _classify(self, i: int) -> None:
+        """Classify candidate `i` once (see the module docstring) and record what it provides."""
+        if i in self._classified:
+            return
+        self._classified.add(i)
+        candidate = self.candidates[i]
+        if not candidate.remote:
+            self._add(self._classify_given(candidate.origin))
+            return
+        entry = self._classify_remote(candidate)
+        entry.model_id = candidate.model_id
+        self._add(entry)
+
+    def _classify_for(self, slot: str) -> None:
+        """Classify every model id whose subfolder may hold `slot`."""
+        for i, candidate in enumerate(self.candidates):
+            if candidate.remote and slot in self.table.shared_subfolder.get(candidate.subfolder, ()):
+                self._classify(i)
 
     def _classify_given(self, given: str) -> FolderEntry:
         """What a --model_paths entry is: a release single file (read in a family's format), a component folder
@@ -227,35 +290,30 @@ class ModelSources:
 
     @property
     def has_sources(self) -> bool:
-        return bool(self.entries or self._remote)
+        return bool(self.candidates)
 
     def _snapshot(self, model_id: str, pattern: str) -> Path:
         return self.hub.snapshot(model_id, pattern, ModelLoadError)
 
-    def _fetch_remote(self, i: int) -> None:
-        if i in self._remote_done:
-            return
-        self._remote_done.add(i)
-        model_id, pattern = self._remote[i]
-        label = f"{model_id}:{pattern}"
+    def _classify_remote(self, candidate: Candidate) -> FolderEntry:
+        """What a model id's files are, found locally first (models/hub.py): a release file at the repository's
+        top, a folder of weights completed from the released configs, or a folder classified by its configs."""
+        label, pattern = candidate.origin, candidate.pattern
         if is_pickle(pattern):
             raise UnreadableLayout(label, PICKLE_PROBLEM)
-        folder = self._snapshot(model_id, pattern)
-        if not origin_subfolder(pattern) and pattern.endswith(".safetensors") and not (folder / "config.json").is_file():
+        folder = self._snapshot(candidate.model_id, pattern)
+        if not candidate.subfolder and pattern.endswith(".safetensors") and not (folder / "config.json").is_file():
             # DiffSynth reads release files at a repository's top (a DiT in its original layout, say): one file,
             # read through the family's single-file formats, or named in the one message
             files = sorted(f for f in folder.iterdir() if f.is_file() and fnmatch.fnmatchcase(f.name, pattern))
             if len(files) != 1:
                 raise UnreadableLayout(label, no_layout(self.family) if files else f"no file in {folder} matches {pattern}")
-            entry = self._single_file(files[0], label)
-        elif self._completable(folder):
+            return self._single_file(files[0], label)
+        if self._completable(folder):
             name_pattern = pattern.rpartition("/")[2] or "*"  # the files the pattern names (a folder's: all)
             files = [f for f in weights_without_config(folder) if fnmatch.fnmatchcase(f.name, name_pattern)]
-            entry = self._completed(folder, files or weights_without_config(folder), label)
-        else:
-            entry = classify_folder(folder, self.table, origin=label)
-        entry.model_id = model_id
-        self._add(entry)
+            return self._completed(folder, files or weights_without_config(folder), label)
+        return classify_folder(folder, self.table, origin=label)
 
     def slot_of(self, given: str) -> Optional[str]:
         """The slot a --model_paths entry or a --model_id_with_origin_paths item provides (DiffSynth names models
@@ -263,19 +321,14 @@ class ModelSources:
         for entry in self.entries:
             if entry.origin == given and entry.kind != "pipeline":
                 return entry.kind
-        for i, (model_id, pattern) in enumerate(self._remote):
-            if f"{model_id}:{pattern}" == given:
-                slots = self.table.shared_subfolder.get(origin_subfolder(pattern), ())
+        for i, candidate in enumerate(self.candidates):
+            if candidate.remote and candidate.origin == given:
+                slots = self.table.shared_subfolder.get(candidate.subfolder, ())
                 if len(slots) == 1:
                     return slots[0]
-                self._fetch_remote(i)
+                self._classify(i)
                 return next((e.kind for e in self.entries if e.origin == given and e.kind != "pipeline"), None)
         return None
-
-    def _fetch_remote_for(self, slot: str) -> None:
-        for i, (_, pattern) in enumerate(self._remote):
-            if slot in self.table.shared_subfolder.get(origin_subfolder(pattern), ()):
-                self._fetch_remote(i)
 
     def _unique(self, entries: list[FolderEntry], slot: str) -> FolderEntry | None:
         if len(entries) > 1:
@@ -311,7 +364,7 @@ class ModelSources:
         if any(slot in e.subfolders for e in pipelines):
             return False
         if self.table[slot].optional:
-            self._fetch_remote_for(slot)
+            self._classify_for(slot)
         if self._component(slot) is not None:
             return False
         return any(slot in e.absent for e in pipelines) or self.table[slot].optional
@@ -322,7 +375,7 @@ class ModelSources:
         kind = self.table[slot].kind
         if kind in ("tokenizer", "processor"):
             return self._resolve_companion(slot)
-        self._fetch_remote_for(slot)
+        self._classify_for(slot)
         entry = self._component(slot)
         if entry is not None:
             return ComponentSource(slot, entry.path, entry.class_name, entry.origin, entry.single_file, entry.beside)
@@ -364,7 +417,7 @@ class ModelSources:
                 return make(slot, local, given)
             model_id, pattern = parse_model_id_with_origin_paths(given)[0]
             return make(slot, self._snapshot(model_id, pattern), given)
-        self._fetch_remote_for(slot)
+        self._classify_for(slot)
         entry = self._component(slot)
         if entry is not None:
             return ComponentSource(slot, entry.path, entry.class_name, entry.origin)
@@ -379,7 +432,7 @@ class ModelSources:
         subfolder = self.table[slot].subfolder
         encoder = None
         for encoder_slot in (e for e in encoders if e is not None):
-            self._fetch_remote_for(encoder_slot)
+            self._classify_for(encoder_slot)
             found = self._component(encoder_slot)
             encoder = encoder or found
             if found is not None and is_folder(found.path.parent / subfolder):
@@ -396,10 +449,10 @@ class ModelSources:
         """The slot's origin folder (ModelSlot.origin's pattern) under the model ids given, the text encoder's
         first, then the family's default model id; None when no model id is given or the slot has no origin."""
         origin = self.table[slot].origin
-        if not self._remote or origin is None:
+        if not self._model_ids() or origin is None:
             return None
         ids = [encoder.model_id] if encoder is not None and encoder.model_id else []
-        ids += [model_id for model_id, _ in self._remote]
+        ids += [model_id for model_id, _ in self._model_ids()]
         ids.append(origin[0])
         ids = list(dict.fromkeys(ids))
         for model_id in ids:  # local files first: DiffSynth's ./models, then the modelscope cache, no network
@@ -439,8 +492,9 @@ class ModelSources:
             return ModelLoadError(None, f"no {slot} found beside the text encoder or in a pipeline folder; pass {flag}")
         if self.table[slot].kind == "processor":
             return ModelLoadError(None, f"no {slot} found beside the text encoder or in a pipeline folder; pass --processor_path")
-        for i in range(len(self._remote)):  # describe everything that was given
-            self._fetch_remote(i)
+        for i, candidate in enumerate(self.candidates):  # describe everything that was given
+            if candidate.remote:
+                self._classify(i)
         expected = self.table.expected(slot)
         if len(self.entries) == 1:
             e = self.entries[0]

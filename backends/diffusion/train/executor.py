@@ -37,6 +37,7 @@ from unitgraph.runtime import SINK, stage2_bindings
 from ..data.batching import (
     CachedItem,
     Element,
+    Share,
     cast_floating,
     is_tensor,
     pin_tensors,
@@ -44,9 +45,11 @@ from ..data.batching import (
     collate,
     entry_signature,
     expand,
+    mixed_elements,
     shard_batches,
     to_device,
     value_signature,
+    varies_by_epoch,
 )
 
 SYNC_RUN = 4  # batches prepared together in the caller (prefetch=0): an A/B at test size, 1.06x the limit -> ~1.04x
@@ -96,13 +99,17 @@ class Stage2Data:
     ahead(items): told each epoch's reading order before it starts (a read-ahead of entries).
     dtype: when given, floating cached tensors are cast to it as they are read (a cache stored in
     bf16/fp16 by `--cache_dtype`, trained in the model's dtype).
+    shares: with several datasets (--dataset_config), each one's part of an epoch (`batching.Share`; the items
+    carry `.dataset`), in place of `dataset_repeat`; settings: {dataset: its unit settings} for the datasets that
+    have their own (a size), which their samples' train units then read.
     """
 
     def __init__(self, pipeline: Any, plan: Any, items: Sequence[Any], read: Callable[[Any], dict[str, Any]], *,
                  seed: int, entry_path: Optional[Callable[[Any], Path]] = None, batch_size: int = 1,
                  dataset_repeat: int = 1, drop_last: bool = False, pad: Mapping[str, str] = {},
                  keep_in_memory: bool = False, backward: Optional[Iterable[str]] = None, dtype: Any = None,
-                 ahead: Optional[Callable[[list[Any]], None]] = None):
+                 ahead: Optional[Callable[[list[Any]], None]] = None, shares: Sequence[Share] = (),
+                 settings: Mapping[str, Any] = {}):
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         self.pipeline = pipeline
@@ -119,7 +126,9 @@ class Stage2Data:
         self.keep_in_memory = keep_in_memory
         self.dtype = dtype
         self.backward = set(plan.models_require_backward if backward is None else backward)
-        self.elements = expand(self.items, dataset_repeat)
+        self.epochs = EpochElements(self.items, self.seed, dataset_repeat, shares)
+        self.elements = self.epochs(0)
+        self.settings = dict(settings)
         self.bindings = stage2_bindings(spec, plan)
         code = pipeline.unit_code()
         self.units = [code[name] for name in plan.train_units]
@@ -173,21 +182,22 @@ class Stage2Data:
             self._keys[sample_id] = key
         return self._keys[sample_id]
 
-    def buckets(self) -> dict[Hashable, list[int]]:
-        """Element positions by bucket key."""
+    def buckets(self, epoch: int = 0) -> dict[Hashable, list[int]]:
+        """Element positions (of `epoch`'s elements) by bucket key."""
         out: dict[Hashable, list[int]] = {}
-        for j, element in enumerate(self.elements):
+        for j, element in enumerate(self.epochs(epoch)):
             out.setdefault(self.bucket_key(element.item), []).append(j)
         return out
 
     def batches(self, epoch: int, rank: int = 0, world: int = 1) -> list[list[Element]]:
         """This process's micro-batches of one epoch, in training order."""
+        elements = self.epochs(epoch)
         if self.batch_size == 1:
-            keys: list[Hashable] = [0] * len(self.elements)
+            keys: list[Hashable] = [0] * len(elements)
         else:
-            keys = [self.bucket_key(e.item) for e in self.elements]
+            keys = [self.bucket_key(e.item) for e in elements]
         positions = bucket_batches(keys, self.batch_size, self.seed, epoch, self.drop_last)
-        return shard_batches([[self.elements[j] for j in batch] for batch in positions], rank, world)
+        return shard_batches([[elements[j] for j in batch] for batch in positions], rank, world)
 
     # -- per-sample work -------------------------------------------------------------------------
 
@@ -249,7 +259,9 @@ class Stage2Data:
         """Read one element's entry (or take `cached`) and run its early units (under its own sample key)."""
         state = _State(cached=self.read(element.item) if cached is None else cached)
         if self.early_units:
-            ctx = dataclasses.replace(early_ctx, epoch=epoch, sample_key=element.sample_key)
+            own = self.settings.get(getattr(element.item, "dataset", None))
+            ctx = dataclasses.replace(early_ctx, epoch=epoch, sample_key=element.sample_key,
+                                      **({"settings": own} if own is not None else {}))
             self._run(self.early_units, state, ctx, grad=False)
         return state
 
@@ -271,7 +283,8 @@ class Stage2Data:
         samples = []
         for element, state in zip(batch.elements, batch.prepared or []):
             ctx.epoch, ctx.sample_key = batch.epoch, element.sample_key
-            self._run(self.step_units, state, ctx, grad=True)
+            with own_settings(ctx, self.settings.get(getattr(element.item, "dataset", None))):
+                self._run(self.step_units, state, ctx, grad=True)
             samples.append(self.sink_inputs(state))
         batch.inputs, batch.prepared = collate(samples, self.pad), None
         return batch.inputs
@@ -314,6 +327,38 @@ class Stage2Data:
             close = getattr(source, "close", None)
             if close is not None:
                 close()
+
+
+class EpochElements:
+    """epoch -> its elements: the items `repeat` times each (--dataset_repeat), or with several datasets their
+    shares (`batching.mixed_elements`); made once when they do not change from epoch to epoch."""
+
+    def __init__(self, items: Sequence[Any], seed: int, repeat: int = 1, shares: Sequence[Share] = ()):
+        self.items, self.seed, self.repeat, self.shares = list(items), int(seed), int(repeat), tuple(shares)
+        self.fixed = not varies_by_epoch(self.shares)
+        self._made: dict[int, list[Element]] = {}
+
+    def __call__(self, epoch: int) -> list[Element]:
+        key = 0 if self.fixed else epoch
+        if key not in self._made:
+            if not self.fixed:
+                self._made.clear()  # one epoch's at a time
+            self._made[key] = (mixed_elements(self.items, self.shares, self.seed, epoch) if self.shares
+                               else expand(self.items, self.repeat))
+        return self._made[key]
+
+
+@contextlib.contextmanager
+def own_settings(ctx: Any, settings: Any):
+    """The unit context with a dataset's own settings while its sample's units run (none: as it is)."""
+    if settings is None:
+        yield
+        return
+    saved, ctx.settings = ctx.settings, settings
+    try:
+        yield
+    finally:
+        ctx.settings = saved
 
 
 def _in_runs(jobs: Iterable[Callable[[], Any]], run: int) -> Iterator[Any]:
@@ -466,14 +511,16 @@ class LiveData:
     batch_size = 1
 
     def __init__(self, items: Sequence[Any], sink_inputs: Callable[[Any, Any], dict[str, Any]], seed: int,
-                 dataset_repeat: int = 1):
+                 dataset_repeat: int = 1, shares: Sequence[Share] = ()):
         self.sink_inputs = sink_inputs
         self.seed = int(seed)
-        self.elements = expand(list(items), dataset_repeat)
+        self.epochs = EpochElements(items, self.seed, dataset_repeat, shares)
+        self.elements = self.epochs(0)
 
     def batches(self, epoch: int, rank: int = 0, world: int = 1) -> list[list[Element]]:
-        order = bucket_batches([0] * len(self.elements), 1, self.seed, epoch)
-        return shard_batches([[self.elements[j] for j in batch] for batch in order], rank, world)
+        elements = self.epochs(epoch)
+        order = bucket_batches([0] * len(elements), 1, self.seed, epoch)
+        return shard_batches([[elements[j] for j in batch] for batch in order], rank, world)
 
     def iterate(self, epoch: int, ctx: Any, rank: int = 0, world: int = 1, batches: Optional[Sequence] = None,
                 workers: int = 0, prefetch: Optional[int] = None) -> Iterator[Batch]:

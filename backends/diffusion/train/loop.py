@@ -1,4 +1,5 @@
-"""The training loop: AdamW over micro-batches of sink inputs, the same loop for the unsplit run and stage 2.
+"""The training loop: the optimizer (--optimizer, AdamW by default) over micro-batches of sink inputs, the same loop
+for the unsplit run and stage 2.
 
 `run_training` takes its batches from a data source (`executor.Stage2Data` for stage 2, `executor.LiveData`
 for the unsplit run): both give the same elements in the same seeded order, so with the same
@@ -30,6 +31,8 @@ from ..randomness import seeded_global_stream
 from .checkpoints import checkpoint_state, diffusers_remove_prefix, save_checkpoint
 from .engines import base_optimizer, held_bytes, steps_for
 from .lr import make_lr_schedule, seek, step as lr_step
+from .ema import TrainedEMA, ema_name, optional_swap
+from .optimizers import build_optimizer, eval_weights, optimizer_label
 from .outputs import RunFolder
 from .resume import (
     apply_state,
@@ -51,14 +54,16 @@ if TYPE_CHECKING:  # annotations only: the run's configuration sits above the ro
     from ..config import RunConfig
 from ..models.precision import offloaded_activations
 from ..models.stage import load_models, make_context
+from .validation import empty_prompt_encoding
+from .held_out import FILE as HELD_OUT_FILE, HeldOutLog, held_out_loss
 from ..report import progress
 from ..result import RunResult
 
 
 def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerator: Any, report: Any = None,
                    steps: Any = None):
-    """Preset LoRA merged, trainable models and the LoRA adapter made trainable, AdamW; each prepared for the run's
-    engine (`steps`, train/engines.py: accelerate's DDP by default)."""
+    """Preset LoRA merged, trainable models and the LoRA adapter made trainable, the optimizer (--optimizer); each
+    prepared for the run's engine (`steps`, train/engines.py: accelerate's DDP by default)."""
     from ..models.lora import add_lora, load_lora_checkpoint, merge_preset_lora
     from ..models.precision import adapters_to_fp32, enable_checkpointing, place, store_fp8, swap_blocks
     from ..models.shards import deferred
@@ -77,7 +82,8 @@ def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerat
     if lora.base_model:
         base = models[lora.base_model]
         check_rank(base, lora.base_model, list(lora.targets), lora.rank)
-        lora_config = add_lora(base, lora.base_model, list(lora.targets), lora.rank, lora.alpha, cfg.seed)
+        lora_config = add_lora(base, lora.base_model, list(lora.targets), lora.rank, lora.alpha, cfg.seed,
+                               kind=lora.kind, rslora=lora.rslora)
         adapters_to_fp32(base)  # peft made them in the base's dtype; trained parameters stay fp32
         base.train()
         if lora.checkpoint:
@@ -96,11 +102,12 @@ def prepare_models(cfg: RunConfig, plan: Plan, models: dict[str, Any], accelerat
             enable_checkpointing(models[slot])
     steps = steps or steps_for(accelerator, cfg.engine, cfg.optim.max_grad_norm, cfg.optim.batch_size)
 
-    def adamw(params: list[Any]) -> Any:
-        return torch.optim.AdamW(params, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
+    def optimizer(params: list[Any]) -> Any:  # --optimizer (AdamW by default), train/optimizers.py
+        return build_optimizer(cfg.optim.optimizer, cfg.optim.optimizer_args, params, cfg.optim.learning_rate,
+                               cfg.optim.weight_decay)
 
     compute = getattr(torch, cfg.precision.compute_dtype) if cfg.precision.mixed != "no" else None
-    wrapped, optimizer = steps.prepare(models, list(plan.models_require_backward), adamw, compute)
+    wrapped, optimizer = steps.prepare(models, list(plan.models_require_backward), optimizer, compute)
     return wrapped, optimizer, lora_config
 
 
@@ -115,15 +122,17 @@ def check_rank(model: Any, slot: str, targets: list[str], rank: int) -> None:
 
 
 def save(cfg: RunConfig, output: Path, name: str, models: dict[str, Any], lora_config: Any, accelerator: Any,
-         steps: Any = None) -> Optional[Path]:
+         steps: Any = None, tensors: Optional[dict[str, dict[str, Any]]] = None) -> Optional[Path]:
     """Write a checkpoint of what trains (main process). Every process calls it: under a sharded engine each trained
-    tensor is gathered whole, one at a time, and kept by the main process only."""
+    tensor is gathered whole, one at a time, and kept by the main process only. `tensors` ({slot: {parameter name:
+    tensor}}) writes those in place of the trained weights, in the same layout (the moving average, --ema_decay)."""
     steps = steps or steps_for(accelerator, cfg.engine, None)
     if not (accelerator.is_main_process or steps.gathers):
         return None
     slots = [*cfg.optim.trainable, *([cfg.lora.base_model] if cfg.lora.base_model else [])]
     raw = {slot: steps.unwrap(m) for slot, m in models.items()}
-    tensors = {slot: steps.trained_tensors(models[slot]) for slot in dict.fromkeys(slots)}
+    if tensors is None:
+        tensors = {slot: steps.trained_tensors(models[slot]) for slot in dict.fromkeys(slots)}
     if not accelerator.is_main_process:
         return None
     state = checkpoint_state(raw, cfg.lora.base_model, cfg.optim.trainable, cfg.prefixes, tensors)
@@ -206,7 +215,7 @@ def micro_step(cfg: RunConfig, ctx: Any, ready: Any, elements: list[Any], epoch:
 
 def run_training(cfg: RunConfig, plan: Plan, provider: Any, data: Any, accelerator: Any, output: Path,
                  result: RunResult, stage_name: str, report: Optional[Any] = None) -> None:
-    """AdamW over `data`'s micro-batches; loss.csv, checkpoints and the loss plot in `output`.
+    """The optimizer over `data`'s micro-batches; loss.csv, checkpoints and the loss plot in `output`.
 
     The output folder is claimed (outputs.RunFolder: checked, locked, an earlier run moved aside with
     --overwrite) only once every input has been checked and the models are loaded.
@@ -253,6 +262,7 @@ class _Run:
         self.world, self.rank, self.main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
         result.plan_path = write_run_files(cfg, plan, output, accelerator)
         self.ctx = make_context(cfg, models, accelerator.device)
+        self.ctx.empty_prompt = empty_prompt_encoding(cfg, plan, provider, self.ctx, getattr(data, "dtype", None))
         self.steps = steps or steps_for(accelerator, cfg.engine, cfg.optim.max_grad_norm, cfg.optim.batch_size)
         self.trained = [models[s] for s in plan.models_require_backward]
         # Dropout draws from torch's global stream: each micro-step seeds it from its samples' keys, so the
@@ -267,6 +277,12 @@ class _Run:
         if checked is not None:
             with self.steps.state_view(optimizer) as view:
                 self.start = apply_state(checked, self.params, view, self.steps.scatter, self.steps.restore)
+        # --ema_decay: the moving average of the trained weights (train/ema.py), as the state left it when resuming
+        o = cfg.optim
+        self.ema = (TrainedEMA(self.params, o.ema_decay, o.ema_device or accelerator.device)
+                    if o.ema_decay is not None else None)
+        if self.ema is not None and checked is not None:
+            self.ema.restore(checked.ema, checked.ema_step)
         if self.start is not None:
             result.resumed_from = self.start.path
             if self.main:
@@ -292,6 +308,10 @@ class _Run:
                                       config={k: v for k, v in vars(cfg.args).items()
                                               if isinstance(v, (int, float, str, bool))})
         self.validator = self._validator()
+        # --validation_dataset: the loss on the held-out entries (train/held_out.py), every process computing it
+        self.held_out = getattr(provider, "held_out_data", None)
+        self.held_out_log = (HeldOutLog(output / HELD_OUT_FILE, self.main, self.start.step if self.start else None)
+                             if self.held_out is not None else None)
 
     def run(self) -> None:
         cfg = self.cfg
@@ -316,6 +336,8 @@ class _Run:
                         every = cfg.validation.steps or (cfg.output.save_steps if not last_of_epoch else None)
                         if every and self.step % every == 0:  # --validation_steps, else each --save_steps checkpoint
                             self.samples(f"step-{self.step}")
+                        if cfg.validation.steps and self.step % cfg.validation.steps == 0:
+                            self.held_out_loss(epoch)
                         if saving and not last_of_epoch:  # the epoch's end saves its own state just below
                             self.keep_state(epoch, position)
                 finally:
@@ -323,9 +345,12 @@ class _Run:
                 self.checkpoint(f"epoch-{epoch}.safetensors")
                 if not cfg.validation.steps:  # and at each epoch's checkpoint
                     self.samples(f"epoch-{epoch}")
+                    self.held_out_loss(epoch)
                 self.keep_state(epoch, len(groups))
         finally:
             self.log.close()
+            if self.held_out_log is not None:
+                self.held_out_log.close()
             self.bar.close()
             if self.tracking:
                 self.acc.end_training()
@@ -346,6 +371,8 @@ class _Run:
                             self.seeded, check, self.steps) for k, b in enumerate(group)]
         rate = base_optimizer(self.optimizer).param_groups[0]["lr"]
         norm = self.steps.step(self.optimizer, self.params.values())
+        if self.ema is not None:
+            self.ema.update(self.params)
         lr_step(self.lr)
         self.step += 1
         loss, now = step_loss([(v, len(b)) for (v, _), b in zip(steps, group)], total, acc), time.perf_counter()
@@ -367,7 +394,11 @@ class _Run:
         self.bar.update(1)
 
     def checkpoint(self, name: str) -> None:
-        checkpoint(self.cfg, self.output, name, self.models, self.lora_config, self.acc, self.result, self.steps)
+        with eval_weights(self.optimizer):  # a schedule-free optimizer's averaged weights
+            checkpoint(self.cfg, self.output, name, self.models, self.lora_config, self.acc, self.result, self.steps)
+        if self.ema is not None and self.main:  # beside it, in its layout: the moving average (--ema_decay)
+            save(self.cfg, self.output, ema_name(name), self.models, self.lora_config, self.acc, self.steps,
+                 tensors=self.ema.by_slot(list(dict.fromkeys(self.plan.models_require_backward))))
 
     def keep_state(self, epoch: int, position: int) -> None:
         """The resumable state after `position` steps of `epoch` (main process), the oldest beyond --save_total_limit pruned."""
@@ -383,7 +414,7 @@ class _Run:
                     self.acc.wait_for_everyone()
                 save_state(self.output, self.step, epoch, position, elapsed, self.log.rows, self.params, view,
                            self.match, full=steps.full, write=self.main, ranks=ranks,
-                           offset=self.start.offset if self.start else 0)
+                           offset=self.start.offset if self.start else 0, ema=self.ema)
             if self.main:
                 prune_states(self.output, self.cfg.output.save_total_limit)
         self.acc.wait_for_everyone()
@@ -406,15 +437,29 @@ class _Run:
         """Validation samples now (every process calls it at the same steps; the main process renders)."""
         if not self.cfg.validation.prompts:
             return
-        if self.validator is not None:
-            self.result.sample_images.extend(self.validator.render(name, self.models, self.ctx, self.acc))
+        with eval_weights(self.optimizer):  # on every process: the weights stay the same on each
+            if self.validator is not None:
+                with optional_swap(self.ema, self.params, self.cfg.validation.use_ema):  # --validation_use_ema
+                    self.result.sample_images.extend(self.validator.render(name, self.models, self.ctx, self.acc))
         self.acc.wait_for_everyone()
+
+    def held_out_loss(self, epoch: int) -> None:
+        """The loss on the held-out samples now (--validation_dataset): a row of validation_loss.csv, and the
+        trackers' validation_loss."""
+        if self.held_out is None:
+            return
+        value = held_out_loss(self.cfg, self.held_out, self.ctx)
+        self.held_out_log.add(self.step, epoch, value, len(self.held_out.items))
+        if self.tracking:
+            self.acc.log({"validation_loss": value}, step=self.step)
 
     def finish(self) -> None:
         result, rows = self.result, self.log.rows
         result.steps, result.losses, result.loss_csv = self.step, [r[2] for r in rows], self.log.path
+        held = self.held_out_log.rows if self.held_out_log is not None else []
         if self.main and self.cfg.output.plot:
-            result.loss_plot = write_loss_plot(rows, self.output / "loss.png", f"{self.plan.pipeline} · {self.cfg.args.task}")
+            result.loss_plot = write_loss_plot(rows, self.output / "loss.png", f"{self.plan.pipeline} · {self.cfg.args.task}",
+                                               held_out=held)
         self.acc.wait_for_everyone()
 
 
@@ -472,9 +517,9 @@ def resume_point(cfg: RunConfig, output: Path, params: dict[str, Any], optimizer
     if main and point.processes not in (None, match.get("processes")):  # allowed by check_state
         into = " into this run's shards" if cfg.engine.kind == "fsdp2" else ""
         print(f"note: --resume: the state was made by {point.processes} processes, this run has "
-              f"{match.get('processes')}: its weights and AdamW's state are restored whole{into}, and from epoch "
-              f"{point.epoch + 1} on each epoch's samples are dealt to {match.get('processes')} processes "
-              f"({per_epoch} steps an epoch, {point.per_epoch} before)")
+              f"{match.get('processes')}: its weights and {optimizer_label(cfg.optim.optimizer)}'s state are "
+              f"restored whole{into}, and from epoch {point.epoch + 1} on each epoch's samples are dealt to "
+              f"{match.get('processes')} processes ({per_epoch} steps an epoch, {point.per_epoch} before)")
     return checked
 
 
@@ -563,7 +608,10 @@ def stop_on_bad_loss(loss: torch.Tensor, step: int, epoch: int, items: list[Any]
                        f"training stopped before updating the weights; {kept}")
 
 
-def write_loss_plot(rows: list[tuple[int, int, float, float]], path: Path, title: str) -> Optional[Path]:
+def write_loss_plot(rows: list[tuple[int, int, float, float]], path: Path, title: str,
+                    held_out: Any = ()) -> Optional[Path]:
+    """loss.png: the training loss by step (and its running mean), with the held-out loss's points
+    (--validation_dataset: rows of (step, epoch, loss, samples)) when there are any."""
     if not rows:
         return None
     import matplotlib
@@ -582,6 +630,10 @@ def write_loss_plot(rows: list[tuple[int, int, float, float]], path: Path, title
         k = max(2, len(losses) // 20)
         smooth = [sum(losses[max(0, i - k + 1): i + 1]) / len(losses[max(0, i - k + 1): i + 1]) for i in range(len(losses))]
         ax.plot(steps, smooth, linewidth=2, label=f"mean of {k}")
+    if held_out:
+        ax.plot([r[0] for r in held_out], [r[2] for r in held_out], marker="o", linewidth=1,
+                label="held-out (--validation_dataset)")
+    if len(losses) >= 10 or held_out:
         ax.legend()
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")

@@ -9,8 +9,12 @@ optimizer's state and *which* step it is. A state therefore holds exactly
 
   * `trained.safetensors`: every parameter being trained (LoRA and fully trained models), by its
     in-memory name, so it is restored bit for bit;
-  * `optimizer.safetensors` + the param groups in `state.json`: AdamW's per-parameter step count and
-    moments, in the optimizer's own parameter order;
+  * `optimizer.safetensors` + the param groups in `state.json`: what the optimizer (--optimizer, AdamW by
+    default) keeps per parameter, in its own parameter order: its tensors in the file, its numbers (a step
+    count kept as a Python int) in `state.json`'s `optimizer_scalars`; the param groups' values it changes as it
+    steps (Prodigy's d, a schedule-free optimizer's weight sum) are restored from the state, the others checked;
+  * `ema.safetensors` (with --ema_decay): the moving average of every trained parameter, by the same names,
+    and its step count in `state.json` (train/ema.py);
   * `state.json`: the step, the epoch and how many optimizer steps of that epoch are done, the loss
     rows so far, and what must not change for the continuation to be the same training (plan
     fingerprint, seed, learning rate, batch and accumulation, LoRA settings, process count, ...).
@@ -27,10 +31,10 @@ on the next start). Nothing is pickled: tensors are safetensors, the rest is JSO
 A state is read whole before anything changes (`check_state`): state.json against its schema (every
 field's type, the loss rows one per step), the run it records against this one, each file against the
 sha256 state.json records, both safetensors headers (a truncated file is named as such), every tensor's
-name, shape and dtype against the trained parameters and what the optimizer keeps per parameter, and
-the values (finite; AdamW's step counts and second moments in range). Only a state that passes is
-restored (`apply_state`), so a tampered or damaged state is one line naming its file, with the
-weights, the optimizer and loss.csv untouched.
+name, shape and dtype against the trained parameters and what the optimizer keeps per parameter
+(train/optimizers.state_layout), and the values (finite; step counts and second moments in range). Only a state
+that passes is restored (`apply_state`), so a tampered or damaged state is one line naming its file,
+with the weights, the optimizer and loss.csv untouched.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from ..cache.keys import sha256_file
 from ..errors import BackendError
 from ..tensorfile import Header, TensorInfo, dtype_code, finite, load_tensors, read_header
 from .lr import schedule_needs_total
+from .optimizers import COUNT, STEP, evolving_group_keys, state_layout
 
 __all__ = ["CheckedState", "ResumePoint", "STATE_DIR", "apply_state", "check_state", "latest_state", "load_state",
            "must_match", "optimizer_tensors", "prune_states", "rank_file", "remove_partial_states", "reshard_offset",
@@ -64,6 +69,7 @@ STATE_JSON = "state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 TRAINED_FILE = "trained.safetensors"
 STATE_FILES = (OPTIMIZER_FILE, TRAINED_FILE)
+EMA_FILE = "ema.safetensors"  # the moving average of the trained weights, with --ema_decay (train/ema.py)
 _TEMP_PREFIX = ".tmp-"
 _STATE_NAME = re.compile(r"step-([0-9]+)")
 _RANK_FILE = re.compile(r"optimizer-rank([1-9][0-9]*)\.safetensors")
@@ -111,12 +117,15 @@ def must_match(cfg: Any, plan: Any, world: int, data: Optional[str] = None,
         "gradient_accumulation_steps": o.accumulation, "dataset_repeat": cfg.data.repeat,
         "trainable_models": list(o.trainable), "lora_base_model": lora.base_model,
         "lora_target_modules": list(lora.targets), "lora_rank": lora.rank, "lora_alpha": lora.alpha,
+        # the adapter's kind and scale: another kind holds other tensors, rsLoRA another scale of the same ones
+        "lora_type": lora.kind, "use_rslora": bool(lora.rslora),
         "processes": int(world), "settings": cfg.units.key_values(), "fp8_models": list(cfg.precision.fp8),
         "expert": cfg.models.expert,
         "data": data, "steps_per_epoch": steps_per_epoch, "preset_lora": preset,
         "preset_lora_model": lora.preset_model, "validation_prompts": list(v.prompts), "validation_steps": v.steps,
         "lr_scheduler": o.lr_scheduler, "lr_warmup_steps": o.lr_warmup_steps,
         "max_grad_norm": o.max_grad_norm,
+        "optimizer": o.optimizer, "optimizer_args": dict(o.optimizer_args), "ema_decay": o.ema_decay,
         # the clips' length where the run reads clips itself (unsplit; stage 2's cache pins it through `data`), else
         # None, as states written before it hold it
         "num_frames": (int(cfg.data.num_frames) if getattr(cfg.pipeline, "video_params", ()) and cfg.stage == ""
@@ -130,9 +139,13 @@ def must_match(cfg: Any, plan: Any, world: int, data: Optional[str] = None,
 
 def data_identity(provider: Any) -> str:
     """What the run trains on, as one digest: its samples in order (index and content id) and, for stage 2, the
-    cache's key (the stage-1 settings and models its entries were made with)."""
-    items = [[int(item.index), str(item.sample_id)] for item in provider.items]
+    cache's key (the stage-1 settings and models its entries were made with); with --dataset_config, each sample's
+    dataset and each dataset's share of an epoch."""
+    shares = getattr(provider, "shares", ())
+    items = [[int(item.index), str(item.sample_id), *([item.dataset] if shares else [])] for item in provider.items]
     ident = {"samples": items, "cache": getattr(provider, "key_hash", None)}
+    if shares:  # --dataset_config: each sample's dataset and each dataset's repeats or weight (absent without one)
+        ident["datasets"] = [[share.name, share.repeats, share.weight] for share in shares]
     text = json.dumps(ident, sort_keys=True, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -159,7 +172,7 @@ def check_progress(path: Path, point: Any, per_epoch: int, num_epochs: int) -> A
     return point
 
 
-_CHECKPOINT_NAME = re.compile(r"(epoch|step)-([0-9]+)\.safetensors")
+_CHECKPOINT_NAME = re.compile(r"(epoch|step)-([0-9]+)(?:-ema)?\.safetensors")  # a checkpoint or its EMA file
 
 
 def reshard_offset(point: ResumePoint, per_epoch: int) -> int:
@@ -189,15 +202,23 @@ def _check_made_past(output: Path, per_epoch: int, num_epochs: int, offset: int 
                            source=str(output))
 
 
-_FLAGS = {"plan_fingerprint": "the plan (--lora_base_model, --trainable_models, --cache_mode or the pipeline)",
-          "data": "the data (the dataset's samples, or the cache's entries and the settings they were made with)",
+# what a state made before a must-match value existed holds for it
+_ABSENT = {"optimizer": "adamw", "optimizer_args": {}}
+# must-match values a state made before they were recorded is not checked against: its adapter's kind is checked by
+# its tensors' names (`_check_trained`), as it always was, and its rsLoRA flag cannot be known
+_UNRECORDED = frozenset({"lora_type", "use_rslora"})
+_FLAGS = {"optimizer": "--optimizer", "optimizer_args": "--optimizer_args", "ema_decay": "--ema_decay",
+          "plan_fingerprint": "the plan (--lora_base_model, --trainable_models, --cache_mode or the pipeline)",
+          "data": "the data (the dataset's samples, or the cache's entries and the settings they were made with; "
+                  "--dataset_config's datasets and their repeats or weights)",
           "steps_per_epoch": "the data and --batch_size / --gradient_accumulation_steps",
           "preset_lora": "--preset_lora_path (the file's content)",
           "num_frames": "--num_frames (the clips' length)",
           "validation_prompts": "--validation_prompt", 
           "processes": "the number of processes",
           "engine": "the engine (the accelerate config's distributed_type and ZeRO stage)",
-          "settings": "--max_pixels/--height/--width, --seed, --mixed_precision, --loss_weighting or the bounds",
+          "settings": "--max_pixels/--height/--width, --seed, --mixed_precision, --weighting_scheme, --timestep_sampling, "
+                       "--snr_gamma, --caption_dropout, --masked_loss_unmasked_weight or the bounds",
           "lr_schedule_steps": "--num_epochs and the steps an epoch has (the --lr_scheduler decays over them)"}
 
 
@@ -225,29 +246,67 @@ def staging_folder(output: Path, step: int) -> Path:
     return Path(output) / STATE_DIR / f"{_TEMP_PREFIX}ranks-step-{step:08d}"
 
 
+def _pieces(values: dict[str, Any]) -> dict[str, Any]:
+    """One parameter's state, with the pieces a library nests one level down lifted (bitsandbytes hides its
+    quantized tensors from FSDP in a dict; its load_state_dict takes them flat as well)."""
+    out = {}
+    for key, value in values.items():
+        out.update(value if isinstance(value, dict) else {key: value})
+    return out
+
+
 def optimizer_tensors(optimizer: Any, full: Any = None) -> dict[str, Any]:
-    """The optimizer's per-parameter state as `<parameter index>.<name>` tensors (whole, through `full`)."""
+    """The optimizer's per-parameter tensors as `<parameter index>.<name>` (whole, through `full`)."""
     import torch
 
     full = full or (lambda value: value.detach().to("cpu").contiguous().clone())
     opt = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer  # accelerate's wrapper
     tensors = {}
     for index, values in opt.state_dict()["state"].items():
-        for key, value in values.items():
-            value = value if isinstance(value, torch.Tensor) else torch.tensor(value)  # AdamW's step, in old torch
-            tensors[f"{index}.{key}"] = full(value)
+        for key, value in _pieces(values).items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}.{key}"] = full(value)
     return tensors
+
+
+def optimizer_scalars(optimizer: Any) -> dict[str, Any]:
+    """The optimizer's per-parameter values that are not tensors (Adafactor's, Prodigy's and CAME's step counts), as
+    `<parameter index>.<name>`: numbers for state.json. A value JSON cannot hold exactly is refused."""
+    import torch
+
+    opt = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    out = {}
+    for index, values in opt.state_dict()["state"].items():
+        for key, value in _pieces(values).items():
+            if isinstance(value, torch.Tensor):
+                continue
+            if not (isinstance(value, (bool, int)) or (isinstance(value, float) and math.isfinite(value))):
+                raise BackendError(f"the optimizer keeps {key} = {_shown(value)} for parameter {index}, which a "
+                                   "training state cannot hold (a finite number is expected)")
+            out[f"{index}.{key}"] = value
+    return out
+
+
+def _json_safe(value: Any) -> Any:
+    """A param-group value as state.json holds it: a float that JSON has no number for as its name ("inf")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def save_state(output: Path, step: int, epoch: int, position: int, elapsed: float, rows: list[Any],
                params: dict[str, Any], optimizer: Any, match: dict[str, Any], full: Any = None,
-               write: bool = True, ranks: Optional[Path] = None, offset: int = 0) -> Optional[Path]:
+               write: bool = True, ranks: Optional[Path] = None, offset: int = 0,
+               ema: Any = None) -> Optional[Path]:
     """Write the state after `step` into OUTPUT/state/step-<step>/ (whole or not at all); return the folder.
 
     `full(tensor)` gives a tensor whole on the CPU; under FSDP2 it gathers the shards, a call every process makes
     in the same order, and only the process with `write` writes (the others return None). `ranks` is a folder of
     the other processes' optimizer files (`rank_file`), moved into the state and recorded with their digests, when
-    each process keeps an optimizer state of its own (DeepSpeed)."""
+    each process keeps an optimizer state of its own (DeepSpeed). `ema` (train/ema.TrainedEMA, --ema_decay) adds the
+    moving average of the trained weights, `ema.safetensors`, and its step count."""
     import torch
     from safetensors.torch import save
 
@@ -274,15 +333,24 @@ def save_state(output: Path, step: int, epoch: int, position: int, elapsed: floa
         weights = {name: full(p) for name, p in params.items()}
         write_bytes_atomic(temp / TRAINED_FILE, save(weights))
         names = list(STATE_FILES)
+        if ema is not None:
+            write_bytes_atomic(temp / EMA_FILE, save(ema.tensors()))
+            names.append(EMA_FILE)
         if ranks is not None:
             for file in sorted(Path(ranks).iterdir()):
                 if _RANK_FILE.fullmatch(file.name):
                     os.replace(file, temp / file.name)
                     names.append(file.name)
             shutil.rmtree(ranks, ignore_errors=True)
+        groups = [{key: _json_safe(value) for key, value in group.items()} for group in opt_state["param_groups"]]
         record = {"format": STATE_FORMAT, "step": step, "epoch": epoch, "position": position, "elapsed_s": elapsed,
-                  "match": match, "param_groups": opt_state["param_groups"], "loss_rows": [list(r) for r in rows],
+                  "match": match, "param_groups": groups, "loss_rows": [list(r) for r in rows],
                   "files": {name: sha256_file(temp / name) for name in names}}
+        scalars = optimizer_scalars(optimizer)
+        if scalars:  # AdamW keeps none (its step is a tensor)
+            record["optimizer_scalars"] = scalars
+        if ema is not None:
+            record["ema_step"] = ema.step
         if offset:  # a run resumed on another number of processes (ResumePoint.offset)
             record["step_offset"] = offset
         write_text_atomic(temp / STATE_JSON, json.dumps(record, indent=1, sort_keys=True) + "\n")
@@ -336,7 +404,10 @@ class CheckedState:
     point: ResumePoint
     weights: dict[str, Any]  # trained parameter name -> tensor (shape and dtype of the parameter)
     optimizer_state: dict[int, dict[str, Any]]  # the optimizer's per-parameter state, by its parameter index
-    param_groups: list[dict[str, Any]]  # this run's param groups (a state's are checked equal to them)
+    param_groups: list[dict[str, Any]]  # this run's param groups (a state's are checked equal to them), with the
+    # values the optimizer changes as it steps from the state
+    ema: Optional[dict[str, Any]] = None  # the moving average of each trained parameter (--ema_decay), by name
+    ema_step: int = 0  # the optimizer steps it has averaged
 
 
 def _optimizer(optimizer: Any) -> Any:
@@ -396,10 +467,14 @@ def _read_record(path: Path) -> dict[str, Any]:
                                source=source)
     files = record["files"]
     ranks = sorted(int(m.group(1)) for m in map(_RANK_FILE.fullmatch, files) if m)
-    if (set(files) - {rank_file(r) for r in ranks} != set(STATE_FILES) or ranks != list(range(1, len(ranks) + 1))
+    if (set(files) - {rank_file(r) for r in ranks} - {EMA_FILE} != set(STATE_FILES)
+            or ranks != list(range(1, len(ranks) + 1))
             or not all(isinstance(v, str) and _SHA256.fullmatch(v) for v in files.values())):
         raise BackendError(f"damaged training state: field 'files' is not the sha256 of {' and '.join(STATE_FILES)}; "
                            f"{_OLDER}", source=source)
+    if not isinstance(record.get("optimizer_scalars", {}), dict):
+        raise BackendError(f"damaged training state: field 'optimizer_scalars' is {_shown(record['optimizer_scalars'])}, "
+                           f"not an object; {_OLDER}", source=source)
     offset = record.get("step_offset", 0)
     if not (isinstance(offset, int) and not isinstance(offset, bool) and offset <= record["step"]):
         raise BackendError(f"damaged training state: field 'step_offset' is {_shown(offset)}, not an integer of at most "
@@ -431,9 +506,12 @@ def _check_match(path: Path, record: dict[str, Any], match: dict[str, Any]) -> N
     if record["match"].get("processes") != match.get("processes") and _check_new_count(path, record, match):
         skip = {"processes", "steps_per_epoch"}
     for key, value in match.items():
-        if key not in skip and record["match"].get(key) != value:
+        if key in _UNRECORDED and key not in record["match"]:
+            continue
+        saved = record["match"].get(key, _ABSENT.get(key))
+        if key not in skip and saved != value:
             what = _FLAGS.get(key, f"--{key}")
-            raise BackendError(f"this state was made with another {key} ({record['match'].get(key)!r}, now {value!r}): "
+            raise BackendError(f"this state was made with another {key} ({saved!r}, now {value!r}): "
                                f"resuming would be another training; keep {what} as it was, or start anew with "
                                "--overwrite", source=str(path / STATE_JSON))
 
@@ -463,7 +541,10 @@ def _check_new_count(path: Path, record: dict[str, Any], match: dict[str, Any]) 
 
 
 def _same(saved: Any, current: Any) -> bool:
-    """A param-group value read back from JSON equals the optimizer's own (tuples come back as lists)."""
+    """A param-group value read back from JSON equals the optimizer's own (tuples come back as lists, a float JSON has
+    no number for as its name: `_json_safe`)."""
+    if isinstance(current, float) and not math.isfinite(current):
+        return saved == repr(current)
     if isinstance(current, (tuple, list)):
         return isinstance(saved, list) and len(saved) == len(current) and all(map(_same, saved, current))
     if isinstance(current, bool) or current is None or isinstance(saved, bool) or saved is None:
@@ -471,9 +552,12 @@ def _same(saved: Any, current: Any) -> bool:
     return type(saved) in (int, float, str) and saved == current
 
 
-def _check_param_groups(path: Path, saved: list[Any], current: list[dict[str, Any]]) -> None:
+def _check_param_groups(path: Path, saved: list[Any], current: list[dict[str, Any]],
+                        evolving: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """The state's param groups are this run's optimizer's: the same parameters in each, the same settings
-    (those a newer torch added may be missing: this run's are used)."""
+    (those a newer torch added may be missing: this run's are used). The values the optimizer changes as it steps
+    (`evolving`) are the state's, each a finite number or a flag. Returns the groups to restore: this run's, with
+    those values from the state."""
     source = str(path / STATE_JSON)
     if len(saved) != len(current):
         raise BackendError(f"damaged training state: {len(saved)} param groups, this run's optimizer has "
@@ -485,9 +569,15 @@ def _check_param_groups(path: Path, saved: list[Any], current: list[dict[str, An
                                source=source)
         for key, value in ours.items():
             # the rate itself is the schedule's at the state's step (train/lr.py sets it again from the step)
-            if key not in ("params", "lr", "initial_lr") and key in theirs and not _same(theirs[key], value):
+            if (key not in ("params", "lr", "initial_lr", *evolving) and key in theirs
+                    and not _same(theirs[key], value)):
                 raise BackendError(f"damaged training state: param_groups[{n}] has {key} {_shown(theirs[key])}, this "
                                    f"run's optimizer {_shown(value)}; {_OLDER}", source=source)
+        for key in evolving:
+            if key in theirs and not (_number(theirs[key]) or isinstance(theirs[key], bool)):
+                raise BackendError(f"damaged training state: param_groups[{n}] has {key} {_shown(theirs[key])}, not a "
+                                   f"finite number; {_OLDER}", source=source)
+    return [{**ours, **{key: theirs[key] for key in evolving if key in theirs}} for theirs, ours in zip(saved, current)]
 
 
 def _check_digests(path: Path, record: dict[str, Any]) -> None:
@@ -515,6 +605,11 @@ def _check_trained(path: Path, header: Header, params: dict[str, Any]) -> None:
         raise BackendError(f"the state's trained parameters differ from this run's ({len(missing)} missing, "
                            f"{len(extra)} unknown; e.g. {example}); check --lora_base_model/--lora_target_modules/"
                            f"--trainable_models, or {_OLDER}", source=source)
+    _check_shapes(header, params, source)
+
+
+def _check_shapes(header: Header, params: dict[str, Any], source: str) -> None:
+    """Each tensor of the file (the trained weights, or their moving average) has its parameter's shape and dtype."""
     for name, param in params.items():
         info = header.tensors[name]
         if info.shape != tuple(param.shape) or info.dtype != dtype_code(param.dtype):
@@ -522,46 +617,53 @@ def _check_trained(path: Path, header: Header, params: dict[str, Any]) -> None:
                                f"{list(param.shape)} {str(param.dtype).removeprefix('torch.')}; {_OLDER}", source=source)
 
 
-def _expected_keys(opt: Any, group: dict[str, Any]) -> Optional[set[str]]:
-    """What the optimizer keeps per parameter (AdamW's: its step, first and second moments); None when unknown."""
-    import torch
-
-    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-        return {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if group.get("amsgrad") else set())
-    return None
-
-
-def _check_optimizer(path: Path, header: Header, opt: Any, file: str = OPTIMIZER_FILE) -> dict[int, dict[str, TensorInfo]]:
-    """Every tensor of optimizer.safetensors is a piece of the state the optimizer keeps for one of its parameters,
-    with that parameter's shape and dtype (the step: a single number); each parameter's state is whole."""
+def _check_optimizer(path: Path, header: Header, opt: Any, file: str = OPTIMIZER_FILE,
+                     scalars: Optional[dict[str, Any]] = None) -> dict[int, dict[str, Any]]:
+    """Every tensor of optimizer.safetensors, and every number of state.json's optimizer_scalars, is a piece of the
+    state the optimizer keeps for one of its parameters (optimizers.state_layout: AdamW's step, first and second
+    moments, each moment of the parameter's shape and dtype; Adafactor's row and column factors; ...); each
+    parameter's state is whole. Returns {parameter index: {piece: TensorInfo or number}}."""
     source = str(path / file)
     flat = [(p, group) for group in opt.param_groups for p in group["params"]]
-    found: dict[int, dict[str, TensorInfo]] = {}
-    for name, info in header.tensors.items():
+    found: dict[int, dict[str, Any]] = {}
+    for name, value in [*header.tensors.items(), *(scalars or {}).items()]:
+        where = source if isinstance(value, TensorInfo) else str(path / STATE_JSON)
         key = _OPTIMIZER_KEY.fullmatch(name)
         if key is None:
-            raise BackendError(f"damaged training state: tensor {name[:60]!r} is not <parameter index>.<state name>; "
-                               f"{_OLDER}", source=source)
+            raise BackendError(f"damaged training state: optimizer piece {name[:60]!r} is not <parameter index>.<state "
+                               f"name>; {_OLDER}", source=where)
         index = int(key.group(1))
         if index >= len(flat):
             raise BackendError(f"damaged training state: tensor {name} is for parameter {index}, this run's optimizer "
-                               f"has {len(flat)}; {_OLDER}", source=source)
-        found.setdefault(index, {})[key.group(2)] = info
+                               f"has {len(flat)}; {_OLDER}", source=where)
+        if key.group(2) in found.get(index, {}):
+            raise BackendError(f"damaged training state: {name} is both a tensor and a number; {_OLDER}", source=where)
+        found.setdefault(index, {})[key.group(2)] = value
     for index, pieces in sorted(found.items()):
         param, group = flat[index]
-        expected = _expected_keys(opt, group)
-        if expected is not None and set(pieces) != expected:
-            wrong = sorted(set(pieces) - expected)
-            what = (f"an unknown tensor {index}.{wrong[0]}" if wrong
-                    else f"no {index}.{sorted(expected - set(pieces))[0]}")
+        layout = state_layout(opt, tuple(param.shape), group)
+        if layout is not None and set(pieces) != set(layout):
+            wrong = sorted(set(pieces) - set(layout))
+            kind = "tensor" if wrong and isinstance(pieces[wrong[0]], TensorInfo) else "number"
+            what = (f"an unknown {kind} {index}.{wrong[0]}" if wrong
+                    else f"no {index}.{sorted(set(layout) - set(pieces))[0]}")
             raise BackendError(f"damaged training state: parameter {index} has {what} ({type(opt).__name__} keeps "
-                               f"{', '.join(sorted(expected))}); {_OLDER}", source=source)
+                               f"{', '.join(sorted(layout))}); {_OLDER}", source=source)
         for piece, info in pieces.items():
-            if piece == "step":
+            kind = layout[piece] if layout is not None else None
+            if kind == COUNT or not isinstance(info, TensorInfo):
+                if kind not in (COUNT, None) or isinstance(info, TensorInfo) or isinstance(info, bool) \
+                        or not _number(info) or (kind == COUNT and not isinstance(info, int)):
+                    shown = info.describe() if isinstance(info, TensorInfo) else _shown(info)
+                    raise BackendError(f"damaged training state: {index}.{piece} is {shown}, not "
+                                       + ("a step count in state.json" if kind == COUNT else "a tensor") + f"; {_OLDER}",
+                                       source=str(path / STATE_JSON))
+            elif kind == STEP:
                 if info.shape != () or not info.floating:
                     raise BackendError(f"damaged training state: tensor {index}.step is {info.describe()}, not a "
                                        f"single floating number; {_OLDER}", source=source)
-            elif info.shape != tuple(param.shape) or info.dtype != dtype_code(param.dtype):
+            elif kind is not None and (info.shape not in [tuple(s) for s in kind]
+                                       or info.dtype != dtype_code(param.dtype)):
                 raise BackendError(f"damaged training state: tensor {index}.{piece} is {info.describe()}, its parameter "
                                    f"{list(param.shape)} {str(param.dtype).removeprefix('torch.')}; {_OLDER}",
                                    source=source)
@@ -581,13 +683,13 @@ def check_state(path: Path, params: dict[str, Any], optimizer: Any, match: dict[
                            source=str(path / STATE_JSON))
     _check_match(path, record, match)
     opt = _optimizer(optimizer)
-    groups = opt.state_dict()["param_groups"]
-    _check_param_groups(path, record["param_groups"], groups)
+    groups = _check_param_groups(path, record["param_groups"], opt.state_dict()["param_groups"],
+                                 evolving_group_keys(opt))
     _check_digests(path, record)
     trained_header = read_header(path / TRAINED_FILE)
     optimizer_header = read_header(path / file)
     _check_trained(path, trained_header, params)
-    pieces = _check_optimizer(path, optimizer_header, opt, file)
+    pieces = _check_optimizer(path, optimizer_header, opt, file, record.get("optimizer_scalars"))
     weights = load_tensors(path / TRAINED_FILE, trained_header, str(path / TRAINED_FILE))
     bad = next((name for name, tensor in weights.items() if not finite(tensor)), None)
     if bad is not None:
@@ -596,7 +698,13 @@ def check_state(path: Path, params: dict[str, Any], optimizer: Any, match: dict[
     tensors = load_tensors(path / file, optimizer_header, str(path / file))
     state: dict[int, dict[str, Any]] = {}
     for index, names in sorted(pieces.items()):
-        for piece in names:
+        for piece, info in names.items():
+            if not isinstance(info, TensorInfo):  # a number of state.json (checked in _check_optimizer)
+                if piece == "step" and not 0 <= info <= record["step"]:
+                    raise BackendError(f"damaged training state: {index}.step is not a step count of "
+                                       f"0..{record['step']}; {_OLDER}", source=str(path / STATE_JSON))
+                state.setdefault(index, {})[piece] = info
+                continue
             value = tensors[f"{index}.{piece}"]
             if piece == "step":
                 count = float(value)
@@ -617,7 +725,31 @@ def check_state(path: Path, params: dict[str, Any], optimizer: Any, match: dict[
                         rows=[[r[0], r[1], float(r[2]), float(r[3]), None if r[4] is None else float(r[4]),
                                *([None if r[5] is None else float(r[5])] if len(r) > 5 else [])]
                               for r in record["loss_rows"]])
-    return CheckedState(point, weights, state, groups)
+    ema, ema_step = _check_ema(path, record, params) if match.get("ema_decay") is not None else (None, 0)
+    return CheckedState(point, weights, state, groups, ema, ema_step)
+
+
+def _check_ema(path: Path, record: dict[str, Any], params: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """The state's moving average (--ema_decay: the match says the state has one): a tensor of each trained
+    parameter's name, shape and dtype, finite, and the steps it averaged, one a step."""
+    source = str(path / EMA_FILE)
+    if EMA_FILE not in record["files"]:
+        raise BackendError(f"damaged training state: no {EMA_FILE} though the run kept a moving average "
+                           f"(--ema_decay); {_OLDER}", source=str(path / STATE_JSON))
+    step = record.get("ema_step")
+    if not (_count(step) and step == record["step"]):
+        raise BackendError(f"damaged training state: field 'ema_step' is {_shown(step)}, not the state's step "
+                           f"{record['step']}; {_OLDER}", source=str(path / STATE_JSON))
+    header = read_header(path / EMA_FILE)
+    if set(header.tensors) != set(params):
+        raise BackendError(f"damaged training state: the moving average holds other parameters than this run trains "
+                           f"({len(header.tensors)}, this run {len(params)}); {_OLDER}", source=source)
+    _check_shapes(header, params, source)
+    tensors = load_tensors(path / EMA_FILE, header, source)
+    bad = next((name for name, tensor in tensors.items() if not finite(tensor)), None)
+    if bad is not None:
+        raise BackendError(f"damaged training state: {bad} holds NaN or infinite values; {_OLDER}", source=source)
+    return tensors, step
 
 
 def apply_state(checked: CheckedState, params: dict[str, Any], optimizer: Any, scatter: Any = None,
@@ -637,8 +769,8 @@ def apply_state(checked: CheckedState, params: dict[str, Any], optimizer: Any, s
                 param.copy_(scatter(checked.weights[name], param))
     opt = _optimizer(optimizer)
     flat = [p for group in opt.param_groups for p in group["params"]]
-    state = {index: {piece: (scatter(value, flat[index]) if piece != "step" and value.shape == flat[index].shape
-                             else value) for piece, value in pieces.items()}
+    state = {index: {piece: (scatter(value, flat[index]) if piece != "step" and isinstance(value, torch.Tensor)
+                             and value.shape == flat[index].shape else value) for piece, value in pieces.items()}
              for index, pieces in checked.optimizer_state.items()}
     opt.load_state_dict({"state": state, "param_groups": checked.param_groups})
     return checked.point

@@ -1,9 +1,17 @@
 """Validation samples: images (a strip of frames for video) of fixed prompts, rendered at checkpoints.
 
-`--validation_prompt TEXT` (repeatable) renders each prompt, seeded (`--seed` and the prompt's position),
-through the family's own diffusers pipeline class with the current weights (the LoRA as it is in
-memory), into OUTPUT/samples/<checkpoint>/<k>.png, one contact sheet OUTPUT/samples/<checkpoint>.png
+`--validation_prompt TEXT` (repeatable) renders each prompt, seeded (`--validation_seed`, default `--seed`, and
+the prompt's position), through the family's own diffusers pipeline class with the current weights (the LoRA as
+it is in memory), into OUTPUT/samples/<checkpoint>/<k>.png, one contact sheet OUTPUT/samples/<checkpoint>.png
 per checkpoint, and OUTPUT/samples.html, which shows every checkpoint's samples side by side.
+
+Each sample is guided as its pipeline guides by default (the render module's `guidance(pipeline)`, a
+family.Guidance: the scale the diffusers pipeline's `__call__` defaults to, and whether it guides against a
+negative prompt); `--validation_guidance` sets the scale and `--validation_negative_prompt` (once for all prompts,
+or once per prompt) what it guides against, the empty prompt by default. The negative prompts are encoded as the
+prompts are, after them in the same file (`validation_texts`), so the file's key covers them. The edit pipelines
+take `--validation_image` (one per prompt), which the pipeline itself encodes at render time: their render modules
+list them in IMAGE_PIPELINES.
 
 Split training keeps its promise that stage 2 never loads a frozen text encoder: the prompt units
 (the pipeline's units that read only `prompt` and call a model) run on the validation prompts in
@@ -23,7 +31,7 @@ import gc
 import html
 import importlib
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,19 +39,21 @@ from unitgraph.atomic import write_bytes_atomic, write_text_atomic
 
 from ..cache.encoded_prompts import (
     DIGEST_KEY,
-    HINT,
     META_KEY,
+    VALIDATION,
     VALIDATION_FILE,
+    PromptFile,
     check_against_cache,
     content_digest,
     prompts_key,
     read_encoded,
 )
 from ..errors import BackendError
+from ..family import Guidance
 from ..tensorfile import finite, header_of_bytes, load_tensors
 
-__all__ = ["VALIDATION_FILE", "SAMPLES_DIR", "prompt_units", "encode_prompts", "store_encoded", "load_encoded",
-           "Validator"]
+__all__ = ["VALIDATION_FILE", "SAMPLES_DIR", "Guidance", "ValidationTexts", "prompt_units", "encode_prompts",
+           "store_encoded", "load_encoded", "guidance_of", "validation_texts", "Validator"]
 
 SAMPLES_DIR = "samples"
 SAMPLES_PAGE = "samples.html"
@@ -54,14 +64,92 @@ def prompt_units(pipeline: Any) -> list[Any]:
     return [u for u in pipeline.units if tuple(u.inputs) == ("prompt",) and u.models]
 
 
+@dataclass(frozen=True)
+class ValidationTexts:
+    """What stage 1 encodes for the samples: the prompts, then their distinct negative prompts (`texts`), and for
+    each prompt the position of its negative prompt's encoding in `texts` (None: it renders without one)."""
+
+    texts: list[str]
+    negatives: list[Optional[int]]
+
+
+def render_module(cfg: Any) -> Any:
+    """The family's render module (families/<family>/render.py), or None when the family has none."""
+    return importlib.import_module(cfg.family.render, cfg.family.package) if cfg.family.render else None
+
+
+def guidance_of(cfg: Any) -> Optional[Guidance]:
+    """The pipeline's guidance at render time; None when it renders without any."""
+    module = render_module(cfg)
+    declared = getattr(module, "guidance", None)
+    return declared(cfg.pipeline) if declared is not None else None
+
+
+def validation_texts(cfg: Any) -> ValidationTexts:
+    """The texts to encode: the prompts, and the negative prompts their guidance reads (--validation_negative_prompt,
+    once for all or once per prompt; without it the empty prompt, where the pipeline's guidance needs one)."""
+    prompts, given = list(cfg.validation.prompts), list(cfg.validation.negative_prompts)
+    spec = guidance_of(cfg) if prompts else None
+    if spec is None or not spec.negative:
+        wanted: list[Optional[str]] = [None] * len(prompts)
+    elif given:
+        wanted = list(given) if len(given) == len(prompts) else given[:1] * len(prompts)
+    else:
+        wanted = [""] * len(prompts) if spec.empty_negative else [None] * len(prompts)
+    distinct = list(dict.fromkeys(n for n in wanted if n is not None))
+    return ValidationTexts(prompts + distinct, [None if n is None else len(prompts) + distinct.index(n) for n in wanted])
+
+
+def read_validation_images(cfg: Any) -> list[Any]:
+    """The --validation_image files as 8-bit RGB images, in the prompts' order; a missing or unreadable file is one
+    line naming it."""
+    from ..data.dataset import ImageProblem, image_to_rgb, open_image
+
+    images = []
+    for name in cfg.validation.images:
+        path = Path(name)
+        if not path.is_file():
+            raise BackendError("--validation_image: no such file", source=name)
+        try:
+            with open_image(path) as image:
+                image.load()
+                images.append(image_to_rgb(image))
+        except ImageProblem as exc:
+            raise BackendError(f"--validation_image {exc}", source=name) from None
+        except Exception as exc:  # PIL's decoders raise many types for damaged files (struct.error, EOFError, ...)
+            text = str(exc).strip().splitlines()
+            raise BackendError(f"--validation_image: not a readable image ({text[0] if text else type(exc).__name__})",
+                               source=name) from None
+    return images
+
+
 def check_supported(cfg: Any) -> None:
-    """A one-line error before any work when --validation_prompt cannot be rendered for this pipeline."""
+    """A one-line error before any work when --validation_prompt cannot be rendered for this pipeline, or its
+    guidance flags do not apply to it."""
     if not cfg.validation.prompts:
         return
-    module = importlib.import_module(cfg.family.render, cfg.family.package) if cfg.family.render else None
-    if not prompt_units(cfg.pipeline) or module is None or cfg.pipeline.name not in getattr(module, "PIPELINES", ()):
-        raise BackendError(f"--validation_prompt: pipeline {cfg.pipeline.name} has no validation rendering yet "
+    module = render_module(cfg)
+    name = cfg.pipeline.name
+    if not prompt_units(cfg.pipeline) or module is None or name not in getattr(module, "PIPELINES", ()):
+        raise BackendError(f"--validation_prompt: pipeline {name} has no validation rendering yet "
                            "(it needs more than a prompt, e.g. an edit or first-frame image)")
+    spec = guidance_of(cfg)
+    if cfg.validation.guidance is not None and spec is None:
+        raise BackendError(f"--validation_guidance: pipeline {name} samples without guidance (its diffusers pipeline "
+                           "has no guidance scale); drop the flag")
+    if cfg.validation.negative_prompts and (spec is None or not spec.negative):
+        raise BackendError(f"--validation_negative_prompt: pipeline {name} " + (
+            "samples without guidance" if spec is None else "guides with a scale embedded in its distilled DiT, "
+            "which reads no negative prompt") + "; drop the flag")
+    if cfg.validation.images:
+        if name not in getattr(module, "IMAGE_PIPELINES", ()):
+            raise BackendError(f"--validation_image: pipeline {name} renders from the prompt alone (an input image is "
+                               "read by the edit and image-to-video pipelines that render with one); drop the flag")
+        problem = getattr(module, "image_problem", None)  # what the pipeline refuses of an input image
+        for path, image in zip(cfg.validation.images, read_validation_images(cfg)):
+            said = problem(cfg.pipeline, image) if problem is not None else None
+            if said:
+                raise BackendError(f"--validation_image {said}", source=path)
 
 
 def encode_prompts(ctx: Any, pipeline: Any, prompts: list[str]) -> list[dict[str, Any]]:
@@ -84,8 +172,9 @@ def _cache(location: Any) -> Any:
     return location if isinstance(location, Cache) else Cache(location)
 
 
-def store_encoded(cache_dir: Any, prompts: list[str], key_hash: str, encoded: list[dict[str, Any]]) -> str:
-    """Write the encoded validation prompts beside the cache's entries, sealed with their checksum (whole: a
+def store_encoded(cache_dir: Any, prompts: list[str], key_hash: str, encoded: list[dict[str, Any]],
+                  kind: PromptFile = VALIDATION) -> str:
+    """Write encoded prompts (the validation prompts, or `kind`'s) beside the cache's entries, sealed with their checksum (whole: a
     rename or one PUT); where."""
     from safetensors.torch import save
 
@@ -98,43 +187,61 @@ def store_encoded(cache_dir: Any, prompts: list[str], key_hash: str, encoded: li
                 tensors[f"{i}.{name}"] = value.detach().to("cpu").contiguous().clone()
     meta = {META_KEY: json.dumps({"prompts": prompts, "key": prompts_key(prompts, key_hash), "none": none})}
     cache = _cache(cache_dir)
-    shown = cache.describe(VALIDATION_FILE)
+    shown = cache.describe(kind.name)
     body = save(tensors, metadata=meta)
     sealed = save(tensors, metadata={**meta, DIGEST_KEY: content_digest(header_of_bytes(body, shown), body)})
-    read_encoded(sealed, shown)  # the digest covers the tensor table, which the added metadata does not move
-    cache.store.write(VALIDATION_FILE, sealed)
+    read_encoded(sealed, shown, kind)  # the digest covers the tensor table, which the added metadata does not move
+    cache.store.write(kind.name, sealed)
     return shown
 
 
-def load_encoded(cache_dir: Any, prompts: list[str], key_hash: str, manifest: Any = None) -> list[dict[str, Any]]:
-    """The encoded validation prompts stored by stage 1, checked whole (cache/encoded_prompts.py: the checksum,
+def load_encoded(cache_dir: Any, prompts: list[str], key_hash: str, manifest: Any = None,
+                 kind: PromptFile = VALIDATION) -> list[dict[str, Any]]:
+    """The encoded validation prompts (or `kind`'s) stored by stage 1, checked whole (cache/encoded_prompts.py: the checksum,
     these prompts, each output as the cache's entries hold it, finite values); a one-line error naming the file
     when they are missing, stale or damaged. `manifest`: the cache's, when the caller has read it already."""
     cache = _cache(cache_dir)
-    shown = cache.describe(VALIDATION_FILE)
+    shown = cache.describe(kind.name)
     try:
-        data = cache.store.read(VALIDATION_FILE)
+        data = cache.store.read(kind.name)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        raise BackendError(f"the cache holds no encoded validation prompts; {HINT}", source=cache.location) from None
+        raise BackendError(f"the cache holds no {kind.what}; {kind.hint}", source=cache.location) from None
     except OSError as exc:
-        raise BackendError(f"unreadable encoded validation prompts ({exc.strerror or exc}); {HINT}", source=shown) from None
-    stored = read_encoded(data, shown)
+        raise BackendError(f"unreadable {kind.what} ({exc.strerror or exc}); {kind.hint}", source=shown) from None
+    stored = read_encoded(data, shown, kind)
     if stored.key != prompts_key(prompts, key_hash) or stored.prompts != list(prompts):
-        raise BackendError(f"the cache's encoded validation prompts are {stored.prompts!r}, not these; {HINT}",
+        raise BackendError(f"the cache's {kind.what} are for {stored.prompts!r}, not these; {kind.hint}",
                            source=shown)
     manifest = manifest if manifest is not None else cache.read_manifest()
     if manifest is not None:
-        check_against_cache(stored, cache, manifest, shown)
+        check_against_cache(stored, cache, manifest, shown, kind)
     tensors = load_tensors(data, stored.header, shown)
     out: list[dict[str, Any]] = [{} for _ in prompts]
     for i, values in enumerate(stored.values):
         for output, info in values.items():
             value = None if info is None else tensors[f"{i}.{output}"]
             if value is not None and not finite(value):
-                raise BackendError(f"the encoded validation prompt {i} ({prompts[i][:40]!r}) has NaN or infinite "
-                                   f"values in {output}; {HINT}", source=shown)
+                raise BackendError(f"the {kind.one} {i} ({prompts[i][:40]!r}) has NaN or infinite "
+                                   f"values in {output}; {kind.hint}", source=shown)
             out[i][output] = value
     return out
+
+
+def empty_prompt_encoding(cfg: Any, plan: Any, provider: Any, ctx: Any, dtype: Any = None) -> Optional[dict[str, Any]]:
+    """The prompt units' outputs for the empty prompt, which CaptionDropout puts in place of a dropped caption's
+    (caption_dropout.py); None when the plan has no CaptionDropout. Stage 2 reads them from beside the cache
+    (checked whole, cast to `dtype` as its entries are); the unsplit run encodes them with its own encoders."""
+    from ..cache.encoded_prompts import EMPTY_PROMPT
+    from ..caption_dropout import CAPTION_DROPOUT
+    from ..data.batching import cast_floating
+
+    if CAPTION_DROPOUT not in plan.train_units:
+        return None
+    cache_dir = getattr(provider, "cache_dir", None)
+    if cache_dir is None:
+        return encode_prompts(ctx, cfg.pipeline, [""])[0]
+    values = load_encoded(cache_dir, [""], getattr(provider, "key_hash", None) or "", kind=EMPTY_PROMPT)[0]
+    return values if dtype is None else {k: cast_floating(v, dtype) for k, v in values.items()}
 
 
 class Validator:
@@ -143,10 +250,16 @@ class Validator:
     def __init__(self, cfg: Any, plan: Any, output: Path, cache_dir: Optional[Path], key_hash: Optional[str]):
         self.cfg, self.plan, self.output = cfg, plan, Path(output)
         self.prompts = list(cfg.validation.prompts)
+        self.texts = validation_texts(cfg)
+        spec = guidance_of(cfg)
+        self.guidance = None if spec is None else spec.default if cfg.validation.guidance is None \
+            else cfg.validation.guidance
+        self.seed = cfg.seed if cfg.validation.seed is None else cfg.validation.seed
         units = prompt_units(cfg.pipeline)
         live = all(m in plan.train_models for u in units for m in u.models)  # trained text encoders, or unsplit
-        self.encoded = None if live or cache_dir is None else load_encoded(cache_dir, self.prompts, key_hash or "")
-        self.render_module = importlib.import_module(cfg.family.render, cfg.family.package)
+        self.encoded = None if live or cache_dir is None else load_encoded(cache_dir, self.texts.texts, key_hash or "")
+        self.render_module = render_module(cfg)
+        self.images = read_validation_images(cfg)  # the edit images, or first frames, one per prompt
         # checkpoints rendered before (a resumed run's): the page keeps showing them, oldest first
         folder = self.output / SAMPLES_DIR
         self.pages: list[str] = sorted((p.name for p in folder.iterdir() if p.is_dir()),
@@ -166,7 +279,7 @@ class Validator:
             own = {self.cfg.models.expert: everything[experts.slot]}
             everything["experts"] = {experts.subfolder(n): own.get(n, everything.get(f"expert:{n}")) for n in experts.names}
             everything["boundary_ratio"] = self.cfg.models.boundary_ratio
-        embeds = self.encoded if self.encoded is not None else encode_prompts(ctx, self.cfg.pipeline, self.prompts)
+        embeds = self.encoded if self.encoded is not None else encode_prompts(ctx, self.cfg.pipeline, self.texts.texts)
         width, height = self.cfg.units.image_size.target(1024, 1024, 16)
         modes = {slot: m.training for slot, m in everything.items() if isinstance(m, torch.nn.Module)}
         folder = self.output / SAMPLES_DIR / name
@@ -176,10 +289,14 @@ class Validator:
                 if isinstance(m, torch.nn.Module):
                     m.eval()
             with torch.no_grad():
-                for k, (prompt, values) in enumerate(zip(self.prompts, embeds)):
-                    generator = torch.Generator("cpu").manual_seed(self.cfg.seed * 1000 + k)
+                for k, values in enumerate(embeds[:len(self.prompts)]):
+                    generator = torch.Generator("cpu").manual_seed(self.seed * 1000 + k)
+                    negative = self.texts.negatives[k]
                     image = self.render_module.render(self.cfg.pipeline, everything, values, width, height,
-                                                      self.cfg.validation.inference_steps, generator)
+                                                      self.cfg.validation.inference_steps, generator,
+                                                      guidance=self.guidance,
+                                                      negative=None if negative is None else embeds[negative],
+                                                      **({"image": self.images[k]} if self.images else {}))
                     path = folder / f"{k}.png"
                     path.parent.mkdir(parents=True, exist_ok=True)
                     _save_png(image, path)

@@ -64,7 +64,8 @@ REPOS = (
 
 SLOTS = (
     ModelSlot("dit", "diffusers", "FluxTransformer2DModel", "transformer", lora_prefix="transformer",
-              lora_targets=DIT_LORA_TARGETS, lora_aliases=DIT_LORA_ALIASES, single_file=".single_file:TRANSFORMER"),
+              lora_targets=DIT_LORA_TARGETS, lora_aliases=DIT_LORA_ALIASES, single_file=".single_file:TRANSFORMER",
+              comfyui=".comfyui:NAMES"),
     ModelSlot("text_encoder_1", "transformers", "CLIPTextModel", "text_encoder", model_types=("clip_text_model",),
               lora_prefix="text_encoder", lora_targets=CLIP_LORA_TARGETS, tokenizer="tokenizer_1"),
     ModelSlot("text_encoder_2", "transformers", "T5EncoderModel", "text_encoder_2", model_types=("t5",),

@@ -170,6 +170,6 @@ TRAINING_SCHEDULE = TrainingSchedule(shift=3.0, sigma_min=0.003 / 1.002, open_en
 
 
 @unit("TimestepSampler", inputs=(), outputs=("timestep", "loss_weight"), deterministic=False,
-      settings=("seed", "timestep_bounds", "loss_weighting", "cache_dtype"))
+      settings=("seed", "timestep_bounds", "loss_weighting", "timestep_sampling", "cache_dtype"))
 def timestep_sampler(ctx) -> dict[str, Any]:
     return sample_training_timestep(ctx, TRAINING_SCHEDULE)

@@ -74,7 +74,7 @@ REPOS = (
 
 SLOTS = (
     ModelSlot("dit", "diffusers", "Flux2Transformer2DModel", "transformer", lora_prefix="transformer",
-              lora_targets=DIT_LORA_TARGETS),
+              lora_targets=DIT_LORA_TARGETS, comfyui=".comfyui:NAMES"),
     # two text encoders of different classes in the same text_encoder/ folder of their repositories: the folder's
     # config.json (model_type) says which slot it fills; each pipeline calls one
     ModelSlot("text_encoder", "transformers", "Mistral3ForConditionalGeneration", "text_encoder",

@@ -196,6 +196,6 @@ TRAINING_SCHEDULE = TrainingSchedule(mu=0.8, sigma_min=1.0 / 1000, open_end=Fals
 
 
 @unit("TimestepSampler", inputs=(), outputs=("timestep", "loss_weight"), deterministic=False,
-      settings=("seed", "timestep_bounds", "loss_weighting", "cache_dtype"))
+      settings=("seed", "timestep_bounds", "loss_weighting", "timestep_sampling", "cache_dtype"))
 def timestep_sampler(ctx) -> dict[str, Any]:
     return sample_training_timestep(ctx, TRAINING_SCHEDULE)

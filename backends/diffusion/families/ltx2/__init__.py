@@ -68,7 +68,7 @@ REPOS = (
 
 SLOTS = (
     ModelSlot("dit", "diffusers", "LTX2VideoTransformer3DModel", "transformer", lora_prefix="transformer",
-              lora_targets=DIT_LORA_TARGETS),
+              lora_targets=DIT_LORA_TARGETS, comfyui=".comfyui:NAMES"),
     ModelSlot("text_encoder", "transformers", "Gemma3ForConditionalGeneration", "text_encoder", model_types=("gemma3",),
               lora_prefix="text_encoder", lora_targets=TEXT_LORA_TARGETS, tokenizer="tokenizer"),
     ModelSlot("text_encoder_post_modules", "diffusers", "LTX2TextConnectors", "connectors", lora_prefix="connectors",

@@ -255,6 +255,6 @@ def audio_noise_initializer(ctx, num_frames: int, audio_latents: Any = None) -> 
 
 
 @unit("TimestepSampler", inputs=(), outputs=("timestep", "loss_weight"), deterministic=False,
-      settings=("seed", "timestep_bounds", "loss_weighting", "cache_dtype"))
+      settings=("seed", "timestep_bounds", "loss_weighting", "timestep_sampling", "cache_dtype"))
 def timestep_sampler(ctx) -> dict[str, Any]:
     return sample_training_timestep(ctx, TRAINING_SCHEDULE)

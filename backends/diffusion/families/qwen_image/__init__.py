@@ -51,7 +51,7 @@ REPOS = (
 
 SLOTS = (
     ModelSlot("dit", "diffusers", "QwenImageTransformer2DModel", "transformer", lora_prefix="transformer",
-              lora_targets=DIT_LORA_TARGETS),
+              lora_targets=DIT_LORA_TARGETS, comfyui=".comfyui:NAMES"),
     ModelSlot("vae", "diffusers", "AutoencoderKLQwenImage", "vae", lora_prefix="vae"),
     ModelSlot("text_encoder", "transformers", "Qwen2_5_VLForConditionalGeneration", "text_encoder",
               model_types=("qwen2_5_vl",), accepts=("Qwen2_5_VLModel",), lora_prefix="text_encoder",

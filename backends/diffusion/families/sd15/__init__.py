@@ -48,7 +48,8 @@ REPOS = (
 )
 
 SLOTS = (
-    ModelSlot("unet", "diffusers", "UNet2DConditionModel", "unet", lora_prefix="unet", lora_targets=UNET_LORA_TARGETS),
+    ModelSlot("unet", "diffusers", "UNet2DConditionModel", "unet", lora_prefix="unet", lora_targets=UNET_LORA_TARGETS,
+              comfyui=".comfyui:NAMES"),
     ModelSlot("text_encoder", "transformers", "CLIPTextModel", "text_encoder", model_types=("clip_text_model",),
               lora_prefix="text_encoder", lora_targets=TEXT_LORA_TARGETS, tokenizer="tokenizer"),
     ModelSlot("vae", "diffusers", "AutoencoderKL", "vae", lora_prefix="vae"),

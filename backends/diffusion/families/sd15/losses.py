@@ -28,11 +28,11 @@ def predict(ctx, latents: torch.Tensor, timestep: torch.Tensor, prompt_embeds: A
     )[0]
 
 
-@sink(inputs=("input_latents", "noise", "timestep", "prompt_embeds"), models=("unet",))
-def ddpm_loss(ctx, input_latents, noise, timestep, prompt_embeds) -> torch.Tensor:
+@sink(inputs=("input_latents", "noise", "timestep", "loss_weight", "prompt_embeds"), models=("unet",))
+def ddpm_loss(ctx, input_latents, noise, timestep, loss_weight, prompt_embeds) -> torch.Tensor:
     """MSE between the UNet's prediction at x_t = sqrt(a_t) x0 + sqrt(1 - a_t) noise and the training target
-    (the noise, or v); DiffSynth's DDPM training weight is 1."""
+    (the noise, or v); DiffSynth's DDPM training weight is 1, Min-SNR's with --snr_gamma."""
     x0, noise = ctx.tensor(input_latents).float(), ctx.tensor(noise).float()
     t = ctx.tensor(timestep).long().reshape(-1)
     pred = predict(ctx, noisy_latents(ctx, x0, noise, t), t, prompt_embeds)
-    return mse(pred, training_target(ctx, x0, noise, t))
+    return mse(pred, training_target(ctx, x0, noise, t), ctx.tensor(loss_weight))

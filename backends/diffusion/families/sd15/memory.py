@@ -39,6 +39,7 @@ def sink_inputs(cfg: Any, dims: Mapping[str, Any], configs: Mapping[str, Any], b
         "input_latents": torch.randn(batch, z, h, w, dtype=dtype),
         "noise": torch.randn(batch, z, h, w, dtype=dtype),
         "timestep": torch.full((batch,), 500, dtype=torch.long),
+        "loss_weight": None if cfg.units.snr_gamma is None else torch.ones(batch),
         "prompt_embeds": torch.randn(batch, dims["text_tokens"], int(configs["unet"]["cross_attention_dim"]), dtype=dtype),
     }
 

@@ -102,7 +102,7 @@ def prompt_encoder(ctx, prompt: Any) -> dict[str, Any]:
 
 
 @unit("TimestepSampler", inputs=(), outputs=("timestep", "loss_weight"), deterministic=False,
-      settings=("seed", "timestep_bounds", "cache_dtype"))
+      settings=("seed", "timestep_bounds", "timestep_sampling", "snr_gamma", "cache_dtype"))
 def timestep_sampler(ctx) -> dict[str, Any]:
     """A DDPM timestep of the scheduler config's schedule (ddpm.sample_ddpm_timestep); loss_weight None."""
     return sample_ddpm_timestep(ctx)

@@ -58,7 +58,8 @@ REPOS = (
 )
 
 SLOTS = (
-    ModelSlot("unet", "diffusers", "UNet2DConditionModel", "unet", lora_prefix="unet", lora_targets=UNET_LORA_TARGETS),
+    ModelSlot("unet", "diffusers", "UNet2DConditionModel", "unet", lora_prefix="unet", lora_targets=UNET_LORA_TARGETS,
+              comfyui=".comfyui:NAMES"),
     ModelSlot("text_encoder", "transformers", "CLIPTextModel", "text_encoder", lora_prefix="text_encoder",
               lora_targets=CLIP_LORA_TARGETS, tokenizer="tokenizer"),
     ModelSlot("text_encoder_2", "transformers", "CLIPTextModelWithProjection", "text_encoder_2",

@@ -44,11 +44,13 @@ def predict(ctx, latents: torch.Tensor, timestep: torch.Tensor, prompt_emb: Any,
                 encoder_hidden_states=ctx.tensor(prompt_emb).to(dtype), added_cond_kwargs=added, return_dict=False)[0]
 
 
-@sink(inputs=("input_latents", "noise", "timestep", "prompt_emb", "pooled_prompt_emb", "add_time_ids"), models=("unet",))
-def denoising_loss(ctx, input_latents, noise, timestep, prompt_emb, pooled_prompt_emb, add_time_ids) -> torch.Tensor:
+@sink(inputs=("input_latents", "noise", "timestep", "loss_weight", "prompt_emb", "pooled_prompt_emb", "add_time_ids"),
+      models=("unet",))
+def denoising_loss(ctx, input_latents, noise, timestep, loss_weight, prompt_emb, pooled_prompt_emb,
+                   add_time_ids) -> torch.Tensor:
     """MSE between the UNet's prediction at x_t and the noise (epsilon) or v, at the drawn integer timestep."""
     x0, noise = ctx.tensor(input_latents), ctx.tensor(noise)
     t = ctx.tensor(timestep).long()
     noisy = noisy_latents(ctx, x0, noise, t)
     pred = predict(ctx, noisy, t, prompt_emb, pooled_prompt_emb, add_time_ids)
-    return mse(pred, training_target(ctx, x0, noise, t))
+    return mse(pred, training_target(ctx, x0, noise, t), ctx.tensor(loss_weight))

@@ -38,6 +38,7 @@ def sink_inputs(cfg: Any, dims: Mapping[str, Any], configs: Mapping[str, Any], b
         "input_latents": torch.randn(batch, z, h, w, dtype=dtype),
         "noise": torch.randn(batch, z, h, w, dtype=dtype),
         "timestep": torch.full((batch,), 500, dtype=torch.long),
+        "loss_weight": None if cfg.units.snr_gamma is None else torch.ones(batch),
         "prompt_emb": torch.randn(batch, dims["text_tokens"], dims["context_dim"], dtype=dtype),
         "pooled_prompt_emb": torch.randn(batch, dims["pooled_dim"], dtype=dtype),
         "add_time_ids": torch.tensor([[dims["height"], dims["width"], 0, 0, dims["height"], dims["width"]]] * batch),

@@ -179,7 +179,7 @@ def add_time_ids_computer(ctx, height: int, width: int) -> dict[str, Any]:
 
 
 @unit("TimestepSampler", inputs=(), outputs=("timestep", "loss_weight"), deterministic=False,
-      settings=("seed", "timestep_bounds", "cache_dtype"))
+      settings=("seed", "timestep_bounds", "timestep_sampling", "snr_gamma", "cache_dtype"))
 def timestep_sampler(ctx) -> dict[str, Any]:
     """One of the scheduler's training timesteps (999 .. 0), drawn within --min/max_timestep_boundary."""
     return sample_ddpm_timestep(ctx)

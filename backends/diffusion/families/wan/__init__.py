@@ -73,7 +73,7 @@ REPOS = (
 
 SLOTS = (
     ModelSlot("dit", "diffusers", "WanTransformer3DModel", "transformer", lora_prefix="transformer",
-              lora_targets=DIT_LORA_TARGETS, lora_aliases=DIT_LORA_ALIASES),
+              lora_targets=DIT_LORA_TARGETS, lora_aliases=DIT_LORA_ALIASES, comfyui=".comfyui:NAMES"),
     ModelSlot("text_encoder", "transformers", "UMT5EncoderModel", "text_encoder", model_types=("umt5",),
               lora_prefix="text_encoder", lora_targets=TEXT_LORA_TARGETS, tokenizer="tokenizer"),
     ModelSlot("vae", "diffusers", "AutoencoderKLWan", "vae", lora_prefix="vae"),

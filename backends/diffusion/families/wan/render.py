@@ -2,19 +2,30 @@
 embeddings (no text encoder is loaded); the clip's frames side by side as one image. A run of one of Wan 2.2 A14B's
 experts renders through both (`models["experts"]`: subfolder -> model, the trained one with its LoRA), switching
 at the boundary ratio as the pipeline does. Wan 2.2 TI2V-5B (`wan_ti2v`) renders text-to-video through the same
-pipeline with expand_timesteps, as its release's model_index.json sets it."""
+pipeline with expand_timesteps, as its release's model_index.json sets it. It guides classifier-free
+(`guidance_scale`, 5 by default; both experts with the same scale, as the pipeline's `guidance_scale_2` defaults to)
+against a negative prompt's UMT5 embedding, which stage 1 encodes too: the empty prompt, as the pipeline uses, unless
+--validation_negative_prompt is given."""
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Optional
+
+from ...family import Guidance
 
 PIPELINES = ("wan", "wan_ti2v")
 FRAMES = 5  # two latent frames: enough to see motion, cheap to render
+CFG = Guidance(5.0)  # WanPipeline's default guidance_scale
+GUIDANCE = CFG.default
+
+
+def guidance(pipeline: Any) -> Guidance:
+    return CFG
 
 
 def render(pipeline: Any, models: dict[str, Any], embeds: dict[str, Any], width: int, height: int, steps: int,
-           generator: Any) -> Any:
+           generator: Any, guidance: Optional[float] = None, negative: Optional[dict[str, Any]] = None) -> Any:
     from diffusers import WanPipeline
     from PIL import Image
 
@@ -27,8 +38,10 @@ def render(pipeline: Any, models: dict[str, Any], embeds: dict[str, Any], width:
                        boundary_ratio=models.get("boundary_ratio") if "transformer_2" in experts else None,
                        expand_timesteps=ti2v)
     pipe.set_progress_bar_config(disable=True)
+    against = {} if negative is None else {"negative_prompt_embeds": negative["prompt_emb"]}
     frames = pipe(prompt_embeds=embeds["prompt_emb"], width=width, height=height, num_frames=FRAMES,
-                  num_inference_steps=steps, guidance_scale=1.0, generator=generator, output_type="pil").frames[0]
+                  num_inference_steps=steps, guidance_scale=GUIDANCE if guidance is None else guidance,
+                  generator=generator, output_type="pil", **against).frames[0]
     strip = Image.new("RGB", (frames[0].width * len(frames), frames[0].height))
     for i, frame in enumerate(frames):
         strip.paste(frame, (i * frame.width, 0))

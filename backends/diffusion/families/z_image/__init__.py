@@ -55,7 +55,7 @@ REPOS = (
 
 SLOTS = (
     ModelSlot("dit", "diffusers", "ZImageTransformer2DModel", "transformer", lora_prefix="transformer",
-              lora_targets=DIT_LORA_TARGETS),
+              lora_targets=DIT_LORA_TARGETS, comfyui=".comfyui:NAMES"),
     ModelSlot("text_encoder", "transformers", "Qwen3Model", "text_encoder", model_types=("qwen3",),
               accepts=("Qwen3ForCausalLM",), lora_prefix="text_encoder", lora_targets=TEXT_LORA_TARGETS,
               tokenizer="tokenizer"),
