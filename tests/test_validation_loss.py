@@ -116,6 +116,57 @@ def test_what_it_cannot_serve_is_one_line_and_nothing_is_written(tiny, data, tmp
     assert not (tmp_path / "b").exists()
 
 
+def write_json(path: Path, tables: list[dict]) -> Path:
+    path.write_text(json.dumps({"datasets": tables}))
+    return path
+
+
+def test_a_dataset_config_table_marked_validation_is_the_held_out_dataset(tiny, data, tmp_path, capsys):
+    """`validation = true` in --dataset_config names the held-out samples as --validation_dataset does: the same
+    training and the same held-out losses as the flag, the held-out table never trained; what it cannot be is one
+    line with nothing written."""
+    train = {"name": "train", "base_path": str(data / "train"), "metadata": str(data / "train" / "metadata.csv")}
+    held = {"name": "held", "base_path": str(data / "held"), "metadata": str(data / "held" / "metadata.csv"),
+            "validation": True}
+    config = write_json(tmp_path / "mix.json", [train, held])
+    code, _, err = cli(capsys, *argv(tiny, data, tmp_path / "flag", "sft:split", *held_out(data)))
+    assert code == 0, err
+    plain = argv(tiny, data, tmp_path / "config", "sft:split", "--validation_steps", "2")
+    source = plain.index("--dataset_base_path")
+    code, _, err = cli(capsys, *plain[:source], *plain[source + 4:], "--dataset_config", str(config))
+    assert code == 0, err
+    a, b = (read_loss_csv(tmp_path / n / "loss.csv") for n in ("flag", "config"))
+    assert a and [(r["loss"], r["timestep"]) for r in a] == [(r["loss"], r["timestep"]) for r in b]
+    ha, hb = (read_held_out_csv(tmp_path / n / "validation_loss.csv") for n in ("flag", "config"))
+    assert [(r["step"], r["samples"]) for r in hb] == [(2, 2), (4, 2), (6, 2)]
+    assert [r["loss"] for r in ha] == [r["loss"] for r in hb]
+    manifest = json.loads((tmp_path / "config" / "cache" / "manifest.json").read_text())
+    assert [d["name"] for d in manifest["datasets"]] == ["train"] and len(manifest["held_out"]) == 2
+
+    base = plain[:source] + plain[source + 4:]
+    bad = [
+        ([train, held, {**held, "name": "again"}], "one held-out dataset at most"),
+        ([{**train, "validation": True}], "needs one training dataset at least"),
+        ([train, {**held, "repeats": 2}], "takes no `repeats` or `weight`"),
+        ([train, {**held, "max_pixels": 256}], "takes no `max_pixels`"),
+        ([train, {**held, "validation": "yes"}], "`validation` must be true or false"),
+    ]
+    for n, (tables, fragment) in enumerate(bad):
+        path = write_json(tmp_path / f"bad-{n}.json", tables)
+        out = base.index("--output_path") + 1
+        code, _, err = cli(capsys, *base[:out], str(tmp_path / "refused"), *base[out + 1:], "--dataset_config",
+                           str(path))
+        line = one_error_line(code, err, fragment)
+        assert str(path) in line
+    for extra, task, fragment in ((held_out(data)[:2], "sft:split", "both name held-out samples"),
+                                  ((), "sft", "--task sft:split")):
+        args = argv(tiny, data, tmp_path / "refused", task, *extra)
+        at = args.index("--dataset_base_path")
+        code, _, err = cli(capsys, *args[:at], *args[at + 4:], "--dataset_config", str(config))
+        one_error_line(code, err, fragment)
+    assert not (tmp_path / "refused").exists()
+
+
 @pytest.mark.slow
 def test_sigkill_and_resume_continues_the_held_out_log(tiny, data, tmp_path, capsys):
     from test_resume import command, killed_and_resumed

@@ -314,6 +314,7 @@ class RunConfig:
         args.validate()
         check_environment(environ)
         datasets = dataset_specs(args)
+        held_out = held_out_spec(args)
         chosen = choose(args)
         family, pipeline = chosen.family, chosen.pipeline
         pipeline = with_vae_latents(pipeline, args.vae_latents)
@@ -354,7 +355,7 @@ class RunConfig:
         if args.blocks_to_swap and not args.lora_base_model:
             raise BackendError("--blocks_to_swap moves blocks of a frozen LoRA base model; give --lora_base_model")
         engine = run_engine(args, environ)
-        check_engine(args, engine, fp8)
+        check_engine(args, engine, fp8, held_out is not None)
         if args.lora_type == "dora" and args.stage != "data_process":
             if args.lora_base_model in fp8:
                 raise BackendError(f"--lora_type dora with --fp8_models {args.lora_base_model}: DoRA normalises the "
@@ -410,7 +411,7 @@ class RunConfig:
             data=DataConfig(args.dataset_base_path, args.dataset_metadata_path, tuple(args.file_keys()),
                             tuple(n for n in args.extra_input_names() if n not in pipeline.derived_inputs),
                             args.dataset_repeat, workers, args.num_frames, datasets, args.dataset_config,
-                            held_out_spec(args)),
+                            held_out),
             models=model_config,
             optim=OptimConfig(args.learning_rate, args.weight_decay, args.num_epochs, args.gradient_accumulation_steps,
                               args.batch_size, tuple(args.trainable()),
@@ -450,13 +451,24 @@ def dataset_specs(args: TrainArgs) -> tuple[Any, ...]:
 
 
 def held_out_spec(args: TrainArgs) -> Any:
-    """--validation_dataset as a dataset (files relative to the metadata file's folder), checked to be there where
-    stage 1 reads it; None without it."""
+    """The held-out samples as a dataset: --validation_dataset (files relative to the metadata file's folder), or the
+    `validation = true` table of --dataset_config; checked to be there where stage 1 reads them; None without."""
+    from .data.dataset_config import config_held_out, held_out_dataset
+
+    check = args.stage != "train"
+    table = config_held_out(args.dataset_config, check_files=check) if args.dataset_config else None
+    if table is not None and args.validation_dataset:
+        raise BackendError(f"--validation_dataset and the `validation = true` dataset {table.name!r} of "
+                           "--dataset_config both name held-out samples: give one of them", source=args.dataset_config)
+    if table is not None and args.stage == "":
+        raise BackendError(f"dataset {table.name!r} (`validation = true`): the held-out loss is computed from stage "
+                           f"1's cache entries; train with --task {args.family}:split (or :data_process, then :train)",
+                           source=args.dataset_config)
+    if table is not None:
+        return table
     if not args.validation_dataset:
         return None
-    from .data.dataset_config import held_out_dataset
-
-    return held_out_dataset(args.validation_dataset, check_files=args.stage != "train")
+    return held_out_dataset(args.validation_dataset, check_files=check)
 
 
 def run_engine(args: TrainArgs, environ: Any = None) -> Engine:
@@ -469,7 +481,7 @@ def run_engine(args: TrainArgs, environ: Any = None) -> Engine:
     return engine
 
 
-def check_engine(args: TrainArgs, engine: Engine, fp8: tuple[str, ...]) -> None:
+def check_engine(args: TrainArgs, engine: Engine, fp8: tuple[str, ...], held_out: bool = False) -> None:
     """What an engine cannot honour with the run's other flags, refused in one line before anything is written."""
     if engine.kind == "ddp" or args.stage == "data_process":
         return
@@ -488,7 +500,7 @@ def check_engine(args: TrainArgs, engine: Engine, fp8: tuple[str, ...]) -> None:
         raise BackendError(f"--validation_prompt with {engine.name}: validation samples are rendered by one process, "
                            "which holds only its shard of the weights here; render from a checkpoint after training, "
                            "or train under ZeRO-1/2 or data parallel", source=engine.source)
-    if args.validation_dataset:
+    if held_out:
         raise BackendError(f"--validation_dataset with {engine.name}: the held-out loss is computed by unitgraph's own "
                            "forward of the trained model, which this engine shards or wraps; train under data "
                            "parallel, or compute it from a checkpoint", source=engine.source)

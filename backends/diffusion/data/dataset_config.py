@@ -11,7 +11,10 @@ The file holds a list `datasets` of tables (TOML `[[datasets]]`, JSON `{"dataset
   epoch from the seeded stream). Not both;
 * optionally its own `max_pixels`, `height`/`width` (together), `data_file_keys` (a list or a comma-separated
   string) and `num_frames` (4k+1), in place of the run's flags for this dataset only. A dataset that gives a size
-  (max_pixels or height/width) trains at that size whatever the run's --height/--width say.
+  (max_pixels or height/width) trains at that size whatever the run's --height/--width say;
+* `validation = true` (at most one table, without `repeats`, `weight` or settings of its own): the held-out samples
+  of the held-out loss, as `--validation_dataset` names them, cached by stage 1 apart and never trained
+  (`config_held_out`); the other tables are the training datasets (`read_dataset_config`), one at least.
 
 Any problem is one `BackendError` naming the file and, where there is one, the dataset: an unknown key, a missing
 folder or metadata file, repeats below 1, a weight of 0 or less, both repeats and weight, two datasets of one name.
@@ -41,7 +44,7 @@ MAX_FRAMES = 1025  # as --num_frames (args.MAX_FRAMES)
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 METADATA_SUFFIXES = (".csv", ".json", ".jsonl")
 KEYS = ("name", "base_path", "metadata", "repeats", "weight", "max_pixels", "height", "width", "data_file_keys",
-        "num_frames")
+        "num_frames", "validation")
 # the keys that change what stage 1 computes for a dataset's samples (its entries' keys), as against its share
 SHAPING = ("max_pixels", "height", "width", "data_file_keys", "num_frames")
 
@@ -60,13 +63,14 @@ class DatasetSpec:
     width: Optional[int] = None
     data_file_keys: Optional[tuple[str, ...]] = None
     num_frames: Optional[int] = None
+    validation: bool = False  # the held-out samples (`validation = true`), never a training share
 
     def record(self) -> dict[str, Any]:
         """The spec as JSON (what a cache's manifest records), the values it does not give left out."""
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "repeats" and self.weight is not None:
+            if (f.name == "repeats" and self.weight is not None) or (f.name == "validation" and not value):
                 continue
             if value is not None:
                 out[f.name] = list(value) if isinstance(value, tuple) else value
@@ -82,8 +86,18 @@ class DatasetSpec:
 
 
 def read_dataset_config(path: str | Path, check_files: bool = True) -> tuple[DatasetSpec, ...]:
-    """The datasets of a --dataset_config file, checked; `check_files` also checks that every folder and metadata
-    file is there (stage 2, which reads the cache, does not need them)."""
+    """The training datasets of a --dataset_config file, checked; `check_files` also checks that every folder and
+    metadata file is there (stage 2, which reads the cache, does not need them)."""
+    return tuple(spec for spec in read_all_datasets(path, check_files) if not spec.validation)
+
+
+def config_held_out(path: str | Path, check_files: bool = True) -> Optional[DatasetSpec]:
+    """The table of a --dataset_config file marked `validation = true` (the held-out samples), or None."""
+    return next((spec for spec in read_all_datasets(path, check_files) if spec.validation), None)
+
+
+def read_all_datasets(path: str | Path, check_files: bool = True) -> tuple[DatasetSpec, ...]:
+    """Every table of a --dataset_config file, the held-out one included, checked."""
     path = Path(path)
     source = str(path)
     suffix = path.suffix.lower()
@@ -142,6 +156,13 @@ def parse_datasets(data: Any, source: str, folder: Path, check_files: bool = Tru
         if any(s.name == spec.name for s in specs):
             raise BackendError(f"dataset {spec.name!r} is named twice (names must be unique)", source=source)
         specs.append(spec)
+    held = [s.name for s in specs if s.validation]
+    if len(held) > 1:
+        raise BackendError(f"datasets {held[0]!r} and {held[1]!r} are both `validation = true`: one held-out dataset "
+                           "at most", source=source)
+    if len(held) == len(specs):
+        raise BackendError("every dataset is `validation = true`: a config needs one training dataset at least",
+                           source=source)
     return tuple(specs)
 
 
@@ -171,6 +192,14 @@ def parse_dataset(table: Any, n: int, source: str, folder: Path, check_files: bo
             problem = _not_there(Path(path), folder_wanted)
             if problem:
                 raise fail(f"{key} {path} {problem}")
+    validation = table.get("validation", False)
+    if not isinstance(validation, bool):
+        raise fail(f"`validation` must be true or false, got {validation!r}")
+    if validation and ("repeats" in table or "weight" in table):
+        raise fail("a held-out dataset (`validation = true`) is never trained: it takes no `repeats` or `weight`")
+    own = [key for key in SHAPING if key in table]
+    if validation and own:  # as --validation_dataset: its samples are made as the run's own
+        raise fail(f"a held-out dataset (`validation = true`) is made at the run's settings: it takes no `{own[0]}`")
     if "repeats" in table and "weight" in table:
         raise fail("give `repeats` or `weight`, not both")
     repeats = _integer(table, "repeats", 1, MAX_REPEATS, fail, default=1)
@@ -193,7 +222,7 @@ def parse_dataset(table: Any, n: int, source: str, folder: Path, check_files: bo
         raise fail(f"`num_frames` must be 4k+1 (1, 5, 9, ..., 81), got {num_frames}")
     return DatasetSpec(name=name, base_path=base_path, metadata=metadata, repeats=repeats, weight=weight,
                        max_pixels=max_pixels, height=height, width=width,
-                       data_file_keys=_file_keys(table, fail), num_frames=num_frames)
+                       data_file_keys=_file_keys(table, fail), num_frames=num_frames, validation=validation)
 
 
 def _path(table: dict[str, Any], key: str, folder: Path, fail: Any) -> str:
