@@ -199,14 +199,23 @@ def test_render_draws_what_the_pipeline_draws(pipe):
     ctx = context(pipe)
     embeds = u.prompt_encoder(ctx, {"prompt": "a cat"})
     models = {"dit": pipe.transformer, "video_vae_encoder": pipe.vae, "audio_vae_encoder": pipe.audio_vae,
-              "scheduler": pipe.scheduler}
+              "vocoder": pipe.vocoder, "scheduler": pipe.scheduler}
     negative = u.prompt_encoder(ctx, {"prompt": ""})  # its guidance is against the empty prompt
-    got = render.render(ltx2.LTX2, models, embeds, SIZE, SIZE, 2, torch.Generator().manual_seed(1), negative=negative)
+    got, sound = render.render(ltx2.LTX2, models, embeds, SIZE, SIZE, 2, torch.Generator().manual_seed(1),
+                               negative=negative)
     # the pipeline's classifier-free guidance at its defaults (3 for the video, 7 for the sound), its STG, modality
     # isolation and rescale off
-    frames = pipe(prompt="a cat", width=SIZE, height=SIZE, num_frames=render.FRAMES, num_inference_steps=2,
-                  stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0,
-                  audio_guidance_rescale=0.0, use_cross_timestep=False, generator=torch.Generator().manual_seed(1)).frames[0]
+    out = pipe(prompt="a cat", width=SIZE, height=SIZE, num_frames=render.FRAMES, num_inference_steps=2,
+               stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0,
+               audio_guidance_rescale=0.0, use_cross_timestep=False, generator=torch.Generator().manual_seed(1))
+    frames = out.frames[0]
+    # the sound: the pipeline's own waveform (audio VAE, then vocoder), at the vocoder's rate
+    assert sound.rate == pipe.vocoder.config.output_sampling_rate and sound.samples.shape == out.audio[0].shape
+    assert torch.allclose(sound.samples, out.audio[0].float(), atol=1e-5)
+    # without a vocoder (a folder that has none) the frames alone
+    alone = render.render(ltx2.LTX2, {k: v for k, v in models.items() if k != "vocoder"}, embeds, SIZE, SIZE, 2,
+                          torch.Generator().manual_seed(1), negative=negative)
+    assert alone.tobytes() == got.tobytes()
     import numpy as np
 
     assert got.size == (SIZE * render.FRAMES, SIZE) and len(frames) == render.FRAMES
@@ -488,6 +497,15 @@ def test_validation_samples_render_in_stage_2(models, data, tmp_path):
                            validation_inference_steps=2, **common), echo=quiet)
     assert result.steps == 2
     assert Image.open(tmp_path / "out" / "samples" / "epoch-0" / "0.png").size == (SIZE * render.FRAMES, SIZE)
+    # the clip's sound beside its frames, a WAV file samples.html plays
+    import wave
+
+    with wave.open(str(tmp_path / "out" / "samples" / "epoch-0" / "0.wav")) as sound:
+        vocoder = json.loads((models / "vocoder" / "config.json").read_text())
+        assert sound.getsampwidth() == 2 and sound.getframerate() == vocoder.get("output_sampling_rate", 24000)
+        assert sound.getnframes() > 0
+    page = (tmp_path / "out" / "samples.html").read_text()
+    assert '<audio controls src="samples/epoch-0/0.wav">' in page
 
 
 # ------------------------------------------------------------------------------------------------

@@ -210,6 +210,25 @@ def test_render_draws_what_the_pipeline_draws(pipe):
     assert got.crop((SIZE * 4, 0, SIZE * 5, SIZE)).tobytes() == frames[4].tobytes()
 
 
+def test_render_from_a_first_frame_draws_what_the_image_to_video_pipeline_draws(pipe):
+    """--validation_image on TI2V-5B: the sample starts from the image, through WanImageToVideoPipeline with
+    expand_timesteps (the image's latents as the first latent frame, clean), as its release renders image-to-video."""
+    emb = pipe.encode_prompt("a cat", do_classifier_free_guidance=False, max_sequence_length=u.TEXT_LENGTH)[0]
+    neg = pipe.encode_prompt("", do_classifier_free_guidance=False, max_sequence_length=u.TEXT_LENGTH)[0]
+    models = {"dit": pipe.transformer, "vae": pipe.vae, "scheduler": pipe.scheduler}
+    image = clip()[0]
+    got = render.render(wan.WAN_TI2V, models, {"prompt_emb": emb}, SIZE, SIZE, 2, torch.Generator().manual_seed(1),
+                        negative={"prompt_emb": neg}, image=image)
+    frames = i2v_twin(pipe)(image=image, prompt_embeds=emb, negative_prompt_embeds=neg, width=SIZE, height=SIZE,
+                            num_frames=render.FRAMES, num_inference_steps=2, generator=torch.Generator().manual_seed(1),
+                            output_type="pil").frames[0]
+    assert got.crop((0, 0, SIZE, SIZE)).tobytes() == frames[0].tobytes()
+    assert got.crop((SIZE * 4, 0, SIZE * 5, SIZE)).tobytes() == frames[4].tobytes()
+    alone = render.render(wan.WAN_TI2V, models, {"prompt_emb": emb}, SIZE, SIZE, 2, torch.Generator().manual_seed(1),
+                          negative={"prompt_emb": neg})
+    assert alone.tobytes() != got.tobytes()  # the image mattered
+
+
 # ------------------------------------------------------------------------------------------------
 # the loss against DiffSynth-Studio's
 

@@ -38,6 +38,7 @@ __all__ = [
     "PipelineDef",
     "SETTINGS",
     "SinkCode",
+    "Sound",
     "UnitCode",
     "lazy_module",
     "padded_prompts",
@@ -482,6 +483,16 @@ class Guidance:
     default: float
     negative: bool = True
     empty_negative: bool = True
+
+
+@dataclass(frozen=True)
+class Sound:
+    """A validation sample's sound track, beside its image: a render module whose pipeline makes sound returns
+    `(image, Sound)` (train/validation.py writes it as a WAV file beside the PNG, and samples.html plays it).
+    `samples`: a float tensor [channels, samples] in [-1, 1]; `rate`: samples a second."""
+
+    samples: Any
+    rate: int
 
 
 @dataclass(frozen=True)

@@ -428,7 +428,7 @@ class _Run:
 
         validator = Validator(cfg, self.plan, self.output, getattr(self.provider, "cache_dir", None),
                               getattr(self.provider, "key_hash", None))
-        shown = ", ".join(cfg.family.render_models) or "nothing more"
+        shown = ", ".join(validator.render_slots) or "nothing more"
         every = f"every {cfg.validation.steps} steps" if cfg.validation.steps else "at each checkpoint"
         print(f"validation: {len(cfg.validation.prompts)} prompt(s) rendered {every}; loads {shown} only while rendering")
         return validator

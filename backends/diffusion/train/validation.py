@@ -9,9 +9,10 @@ Each sample is guided as its pipeline guides by default (the render module's `gu
 family.Guidance: the scale the diffusers pipeline's `__call__` defaults to, and whether it guides against a
 negative prompt); `--validation_guidance` sets the scale and `--validation_negative_prompt` (once for all prompts,
 or once per prompt) what it guides against, the empty prompt by default. The negative prompts are encoded as the
-prompts are, after them in the same file (`validation_texts`), so the file's key covers them. The edit pipelines
-take `--validation_image` (one per prompt), which the pipeline itself encodes at render time: their render modules
-list them in IMAGE_PIPELINES.
+prompts are, after them in the same file (`validation_texts`), so the file's key covers them. The edit and
+image-to-video pipelines take `--validation_image` (one per prompt: the image to edit, or the clip's first frame),
+which the pipeline itself encodes at render time: their render modules list them in IMAGE_PIPELINES, and in
+IMAGE_REQUIRED those that cannot render without one (an image-to-video pipeline's first frame).
 
 Split training keeps its promise that stage 2 never loads a frozen text encoder: the prompt units
 (the pipeline's units that read only `prompt` and call a model) run on the validation prompts in
@@ -141,6 +142,9 @@ def check_supported(cfg: Any) -> None:
         raise BackendError(f"--validation_negative_prompt: pipeline {name} " + (
             "samples without guidance" if spec is None else "guides with a scale embedded in its distilled DiT, "
             "which reads no negative prompt") + "; drop the flag")
+    if name in getattr(module, "IMAGE_REQUIRED", ()) and not cfg.validation.images:
+        raise BackendError(f"--validation_prompt: pipeline {name} renders from an input image (the first frame of the "
+                           "clip): give --validation_image once per prompt, in their order")
     if cfg.validation.images:
         if name not in getattr(module, "IMAGE_PIPELINES", ()):
             raise BackendError(f"--validation_image: pipeline {name} renders from the prompt alone (an input image is "
@@ -150,6 +154,16 @@ def check_supported(cfg: Any) -> None:
             said = problem(cfg.pipeline, image) if problem is not None else None
             if said:
                 raise BackendError(f"--validation_image {said}", source=path)
+
+
+def render_slots(cfg: Any, module: Any) -> tuple[str, ...]:
+    """The models a sample needs beyond the stage's, loaded only while rendering: the family's (`render_models`: the
+    VAE, for its decoder), or what its render module's `render_models(pipeline, config)` says of this pipeline from
+    the models' configs (an image encoder that only the DiT's config asks for)."""
+    ask = getattr(module, "render_models", None)
+    if ask is None:
+        return tuple(cfg.family.render_models)
+    return tuple(ask(cfg.pipeline, cfg.models.sources(cfg.family).load_config))
 
 
 def encode_prompts(ctx: Any, pipeline: Any, prompts: list[str]) -> list[dict[str, Any]]:
@@ -259,6 +273,7 @@ class Validator:
         live = all(m in plan.train_models for u in units for m in u.models)  # trained text encoders, or unsplit
         self.encoded = None if live or cache_dir is None else load_encoded(cache_dir, self.texts.texts, key_hash or "")
         self.render_module = render_module(cfg)
+        self.render_slots = render_slots(cfg, self.render_module)
         self.images = read_validation_images(cfg)  # the edit images, or first frames, one per prompt
         # checkpoints rendered before (a resumed run's): the page keeps showing them, oldest first
         folder = self.output / SAMPLES_DIR
@@ -270,7 +285,7 @@ class Validator:
         import torch
 
         raw = {slot: accelerator.unwrap_model(m) if isinstance(m, torch.nn.Module) else m for slot, m in models.items()}
-        extra = [s for s in self.cfg.family.render_models if s not in raw]
+        extra = [s for s in self.render_slots if s not in raw]
         loaded = self.cfg.models.sources(self.cfg.family).load(extra, torch_dtype=torch.float32) if extra else {}
         loaded.update(self._other_experts(torch))
         everything = {**raw, **loaded}
@@ -297,9 +312,12 @@ class Validator:
                                                       guidance=self.guidance,
                                                       negative=None if negative is None else embeds[negative],
                                                       **({"image": self.images[k]} if self.images else {}))
+                    image, sound = image if isinstance(image, tuple) else (image, None)
                     path = folder / f"{k}.png"
                     path.parent.mkdir(parents=True, exist_ok=True)
                     _save_png(image, path)
+                    if sound is not None:  # a clip's sound track, beside its frames
+                        _save_wav(sound, path.with_suffix(".wav"))
                     paths.append(path)
         finally:
             for slot, training in modes.items():
@@ -338,8 +356,11 @@ class Validator:
         self.pages.append(name)
         head = "".join(f"<th>{html.escape(n)}</th>" for n in self.pages)
         rows = []
+        folder = self.output / SAMPLES_DIR
         for k, prompt in enumerate(self.prompts):
-            cells = "".join(f'<td><img src="{SAMPLES_DIR}/{html.escape(n)}/{k}.png" alt="{html.escape(n)}"></td>'
+            cells = "".join(f'<td><img src="{SAMPLES_DIR}/{html.escape(n)}/{k}.png" alt="{html.escape(n)}">'
+                            + (f'<br><audio controls src="{SAMPLES_DIR}/{html.escape(n)}/{k}.wav"></audio>'
+                               if (folder / n / f"{k}.wav").is_file() else "") + "</td>"
                             for n in self.pages)
             rows.append(f"<tr><th class=p>{html.escape(prompt)}</th>{cells}</tr>")
         page = ("<!doctype html><meta charset=utf-8><title>unitgraph samples</title>"
@@ -355,4 +376,23 @@ def _save_png(image: Any, path: Path) -> None:
 
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
+    write_bytes_atomic(path, buffer.getvalue())
+
+
+def _save_wav(sound: Any, path: Path) -> None:
+    """A `family.Sound` as a 16-bit PCM WAV file (the standard library's writer: every browser plays it); samples
+    outside [-1, 1] are clipped, as any 16-bit writer must."""
+    import io
+    import wave
+
+    import torch
+
+    samples = sound.samples.detach().float().clamp(-1.0, 1.0)
+    pcm = (samples * 32767.0).round().to(torch.int16).t().contiguous()  # frames x channels, interleaved
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(int(samples.shape[0]))
+        out.setsampwidth(2)
+        out.setframerate(int(sound.rate))
+        out.writeframes(pcm.numpy().tobytes())
     write_bytes_atomic(path, buffer.getvalue())

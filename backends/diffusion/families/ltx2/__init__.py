@@ -75,6 +75,9 @@ SLOTS = (
               module="diffusers.pipelines.ltx2.connectors"),  # diffusers keeps the class beside LTX2Pipeline
     ModelSlot("video_vae_encoder", "diffusers", "AutoencoderKLLTX2Video", "vae", lora_prefix="vae"),
     ModelSlot("audio_vae_encoder", "diffusers", "AutoencoderKLLTX2Audio", "audio_vae", lora_prefix="audio_vae"),
+    # only the validation samples' sound needs it (loaded while rendering); a folder without one renders frames only
+    ModelSlot("vocoder", "diffusers", "LTX2Vocoder", "vocoder", module="diffusers.pipelines.ltx2.vocoder",
+              optional=True),
     ModelSlot("tokenizer", "transformers", "GemmaTokenizerFast", "tokenizer", kind="tokenizer",
               accepts=("GemmaTokenizer",), origin=(GEMMA_MODEL, "tokenizer.json")),  # at the top of Gemma's repo
     ModelSlot("scheduler", "diffusers", "FlowMatchEulerDiscreteScheduler", "scheduler", kind="scheduler",
@@ -106,6 +109,6 @@ FAMILY = Family(
     demo={"lora_target_modules": "to_k,to_q,to_v,to_out.0", "lora_rank": 8, "learning_rate": 1e-3, "num_frames": 9,
           "images": 8, "resolution": 64},
     render=".render",
-    render_models=("video_vae_encoder", "audio_vae_encoder"),
+    render_models=("video_vae_encoder", "audio_vae_encoder", "vocoder"),
     repos=REPOS,
 )

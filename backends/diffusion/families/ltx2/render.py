@@ -1,10 +1,10 @@
 """Validation samples of LTX-2: diffusers' LTX2Pipeline with the trained DiT and stage 1's contexts (no text encoder is
-loaded); the clip's frames side by side as one image.
+loaded); the clip's frames side by side as one image, and its sound (a `Sound`, written beside the image as a WAV file).
 
 Stage 1 keeps what the connectors made of the prompt, not Gemma's hidden states, so the pipeline's `connectors` is a
-stand-in that hands those contexts back. The audio VAE is loaded for the shape and statistics of the audio stream the
-pipeline denoises beside the video; the video alone is decoded (the pipeline returns denormalised latents and the video VAE
-decodes them as LTX2Pipeline does), so no vocoder is needed.
+stand-in that hands those contexts back. The pipeline returns the denormalised latents of both streams; each is decoded
+as LTX2Pipeline decodes it: the video by the video VAE, the sound by the audio VAE into a mel spectrogram and by the
+vocoder into the waveform. A folder without a vocoder (an optional slot) renders the frames alone.
 
 It guides classifier-free as the pipeline does by default (`guidance_scale` 3 for the video, `audio_guidance_scale` 7
 for the sound; --validation_guidance sets both) against a negative prompt's contexts, which stage 1 encodes too: the
@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
-from ...family import Guidance
+from ...family import Guidance, Sound
 
 PIPELINES = ("ltx2",)
 FRAMES = 9  # a few latent frames: enough to see motion, cheap to render
@@ -76,13 +76,20 @@ def _render(LTX2Pipeline: Any, Image: Any, models: dict[str, Any], embeds: dict[
     # the pipeline checks the negative's shape against the prompt's and batches them; the stand-in ignores both
     against = {} if negative is None else {"negative_prompt_embeds": video_context.to(dit.dtype),
                                            "negative_prompt_attention_mask": mask}
-    latents, _ = pipe(prompt_embeds=video_context.to(dit.dtype), prompt_attention_mask=mask, width=width, height=height,
-                      num_frames=FRAMES, num_inference_steps=steps, guidance_scale=GUIDANCE if guidance is None else guidance,
-                      audio_guidance_scale=AUDIO_GUIDANCE if guidance is None else guidance, **GUIDANCE_TERMS_OFF,
-                      use_cross_timestep=False, generator=generator, output_type="latent", return_dict=False, **against)
+    latents, audio_latents = pipe(
+        prompt_embeds=video_context.to(dit.dtype), prompt_attention_mask=mask, width=width, height=height,
+        num_frames=FRAMES, num_inference_steps=steps, guidance_scale=GUIDANCE if guidance is None else guidance,
+        audio_guidance_scale=AUDIO_GUIDANCE if guidance is None else guidance, **GUIDANCE_TERMS_OFF,
+        use_cross_timestep=False, generator=generator, output_type="latent", return_dict=False, **against)
     video = vae.decode(latents.to(vae.dtype), None, return_dict=False)[0]
     frames = pipe.video_processor.postprocess_video(video, output_type="pil")[0]
     strip = Image.new("RGB", (frames[0].width * len(frames), frames[0].height))
     for i, frame in enumerate(frames):
         strip.paste(frame, (i * frame.width, 0))
-    return strip
+    vocoder = models.get("vocoder")
+    if vocoder is None:
+        return strip
+    audio_vae = models["audio_vae_encoder"]
+    mel = audio_vae.decode(audio_latents.to(audio_vae.dtype), return_dict=False)[0]
+    waveform = vocoder(mel)[0]  # [channels, samples]
+    return strip, Sound(waveform.float().cpu(), int(vocoder.config.output_sampling_rate))
