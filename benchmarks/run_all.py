@@ -5,7 +5,7 @@ second heavy job makes every figure 2-4x slower). With --write, each benchmark r
 as it finishes, and the run's summary (start, end, machine, versions, the commands and their wall
 times) replaces the `run` section at the top of the file; without it, nothing is written.
 
-    python benchmarks/run_all.py [--write] [--only planner,stage1,qwen_image,flux,wan,sd15,sdxl,z_image,flux2_klein,wan_ti2v,ltx2,object_store,thread_overlap,memory_plan,real_size,engines,vae_latents,recipe]
+    python benchmarks/run_all.py [--write] [--only planner,stage1,qwen_image,flux,wan,sd15,sdxl,z_image,flux2_klein,wan_ti2v,ltx2,object_store,thread_overlap,memory_plan,real_size,engines,vae_latents,recipe,datasets]
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ COMMANDS: dict[str, list[str]] = {
     "engines": ["benchmarks/engines.py"],
     "vae_latents": ["benchmarks/vae_latents.py"],
     "recipe": ["benchmarks/recipe.py"],
+    "datasets": ["benchmarks/datasets.py"],
 }
 
 

@@ -322,3 +322,21 @@ def test_the_recipe_benchmark_reports_each_configuration_against_plain():
     assert "noise of about 10% of the plain step: `--masked_loss`." in text
     assert "Above it: `--lora_type dora --use_rslora` (each step takes the norm" in text
     assert all(module.available(flags) for _, flags in module.CONFIGS.values() if "optimizer" not in flags)
+
+
+def test_the_datasets_benchmark_reports_reuse_and_the_held_out_cost():
+    """benchmarks/datasets.py's section from made-up figures: stage 1's rows against a new cache, stage 2's whole
+    runs against the run without held-out entries, and one evaluation's cost as the difference over the evaluations."""
+    path = ROOT / "benchmarks" / "datasets.py"
+    spec = importlib.util.spec_from_file_location("datasets_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    stage1 = dict(zip(module.STAGE1, ([(5.0, 8, 8), (5.2, 8, 8)], [(10.0, 16, 0), (10.4, 16, 0)],
+                                       [(1.0, 0, 16), (1.0, 0, 16)])))
+    stage2 = dict(zip(module.STAGE2, ([(20.0, 0.2, 0), (20.0, 0.2, 0)], [(22.0, 0.2, 4), (22.0, 0.2, 4)])))
+    text = module.render({"stage1": stage1, "stage2": stage2}, 2, "2026-01-01 00:00", "2026-01-01 00:05")
+    assert "| a, then a + b (b added) | 8 | 8 | 5.10 s | 0.50 |" in text
+    assert "| a + b into a new cache | 16 | 0 | 10.20 s | 1.00 |" in text
+    assert "| a + b again (nothing changed) | 0 | 16 | 1.00 s | 0.10 |" in text
+    assert "| held-out loss every 8 steps | 22.00 s | 1.10 | 200.0 ms | 4 |" in text
+    assert "One evaluation of the 4 held-out samples took about 0.50 s (2.5 training steps' time" in text
