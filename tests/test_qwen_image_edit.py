@@ -151,6 +151,36 @@ def test_edit_encoding_matches_diffusers_bit_for_bit(pipeline, folders):
                                      *[(1, vh // f // 2, vw // f // 2) for vw, vh in vae_sizes]]]
 
 
+def test_an_edit_plus_validation_sample_is_the_pipelines_own(folders, monkeypatch):
+    """Edit-Plus' validation sample: the prompt and the empty negative prompt encoded with the image as the pipeline
+    shows its VL encoder (384x384's area: render.prompt_image_inputs), then render, draw what
+    QwenImageEditPlusPipeline draws from the texts and the image at its default true CFG. (The pipeline's VAE area
+    is lowered to 64x64 for both draws: it sizes the VAE's image itself in either, and the tiny VAE takes tens of
+    seconds at 1024x1024.)"""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+    from PIL import Image
+
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
+
+    from unitgraph.backends.diffusion.families.qwen_image import render
+    from unitgraph.backends.diffusion.train.validation import encode_prompts, prompt_units
+
+    root = folders[PLUS.name]
+    pipe = load_diffusers_pipeline(QWEN, PLUS, root)
+    pipe.set_progress_bar_config(disable=True)
+    ctx = UnitContext(models=loaded(root), settings=UnitSettings(image_size=ImageSize(SIZE, SIZE)))
+    image = edit_source_images()[1]
+    beside = [render.prompt_image_inputs(PLUS, image)] * 2
+    prompt, negative = encode_prompts(ctx, PLUS, ["a yellow square", ""], prompt_units(PLUS, render.PROMPT_IMAGE_INPUTS),
+                                      beside)
+    models = {"dit": pipe.transformer, "vae": pipe.vae, "scheduler": pipe.scheduler}
+    got = render.render(PLUS, models, prompt, SIZE, SIZE, 2, torch.Generator().manual_seed(1), negative=negative,
+                        image=image)
+    expected = pipe(image=[image], prompt="a yellow square", negative_prompt="", width=SIZE, height=SIZE,
+                    num_inference_steps=2, generator=torch.Generator().manual_seed(1)).images[0]
+    assert isinstance(got, Image.Image) and got.tobytes() == expected.tobytes()
+
+
 def test_the_loss_reads_the_target_tokens_only(folders):
     """The DiT sees target + edit tokens; the loss compares the target tokens alone."""
     from unitgraph.backends.diffusion.families.qwen_image import losses

@@ -88,7 +88,19 @@ def test_prompts_stage1_did_not_encode_are_one_line_before_training(qwen, tmp_pa
     assert not (tmp_path / "out").exists()
     code, _, err = cli(capsys, "train", "--pipeline", "qwen_image_edit", "--dataset_base_path", str(data),
                        "--validation_prompt", "x", "--lora_base_model", "dit", "--output_path", str(tmp_path / "o2"))
-    one_error_line(code, err, "no validation rendering")
+    one_error_line(code, err, "pipeline qwen_image_edit renders from an input image", "--validation_image")
+    # a pipeline without a rendering (checked before the models load: the check alone, on the run's settings)
+    from types import SimpleNamespace
+
+    from unitgraph.backends.diffusion.errors import BackendError
+    from unitgraph.backends.diffusion.train.validation import check_supported
+
+    wan = family("wan")
+    settings = SimpleNamespace(family=wan, pipeline=wan.pipeline("wan_distill"),
+                               validation=SimpleNamespace(prompts=("x",), guidance=None, negative_prompts=(), images=()))
+    with pytest.raises(BackendError, match="pipeline wan_distill has no validation rendering yet"):
+        check_supported(settings)
+    assert not (tmp_path / "o2").exists()
 
 
 @pytest.mark.parametrize("name, pipeline_class", [("flux", "FluxPipeline"), ("wan", "WanPipeline")])

@@ -321,3 +321,59 @@ def test_an_i2v_sample_starts_from_its_validation_image_as_its_pipeline_does(wan
                        "--output_path", str(tmp_path / "refused"), "--validation_prompt", PROMPTS[0])
     one_error_line(code, err, "pipeline wan_i2v renders from an input image", "--validation_image")
     assert not (tmp_path / "refused").exists()
+
+
+@pytest.fixture(scope="module")
+def qwen_edit(tmp_path_factory):
+    """Test-size Qwen-Image-Edit models, an edit dataset, and two images to edit."""
+    root = tmp_path_factory.mktemp("qwen-edit")
+    models = family("qwen_image").tiny_module().write_tiny_models(root / "models", size="test", seed=0,
+                                                                  pipeline="qwen_image_edit")
+    data = root / "data"
+    write_synthetic_dataset(data, count=1, size=SIZE, seed=5, images=["edit_image"])
+    images = [root / "a.png", root / "b.png"]
+    Image.new("RGB", (48, 40), (200, 30, 30)).save(images[0])
+    Image.linear_gradient("L").resize((40, 56)).convert("RGB").save(images[1])
+    return models, data, images
+
+
+def test_an_edit_whose_prompt_encoder_reads_the_image_is_its_pipelines_own(qwen_edit, tmp_path, monkeypatch):
+    """Qwen-Image-Edit's vision-language encoder reads the image with the prompt: stage 1 encodes the prompt and its
+    negative prompt with the prompt's image, and stage 2 (no text encoder, no processor) renders what
+    QwenImageEditPipeline draws from the texts and the image, with true CFG at another scale. Another image for the
+    same prompt is another encoding: stage 2 given it is refused until stage 1 encodes it. (The pipeline shows its
+    encoders the image at 1024x1024's area; both sides of the comparison are lowered to 64x64's, which the tiny VAE
+    and VL encoder take in a fraction of the time.)"""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+    from test_conformance import load_diffusers_pipeline
+
+    from unitgraph.backends.diffusion.families.qwen_image import units as qwen_units
+
+    area = pipeline_qwenimage_edit.calculate_dimensions
+    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions",
+                        lambda target, ratio: area(64 * 64 if target == 1024 * 1024 else target, ratio))
+    monkeypatch.setattr(qwen_units, "VAE_IMAGE_AREA", 64 * 64)
+
+    models, data, images = qwen_edit
+    flags_ = dict(validation_prompt=PROMPTS[:1], validation_image=[str(images[1])],
+                  validation_negative_prompt=["blurry"], validation_guidance=2.5, extra_inputs="edit_image")
+    out = split_run(models, data, tmp_path, **flags_)
+    qwen = family("qwen_image")
+    pipe = load_diffusers_pipeline(qwen, qwen.pipeline("qwen_image_edit"), models)
+    pipe.set_progress_bar_config(disable=True)
+    with Image.open(images[1]) as image:
+        expected = pipe(image=image.convert("RGB"), prompt=PROMPTS[0], negative_prompt="blurry", true_cfg_scale=2.5,
+                        width=SIZE, height=SIZE, num_inference_steps=2,
+                        generator=torch.Generator().manual_seed(0)).images[0]
+    assert pixels(out / "samples" / "epoch-0" / "0.png") == expected.tobytes()
+    with Image.open(images[0]) as image:  # the image mattered: another one draws another edit
+        elsewhere = pipe(image=image.convert("RGB"), prompt=PROMPTS[0], negative_prompt="blurry", true_cfg_scale=2.5,
+                         width=SIZE, height=SIZE, num_inference_steps=2,
+                         generator=torch.Generator().manual_seed(0)).images[0]
+    assert elsewhere.tobytes() != expected.tobytes()
+    # the encodings are keyed by the image's content too: another image is refused by stage 2 in one line
+    with pytest.raises(Exception, match="run stage 1"):
+        run(make_args(task="sft:train", dataset_base_path=str(tmp_path / "cache"), output_path=str(tmp_path / "o2"),
+                      num_epochs=1, validation_inference_steps=2, **{**flags_, "validation_image": [str(images[0])]},
+                      **flags(tmp_path / "bare")), echo=quiet)
+    assert not (tmp_path / "o2").exists()

@@ -527,12 +527,14 @@ def stage1_validation(cfg: RunConfig, plan: Plan, cache: Cache, key_hash: str, a
     a file is missing or stale."""
     from .cache.encoded_prompts import EMPTY_PROMPT, VALIDATION
     from .caption_dropout import CAPTION_DROPOUT, EMPTY
-    from .train.validation import encode_prompts, load_encoded, prompt_units, store_encoded, validation_texts
+    from .train.validation import (encode_prompts, encode_validation, load_encoded, prompt_units,
+                                   sample_prompt_units, store_encoded, validation_texts)
 
-    units = prompt_units(cfg.pipeline)
+    units = list(dict.fromkeys([*sample_prompt_units(cfg), *prompt_units(cfg.pipeline)]))
     if not accelerator.is_main_process or not units or not all(u.name in plan.data_process_units for u in units):
         return  # nothing to encode, or the prompt units train (they run in stage 2)
-    wanted = [(kind, prompts) for kind, prompts in ((VALIDATION, validation_texts(cfg).texts),
+    texts = validation_texts(cfg)
+    wanted = [(kind, prompts) for kind, prompts in ((VALIDATION, texts.keyed),
                                                     (EMPTY_PROMPT, [EMPTY] if CAPTION_DROPOUT in plan.train_units else []))
               if prompts]
     missing = []
@@ -547,7 +549,8 @@ def stage1_validation(cfg: RunConfig, plan: Plan, cache: Cache, key_hash: str, a
     models = load_models(cfg, needed, training=False, device=accelerator.device)
     ctx = make_context(cfg, models, accelerator.device)
     for kind, prompts in missing:
-        store_encoded(cache, prompts, key_hash, encode_prompts(ctx, cfg.pipeline, prompts), kind=kind)
+        encoded = encode_validation(ctx, cfg, texts) if kind is VALIDATION else encode_prompts(ctx, cfg.pipeline, prompts)
+        store_encoded(cache, prompts, key_hash, encoded, kind=kind)
         negatives = len(prompts) - len(cfg.validation.prompts)
         what = (count(len(cfg.validation.prompts), "validation prompt", "validation prompts")
                 + (f" and {count(negatives, 'negative prompt', 'negative prompts')}" if negatives > 0 else "")

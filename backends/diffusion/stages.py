@@ -286,10 +286,10 @@ class CacheProvider:
         self.records = manifest.entries
         self.cache_dir, self.key_hash = self.cache, manifest.key_inputs_hash  # validation prompts beside it
         if cfg is not None and cfg.validation.prompts:
-            from .train.validation import load_encoded, prompt_units, validation_texts
+            from .train.validation import load_encoded, sample_prompt_units, validation_texts
 
-            if all(u.name in plan.data_process_units for u in prompt_units(pipeline)):
-                load_encoded(self.cache_dir, validation_texts(cfg).texts, self.key_hash)  # before anything is written
+            if all(u.name in plan.data_process_units for u in sample_prompt_units(cfg)):
+                load_encoded(self.cache_dir, validation_texts(cfg).keyed, self.key_hash)  # before anything is written
         self.skipped = list(manifest.skipped)
         self.models = list(plan.train_models)
         self.backward = set(plan.models_require_backward)

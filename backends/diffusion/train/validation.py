@@ -53,25 +53,57 @@ from ..errors import BackendError
 from ..family import Guidance
 from ..tensorfile import finite, header_of_bytes, load_tensors
 
-__all__ = ["VALIDATION_FILE", "SAMPLES_DIR", "Guidance", "ValidationTexts", "prompt_units", "encode_prompts",
-           "store_encoded", "load_encoded", "guidance_of", "validation_texts", "Validator"]
+__all__ = ["VALIDATION_FILE", "SAMPLES_DIR", "Guidance", "ValidationTexts", "prompt_units", "sample_prompt_units",
+           "encode_prompts", "encode_validation", "store_encoded", "load_encoded", "guidance_of", "validation_texts",
+           "Validator"]
 
 SAMPLES_DIR = "samples"
 SAMPLES_PAGE = "samples.html"
 
 
-def prompt_units(pipeline: Any) -> list[Any]:
-    """The units that turn a prompt into what the denoiser reads: they read `prompt` only and call a model."""
-    return [u for u in pipeline.units if tuple(u.inputs) == ("prompt",) and u.models]
+def prompt_units(pipeline: Any, reads: tuple[str, ...] = ()) -> list[Any]:
+    """The units that turn a prompt into what the denoiser reads: they read `prompt` (and nothing else but `reads`:
+    what an edit pipeline's prompt encoder reads of its images, which a validation image stands in for) and call a
+    model."""
+    allowed = {"prompt", *reads}
+    return [u for u in pipeline.units if "prompt" in u.inputs and set(u.inputs) <= allowed and u.models]
+
+
+def image_reads(cfg: Any) -> tuple[str, ...]:
+    """What the pipeline's prompt encoder reads of a sample's image beside its prompt (the render module's
+    PROMPT_IMAGE_INPUTS: an edit pipeline whose vision-language encoder reads the image), for the pipelines that
+    render from a --validation_image; () where the prompt is encoded alone."""
+    module = render_module(cfg)
+    if module is None or cfg.pipeline.name not in getattr(module, "IMAGE_PIPELINES", ()):
+        return ()
+    return tuple(getattr(module, "PROMPT_IMAGE_INPUTS", ()))
+
+
+def sample_prompt_units(cfg: Any) -> list[Any]:
+    """The prompt units that encode the validation prompts of this run (prompt_units with the image reads)."""
+    return prompt_units(cfg.pipeline, image_reads(cfg))
 
 
 @dataclass(frozen=True)
 class ValidationTexts:
     """What stage 1 encodes for the samples: the prompts, then their distinct negative prompts (`texts`), and for
-    each prompt the position of its negative prompt's encoding in `texts` (None: it renders without one)."""
+    each prompt the position of its negative prompt's encoding in `texts` (None: it renders without one).
+
+    Where the prompt encoder reads the sample's image too (image_reads), every text is encoded with its prompt's
+    --validation_image (`images`: the image's position for each text; a negative prompt is then one per prompt, as
+    the pipeline encodes it with that prompt's image), and `keyed`, what the encoded file is keyed by, names each
+    image's content beside its text, so another image is another file."""
 
     texts: list[str]
     negatives: list[Optional[int]]
+    images: Optional[list[int]] = None
+    digests: tuple[str, ...] = ()
+
+    @property
+    def keyed(self) -> list[str]:
+        if self.images is None:
+            return list(self.texts)
+        return [f"{text}\0image sha256:{self.digests[i]}" for text, i in zip(self.texts, self.images)]
 
 
 def render_module(cfg: Any) -> Any:
@@ -97,6 +129,14 @@ def validation_texts(cfg: Any) -> ValidationTexts:
         wanted = list(given) if len(given) == len(prompts) else given[:1] * len(prompts)
     else:
         wanted = [""] * len(prompts) if spec.empty_negative else [None] * len(prompts)
+    if image_reads(cfg) and prompts:  # each text with its prompt's image: a negative prompt per prompt
+        import hashlib
+
+        digests = tuple(hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in cfg.validation.images)
+        negatives = [k for k, n in enumerate(wanted) if n is not None]
+        at = {k: len(prompts) + i for i, k in enumerate(negatives)}
+        return ValidationTexts(prompts + [wanted[k] for k in negatives], [at.get(k) for k in range(len(prompts))],
+                               list(range(len(prompts))) + negatives, digests)
     distinct = list(dict.fromkeys(n for n in wanted if n is not None))
     return ValidationTexts(prompts + distinct, [None if n is None else len(prompts) + distinct.index(n) for n in wanted])
 
@@ -131,7 +171,7 @@ def check_supported(cfg: Any) -> None:
         return
     module = render_module(cfg)
     name = cfg.pipeline.name
-    if not prompt_units(cfg.pipeline) or module is None or name not in getattr(module, "PIPELINES", ()):
+    if not sample_prompt_units(cfg) or module is None or name not in getattr(module, "PIPELINES", ()):
         raise BackendError(f"--validation_prompt: pipeline {name} has no validation rendering yet "
                            "(it needs more than a prompt, e.g. an edit or first-frame image)")
     spec = guidance_of(cfg)
@@ -143,8 +183,8 @@ def check_supported(cfg: Any) -> None:
             "samples without guidance" if spec is None else "guides with a scale embedded in its distilled DiT, "
             "which reads no negative prompt") + "; drop the flag")
     if name in getattr(module, "IMAGE_REQUIRED", ()) and not cfg.validation.images:
-        raise BackendError(f"--validation_prompt: pipeline {name} renders from an input image (the first frame of the "
-                           "clip): give --validation_image once per prompt, in their order")
+        raise BackendError(f"--validation_prompt: pipeline {name} renders from an input image (the image it edits, or "
+                           "the clip's first frame): give --validation_image once per prompt, in their order")
     if cfg.validation.images:
         if name not in getattr(module, "IMAGE_PIPELINES", ()):
             raise BackendError(f"--validation_image: pipeline {name} renders from the prompt alone (an input image is "
@@ -166,18 +206,31 @@ def render_slots(cfg: Any, module: Any) -> tuple[str, ...]:
     return tuple(ask(cfg.pipeline, cfg.models.sources(cfg.family).load_config))
 
 
-def encode_prompts(ctx: Any, pipeline: Any, prompts: list[str]) -> list[dict[str, Any]]:
-    """The prompt units' outputs for each prompt (one sample each, batch dimension 1)."""
+def encode_prompts(ctx: Any, pipeline: Any, prompts: list[str], units: Optional[list[Any]] = None,
+                   beside: Optional[list[dict[str, Any]]] = None) -> list[dict[str, Any]]:
+    """The prompt units' outputs for each prompt (one sample each, batch dimension 1); `beside[k]`: what else prompt k's
+    units read (an edit pipeline's images, `image_inputs`)."""
     import torch
 
+    units = prompt_units(pipeline) if units is None else units
     out = []
     with torch.no_grad():
-        for prompt in prompts:
-            state: dict[str, Any] = {"prompt": prompt}
-            for unit in prompt_units(pipeline):
+        for k, prompt in enumerate(prompts):
+            given = dict(beside[k]) if beside is not None else {}
+            state: dict[str, Any] = {"prompt": prompt, **given}
+            for unit in units:
                 state.update(unit(ctx, state))
-            out.append({k: v for k, v in state.items() if k != "prompt"})
+            out.append({name: v for name, v in state.items() if name != "prompt" and name not in given})
     return out
+
+
+def encode_validation(ctx: Any, cfg: Any, texts: ValidationTexts) -> list[dict[str, Any]]:
+    """The encodings of a run's validation texts, each with its prompt's image where the encoder reads it."""
+    beside = None
+    if texts.images is not None:
+        module, images = render_module(cfg), read_validation_images(cfg)
+        beside = [module.prompt_image_inputs(cfg.pipeline, images[i]) for i in texts.images]
+    return encode_prompts(ctx, cfg.pipeline, texts.texts, sample_prompt_units(cfg), beside)
 
 
 def _cache(location: Any) -> Any:
@@ -269,9 +322,9 @@ class Validator:
         self.guidance = None if spec is None else spec.default if cfg.validation.guidance is None \
             else cfg.validation.guidance
         self.seed = cfg.seed if cfg.validation.seed is None else cfg.validation.seed
-        units = prompt_units(cfg.pipeline)
+        units = sample_prompt_units(cfg)
         live = all(m in plan.train_models for u in units for m in u.models)  # trained text encoders, or unsplit
-        self.encoded = None if live or cache_dir is None else load_encoded(cache_dir, self.texts.texts, key_hash or "")
+        self.encoded = None if live or cache_dir is None else load_encoded(cache_dir, self.texts.keyed, key_hash or "")
         self.render_module = render_module(cfg)
         self.render_slots = render_slots(cfg, self.render_module)
         self.images = read_validation_images(cfg)  # the edit images, or first frames, one per prompt
@@ -294,7 +347,7 @@ class Validator:
             own = {self.cfg.models.expert: everything[experts.slot]}
             everything["experts"] = {experts.subfolder(n): own.get(n, everything.get(f"expert:{n}")) for n in experts.names}
             everything["boundary_ratio"] = self.cfg.models.boundary_ratio
-        embeds = self.encoded if self.encoded is not None else encode_prompts(ctx, self.cfg.pipeline, self.texts.texts)
+        embeds = self.encoded if self.encoded is not None else encode_validation(ctx, self.cfg, self.texts)
         width, height = self.cfg.units.image_size.target(1024, 1024, 16)
         modes = {slot: m.training for slot, m in everything.items() if isinstance(m, torch.nn.Module)}
         folder = self.output / SAMPLES_DIR / name
