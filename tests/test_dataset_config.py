@@ -380,3 +380,32 @@ def test_sigkill_and_resume_with_two_datasets_is_exact(tiny, data, tmp_path, cap
     changed.write_text(changed.read_text().replace("repeats = 2", "repeats = 3"))
     code, _, err = cli(capsys, *argv(tiny, resumed, "sft:split", *extra[:1], str(changed), *extra[2:], "--resume"))
     one_error_line(code, err, "another data", "--dataset_config")
+
+
+def test_the_dry_run_plans_the_largest_size_a_dataset_trains_at(tiny, data):
+    """`b` trains at its own max_pixels (256), `a` at the run's (32 x 32): the plan of the config is the plan of the
+    larger setting, stage by stage, and says which dataset it planned; a config whose datasets all train at the run's
+    settings plans as the run."""
+    from unitgraph.backends.diffusion.config import RunConfig
+    from unitgraph.backends.diffusion.memory_plan import memory_plan
+    from unitgraph.backends.diffusion.session import plan_for
+
+    def plan(**flags):
+        cfg = RunConfig.from_args(make_args(task="sft", model_paths=str(tiny), lora_base_model="dit", lora_rank=4,
+                                            mixed_precision="no", progress=False, **flags))
+        return memory_plan(cfg, plan_for(cfg))
+
+    big = {"name": "big", "base_path": "a", "metadata": "a/metadata.csv", "max_pixels": 64 * 64}
+    small = {"name": "a", "base_path": "a", "metadata": "a/metadata.csv"}
+    config = write_config(data, [small, big], ".json", name="sizes")
+    mixed = plan(dataset_config=str(config), max_pixels=SIZE * SIZE)
+    alone = plan(dataset_base_path=str(data / "a"), dataset_metadata_path=str(data / "a" / "metadata.csv"),
+                 max_pixels=64 * 64)
+    run_size = plan(dataset_base_path=str(data / "a"), dataset_metadata_path=str(data / "a" / "metadata.csv"),
+                    max_pixels=SIZE * SIZE)
+    for stage in ("data_process", "train", "unsplit"):
+        assert mixed["stages"][stage]["peak_bytes"] == alone["stages"][stage]["peak_bytes"], stage
+    assert mixed["stages"]["train"]["peak_bytes"] > run_size["stages"]["train"]["peak_bytes"]
+    assert any("dataset 'big'" in n and "the largest peak of the 2 sizes" in n for n in mixed["notes"]), mixed["notes"]
+    same = plan(dataset_config=str(write_config(data, [small], ".json", name="plain")), max_pixels=SIZE * SIZE)
+    assert same["stages"] == run_size["stages"] and not any("--dataset_config" in n for n in same["notes"])

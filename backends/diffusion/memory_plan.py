@@ -833,10 +833,19 @@ def memory_plan(cfg: RunConfig, plan: Plan, text_tokens: Optional[int] = None) -
     """{"stages": {"data_process" | "train" | "unsplit": {"peak_bytes", "models": {slot: {"dtype", "weight_bytes",
     ...}}, "trainable_bytes", "activation_bytes", ...}}, "settings": ..., "notes": [...]} of the run `cfg` plans.
 
-    Reads config.json files only (offline), writes nothing; `text_tokens` overrides the families' longest prompt."""
-    planner = _Planner(cfg, plan, text_tokens)
-    stages = {name: planner.stage(name) for name in STAGES}
+    Reads config.json files only (offline), writes nothing; `text_tokens` overrides the families' longest prompt.
+    With a --dataset_config whose datasets give sizes or clip lengths of their own, each stage is planned at every
+    distinct setting and the largest peak is kept, its dataset named in a note."""
+    variants = dataset_variants(cfg)
+    planned = []
+    for name, own in variants:
+        planner = _Planner(own, plan, text_tokens)
+        planned.append((name, planner, {stage: planner.stage(stage) for stage in STAGES}))
+    name, planner, stages = max(planned, key=lambda p: max(s.get("peak_bytes", 0) for s in p[2].values()))
     notes = planner.notes + [n for b in planner.built.values() for n in b.notes]
+    if len(variants) > 1:
+        notes.append(f"planned at the settings of dataset {name!r} (--dataset_config), the largest peak of the "
+                     f"{len(variants)} sizes its datasets train at")
     notes += engine_notes(cfg.engine, stages)
     if precision_note(cfg.args, cfg.precision.mixed):  # planned on a machine whose default is not a GPU's
         notes.append("planned at fp32, this CPU's default (it has no bf16 kernels); on a GPU the same flags train in "
@@ -845,6 +854,19 @@ def memory_plan(cfg: RunConfig, plan: Plan, text_tokens: Optional[int] = None) -
                  "0.5-1.5 GiB on a GPU)")
     return {"engine": cfg.engine.to_json(), "processes": cfg.engine.processes, "stages": stages,
             "settings": settings(cfg, plan, planner.dims), "notes": list(dict.fromkeys(notes))}
+
+
+def dataset_variants(cfg: RunConfig) -> list[tuple[Optional[str], RunConfig]]:
+    """[(dataset name, the run as that dataset trains)] for each distinct image size and clip length of the run's
+    --dataset_config datasets (session.dataset_config: a dataset's own size replaces the run's); [(None, cfg)]
+    without a config or when every dataset trains at the run's settings."""
+    from .session import dataset_config
+
+    seen: dict[tuple[Any, Any], tuple[Optional[str], RunConfig]] = {}
+    for spec in cfg.data.datasets:
+        own = dataset_config(cfg, spec)
+        seen.setdefault((tuple(sorted(own.units.image_size.key().items())), own.data.num_frames), (spec.name, own))
+    return list(seen.values()) if len(seen) > 1 else [(None, cfg)]
 
 
 def engine_notes(engine: Any, stages: dict[str, Any]) -> list[str]:
