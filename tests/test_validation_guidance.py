@@ -211,6 +211,10 @@ def test_an_edit_pipelines_sample_edits_the_validation_image_as_its_pipeline_doe
                             guidance_scale=2.5, width=SIZE, height=SIZE, num_inference_steps=2,
                             generator=torch.Generator().manual_seed(k)).images[0]
         assert samples[k] == expected.tobytes()
+        with Image.open(path) as given, Image.open(out / "samples" / "inputs" / f"{k}.png") as shown:
+            assert shown.convert("RGB").tobytes() == given.convert("RGB").tobytes()  # beside its samples on the page
+    page = (out / "samples.html").read_text()
+    assert page.count('src="samples/inputs/') == 2 and "<th>input</th><th>epoch-0</th>" in page
     # the image mattered: the prompt alone draws another sample
     alone = pipe(prompt=PROMPTS[0], negative_prompt_embeds=negative, guidance_scale=2.5, width=SIZE, height=SIZE,
                  num_inference_steps=2, generator=torch.Generator().manual_seed(0)).images[0]

@@ -59,6 +59,7 @@ __all__ = ["VALIDATION_FILE", "SAMPLES_DIR", "Guidance", "ValidationTexts", "pro
 
 SAMPLES_DIR = "samples"
 SAMPLES_PAGE = "samples.html"
+INPUTS_DIR = "inputs"  # the --validation_image files as the page shows them, beside the checkpoints' folders
 
 
 def prompt_units(pipeline: Any, reads: tuple[str, ...] = ()) -> list[Any]:
@@ -328,9 +329,10 @@ class Validator:
         self.render_module = render_module(cfg)
         self.render_slots = render_slots(cfg, self.render_module)
         self.images = read_validation_images(cfg)  # the edit images, or first frames, one per prompt
+        self.inputs_written = False
         # checkpoints rendered before (a resumed run's): the page keeps showing them, oldest first
         folder = self.output / SAMPLES_DIR
-        self.pages: list[str] = sorted((p.name for p in folder.iterdir() if p.is_dir()),
+        self.pages: list[str] = sorted((p.name for p in folder.iterdir() if p.is_dir() and p.name != INPUTS_DIR),
                                        key=lambda n: (folder / n).stat().st_mtime) if folder.is_dir() else []
 
     def render(self, name: str, models: dict[str, Any], ctx: Any, accelerator: Any) -> list[Path]:
@@ -407,21 +409,36 @@ class Validator:
         if name in self.pages:
             self.pages.remove(name)
         self.pages.append(name)
-        head = "".join(f"<th>{html.escape(n)}</th>" for n in self.pages)
+        inputs = self._inputs()
+        head = ("<th>input</th>" if inputs else "") + "".join(f"<th>{html.escape(n)}</th>" for n in self.pages)
         rows = []
         folder = self.output / SAMPLES_DIR
         for k, prompt in enumerate(self.prompts):
+            given = f'<td><img src="{SAMPLES_DIR}/{INPUTS_DIR}/{k}.png" alt="input"></td>' if inputs else ""
             cells = "".join(f'<td><img src="{SAMPLES_DIR}/{html.escape(n)}/{k}.png" alt="{html.escape(n)}">'
                             + (f'<br><audio controls src="{SAMPLES_DIR}/{html.escape(n)}/{k}.wav"></audio>'
                                if (folder / n / f"{k}.wav").is_file() else "") + "</td>"
                             for n in self.pages)
-            rows.append(f"<tr><th class=p>{html.escape(prompt)}</th>{cells}</tr>")
+            rows.append(f"<tr><th class=p>{html.escape(prompt)}</th>{given}{cells}</tr>")
         page = ("<!doctype html><meta charset=utf-8><title>unitgraph samples</title>"
                 "<style>body{font-family:sans-serif}td,th{padding:4px;vertical-align:top}th.p{text-align:left;"
                 "max-width:16em}img{image-rendering:pixelated;width:160px}</style>"
                 f"<h1>{html.escape(self.plan.pipeline)}: validation samples</h1>"
                 f"<table><tr><th>prompt</th>{head}</tr>{''.join(rows)}</table>\n")
         write_text_atomic(self.output / SAMPLES_PAGE, page)
+
+    def _inputs(self) -> bool:
+        """The --validation_image of each prompt as samples/inputs/k.png, beside the samples it gave (the page's first
+        column); False without them."""
+        if not self.images:
+            return False
+        if not self.inputs_written:  # once a run (a resumed run's images may be other files)
+            for k, image in enumerate(self.images):
+                path = self.output / SAMPLES_DIR / INPUTS_DIR / f"{k}.png"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _save_png(image, path)
+            self.inputs_written = True
+        return True
 
 
 def _save_png(image: Any, path: Path) -> None:
