@@ -33,6 +33,7 @@ from pasted import commands  # noqa: E402
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
+HELD_OUT = ("--validation_dataset", "data/held/metadata.csv", "--validation_steps", "1")
 JOBS = HERE / "two_process_stage1.py"
 
 # DiffSynth-Studio's accelerate configs, as its repository ships them (examples/.../model_training/...)
@@ -241,6 +242,7 @@ def workdir(tiny, tmp_path_factory) -> Path:
     shutil.copytree(tiny, root / "models" / "Qwen" / "Qwen-Image")
     write_synthetic_dataset(root / "data" / "diffsynth_example_dataset" / "qwen_image" / "Qwen-Image", count=4,
                             size=32, seed=8)
+    write_synthetic_dataset(root / "data" / "held", count=2, size=32, seed=9)  # --validation_dataset's samples
     full = root / "examples" / "qwen_image" / "model_training" / "full"
     low = root / "examples" / "qwen_image" / "model_training" / "special" / "low_vram_training"
     full.mkdir(parents=True)
@@ -355,6 +357,7 @@ def test_zero3_partitions_the_weights_split_equals_unsplit_and_resumes_exactly(w
     full = [*base, "--trainable_models", "dit", "--num_epochs", "2", "--save_steps", "1"]
     whole = {"ACCELERATE_DEEPSPEED_ZERO3_INIT": "false"}  # the config's zero3_init_flag off for one run
     logs = launch(workdir, "zero3.yaml", [(lora, "z3/lora"), ([*lora, "--task", "sft:split"], "z3/lora-split"),
+                                          ([*lora, "--task", "sft:split", *HELD_OUT], "z3/lora-held"),
                                           (lora, "z3/lora-whole", whole),
                                           (full, "z3/full"), ([*full, "--task", "sft:split"], "z3/full-split"),
                                           ([*full, "--num_epochs", "1"], "z3/resumed"), ([*full, "--resume"], "z3/resumed")])
@@ -391,6 +394,7 @@ def test_fsdp2_shards_trains_split_equal_to_unsplit_and_resumes_exactly(workdir)
     full = [*base, "--trainable_models", "dit"]
     logs = launch(workdir, "fsdp2.yaml", [
         (lora, "fsdp/lora"), ([*lora, "--task", "sft:split"], "fsdp/lora-split"),
+        ([*lora, "--task", "sft:split", *HELD_OUT], "fsdp/lora-held"),
         ([*full, "--num_epochs", "2"], "fsdp/full"), ([*full, "--num_epochs", "2", "--task", "sft:split"], "fsdp/full-split"),
         ([*full, "--num_epochs", "1"], "fsdp/resumed"), ([*full, "--num_epochs", "2", "--resume"], "fsdp/resumed"),
         ([*full, "--num_epochs", "1"], "fsdp/by-two")])
@@ -448,6 +452,22 @@ def test_an_fsdp2_state_continues_on_another_number_of_processes_from_an_epochs_
     assert one[3:] == pytest.approx(two[3:], rel=1e-5)
     left, right = (load_file(str(workdir / "fsdp" / n / "epoch-1.safetensors")) for n in ("by-one", "by-one-fsdp2"))
     assert left.keys() == right.keys() and all(torch.allclose(left[k], right[k], rtol=1e-5, atol=1e-7) for k in left)
+
+
+def test_the_held_out_loss_is_the_whole_models_under_both_sharded_engines(workdir):
+    """--validation_dataset under ZeRO-3 and FSDP2: every process computes the held-out forward together (each
+    gathers the layers it does not hold, as in training), the training is exactly the one without it, and the two
+    engines' held-out losses agree as their trainings do (to rounding): no process evaluated its shard alone."""
+    from unitgraph.backends.diffusion.train.held_out import read_held_out_csv
+
+    held = {}
+    for engine in ("z3", "fsdp"):
+        if not (workdir / engine / "lora-held" / "loss.csv").exists():
+            pytest.skip("runs with the tests above")
+        same_training(workdir / engine / "lora-split", workdir / engine / "lora-held", "epoch-0.safetensors")
+        held[engine] = read_held_out_csv(workdir / engine / "lora-held" / "validation_loss.csv")
+        assert [(r["step"], r["samples"]) for r in held[engine]] == [(1, 2), (2, 2)], held[engine]
+    assert [r["loss"] for r in held["z3"]] == pytest.approx([r["loss"] for r in held["fsdp"]], rel=1e-4)
 
 
 def test_the_clipped_norm_is_the_global_one_under_both_sharded_engines(workdir):

@@ -355,7 +355,7 @@ class RunConfig:
         if args.blocks_to_swap and not args.lora_base_model:
             raise BackendError("--blocks_to_swap moves blocks of a frozen LoRA base model; give --lora_base_model")
         engine = run_engine(args, environ)
-        check_engine(args, engine, fp8, held_out is not None)
+        check_engine(args, engine, fp8)
         if args.lora_type == "dora" and args.stage != "data_process":
             if args.lora_base_model in fp8:
                 raise BackendError(f"--lora_type dora with --fp8_models {args.lora_base_model}: DoRA normalises the "
@@ -481,7 +481,7 @@ def run_engine(args: TrainArgs, environ: Any = None) -> Engine:
     return engine
 
 
-def check_engine(args: TrainArgs, engine: Engine, fp8: tuple[str, ...], held_out: bool = False) -> None:
+def check_engine(args: TrainArgs, engine: Engine, fp8: tuple[str, ...]) -> None:
     """What an engine cannot honour with the run's other flags, refused in one line before anything is written."""
     if engine.kind == "ddp" or args.stage == "data_process":
         return
@@ -500,10 +500,6 @@ def check_engine(args: TrainArgs, engine: Engine, fp8: tuple[str, ...], held_out
         raise BackendError(f"--validation_prompt with {engine.name}: validation samples are rendered by one process, "
                            "which holds only its shard of the weights here; render from a checkpoint after training, "
                            "or train under ZeRO-1/2 or data parallel", source=engine.source)
-    if held_out:
-        raise BackendError(f"--validation_dataset with {engine.name}: the held-out loss is computed by unitgraph's own "
-                           "forward of the trained model, which this engine shards or wraps; train under data "
-                           "parallel, or compute it from a checkpoint", source=engine.source)
     if args.ema_decay is not None:
         raise BackendError(f"--ema_decay with {engine.name}: unitgraph keeps the moving average under data parallel "
                            "only (the engines partition or step the weights it averages themselves); train under data "

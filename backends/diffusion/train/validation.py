@@ -131,15 +131,24 @@ def validation_texts(cfg: Any) -> ValidationTexts:
     else:
         wanted = [""] * len(prompts) if spec.empty_negative else [None] * len(prompts)
     if image_reads(cfg) and prompts:  # each text with its prompt's image: a negative prompt per prompt
-        import hashlib
-
-        digests = tuple(hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in cfg.validation.images)
+        digests = tuple(_file_digest(p) for p in cfg.validation.images)
         negatives = [k for k, n in enumerate(wanted) if n is not None]
         at = {k: len(prompts) + i for i, k in enumerate(negatives)}
         return ValidationTexts(prompts + [wanted[k] for k in negatives], [at.get(k) for k in range(len(prompts))],
                                list(range(len(prompts))) + negatives, digests)
     distinct = list(dict.fromkeys(n for n in wanted if n is not None))
     return ValidationTexts(prompts + distinct, [None if n is None else len(prompts) + distinct.index(n) for n in wanted])
+
+
+def _file_digest(name: str) -> str:
+    """sha256 of a --validation_image file's bytes, read in chunks; a file that cannot be read is one line."""
+    import hashlib
+
+    try:
+        with open(name, "rb") as handle:
+            return hashlib.file_digest(handle, "sha256").hexdigest()
+    except OSError as exc:
+        raise BackendError(f"--validation_image: cannot be read ({exc.strerror or exc})", source=name) from None
 
 
 def read_validation_images(cfg: Any) -> list[Any]:
@@ -210,7 +219,7 @@ def render_slots(cfg: Any, module: Any) -> tuple[str, ...]:
 def encode_prompts(ctx: Any, pipeline: Any, prompts: list[str], units: Optional[list[Any]] = None,
                    beside: Optional[list[dict[str, Any]]] = None) -> list[dict[str, Any]]:
     """The prompt units' outputs for each prompt (one sample each, batch dimension 1); `beside[k]`: what else prompt k's
-    units read (an edit pipeline's images, `image_inputs`)."""
+    units read (an edit pipeline's images: its render module's `prompt_image_inputs`)."""
     import torch
 
     units = prompt_units(pipeline) if units is None else units
