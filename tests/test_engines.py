@@ -34,6 +34,9 @@ from pasted import commands  # noqa: E402
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
 HELD_OUT = ("--validation_dataset", "data/held/metadata.csv", "--validation_steps", "1")
+# a LoRA that stays the base model (AdamW's first steps move its zero B matrices by about 1e-30: below fp32's
+# resolution of the DiT's activations), so its sample is the folder's own pipeline's
+SAMPLES = ("--validation_prompt", "a red circle", "--validation_inference_steps", "2", "--learning_rate", "1e-30")
 JOBS = HERE / "two_process_stage1.py"
 
 # DiffSynth-Studio's accelerate configs, as its repository ships them (examples/.../model_training/...)
@@ -358,6 +361,7 @@ def test_zero3_partitions_the_weights_split_equals_unsplit_and_resumes_exactly(w
     whole = {"ACCELERATE_DEEPSPEED_ZERO3_INIT": "false"}  # the config's zero3_init_flag off for one run
     logs = launch(workdir, "zero3.yaml", [(lora, "z3/lora"), ([*lora, "--task", "sft:split"], "z3/lora-split"),
                                           ([*lora, "--task", "sft:split", *HELD_OUT], "z3/lora-held"),
+                                          ([*lora, "--task", "sft:split", *SAMPLES], "z3/lora-samples"),
                                           (lora, "z3/lora-whole", whole),
                                           (full, "z3/full"), ([*full, "--task", "sft:split"], "z3/full-split"),
                                           ([*full, "--num_epochs", "1"], "z3/resumed"), ([*full, "--resume"], "z3/resumed")])
@@ -395,6 +399,7 @@ def test_fsdp2_shards_trains_split_equal_to_unsplit_and_resumes_exactly(workdir)
     logs = launch(workdir, "fsdp2.yaml", [
         (lora, "fsdp/lora"), ([*lora, "--task", "sft:split"], "fsdp/lora-split"),
         ([*lora, "--task", "sft:split", *HELD_OUT], "fsdp/lora-held"),
+        ([*lora, "--task", "sft:split", *SAMPLES], "fsdp/lora-samples"),
         ([*full, "--num_epochs", "2"], "fsdp/full"), ([*full, "--num_epochs", "2", "--task", "sft:split"], "fsdp/full-split"),
         ([*full, "--num_epochs", "1"], "fsdp/resumed"), ([*full, "--num_epochs", "2", "--resume"], "fsdp/resumed"),
         ([*full, "--num_epochs", "1"], "fsdp/by-two")])
@@ -468,6 +473,30 @@ def test_the_held_out_loss_is_the_whole_models_under_both_sharded_engines(workdi
         held[engine] = read_held_out_csv(workdir / engine / "lora-held" / "validation_loss.csv")
         assert [(r["step"], r["samples"]) for r in held[engine]] == [(1, 2), (2, 2)], held[engine]
     assert [r["loss"] for r in held["z3"]] == pytest.approx([r["loss"] for r in held["fsdp"]], rel=1e-4)
+
+
+def test_validation_samples_render_under_both_sharded_engines_as_the_pipeline_draws(workdir):
+    """--validation_prompt under ZeRO-3 and FSDP2: every process renders, gathering the layers it does not hold, and
+    the main process writes the sample, which is QwenImagePipeline's own drawing from the folder (the LoRA at 1e-30
+    leaves the DiT as it was; one thread, as the launched processes)."""
+    import diffusers
+    from PIL import Image
+
+    for engine in ("z3", "fsdp"):
+        if not (workdir / engine / "lora-samples" / "samples.html").exists():
+            pytest.skip("runs with the tests above")
+    pipe = diffusers.QwenImagePipeline.from_pretrained(str(workdir / "models" / "Qwen" / "Qwen-Image"))
+    pipe.set_progress_bar_config(disable=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = pipe(prompt="a red circle", negative_prompt="", width=32, height=32, num_inference_steps=2,
+                        true_cfg_scale=4.0, generator=torch.Generator().manual_seed(3 * 1000)).images[0]
+    finally:
+        torch.set_num_threads(threads)
+    for engine in ("z3", "fsdp"):
+        with Image.open(workdir / engine / "lora-samples" / "samples" / "epoch-0" / "0.png") as sample:
+            assert sample.convert("RGB").tobytes() == expected.tobytes(), engine
 
 
 def test_the_clipped_norm_is_the_global_one_under_both_sharded_engines(workdir):

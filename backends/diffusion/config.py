@@ -496,10 +496,6 @@ def check_engine(args: TrainArgs, engine: Engine, fp8: tuple[str, ...]) -> None:
         raise BackendError(f"--fp8_models with {engine.name}: float8 weights are not sharded here (the processes "
                            "gather weights in their storage dtype); drop --fp8_models or use ZeRO-1/2 or data parallel",
                            source=engine.source)
-    if args.validation_prompt and (engine.kind == "fsdp2" or engine.shards_frozen):
-        raise BackendError(f"--validation_prompt with {engine.name}: validation samples are rendered by one process, "
-                           "which holds only its shard of the weights here; render from a checkpoint after training, "
-                           "or train under ZeRO-1/2 or data parallel", source=engine.source)
     if args.ema_decay is not None:
         raise BackendError(f"--ema_decay with {engine.name}: unitgraph keeps the moving average under data parallel "
                            "only (the engines partition or step the weights it averages themselves); train under data "

@@ -420,21 +420,27 @@ class _Run:
         self.acc.wait_for_everyone()
 
     def _validator(self) -> Any:
-        """The validation renderer (main process, with --validation_prompt), announced in one line."""
+        """The validation renderer (with --validation_prompt), announced in one line: the main process's, and under an
+        engine that shards the trained weights (ZeRO-3, FSDP2) every process's, as each forward gathers the layers
+        together (the main process alone writes the samples)."""
         cfg = self.cfg
-        if not (self.main and cfg.validation.prompts):
+        together = cfg.engine.kind == "fsdp2" or cfg.engine.shards_frozen
+        if not cfg.validation.prompts or not (self.main or together):
             return None
         from .validation import Validator
 
         validator = Validator(cfg, self.plan, self.output, getattr(self.provider, "cache_dir", None),
-                              getattr(self.provider, "key_hash", None))
+                              getattr(self.provider, "key_hash", None), write=self.main)
         shown = ", ".join(validator.render_slots) or "nothing more"
         every = f"every {cfg.validation.steps} steps" if cfg.validation.steps else "at each checkpoint"
-        print(f"validation: {len(cfg.validation.prompts)} prompt(s) rendered {every}; loads {shown} only while rendering")
+        if self.main:
+            print(f"validation: {len(cfg.validation.prompts)} prompt(s) rendered {every}; loads {shown} only while "
+                  "rendering" + ("; every process renders with it, gathering the sharded layers" if together else ""))
         return validator
 
     def samples(self, name: str) -> None:
-        """Validation samples now (every process calls it at the same steps; the main process renders)."""
+        """Validation samples now (every process calls it at the same steps; the main process renders, with the others
+        under a sharding engine)."""
         if not self.cfg.validation.prompts:
             return
         with eval_weights(self.optimizer):  # on every process: the weights stay the same on each

@@ -324,8 +324,10 @@ def empty_prompt_encoding(cfg: Any, plan: Any, provider: Any, ctx: Any, dtype: A
 class Validator:
     """Renders the validation prompts at checkpoints of one run (main process)."""
 
-    def __init__(self, cfg: Any, plan: Any, output: Path, cache_dir: Optional[Path], key_hash: Optional[str]):
+    def __init__(self, cfg: Any, plan: Any, output: Path, cache_dir: Optional[Path], key_hash: Optional[str],
+                 write: bool = True):
         self.cfg, self.plan, self.output = cfg, plan, Path(output)
+        self.write = write  # False: a process that renders with the main one (a sharded model) but writes nothing
         self.prompts = list(cfg.validation.prompts)
         self.texts = validation_texts(cfg)
         spec = guidance_of(cfg)
@@ -377,6 +379,8 @@ class Validator:
                                                       negative=None if negative is None else embeds[negative],
                                                       **({"image": self.images[k]} if self.images else {}))
                     image, sound = image if isinstance(image, tuple) else (image, None)
+                    if not self.write:
+                        continue
                     path = folder / f"{k}.png"
                     path.parent.mkdir(parents=True, exist_ok=True)
                     _save_png(image, path)
@@ -388,8 +392,9 @@ class Validator:
                 everything[slot].train(training)
             loaded.clear()
             gc.collect()
-        self._sheet(name, paths)
-        self._page(name)
+        if self.write:
+            self._sheet(name, paths)
+            self._page(name)
         return paths
 
     def _other_experts(self, torch: Any) -> dict[str, Any]:
