@@ -362,20 +362,21 @@ class RunConfig:
                                    "base weight with the adapter at every step, which float8 storage does not keep; "
                                    "train a plain LoRA on an fp8 base, or DoRA without --fp8_models")
             if engine.shards_frozen:
-                raise BackendError(f"--lora_type dora with {engine.name}: DoRA reads each base weight whole at every "
-                                   "step, and this engine shards the frozen base; train --lora_type lora here, or "
-                                   "DoRA under data parallel or ZeRO-1/2", source=engine.source)
+                raise BackendError(f"--lora_type dora with {engine.name}: DoRA's magnitudes are the base weight's row "
+                                   "norms when the adapter is made, and this engine shards the frozen base (under "
+                                   "FSDP2 it is read into the shards after the adapter is made: measured, the first "
+                                   "loss is not the base model's); train --lora_type lora here, or DoRA under ZeRO-1/2 "
+                                   "or data parallel", source=engine.source)
         if args.lora_type in ("lokr", "loha") and args.stage != "data_process":
             name = {"lokr": "LoKr", "loha": "LoHa"}[args.lora_type]
             if args.lora_base_model in fp8:
                 raise BackendError(f"--lora_type {args.lora_type} with --fp8_models {args.lora_base_model}: unitgraph's "
                                    "float8 storage tells a LoRA's tensors (lora_A/lora_B) from the model's own, not "
                                    f"{name}'s factors; train {name} without --fp8_models, or a LoRA on the fp8 base")
-            if engine.shards_frozen:
-                raise BackendError(f"--lora_type {args.lora_type} with {engine.name}: unitgraph trains {name} where the "
-                                   "frozen base is whole (data parallel, ZeRO-1/2): peft's layer reads its base weight's "
-                                   "shape at every step, which ZeRO-3 partitions away, and it is untested under FSDP2",
-                                   source=engine.source)
+            if engine.kind == "deepspeed" and engine.zero_stage == 3:
+                raise BackendError(f"--lora_type {args.lora_type} with {engine.name}: peft's {name} layer reads its "
+                                   "base weight's shape at every step, which ZeRO-3 partitions away; train it under "
+                                   "FSDP2, ZeRO-1/2 or data parallel", source=engine.source)
         notes = [chosen.line, *([expert.line] if expert.line else [])]
         lycoris = args.lora_type in ("lokr", "loha")
         if args.align_to_opensource_format and lycoris:
