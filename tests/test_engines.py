@@ -459,31 +459,33 @@ def test_an_fsdp2_state_continues_on_another_number_of_processes_from_an_epochs_
     assert left.keys() == right.keys() and all(torch.allclose(left[k], right[k], rtol=1e-5, atol=1e-7) for k in left)
 
 
-def test_lokr_and_loha_train_under_fsdp2_as_under_data_parallel(workdir):
-    """FSDP2 gathers a block's weights whole before its forward, so peft's LoKr and LoHa layers see them as without
-    an engine: each trains under FSDP2, split exactly the unsplit run, and as data parallel on 2 processes does (to
-    rounding). (DoRA stays refused: its magnitudes are taken from the base when the adapter is made, before FSDP2
-    reads the base into the shards.)"""
+def test_dora_lokr_and_loha_train_under_fsdp2_as_under_data_parallel(workdir):
+    """FSDP2 gathers a block's weights whole before its forward, so peft's DoRA, LoKr and LoHa layers see them as
+    without an engine (DoRA's magnitudes taken again from the rows read into the shards: models/shards.py
+    dora_magnitudes): each trains under FSDP2, split exactly the unsplit run, and as data parallel on 2 processes
+    does (to rounding; the first loss, the base model's, exactly)."""
     base = ["train", "--model_paths", "models/Qwen/Qwen-Image", "--max_pixels", "1024", "--learning_rate", "1e-3",
             "--no-progress", "--no-plot", "--seed", "3", "--mixed_precision", "no", "--num_epochs", "1",
             "--dataset_base_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image",
             "--dataset_metadata_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image/metadata.csv",
             "--lora_base_model", "dit", "--lora_rank", "4"]
     jobs = []
-    for kind in ("lokr", "loha"):
+    for kind in ("dora", "lokr", "loha"):
         flags = [*base, "--lora_type", kind]
         jobs += [(flags, f"fsdp-variants/{kind}"), ([*flags, "--task", "sft:split"], f"fsdp-variants/{kind}-split")]
     logs = launch(workdir, "fsdp2.yaml", jobs)
     (workdir / "ddp.yaml").write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\n"
                                       "mixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\n")  # torchrun: DDP over gloo on a CPU
-    launch(workdir, "ddp.yaml", [([*base, "--lora_type", kind], f"ddp-variants/{kind}") for kind in ("lokr", "loha")])
-    for kind in ("lokr", "loha"):
+    launch(workdir, "ddp.yaml", [([*base, "--lora_type", kind], f"ddp-variants/{kind}")
+                                 for kind in ("dora", "lokr", "loha")])
+    for kind in ("dora", "lokr", "loha"):
         assert "FSDP2: dit in" in logs[f"fsdp-variants/{kind}"], logs[f"fsdp-variants/{kind}"][-2000:]
         same_training(workdir / "fsdp-variants" / kind, workdir / "fsdp-variants" / f"{kind}-split",
                       "epoch-0.safetensors")
         assert len(losses(workdir / "fsdp-variants" / kind)) == 2
     # the same training as data parallel's on 2 processes, to rounding (the engines reduce in other orders)
-    for kind in ("lokr", "loha"):
+    for kind in ("dora", "lokr", "loha"):
+        assert losses(workdir / "fsdp-variants" / kind)[0] == losses(workdir / "ddp-variants" / kind)[0]
         assert losses(workdir / "fsdp-variants" / kind) == pytest.approx(losses(workdir / "ddp-variants" / kind),
                                                                          rel=1e-5)
         ours, theirs = (load_file(str(workdir / d / kind / "epoch-0.safetensors")) for d in ("fsdp-variants",

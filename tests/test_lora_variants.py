@@ -367,23 +367,23 @@ def test_lycoris_files_are_refused_where_a_lora_is_read_and_by_lora_convert(tiny
     one_error_line(code, err, "does not fit dit")
 
 
-def test_zero3_refuses_lokr_and_fsdp2_dora_in_one_line(tiny, data, tmp_path, capsys):
-    """ZeRO-3 partitions the base weight a LoKr layer reads the shape of; FSDP2 reads the base into its shards after
-    DoRA took its magnitudes from it (LoKr and LoHa train under FSDP2: tests/test_engines.py)."""
+def test_zero3_refuses_lokr_and_dora_in_one_line(tiny, data, tmp_path, capsys):
+    """ZeRO-3 partitions the base weight a LoKr layer reads the shape of, and the one DoRA reads whole (DoRA, LoKr
+    and LoHa train under FSDP2: tests/test_engines.py)."""
     zero3 = tmp_path / "zero3.yaml"
     zero3.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\nmixed_precision: 'no'\n"
                      "num_machines: 1\nnum_processes: 2\n")
     fsdp2 = tmp_path / "fsdp2.yaml"
     fsdp2.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\nmixed_precision: 'no'\n"
                      "num_machines: 1\nnum_processes: 2\n")
-    for config, kind, fragment in ((zero3, "lokr", "--lora_type lokr with DeepSpeed ZeRO-3"),
-                                   (fsdp2, "dora", "--lora_type dora with FSDP2")):
+    for kind in ("lokr", "dora"):
         code, _, err = cli(capsys, *argv(tiny, data, tmp_path / "out", "sft", "--lora_type", kind, "--dry_run",
-                                         "--config_file", str(config)))
-        one_error_line(code, err, fragment, "data parallel")
-    code, _, err = cli(capsys, *argv(tiny, data, tmp_path / "out", "sft", "--lora_type", "loha", "--dry_run",
-                                     "--config_file", str(fsdp2)))
-    assert code == 0, err
+                                         "--config_file", str(zero3)))
+        one_error_line(code, err, f"--lora_type {kind} with DeepSpeed ZeRO-3", "FSDP2, ZeRO-1/2 or data parallel")
+    for kind in ("loha", "dora"):
+        code, _, err = cli(capsys, *argv(tiny, data, tmp_path / "out", "sft", "--lora_type", kind, "--dry_run",
+                                         "--config_file", str(fsdp2)))
+        assert code == 0, err
 
 
 def test_the_dry_run_counts_lokrs_and_lohas_tensors(tiny, data, capsys):

@@ -361,12 +361,11 @@ class RunConfig:
                 raise BackendError(f"--lora_type dora with --fp8_models {args.lora_base_model}: DoRA normalises the "
                                    "base weight with the adapter at every step, which float8 storage does not keep; "
                                    "train a plain LoRA on an fp8 base, or DoRA without --fp8_models")
-            if engine.shards_frozen:
-                raise BackendError(f"--lora_type dora with {engine.name}: DoRA's magnitudes are the base weight's row "
-                                   "norms when the adapter is made, and this engine shards the frozen base (under "
-                                   "FSDP2 it is read into the shards after the adapter is made: measured, the first "
-                                   "loss is not the base model's); train --lora_type lora here, or DoRA under ZeRO-1/2 "
-                                   "or data parallel", source=engine.source)
+            if engine.kind == "deepspeed" and engine.zero_stage == 3:
+                raise BackendError(f"--lora_type dora with {engine.name}: DoRA reads each base weight whole at every "
+                                   "step, and ZeRO-3 partitions the frozen base outside its forward hooks; train "
+                                   "--lora_type lora here, or DoRA under FSDP2, ZeRO-1/2 or data parallel",
+                                   source=engine.source)
         if args.lora_type in ("lokr", "loha") and args.stage != "data_process":
             name = {"lokr": "LoKr", "loha": "LoHa"}[args.lora_type]
             if args.lora_base_model in fp8:

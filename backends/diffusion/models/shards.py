@@ -198,10 +198,35 @@ def fill_shards(model: Any, device: Any) -> Optional[Deferred]:
                     buffer.copy_(read(file_key(name), None, buffer).to(buffer.dtype))
                 elif name in record.kept:
                     buffer.copy_(record.kept[name])
+            dora_magnitudes(model, record.kept)
     finally:
         handles.clear()
     record.kept = {}
     return record
+
+
+def dora_magnitudes(model: Any, kept: dict[str, Any]) -> None:
+    """DoRA's magnitudes taken again from the weights just read: peft sets each to the row norms of its base weight
+    plus the LoRA's delta, ||W + s B A|| (DoraLinearLayer.update_layer), when it makes the adapter, which on a
+    skeleton is the stand-in's zeros (`inject_adapters`). Each process computes its own rows: a magnitude vector is
+    sharded over dim 0 as its weight's rows are, and the whole B and A are the kept ones."""
+    import torch
+
+    for prefix, module in model.named_modules():
+        magnitudes = getattr(module, "lora_magnitude_vector", None)
+        if not magnitudes or not hasattr(module, "get_base_layer"):
+            continue
+        weight = module.get_base_layer().weight
+        local_weight = weight.to_local() if hasattr(weight, "to_local") else weight
+        rows = _local_rows(weight, local_weight)
+        for adapter, layer in magnitudes.items():
+            a = kept[f"{prefix}.lora_A.{adapter}.weight"]
+            b = kept[f"{prefix}.lora_B.{adapter}.weight"]
+            b = b if rows is None else b[rows]
+            summed = local_weight.to(a.device) + module.scaling[adapter] * (b @ a)
+            norm = torch.linalg.norm(summed, dim=1).to(summed.dtype)
+            target = layer.weight.to_local() if hasattr(layer.weight, "to_local") else layer.weight
+            target.copy_(norm.to(target.device, target.dtype))
 
 
 def partition_skeleton(model: Any, ds_config: dict[str, Any], device: Any) -> Optional[Deferred]:
