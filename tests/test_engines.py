@@ -494,6 +494,32 @@ def test_dora_lokr_and_loha_train_under_fsdp2_as_under_data_parallel(workdir):
                                                     for k in ours)
 
 
+def test_ema_under_zero2_is_data_parallels(workdir):
+    """--ema_decay under ZeRO-2 (DiffSynth's offload config): every process holds the trained weights whole after
+    DeepSpeed's step, so the moving average is kept as under data parallel: split equals unsplit (the EMA files too),
+    the average is data parallel's to rounding, and a resumed run ends with the same average."""
+    config = "examples/qwen_image/model_training/full/accelerate_config_zero2offload.yaml"
+    base = ["train", "--model_paths", "models/Qwen/Qwen-Image", "--max_pixels", "1024", "--learning_rate", "1e-3",
+            "--no-progress", "--no-plot", "--seed", "3", "--mixed_precision", "no", "--num_epochs", "1",
+            "--dataset_base_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image",
+            "--dataset_metadata_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image/metadata.csv",
+            "--lora_base_model", "dit", "--lora_rank", "4", "--ema_decay", "0.5"]
+    two = [*base, "--num_epochs", "2"]
+    launch(workdir, config, [(base, "z2-ema/unsplit"), ([*base, "--task", "sft:split"], "z2-ema/split"),
+                             (two, "z2-ema/whole"), (base, "z2-ema/resumed"), ([*two, "--resume"], "z2-ema/resumed")])
+    (workdir / "ddp.yaml").write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\n"
+                                      "mixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\n")
+    launch(workdir, "ddp.yaml", [(base, "ddp-ema/unsplit")])
+    same_training(workdir / "z2-ema" / "unsplit", workdir / "z2-ema" / "split", "epoch-0-ema.safetensors")
+    ours, theirs = (load_file(str(workdir / d / "unsplit" / "epoch-0-ema.safetensors")) for d in ("z2-ema", "ddp-ema"))
+    trained = load_file(str(workdir / "z2-ema" / "unsplit" / "epoch-0.safetensors"))
+    assert ours.keys() == theirs.keys() == trained.keys() and ours
+    assert all(torch.allclose(ours[k], theirs[k], rtol=1e-4, atol=1e-6) for k in ours)
+    assert any(not torch.equal(ours[k], trained[k]) for k in ours)  # an average, not the last weights
+    # the average is in each training state: a run resumed after its first epoch ends with the same one
+    same_training(workdir / "z2-ema" / "whole", workdir / "z2-ema" / "resumed", "epoch-1-ema.safetensors")
+
+
 def test_the_held_out_loss_is_the_whole_models_under_both_sharded_engines(workdir):
     """--validation_dataset under ZeRO-3 and FSDP2: every process computes the held-out forward together (each
     gathers the layers it does not hold, as in training), the training is exactly the one without it, and the two
