@@ -180,9 +180,18 @@ def test_the_dry_run_plans_the_average(job, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_an_engine_keeps_no_average(job, tmp_path, capsys):
-    config = tmp_path / "fsdp2.yaml"
-    config.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\nmixed_precision: 'no'\n"
-                      "num_machines: 1\nnum_processes: 2\n")
-    code, _, err = cli(capsys, *argv(job, tmp_path / "out", "sft:split"), "--dry_run", "--config_file", str(config))
-    one_error_line(code, err, "--ema_decay with FSDP2", "data parallel only")
+def test_a_sharding_engine_keeps_no_average(job, tmp_path, capsys):
+    """FSDP2 and ZeRO-3 keep shards of the weights: one line. ZeRO-2 keeps them whole after its step: planned (its
+    runs are tests/test_engines.py's)."""
+    configs = {"FSDP2": "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n",
+               "DeepSpeed ZeRO-3": "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n",
+               "DeepSpeed ZeRO-2": "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n"}
+    for name, text in configs.items():
+        config = tmp_path / "engine.yaml"
+        config.write_text(text + "mixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\n")
+        code, _, err = cli(capsys, *argv(job, tmp_path / "out", "sft:split"), "--dry_run", "--config_file",
+                           str(config))
+        if name.endswith("ZeRO-2"):
+            assert code == 0, err
+        else:
+            one_error_line(code, err, f"--ema_decay with {name}", "data parallel, ZeRO-1/2")
