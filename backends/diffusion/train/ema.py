@@ -9,9 +9,9 @@ starts as the weights after it), kept by name so that it is saved as tensors (sa
 JSON.
 
 The average is updated after every optimizer step on every process (each holds every trained weight whole after the
-step under data parallel and ZeRO-1/2; ZeRO-3 and FSDP2, which keep shards, refuse it), saved in each training state (`ema.safetensors`, resumed exactly), written
-beside each checkpoint as `<checkpoint>-ema.safetensors` in the checkpoint's own layout, and, with
---validation_use_ema, swapped into the models while validation samples render.
+step under data parallel and ZeRO-1/2; ZeRO-3 and FSDP2, which keep shards, refuse it), saved in each training state
+(`ema.safetensors`, resumed exactly), written beside each checkpoint as `<checkpoint>-ema.safetensors` in the
+checkpoint's own layout, and, with --validation_use_ema, swapped into the models while validation samples render.
 """
 
 from __future__ import annotations

@@ -322,7 +322,8 @@ def empty_prompt_encoding(cfg: Any, plan: Any, provider: Any, ctx: Any, dtype: A
 
 
 class Validator:
-    """Renders the validation prompts at checkpoints of one run (main process)."""
+    """Renders the validation prompts at checkpoints of one run: on the main process, which writes the samples, and
+    under an engine that shards the trained weights on every process with it (`write` False on the others)."""
 
     def __init__(self, cfg: Any, plan: Any, output: Path, cache_dir: Optional[Path], key_hash: Optional[str],
                  write: bool = True):
