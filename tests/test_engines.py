@@ -520,6 +520,32 @@ def test_ema_under_zero2_is_data_parallels(workdir):
     same_training(workdir / "z2-ema" / "whole", workdir / "z2-ema" / "resumed", "epoch-1-ema.safetensors")
 
 
+def test_ema_under_fsdp2_is_data_parallels(workdir):
+    """--ema_decay under FSDP2: each process averages its shards, and a checkpoint and a training state gather the
+    average whole. Split equals unsplit with the EMA files, the average is 2-process data parallel's to rounding, and a
+    resumed run (the average restored into the shards) ends with the same average."""
+    base = ["train", "--model_paths", "models/Qwen/Qwen-Image", "--max_pixels", "1024", "--learning_rate", "1e-3",
+            "--no-progress", "--no-plot", "--seed", "3", "--mixed_precision", "no", "--num_epochs", "1",
+            "--dataset_base_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image",
+            "--dataset_metadata_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image/metadata.csv",
+            "--lora_base_model", "dit", "--lora_rank", "4", "--ema_decay", "0.5"]
+    two = [*base, "--num_epochs", "2"]
+    logs = launch(workdir, "fsdp2.yaml", [(base, "fsdp-ema/unsplit"), ([*base, "--task", "sft:split"], "fsdp-ema/split"),
+                                          (two, "fsdp-ema/whole"), (base, "fsdp-ema/resumed"),
+                                          ([*two, "--resume"], "fsdp-ema/resumed")])
+    assert "FSDP2: dit in" in logs["fsdp-ema/unsplit"]
+    (workdir / "ddp.yaml").write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\n"
+                                      "mixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\n")
+    launch(workdir, "ddp.yaml", [(base, "ddp-ema-fsdp/unsplit")])
+    same_training(workdir / "fsdp-ema" / "unsplit", workdir / "fsdp-ema" / "split", "epoch-0-ema.safetensors")
+    ours, theirs = (load_file(str(workdir / d / "unsplit" / "epoch-0-ema.safetensors"))
+                    for d in ("fsdp-ema", "ddp-ema-fsdp"))
+    assert ours.keys() == theirs.keys() and ours
+    assert all(torch.allclose(ours[k], theirs[k], rtol=1e-4, atol=1e-6) for k in ours)
+    assert "resuming from" in logs["fsdp-ema/resumed"]
+    same_training(workdir / "fsdp-ema" / "whole", workdir / "fsdp-ema" / "resumed", "epoch-1-ema.safetensors")
+
+
 def test_the_held_out_loss_is_the_whole_models_under_both_sharded_engines(workdir):
     """--validation_dataset under ZeRO-3 and FSDP2: every process computes the held-out forward together (each
     gathers the layers it does not hold, as in training), the training is exactly the one without it, and the two

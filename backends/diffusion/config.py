@@ -496,10 +496,10 @@ def check_engine(args: TrainArgs, engine: Engine, fp8: tuple[str, ...]) -> None:
         raise BackendError(f"--fp8_models with {engine.name}: float8 weights are not sharded here (the processes "
                            "gather weights in their storage dtype); drop --fp8_models or use ZeRO-1/2 or data parallel",
                            source=engine.source)
-    if args.ema_decay is not None and (engine.kind == "fsdp2" or engine.zero_stage == 3):
-        raise BackendError(f"--ema_decay with {engine.name}: unitgraph keeps the moving average where every process "
-                           "holds the trained weights whole (data parallel, ZeRO-1/2), not of the shards this engine "
-                           "keeps; train under one of those, or without --ema_decay", source=engine.source)
+    if args.ema_decay is not None and engine.kind == "deepspeed" and engine.zero_stage == 3:
+        raise BackendError(f"--ema_decay with {engine.name}: ZeRO-3 partitions the trained weights outside the steps "
+                           "(their data is empty between forwards), so no average can be taken of them; train under "
+                           "FSDP2, ZeRO-1/2 or data parallel, or without --ema_decay", source=engine.source)
     spec = OPTIMIZERS.get(args.optimizer)
     if args.optimizer != "adamw" and (engine.kind != "fsdp2" or spec is None or spec.not_sharded):
         why = ("DeepSpeed steps its own partitions with AdamW here (a training state keeps AdamW's state per "

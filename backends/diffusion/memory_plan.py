@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
@@ -523,6 +524,8 @@ class _Planner:
         # --ema_decay: the moving average, an fp32 copy of every trained parameter, on the device or in host memory
         ema = (EMA_BYTES_PER_PARAM * sum(b.trainable_params for b in built.values())
                if training and cfg.optim.ema_decay is not None else 0)
+        if engine.kind == "fsdp2":  # each process averages its shards
+            ema = math.ceil(ema / max(1, engine.processes))
         ema_device = 0 if cfg.optim.ema_device == "cpu" else ema
         if ema and not ema_device:
             host_parts["ema"] = ema

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 from .folders import ComponentSource, ModelLoadError, check_config_sizes, component_files
 
 __all__ = ["Deferred", "load_skeleton", "deferred", "inject_adapters", "kept_tensors", "fill_shards",
-           "partition_skeleton", "shard_rows", "file_key"]
+           "partition_skeleton", "shard_rows", "local_rows", "file_key"]
 
 
 @dataclass
@@ -187,7 +187,7 @@ def fill_shards(model: Any, device: Any) -> Optional[Deferred]:
         with torch.no_grad():
             for name, param in model.named_parameters():
                 local = param.to_local() if hasattr(param, "to_local") else param
-                rows = _local_rows(param, local)
+                rows = local_rows(param, local)
                 if name in record.kept:
                     part = record.kept[name] if rows is None else record.kept[name][rows]
                 else:
@@ -218,7 +218,7 @@ def dora_magnitudes(model: Any, kept: dict[str, Any]) -> None:
             continue
         weight = module.get_base_layer().weight
         local_weight = weight.to_local() if hasattr(weight, "to_local") else weight
-        rows = _local_rows(weight, local_weight)
+        rows = local_rows(weight, local_weight)
         for adapter, layer in magnitudes.items():
             a = kept[f"{prefix}.lora_A.{adapter}.weight"]
             b = kept[f"{prefix}.lora_B.{adapter}.weight"]
@@ -302,7 +302,7 @@ def partition_skeleton(model: Any, ds_config: dict[str, Any], device: Any) -> Op
     return record
 
 
-def _local_rows(param: Any, local: Any) -> Optional[slice]:
+def local_rows(param: Any, local: Any) -> Optional[slice]:
     """The rows of `param` that `local` holds (a DTensor sharded on dim 0), or None when it holds it whole."""
     if not hasattr(param, "device_mesh") or not param.shape:
         return None

@@ -9,8 +9,8 @@ starts as the weights after it), kept by name so that it is saved as tensors (sa
 JSON.
 
 The average is updated after every optimizer step on every process (each holds every trained weight whole after the
-step under data parallel and ZeRO-1/2; ZeRO-3 and FSDP2, which keep shards, refuse it), saved in each training state
-(`ema.safetensors`, resumed exactly), written beside each checkpoint as `<checkpoint>-ema.safetensors` in the
+step under data parallel and ZeRO-1/2; under FSDP2 each keeps the shadows of its shards, which a state and a
+checkpoint gather whole; ZeRO-3 refuses it), saved in each training state (`ema.safetensors`, resumed exactly), written beside each checkpoint as `<checkpoint>-ema.safetensors` in the
 checkpoint's own layout, and, with --validation_use_ema, swapped into the models while validation samples render.
 """
 
@@ -61,24 +61,34 @@ class TrainedEMA:
                 value = value.to(shadow.device)
             shadow.sub_(one_minus_decay * (shadow - value))
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The shadows whole on the CPU, by name (for a training state)."""
-        return {name: s.detach().to("cpu").contiguous().clone() for name, s in self.shadow.items()}
+    def tensors(self, full: Any = None) -> dict[str, torch.Tensor]:
+        """The shadows whole on the CPU, by name (for a training state); `full(tensor)` makes a shard whole (FSDP2's
+        gather: every process calls it, in the shadows' order)."""
+        if full is None:
+            return {name: s.detach().to("cpu").contiguous().clone() for name, s in self.shadow.items()}
+        return {name: full(s) for name, s in self.shadow.items()}
 
     def restore(self, tensors: dict[str, torch.Tensor], step: int) -> None:
-        """Set the shadows and the step count from a checked training state."""
+        """Set the shadows and the step count from a checked training state (each process its rows of a sharded
+        shadow: it has the parameter's placement)."""
+        from ..models.shards import local_rows
+
         with torch.no_grad():
             for name, value in tensors.items():
-                self.shadow[name].copy_(value.to(self.shadow[name].device, self.shadow[name].dtype))
+                shadow = self.shadow[name]
+                local = shadow.to_local() if hasattr(shadow, "to_local") else shadow
+                rows = local_rows(shadow, local)
+                local.copy_((value if rows is None else value[rows]).to(local.device, local.dtype))
         self.step = int(step)
 
-    def by_slot(self, slots: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-        """{slot: {parameter name: shadow}}, as train/checkpoints.checkpoint_state takes trained tensors."""
+    def by_slot(self, slots: list[str], full: Any = None) -> dict[str, dict[str, torch.Tensor]]:
+        """{slot: {parameter name: shadow}}, as train/checkpoints.checkpoint_state takes trained tensors; `full` as in
+        `tensors`."""
         out: dict[str, dict[str, torch.Tensor]] = {slot: {} for slot in slots}
         for key, value in self.shadow.items():
             slot, _, name = key.partition("/")
             if slot in out:
-                out[slot][name] = value.detach()
+                out[slot][name] = value.detach() if full is None else full(value)
         return out
 
     @contextlib.contextmanager

@@ -396,9 +396,12 @@ class _Run:
     def checkpoint(self, name: str) -> None:
         with eval_weights(self.optimizer):  # a schedule-free optimizer's averaged weights
             checkpoint(self.cfg, self.output, name, self.models, self.lora_config, self.acc, self.result, self.steps)
-        if self.ema is not None and self.main:  # beside it, in its layout: the moving average (--ema_decay)
-            save(self.cfg, self.output, ema_name(name), self.models, self.lora_config, self.acc, self.steps,
-                 tensors=self.ema.by_slot(list(dict.fromkeys(self.plan.models_require_backward))))
+        if self.ema is not None and (self.main or self.steps.gathers):  # beside it: the moving average, whole
+            slots = list(dict.fromkeys(self.plan.models_require_backward))
+            tensors = self.ema.by_slot(slots, self.steps.full if self.steps.gathers else None)
+            if self.main:
+                save(self.cfg, self.output, ema_name(name), self.models, self.lora_config, self.acc, self.steps,
+                     tensors=tensors)
 
     def keep_state(self, epoch: int, position: int) -> None:
         """The resumable state after `position` steps of `epoch` (main process), the oldest beyond --save_total_limit pruned."""

@@ -321,6 +321,8 @@ def save_state(output: Path, step: int, epoch: int, position: int, elapsed: floa
                     full(value)
         for p in params.values():
             full(p)
+        if ema is not None:  # the moving average's shards, gathered as the writing process gathers them
+            ema.tensors(full)
         return None
     root = Path(output) / STATE_DIR
     root.mkdir(parents=True, exist_ok=True)
@@ -334,7 +336,7 @@ def save_state(output: Path, step: int, epoch: int, position: int, elapsed: floa
         write_bytes_atomic(temp / TRAINED_FILE, save(weights))
         names = list(STATE_FILES)
         if ema is not None:
-            write_bytes_atomic(temp / EMA_FILE, save(ema.tensors()))
+            write_bytes_atomic(temp / EMA_FILE, save(ema.tensors(full)))
             names.append(EMA_FILE)
         if ranks is not None:
             for file in sorted(Path(ranks).iterdir()):
