@@ -459,91 +459,87 @@ def test_an_fsdp2_state_continues_on_another_number_of_processes_from_an_epochs_
     assert left.keys() == right.keys() and all(torch.allclose(left[k], right[k], rtol=1e-5, atol=1e-7) for k in left)
 
 
-def test_dora_lokr_and_loha_train_under_fsdp2_as_under_data_parallel(workdir):
+SMALL_LORA = ["train", "--model_paths", "models/Qwen/Qwen-Image", "--max_pixels", "1024", "--learning_rate", "1e-3",
+              "--no-progress", "--no-plot", "--seed", "3", "--mixed_precision", "no", "--num_epochs", "1",
+              "--dataset_base_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image",
+              "--dataset_metadata_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image/metadata.csv",
+              "--lora_base_model", "dit", "--lora_rank", "4"]
+VARIANTS = ("dora", "lokr", "loha")
+EMA = [*SMALL_LORA, "--ema_decay", "0.5"]
+EMA_TWO = [*EMA, "--num_epochs", "2"]
+# torchrun's data parallel over gloo on a CPU: the reference the sharded engines' runs compare with
+DDP_YAML = "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nmixed_precision: 'no'\nnum_machines: 1\n" \
+           "num_processes: 2\n"
+
+
+def ema_runs(prefix: str) -> list[tuple]:
+    """The EMA cases of an engine: unsplit, split, two epochs whole, and one epoch then resumed to two."""
+    return [(EMA, f"{prefix}/unsplit"), ([*EMA, "--task", "sft:split"], f"{prefix}/split"), (EMA_TWO, f"{prefix}/whole"),
+            (EMA, f"{prefix}/resumed"), ([*EMA_TWO, "--resume"], f"{prefix}/resumed")]
+
+
+@pytest.fixture(scope="module")
+def data_parallel(workdir) -> Path:
+    """The 2-process data-parallel runs of the LoRA variants and of EMA, in one launch."""
+    (workdir / "ddp.yaml").write_text(DDP_YAML)
+    launch(workdir, "ddp.yaml", [*[([*SMALL_LORA, "--lora_type", k], f"ddp/{k}") for k in VARIANTS], (EMA, "ddp/ema")])
+    return workdir / "ddp"
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(workdir) -> dict[str, str]:
+    """FSDP2's runs of the LoRA variants (unsplit and split) and of EMA, in one launch; their logs."""
+    jobs = []
+    for kind in VARIANTS:
+        flags = [*SMALL_LORA, "--lora_type", kind]
+        jobs += [(flags, f"fsdp-variants/{kind}"), ([*flags, "--task", "sft:split"], f"fsdp-variants/{kind}-split")]
+    return launch(workdir, "fsdp2.yaml", [*jobs, *ema_runs("fsdp-ema")])
+
+
+def test_dora_lokr_and_loha_train_under_fsdp2_as_under_data_parallel(workdir, fsdp2_runs, data_parallel):
     """FSDP2 gathers a block's weights whole before its forward, so peft's DoRA, LoKr and LoHa layers see them as
     without an engine (DoRA's magnitudes taken again from the rows read into the shards: models/shards.py
     dora_magnitudes): each trains under FSDP2, split exactly the unsplit run, and as data parallel on 2 processes
     does (to rounding; the first loss, the base model's, exactly)."""
-    base = ["train", "--model_paths", "models/Qwen/Qwen-Image", "--max_pixels", "1024", "--learning_rate", "1e-3",
-            "--no-progress", "--no-plot", "--seed", "3", "--mixed_precision", "no", "--num_epochs", "1",
-            "--dataset_base_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image",
-            "--dataset_metadata_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image/metadata.csv",
-            "--lora_base_model", "dit", "--lora_rank", "4"]
-    jobs = []
-    for kind in ("dora", "lokr", "loha"):
-        flags = [*base, "--lora_type", kind]
-        jobs += [(flags, f"fsdp-variants/{kind}"), ([*flags, "--task", "sft:split"], f"fsdp-variants/{kind}-split")]
-    logs = launch(workdir, "fsdp2.yaml", jobs)
-    (workdir / "ddp.yaml").write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\n"
-                                      "mixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\n")  # torchrun: DDP over gloo on a CPU
-    launch(workdir, "ddp.yaml", [([*base, "--lora_type", kind], f"ddp-variants/{kind}")
-                                 for kind in ("dora", "lokr", "loha")])
-    for kind in ("dora", "lokr", "loha"):
-        assert "FSDP2: dit in" in logs[f"fsdp-variants/{kind}"], logs[f"fsdp-variants/{kind}"][-2000:]
+    for kind in VARIANTS:
+        assert "FSDP2: dit in" in fsdp2_runs[f"fsdp-variants/{kind}"], fsdp2_runs[f"fsdp-variants/{kind}"][-2000:]
         same_training(workdir / "fsdp-variants" / kind, workdir / "fsdp-variants" / f"{kind}-split",
                       "epoch-0.safetensors")
-        assert len(losses(workdir / "fsdp-variants" / kind)) == 2
-    # the same training as data parallel's on 2 processes, to rounding (the engines reduce in other orders)
-    for kind in ("dora", "lokr", "loha"):
-        assert losses(workdir / "fsdp-variants" / kind)[0] == losses(workdir / "ddp-variants" / kind)[0]
-        assert losses(workdir / "fsdp-variants" / kind) == pytest.approx(losses(workdir / "ddp-variants" / kind),
-                                                                         rel=1e-5)
-        ours, theirs = (load_file(str(workdir / d / kind / "epoch-0.safetensors")) for d in ("fsdp-variants",
-                                                                                             "ddp-variants"))
+        ours, theirs = losses(workdir / "fsdp-variants" / kind), losses(data_parallel / kind)
+        # the same training as data parallel's, to rounding (the engines reduce in other orders)
+        assert len(ours) == 2 and ours[0] == theirs[0] and ours == pytest.approx(theirs, rel=1e-5)
+        ours, theirs = (load_file(str(d / kind / "epoch-0.safetensors")) for d in (workdir / "fsdp-variants",
+                                                                                   data_parallel))
         assert ours.keys() == theirs.keys() and all(torch.allclose(ours[k], theirs[k], rtol=1e-4, atol=1e-6)
                                                     for k in ours)
 
 
-def test_ema_under_zero2_is_data_parallels(workdir):
-    """--ema_decay under ZeRO-2 (DiffSynth's offload config): every process holds the trained weights whole after
-    DeepSpeed's step, so the moving average is kept as under data parallel: split equals unsplit (the EMA files too),
-    the average is data parallel's to rounding, and a resumed run ends with the same average."""
-    config = "examples/qwen_image/model_training/full/accelerate_config_zero2offload.yaml"
-    base = ["train", "--model_paths", "models/Qwen/Qwen-Image", "--max_pixels", "1024", "--learning_rate", "1e-3",
-            "--no-progress", "--no-plot", "--seed", "3", "--mixed_precision", "no", "--num_epochs", "1",
-            "--dataset_base_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image",
-            "--dataset_metadata_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image/metadata.csv",
-            "--lora_base_model", "dit", "--lora_rank", "4", "--ema_decay", "0.5"]
-    two = [*base, "--num_epochs", "2"]
-    launch(workdir, config, [(base, "z2-ema/unsplit"), ([*base, "--task", "sft:split"], "z2-ema/split"),
-                             (two, "z2-ema/whole"), (base, "z2-ema/resumed"), ([*two, "--resume"], "z2-ema/resumed")])
-    (workdir / "ddp.yaml").write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\n"
-                                      "mixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\n")
-    launch(workdir, "ddp.yaml", [(base, "ddp-ema/unsplit")])
-    same_training(workdir / "z2-ema" / "unsplit", workdir / "z2-ema" / "split", "epoch-0-ema.safetensors")
-    ours, theirs = (load_file(str(workdir / d / "unsplit" / "epoch-0-ema.safetensors")) for d in ("z2-ema", "ddp-ema"))
-    trained = load_file(str(workdir / "z2-ema" / "unsplit" / "epoch-0.safetensors"))
+def check_ema(workdir: Path, prefix: str, reference: Path) -> None:
+    """An engine's EMA runs: split equals unsplit with the EMA files, the average is data parallel's to rounding (and
+    not the last weights), and the run resumed after its first epoch ends with the whole run's average."""
+    same_training(workdir / prefix / "unsplit", workdir / prefix / "split", "epoch-0-ema.safetensors")
+    ours, theirs = (load_file(str(p / "epoch-0-ema.safetensors")) for p in (workdir / prefix / "unsplit", reference))
+    trained = load_file(str(workdir / prefix / "unsplit" / "epoch-0.safetensors"))
     assert ours.keys() == theirs.keys() == trained.keys() and ours
     assert all(torch.allclose(ours[k], theirs[k], rtol=1e-4, atol=1e-6) for k in ours)
     assert any(not torch.equal(ours[k], trained[k]) for k in ours)  # an average, not the last weights
-    # the average is in each training state: a run resumed after its first epoch ends with the same one
-    same_training(workdir / "z2-ema" / "whole", workdir / "z2-ema" / "resumed", "epoch-1-ema.safetensors")
+    same_training(workdir / prefix / "whole", workdir / prefix / "resumed", "epoch-1-ema.safetensors")
 
 
-def test_ema_under_fsdp2_is_data_parallels(workdir):
-    """--ema_decay under FSDP2: each process averages its shards, and a checkpoint and a training state gather the
-    average whole. Split equals unsplit with the EMA files, the average is 2-process data parallel's to rounding, and a
-    resumed run (the average restored into the shards) ends with the same average."""
-    base = ["train", "--model_paths", "models/Qwen/Qwen-Image", "--max_pixels", "1024", "--learning_rate", "1e-3",
-            "--no-progress", "--no-plot", "--seed", "3", "--mixed_precision", "no", "--num_epochs", "1",
-            "--dataset_base_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image",
-            "--dataset_metadata_path", "data/diffsynth_example_dataset/qwen_image/Qwen-Image/metadata.csv",
-            "--lora_base_model", "dit", "--lora_rank", "4", "--ema_decay", "0.5"]
-    two = [*base, "--num_epochs", "2"]
-    logs = launch(workdir, "fsdp2.yaml", [(base, "fsdp-ema/unsplit"), ([*base, "--task", "sft:split"], "fsdp-ema/split"),
-                                          (two, "fsdp-ema/whole"), (base, "fsdp-ema/resumed"),
-                                          ([*two, "--resume"], "fsdp-ema/resumed")])
-    assert "FSDP2: dit in" in logs["fsdp-ema/unsplit"]
-    (workdir / "ddp.yaml").write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\n"
-                                      "mixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\n")
-    launch(workdir, "ddp.yaml", [(base, "ddp-ema-fsdp/unsplit")])
-    same_training(workdir / "fsdp-ema" / "unsplit", workdir / "fsdp-ema" / "split", "epoch-0-ema.safetensors")
-    ours, theirs = (load_file(str(workdir / d / "unsplit" / "epoch-0-ema.safetensors"))
-                    for d in ("fsdp-ema", "ddp-ema-fsdp"))
-    assert ours.keys() == theirs.keys() and ours
-    assert all(torch.allclose(ours[k], theirs[k], rtol=1e-4, atol=1e-6) for k in ours)
-    assert "resuming from" in logs["fsdp-ema/resumed"]
-    same_training(workdir / "fsdp-ema" / "whole", workdir / "fsdp-ema" / "resumed", "epoch-1-ema.safetensors")
+def test_ema_under_zero2_is_data_parallels(workdir, data_parallel):
+    """--ema_decay under ZeRO-2 (DiffSynth's offload config): every process holds the trained weights whole after
+    DeepSpeed's step, so the moving average is kept as under data parallel."""
+    logs = launch(workdir, "examples/qwen_image/model_training/full/accelerate_config_zero2offload.yaml",
+                  ema_runs("z2-ema"))
+    assert "resuming from" in logs["z2-ema/resumed"]
+    check_ema(workdir, "z2-ema", data_parallel / "ema")
+
+
+def test_ema_under_fsdp2_is_data_parallels(workdir, fsdp2_runs, data_parallel):
+    """--ema_decay under FSDP2: each process averages its shards, a checkpoint and a training state gather the average
+    whole, and a resume puts each process's rows back."""
+    assert "FSDP2: dit in" in fsdp2_runs["fsdp-ema/unsplit"] and "resuming from" in fsdp2_runs["fsdp-ema/resumed"]
+    check_ema(workdir, "fsdp-ema", data_parallel / "ema")
 
 
 def test_the_held_out_loss_is_the_whole_models_under_both_sharded_engines(workdir):
