@@ -55,6 +55,17 @@ def main(jobs_file: str) -> None:
                     os.environ[name] = value
         if code:
             sys.exit(code)
+    leave_cleanly()
+
+
+def leave_cleanly() -> None:
+    """Both processes done, the process group taken down: a process leaving with gloo's threads still up can abort
+    ("terminate called without an active exception") after its work, failing the launch for nothing."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
