@@ -40,7 +40,12 @@ def train_command(**kwargs: Any) -> None:
     from unitgraph.backends.diffusion.stages import run
 
     args = make_args(**kwargs)
-    result = run(args)
+    if args.pipeline and str(args.pipeline).startswith("diffsynth:"):  # DiffSynth's own pipeline (diffsynth_source/)
+        from unitgraph.backends.diffusion.diffsynth_source.run import run as run_diffsynth
+
+        result = run_diffsynth(args, typer.echo if _is_main() else None)
+    else:
+        result = run(args)
     if not _is_main():
         return
     if result.memory_plan is not None:  # --dry_run

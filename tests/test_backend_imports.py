@@ -5,6 +5,7 @@ the families, all standing on a small foundation of shared vocabulary (CONTRIBUT
 
     run        args, choice, config, experts, memory_plan, memory_trace, registry, session, stage1, stage1_key, stages,
                untrained
+    above      diffsynth_source/          (DiffSynth's own pipelines run: it reads the run's args; the CLI calls it)
     rooms 2    train/, families/          (each may use the rooms below, never the other)
     rooms 1    models/, data/, cache/     (each uses only itself and the foundation)
     foundation errors, randomness, family, context, flowmatch, ddpm, caption_dropout, masked_loss, report, result,
@@ -36,7 +37,7 @@ FOUNDATION = ("errors", "randomness", "family", "context", "flowmatch", "ddpm", 
 RUN = ("args", "choice", "config", "experts", "memory_plan", "memory_trace", "registry", "session", "stage1",
        "stage1_key", "stages", "untrained")
 # rank of each room: an import may go to a lower rank, or stay in its own room
-ROOMS = {"models": 1, "data": 1, "cache": 1, "train": 2, "families": 2}
+ROOMS = {"models": 1, "data": 1, "cache": 1, "train": 2, "families": 2, "diffsynth_source": 4}
 
 
 def backend_sources() -> tuple[dict[str, str], set[str]]:

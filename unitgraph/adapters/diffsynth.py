@@ -516,9 +516,17 @@ def from_installed(module_name: str, class_name: str | None = None, *, where: st
         folder = Path(inspect.getsourcefile(module)).parent
         note(f"diffsynth: {cls.__name__}(device='cpu') failed ({type(exc).__name__}: {exc}); read {folder} statically")
         return from_source(folder, module_name, cls.__name__, where=where, **options)
+    return from_object(pipe, where=where, **options)
+
+
+def from_object(pipe: Any, *, where: str | None = None, **options: Any) -> Pipeline:
+    """The pipeline of a DiffSynth pipeline object as it is now: a unit per entry of `pipe.units`, in order (the
+    diffusion backend plans the very units it then runs, backends/diffusion/diffsynth_source)."""
     units = list(getattr(pipe, "units", []) or [])
     decls = [_decl_from_object(unit) for unit in units]
-    return build_pipeline(cls.__name__, decls, getattr(pipe, "in_iteration_models", None), where=where, **options)
+    name = type(pipe).__name__
+    return build_pipeline(name, decls, getattr(pipe, "in_iteration_models", None), where=where or f"diffsynth:{name}",
+                          **options)
 
 
 def _installed_pipeline_class(module, class_name: str | None, where: str) -> type:
@@ -700,4 +708,4 @@ def _warn_string(owner: str, key: str, value: str, known_models: set[str]) -> No
 
 PIPELINES: dict = {}  # open-ended names: `resolve` answers every reference
 
-__all__ = ["ProcessFacts", "UnitDecl", "analyse_process", "build_pipeline", "from_installed", "from_source", "resolve"]
+__all__ = ["ProcessFacts", "UnitDecl", "analyse_process", "build_pipeline", "from_installed", "from_object", "from_source", "resolve"]

@@ -1,0 +1,292 @@
+"""A DiffSynth pipeline's models, found as DiffSynth finds them and loaded by DiffSynth's own loader.
+
+`--model_paths` (a JSON list whose entries are a file or a list of a model's shard files) and
+`--model_id_with_origin_paths` (`org/name:pattern,...`, looked for in DiffSynth's `./models/<org>/<name>/` first,
+then the modelscope cache, and downloaded only when neither holds them: `models.hub.Hub`) become DiffSynth
+`ModelConfig`s, and the pipeline class's own `from_pretrained` loads them: DiffSynth's `ModelPool` recognises each
+file by the md5 of its sorted `key:shape` list against its model-config table (`diffsynth.configs.MODEL_CONFIGS`).
+
+Two things are unitgraph's:
+
+- **A stage loads only its models.** Each file is recognised before loading (the same hash, the same table), so a
+  stage passes `from_pretrained` only the files of the models its units call: stage 2 never opens the encoders'
+  files, and does not need them on disk. Which pipeline attribute a table entry fills is read from the pipeline's
+  `from_pretrained` source (`pipe.text_encoder = model_pool.fetch_model("stable_diffusion_text_encoder")`).
+- **A file the table does not know** (a resized, pruned or test-sized model: its hash names no entry) is recognised
+  by its `config.json`, as a diffusers or transformers folder keeps one beside its weights: each table entry of a
+  model the pipeline loads is built on the meta device with the config's values its constructor takes, its
+  state-dict converter applied to the file's names and shapes, and the entry whose model has exactly the file's
+  weights is registered for this process under the file's hash, with those values as its `extra_kwargs` (how
+  DiffSynth's own table gives a class its sizes). Nothing is imported from outside the `diffsynth` package, and a
+  file no entry fits is one line naming it.
+
+Weights are read from safetensors only: DiffSynth would read another file with torch.load (pickle), so unitgraph
+refuses it.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+from ..errors import BackendError
+from ..models.hub import Hub, origin_subfolder
+from .glue import Glue
+
+__all__ = ["ModelFile", "find_models", "load_pipeline", "model_attributes", "recognise"]
+
+Files = Union[str, list[str]]
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """One model of the command: its file(s), the table entries that recognise it and the pipeline attributes
+    they fill."""
+
+    path: Files
+    names: tuple[str, ...]
+    attributes: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        return self.path if isinstance(self.path, str) else f"{self.path[0]} (+{len(self.path) - 1} more)"
+
+
+def _import(dotted: str) -> Any:
+    if not dotted.startswith("diffsynth."):
+        raise BackendError(f"refusing to import {dotted}: only DiffSynth's own classes are loaded")
+    module, _, attr = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def model_attributes(pipeline_class: type) -> dict[str, str]:
+    """{DiffSynth model name: the pipeline attribute it fills}, read from `from_pretrained`'s source.
+
+    >>> class P:
+    ...     @staticmethod
+    ...     def from_pretrained(model_pool=None, pipe=None):
+    ...         pipe.unet = model_pool.fetch_model("stable_diffusion_unet")
+    >>> model_attributes(P)
+    {'stable_diffusion_unet': 'unet'}
+    """
+    source = textwrap.dedent(inspect.getsource(pipeline_class.from_pretrained))
+    found: dict[str, str] = {}
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+            continue
+        target, value = node.targets[0], node.value
+        if (isinstance(target, ast.Attribute) and isinstance(value, ast.Call)
+                and isinstance(value.func, ast.Attribute) and value.func.attr == "fetch_model"
+                and value.args and isinstance(value.args[0], ast.Constant) and isinstance(value.args[0].value, str)):
+            found.setdefault(value.args[0].value, target.attr)
+    return found
+
+
+# ------------------------------------------------------------------------------------------------
+# the command's model arguments -> files
+
+
+def _parse_model_paths(value: Optional[str]) -> list[Files]:
+    if not value:
+        return []
+    text = value.strip()
+    if not text.startswith("["):
+        return [text]
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BackendError(f"--model_paths is not a JSON list ({exc.msg} at character {exc.pos})") from None
+    out: list[Files] = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, list) and item and all(isinstance(p, str) for p in item):
+            out.append(list(item))
+        else:
+            raise BackendError(f"--model_paths: each entry is a path or a list of a model's files, got {item!r:.60}")
+    return out
+
+
+def _parse_ids(value: Optional[str]) -> list[tuple[str, str]]:
+    if not value:
+        return []
+    pairs = []
+    for item in value.split(","):
+        item = item.strip()
+        model_id, sep, pattern = item.rpartition(":")
+        if not sep or not model_id or not pattern:
+            raise BackendError(f"--model_id_with_origin_paths: {item!r} is not MODEL_ID:PATTERN")
+        pairs.append((model_id, pattern))
+    return pairs
+
+
+def _id_files(hub: Hub, model_id: str, pattern: str) -> Files:
+    folder = hub.snapshot(model_id, pattern, lambda where, problem: BackendError(problem, source=str(where)))
+    root = folder.parent if origin_subfolder(pattern) else folder
+    files = sorted(str(p) for p in root.glob(pattern) if p.is_file())
+    if not files:
+        raise BackendError(f"no file matches {pattern}", source=str(root))
+    return files[0] if len(files) == 1 else files
+
+
+def _check_files(files: Files) -> None:
+    for path in [files] if isinstance(files, str) else files:
+        p = Path(path)
+        if not p.is_file():
+            raise BackendError("model file not found" if not p.exists() else "a model is a .safetensors file or a list "
+                               "of them, not a folder (DiffSynth's --model_paths names files)", source=str(p))
+        if p.suffix != ".safetensors":
+            raise BackendError("only .safetensors model files are read (DiffSynth would read this one with torch.load, "
+                               "which unpickles it)", source=str(p))
+
+
+def find_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_paths: Optional[str],
+                hub: Hub) -> list[ModelFile]:
+    """Every model the command names, recognised (see the module docstring)."""
+    from diffsynth.configs import MODEL_CONFIGS  # noqa: F401 - the table recognise() reads
+
+    pipeline_class = pipeline_class_of(glue)
+    attributes = model_attributes(pipeline_class)
+    found: list[ModelFile] = []
+    given = _parse_model_paths(model_paths) + [_id_files(hub, i, p) for i, p in _parse_ids(model_id_with_origin_paths)]
+    for files in given:
+        _check_files(files)
+        names = recognise(files, attributes)
+        found.append(ModelFile(files, names, tuple(dict.fromkeys(attributes[n] for n in names if n in attributes))))
+    return found
+
+
+def pipeline_class_of(glue: Glue) -> type:
+    module = importlib.import_module(f"diffsynth.pipelines.{glue.module}")
+    return getattr(module, glue.class_name)
+
+
+# ------------------------------------------------------------------------------------------------
+# recognising a file
+
+
+def _file_shapes(files: Files) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in [files] if isinstance(files, str) else files:
+        try:
+            with safe_open(path, "pt") as handle:
+                for key in handle.keys():
+                    shapes[key] = tuple(handle.get_slice(key).get_shape())
+        except Exception as exc:  # safetensors raises its own types for damaged files
+            raise BackendError(f"unreadable safetensors file ({type(exc).__name__}: {exc})", source=str(path)) from None
+    return shapes
+
+
+def recognise(files: Files, attributes: dict[str, str]) -> tuple[str, ...]:
+    """The DiffSynth model names `files` loads as: the table's entries of its hash, else (a file the table does not
+    know) the entry its config.json builds, registered now. One line when neither recognises it."""
+    from diffsynth.configs import MODEL_CONFIGS
+    from diffsynth.core.loader.file import hash_model_file
+
+    model_hash = hash_model_file(files)
+    names = tuple(dict.fromkeys(c["model_name"] for c in MODEL_CONFIGS if c["model_hash"] == model_hash))
+    if names:
+        return names
+    entry = _from_config(files, attributes)
+    first = files if isinstance(files, str) else files[0]
+    if entry is None:
+        raise BackendError(f"DiffSynth does not recognise this model (its key hash {model_hash} is in no entry of "
+                           "diffsynth.configs.MODEL_CONFIGS) and no config.json beside it builds one of "
+                           f"{', '.join(sorted(attributes.values()))}", source=first)
+    MODEL_CONFIGS.append(dict(entry, model_hash=model_hash))
+    return (entry["model_name"],)
+
+
+def _from_config(files: Files, attributes: dict[str, str]) -> Optional[dict[str, Any]]:
+    import torch
+    from diffsynth.configs import MODEL_CONFIGS
+
+    first = Path(files if isinstance(files, str) else files[0])
+    config_file = first.parent / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BackendError(f"unreadable config.json ({exc})", source=str(config_file)) from None
+    if not isinstance(config, dict):
+        return None
+    shapes = _file_shapes(files)
+    seen: set[tuple[str, str, str]] = set()
+    for entry in MODEL_CONFIGS:
+        if entry["model_name"] not in attributes:
+            continue
+        ident = (entry["model_name"], entry["model_class"], entry.get("state_dict_converter", ""))
+        if ident in seen:
+            continue
+        seen.add(ident)
+        cls = _import(entry["model_class"])
+        taken = inspect.signature(cls.__init__).parameters
+        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in taken and k != "self"}
+        try:
+            with torch.device("meta"):
+                model = cls(**{**entry.get("extra_kwargs", {}), **kwargs})
+            state = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+            if entry.get("state_dict_converter"):
+                state = _import(entry["state_dict_converter"])(state)
+        except Exception:  # a class these values do not build, a converter these names do not fit: not this entry
+            continue
+        want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        if want == {k: tuple(v.shape) for k, v in state.items()}:
+            extra = {**entry.get("extra_kwargs", {}), **{k: list(v) if isinstance(v, tuple) else v
+                                                         for k, v in kwargs.items()}}
+            return {k: v for k, v in entry.items() if k != "model_hash"} | {"extra_kwargs": extra}
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# loading
+
+
+def tokenizer_folder(tokenizer: Any, given: Optional[str], hub: Hub) -> str:
+    if given:
+        if not Path(given).is_dir():
+            raise BackendError("tokenizer folder not found", source=given)
+        return given
+    folder = hub.snapshot(tokenizer.model_id, tokenizer.pattern,
+                          lambda where, problem: BackendError(f"{problem} (or pass --{tokenizer.flag})", source=str(where)))
+    return str(folder)
+
+
+def load_pipeline(glue: Glue, models: Iterable[ModelFile], attributes: Iterable[str], tokenizers: dict[str, str],
+                  dtype: Any, device: str = "cpu") -> Any:
+    """The pipeline with only the models filling `attributes` loaded (DiffSynth's `from_pretrained`), and the
+    tokenizer folders given (keyword -> folder)."""
+    from diffsynth.core import ModelConfig
+
+    wanted = set(attributes)
+    configs = [ModelConfig(path=m.path) for m in models if wanted & set(m.attributes)]
+    kwargs = {keyword: ModelConfig(path=folder) for keyword, folder in tokenizers.items()}
+    for tokenizer in glue.tokenizers:
+        kwargs.setdefault(tokenizer.keyword, None)
+    cls = pipeline_class_of(glue)
+    with _quiet():
+        return cls.from_pretrained(torch_dtype=dtype, device=device, model_configs=configs, **kwargs)
+
+
+class _quiet:
+    """DiffSynth's loader prints each file and model it loads as JSON; unitgraph says what a stage loads in one
+    line instead."""
+
+    def __enter__(self) -> None:
+        import contextlib
+        import io
+
+        self._redirect = contextlib.redirect_stdout(io.StringIO())
+        self._redirect.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._redirect.__exit__(*exc)

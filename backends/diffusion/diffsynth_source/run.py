@@ -1,0 +1,459 @@
+"""`unitgraph train --pipeline diffsynth:MODULE`: DiffSynth's pipeline trained unsplit, or split through a cache.
+
+One step, in every task, is `train_step` on a state: torch's global stream seeded from (--seed, epoch, sample), the
+plan's training units run in the pipeline's order through DiffSynth's `unit_runner`, then DiffSynth's own
+`FlowMatchSFTLoss`. The state comes from running the plan's data_process units (`sft`) or from the sample's cache
+entry (`sft:train`), which `sft:data_process` wrote after running the same units on the same inputs: that is the
+whole argument for split == unsplit (see the package docstring for the draws).
+
+The parts around the step are DiffSynth's runner's: AdamW with --learning_rate and --weight_decay, torch's
+ConstantLR with its defaults, one sample per step, the LoRA injected by DiffSynth's `add_lora_to_model` (peft) and
+written each epoch as `epoch-N.safetensors` by DiffSynth's `export_trainable_state_dict` (keys without
+--remove_prefix_in_ckpt, DiffSynth's default `pipe.dit.`), which its `pipe.load_lora` reads. The epoch's order is
+unitgraph's seeded permutation, not the DataLoader's draw from the global stream.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from unitgraph.atomic import write_bytes_atomic
+from unitgraph.plan import split
+
+from ..args import TrainArgs
+from ..cache.entries import read_entry, write_entry
+from ..cache.keys import canonical_hash, sha256_file
+from ..data.dataset import DiffusionDataset
+from ..context import ImageSize
+from ..errors import BackendError
+from ..models.hub import Hub
+from ..randomness import derive_seed, permutation, seeded_global_stream
+from ..result import RunResult
+from . import EXTRA_HINT, available
+from .glue import Glue, glue_for, inputs
+from .hazards import UnitHazard, check_unit, install_stand_ins, state_identities
+from .models import ModelFile, find_models, load_pipeline, pipeline_class_of, tokenizer_folder
+
+__all__ = ["run", "wanted", "MANIFEST"]
+
+MANIFEST = "unitgraph-diffsynth-cache.json"
+FORMAT = "unitgraph.diffsynth-cache/v1"
+DIFFSYNTH_REMOVE_PREFIX = "pipe.dit."  # DiffSynth's --remove_prefix_in_ckpt default
+DIFFSYNTH_LORA_TARGETS = "q,k,v,o,ffn.0,ffn.2"  # DiffSynth's --lora_target_modules default
+TASKS = ("sft", "sft:data_process", "sft:train")
+# the flags this source reads; any other flag set away from its default is refused in one line
+READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_file_keys", "extra_inputs", "pipeline",
+        "model_paths", "model_id_with_origin_paths", "tokenizer_path", "tokenizer_2_path", "modelscope_cache_dir",
+        "learning_rate", "weight_decay", "num_epochs", "trainable_models", "use_gradient_checkpointing",
+        "use_gradient_checkpointing_offload", "task", "output_path", "remove_prefix_in_ckpt", "lora_base_model",
+        "lora_target_modules", "lora_rank", "lora_alpha", "height", "width", "max_pixels", "seed", "cache_path",
+        "overwrite", "progress", "plot", "json", "dataset_num_workers", "find_unused_parameters",
+        "enable_csv_log", "lr_scheduler", "optimizer", "loss_weighting", "timestep_sampling", "lora_format",
+        "max_timestep_boundary", "min_timestep_boundary"}
+
+
+def wanted(args: TrainArgs) -> bool:
+    """Whether this run goes through DiffSynth's own pipeline: `--pipeline diffsynth:MODULE`."""
+    return bool(args.pipeline) and str(args.pipeline).startswith("diffsynth:")
+
+
+def check_flags(args: TrainArgs) -> None:
+    """One line for the first flag this source does not read that the command sets."""
+    for f in fields(TrainArgs):
+        if f.name in READ:
+            continue
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        value = getattr(args, f.name)
+        if value != default and not (value in (None, False, 0, "", []) and default in (None, False, 0, "", [])):
+            raise BackendError(f"--{f.name} is not available yet for a pipeline trained through DiffSynth's own code "
+                               f"({args.pipeline}); it works with unitgraph's own families (see 'unitgraph pipelines')")
+    if args.task not in TASKS:
+        raise BackendError(f"--task {args.task}: a DiffSynth pipeline trains {', '.join(TASKS)} so far")
+    checks = {"lr_scheduler": "diffsynth", "optimizer": "adamw", "loss_weighting": "diffsynth",
+              "timestep_sampling": "diffsynth"}
+    for name, only in checks.items():
+        if getattr(args, name) != only:
+            raise BackendError(f"--{name} {getattr(args, name)}: a DiffSynth pipeline trains with DiffSynth's own "
+                               f"({only}) so far")
+    if args.lora_format not in ("diffusers", "diffsynth"):
+        raise BackendError(f"--lora_format {args.lora_format}: a DiffSynth pipeline writes DiffSynth's layout")
+    if not args.lora_base_model and not args.trainable_models and args.task != "sft:data_process":
+        raise BackendError("name what to train: --lora_base_model MODEL or --trainable_models MODELS")
+
+
+# ------------------------------------------------------------------------------------------------
+# the set-up every task shares
+
+
+@dataclass
+class Setup:
+    glue: Glue
+    args: TrainArgs
+    dtype: Any
+    pipe_class: type
+    units: list[Any]  # the pipeline's unit objects, in order
+    spec: Any  # unitgraph.spec.Pipeline of those units
+    plan: Any
+    hub: Hub
+    models: list[ModelFile]
+
+    def stage_units(self, stage: str) -> list[tuple[str, Any, Any]]:
+        names = set(self.plan.data_process_units if stage == "data_process" else self.plan.train_units)
+        return [(decl.name, obj, decl) for decl, obj in zip(self.spec.units, self.units) if decl.name in names]
+
+    def load(self, stage_models: list[str], stage: str) -> Any:
+        """The pipeline with `stage_models` loaded, the others' attributes standing in (hazards.py)."""
+        wanted_tokenizers = {}
+        for tok in self.glue.tokenizers:
+            if tok.encoder in stage_models:
+                wanted_tokenizers[tok.keyword] = tokenizer_folder(tok, getattr(self.args, tok.flag, None), self.hub)
+        pipe = load_pipeline(self.glue, self.models, stage_models, wanted_tokenizers, self.dtype)
+        given = {a for m in self.models for a in m.attributes}
+        missing = sorted(set(stage_models) - {a for a in given if getattr(pipe, a, None) is not None})
+        if missing:
+            raise BackendError(f"{stage} needs the model{'s' if len(missing) > 1 else ''} {', '.join(missing)} of "
+                               f"{self.glue.class_name}, which the command's --model_paths / --model_id_with_origin_paths "
+                               "do not give")
+        install_stand_ins(pipe, sorted(given - set(stage_models)), stage)
+        pipe.scheduler.set_timesteps(1000, training=True)  # switch_pipe_to_training_mode's first step
+        pipe.freeze_except([])
+        return pipe
+
+
+def _dtype(glue: Glue) -> Any:
+    import torch
+
+    return getattr(torch, glue.dtype)
+
+
+def setup(args: TrainArgs) -> Setup:
+    import warnings
+
+    from unitgraph.adapters.diffsynth import from_object
+
+    glue = glue_for(str(args.pipeline))
+    dtype = _dtype(glue)
+    pipe_class = pipeline_class_of(glue)
+    bare = pipe_class(device="cpu", torch_dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # declaration notes belong to 'unitgraph audit', not to every run
+        spec = from_object(bare, where=glue.name)
+    if len(spec.units) != len(bare.units):
+        raise BackendError(f"{glue.name}: the adapter read {len(spec.units)} units of {len(bare.units)}")
+    backward = [m for m in (args.trainable_models or "").split(",") if m]
+    try:
+        plan = split(spec, trainable_models=backward, lora_base_model=args.lora_base_model or None)
+    except Exception as exc:  # SpecError: a model the pipeline does not have
+        raise BackendError(f"{glue.name}: {exc}") from None
+    hub = Hub.from_env(args.modelscope_cache_dir)
+    models = find_models(glue, args.model_paths, args.model_id_with_origin_paths, hub)
+    return Setup(glue, args, dtype, pipe_class, list(bare.units), spec, plan, hub, models)
+
+
+# ------------------------------------------------------------------------------------------------
+# the step
+
+
+_HELPER: list[Any] = []
+
+
+def _helper() -> Any:
+    """One `DiffusionTrainingModule` (an empty torch module) whose methods the runs borrow: DiffSynth's own transfer
+    of the inputs, LoRA injection and checkpoint export."""
+    if not _HELPER:
+        from diffsynth.diffusion.training_module import DiffusionTrainingModule
+
+        _HELPER.append(DiffusionTrainingModule())
+    return _HELPER[0]
+
+
+def _transfer(state: tuple[dict, dict, dict], pipe: Any) -> tuple[dict, dict, dict]:
+    """DiffSynth's `transfer_data_to_device`: float tensors to the pipeline's device and dtype."""
+    return _helper().transfer_data_to_device(state, pipe.device, pipe.torch_dtype)
+
+
+def run_units(pipe: Any, units: list[tuple[str, Any, Any]], state: tuple[dict, dict, dict],
+              watch: bool = False) -> tuple[dict, dict, dict]:
+    """Run `units` in order on `state` through DiffSynth's runner; with `watch`, check each (hazards.py)."""
+    import torch
+
+    for name, unit, decl in units:
+        before = state_identities(state) if watch else {}
+        rng = torch.get_rng_state() if watch else None
+        try:
+            state = pipe.unit_runner(unit, pipe, *state)
+        except UnitHazard as exc:
+            raise UnitHazard(f"unit {name} {exc}") from None
+        if watch:
+            check_unit(name, decl.outputs, before, rng, state)
+    return state
+
+
+def step_seed(seed: int, epoch: int, sample_id: str) -> int:
+    return derive_seed(seed, "diffsynth-step", epoch, sample_id)
+
+
+def train_step(pipe: Any, units: list[tuple[str, Any, Any]], state: tuple[dict, dict, dict], seed: int) -> Any:
+    """The loss of one step on `state` (the state after the data_process units): seed the stream, run the
+    training units, then DiffSynth's FlowMatchSFTLoss."""
+    import torch
+    from diffsynth.diffusion.loss import FlowMatchSFTLoss
+
+    torch.manual_seed(seed)
+    shared, posi, nega = run_units(pipe, units, _transfer(state, pipe))
+    return FlowMatchSFTLoss(pipe, **shared, **posi)
+
+
+# ------------------------------------------------------------------------------------------------
+# samples
+
+
+def dataset_of(setup: Setup) -> DiffusionDataset:
+    args = setup.args
+    extra = tuple(n for n in (args.extra_inputs or "").split(",") if n)
+    keys = tuple(k for k in (args.data_file_keys or "image").split(",") if k)
+    return DiffusionDataset(args.dataset_base_path, args.dataset_metadata_path, ("image", "prompt", *extra),
+                            data_file_keys=keys, extra_inputs=extra, required=setup.glue.columns)
+
+
+def sample_state(setup: Setup, dataset: DiffusionDataset, index: int, device: Any) -> tuple[dict, dict, dict]:
+    """The inputs of sample `index`: its image resized by DiffSynth's own ImageCropAndResize (--height/--width, else
+    --max_pixels, sides multiples of the pipeline's factor), then the pipeline's inputs (glue.inputs)."""
+    from diffsynth.core.data.operators import ImageCropAndResize
+
+    args = setup.args
+    sample = dataset.sample(index)
+    resize = ImageCropAndResize(args.height, args.width, args.max_pixels, setup.glue.division, setup.glue.division)
+    sample["image"] = resize(sample["image"])
+    extra = tuple(n for n in (args.extra_inputs or "").split(",") if n)
+    return inputs(setup.glue, sample, device, bool(args.use_gradient_checkpointing),
+                  bool(args.use_gradient_checkpointing_offload), extra)
+
+
+# ------------------------------------------------------------------------------------------------
+# stage 1
+
+
+def _key_inputs(setup: Setup) -> dict[str, Any]:
+    """What every entry key shares: the pipeline, the data_process units, the files of their models, the settings."""
+    import diffsynth
+
+    files = {}
+    for model in setup.models:
+        if set(model.attributes) & set(setup.plan.data_process_models):
+            for path in [model.path] if isinstance(model.path, str) else model.path:
+                files[Path(path).name + ":" + ",".join(model.attributes)] = sha256_file(Path(path))
+    args = setup.args
+    return {"pipeline": setup.glue.name, "diffsynth": getattr(diffsynth, "__version__", "?"),
+            "units": setup.plan.data_process_units, "models": files, "dtype": setup.glue.dtype,
+            "size": ImageSize(args.height, args.width, args.max_pixels).key(),
+            "gradient_checkpointing": [bool(args.use_gradient_checkpointing),
+                                       bool(args.use_gradient_checkpointing_offload)]}
+
+
+def data_process(setup: Setup, cache_dir: Path, report: Callable[[str], None]) -> RunResult:
+    import torch
+
+    dataset = dataset_of(setup)
+    pipe = setup.load(setup.plan.data_process_models, "stage 1")
+    units = setup.stage_units("data_process")
+    static = canonical_hash(_key_inputs(setup))
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    (cache_dir / "entries").mkdir(exist_ok=True)
+    result = RunResult(task=setup.args.task, output_path=cache_dir, plan=setup.plan, cache_path=cache_dir)
+    entries = []
+    start = time.perf_counter()
+    with torch.no_grad():
+        for index in range(len(dataset)):
+            sample_id = dataset.sample_id(index)
+            key = canonical_hash({"static": static, "sample": sample_id})
+            path = cache_dir / "entries" / f"{key}.safetensors"
+            if path.is_file():
+                result.entries_reused += 1
+            else:
+                state = run_units(pipe, units, _transfer(sample_state(setup, dataset, index, pipe.device), pipe),
+                                  watch=True)
+                values = {"inputs_shared": state[0], "inputs_posi": state[1], "inputs_nega": state[2]}
+                try:
+                    write_entry(path, values, {"sample": sample_id, "row": index})
+                except TypeError as exc:
+                    raise BackendError(f"stage 1 cannot store a value of {setup.glue.name}'s state ({exc})") from None
+                result.entries_computed += 1
+                result.computed_indices.append(index)
+            entries.append({"row": index, "sample": sample_id, "file": f"entries/{key}.safetensors"})
+    manifest = {"format": FORMAT, "pipeline": setup.glue.name, "plan": setup.plan.to_dict(),
+                "key": _key_inputs(setup), "entries": entries}
+    write_bytes_atomic(cache_dir / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+    result.samples = len(dataset)
+    result.cache_reused = result.entries_computed == 0
+    result.stage_times["data_process"] = time.perf_counter() - start
+    return result
+
+
+def read_manifest(folder: Path, setup: Setup) -> dict[str, Any]:
+    path = folder / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BackendError(f"no cache of stage 1 here ({MANIFEST} is missing); run --task sft:data_process with "
+                           "--output_path this folder first", source=str(folder)) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BackendError(f"unreadable cache manifest ({exc})", source=str(path)) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise BackendError("not a cache of a DiffSynth pipeline's stage 1", source=str(path))
+    if manifest.get("pipeline") != setup.glue.name:
+        raise BackendError(f"the cache was made for {manifest.get('pipeline')}, not {setup.glue.name}", source=str(path))
+    planned = manifest.get("plan", {}).get("fingerprint")
+    if planned != setup.plan.fingerprint:
+        raise BackendError("the cache was made for another plan (other models to train); run stage 1 again",
+                           source=str(path))
+    return manifest
+
+
+# ------------------------------------------------------------------------------------------------
+# training
+
+
+def _lora(setup: Setup, pipe: Any) -> None:
+    args = setup.args
+    if args.trainable_models:
+        pipe.freeze_except([m for m in args.trainable_models.split(",") if m])
+    if not args.lora_base_model:
+        return
+    model = getattr(pipe, args.lora_base_model, None)
+    if model is None or not hasattr(model, "named_modules"):
+        raise BackendError(f"--lora_base_model {args.lora_base_model}: {setup.glue.class_name} has no such model loaded")
+    helper = _helper()
+    targets = DIFFSYNTH_LORA_TARGETS if args.lora_target_modules is None else args.lora_target_modules
+    with _quiet_print():
+        target_list = helper.parse_lora_target_modules(model, targets)
+    try:
+        with seeded_global_stream(args.seed, "diffsynth-lora-init"):
+            model = helper.add_lora_to_model(model, target_modules=target_list, lora_rank=args.lora_rank,
+                                             lora_alpha=args.lora_alpha, upcast_dtype=pipe.torch_dtype)
+    except ValueError as exc:
+        raise BackendError(f"--lora_target_modules {targets!r}: {str(exc).splitlines()[0]}") from None
+    setattr(pipe, args.lora_base_model, model)
+
+
+class _quiet_print:
+    def __enter__(self) -> None:
+        import contextlib
+        import io
+
+        self._r = contextlib.redirect_stdout(io.StringIO())
+        self._r.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._r.__exit__(*exc)
+
+
+def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample_ids: list[str], pipe: Any,
+          report: Callable[[str], None], result: RunResult) -> RunResult:
+    """The loop (DiffSynth's runner, one sample a step): `states(i)` gives sample i's state after stage 1's units."""
+    import torch
+    from diffsynth.diffusion.training_module import DiffusionTrainingModule
+
+    args = setup.args
+    _lora(setup, pipe)
+    holder = DiffusionTrainingModule()
+    holder.pipe = pipe  # parameter names "pipe.<model>.<module>...", as DiffSynth's training module has them
+    trainable = [p for p in holder.parameters() if p.requires_grad]
+    if not trainable:
+        raise BackendError("nothing to train: the LoRA and --trainable_models left no parameter needing gradients")
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.ConstantLR(optimizer)
+    units = setup.stage_units("train")
+    output = Path(args.output_path)
+    output.mkdir(parents=True, exist_ok=True)
+    prefix = DIFFSYNTH_REMOVE_PREFIX if args.remove_prefix_in_ckpt is None else args.remove_prefix_in_ckpt
+    rows = []
+    start = time.perf_counter()
+    n = len(sample_ids)
+    for epoch in range(args.num_epochs):
+        order = [i for _ in range(max(1, args.dataset_repeat)) for i in range(n)]
+        order = [order[k] for k in permutation(len(order), args.seed, "diffsynth-shuffle", epoch)]
+        for index in order:
+            began = time.perf_counter()
+            loss = train_step(pipe, units, states(index), step_seed(args.seed, epoch, sample_ids[index]))
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            result.steps += 1
+            result.losses.append(float(loss.detach()))
+            result.step_times.append(time.perf_counter() - began)
+            rows.append({"step": result.steps, "epoch": epoch, "row": index, "loss": repr(float(loss.detach()))})
+        path = output / f"epoch-{epoch}.safetensors"
+        _save(holder, prefix, path)
+        result.checkpoints.append(path)
+    result.stage_times["train"] = time.perf_counter() - start
+    result.loss_csv = output / "loss.csv"
+    with open(result.loss_csv, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["step", "epoch", "row", "loss"])
+        writer.writeheader()
+        writer.writerows(rows)
+    return result
+
+
+def _save(holder: Any, prefix: str, path: Path) -> None:
+    from safetensors.torch import save
+
+    state = holder.export_trainable_state_dict(holder.state_dict(), remove_prefix=prefix or None)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    write_bytes_atomic(path, save(tensors))
+
+
+# ------------------------------------------------------------------------------------------------
+# the command
+
+
+def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None) -> RunResult:
+    """Execute args.task through DiffSynth's pipeline (see the module docstring)."""
+    report = echo or (lambda line: None)
+    if not available():
+        raise BackendError(f"--pipeline {args.pipeline} runs DiffSynth-Studio's own pipeline; {EXTRA_HINT}")
+    glue_for(str(args.pipeline))
+    check_flags(args)
+    if args.dry_run:
+        raise BackendError("--dry_run is not available yet for a pipeline trained through DiffSynth's own code")
+    s = setup(args)
+    report(f"pipeline: {s.glue.name} (DiffSynth's {s.glue.class_name}; --pipeline)")
+    report(f"plan: stage 1 runs {', '.join(s.plan.data_process_units) or 'nothing'} "
+           f"({', '.join(s.plan.data_process_models) or 'no model'}); stage 2 runs "
+           f"{', '.join(s.plan.train_units) or 'only the loss'} ({', '.join(s.plan.train_models)})")
+    if args.task == "sft:data_process":
+        where = Path(args.cache_path or args.output_path)
+        return data_process(s, where, report)
+    if args.task == "sft:train":
+        folder = Path(args.cache_path or args.dataset_base_path)
+        manifest = read_manifest(folder, s)
+        entries = manifest["entries"]
+        pipe = s.load(s.plan.train_models, "stage 2")
+        result = RunResult(task=args.task, output_path=Path(args.output_path), plan=s.plan, cache_path=folder)
+        result.samples = len(entries)
+
+        def cached(index: int) -> tuple[dict, dict, dict]:
+            values, _meta = read_entry(folder / entries[index]["file"])
+            return values["inputs_shared"], values["inputs_posi"], values["inputs_nega"]
+
+        return train(s, cached, [e["sample"] for e in entries], pipe, report, result)
+    # sft: the data_process units run fresh in every step, on every model
+    import torch
+
+    dataset = dataset_of(s)
+    pipe = s.load(sorted(set(s.plan.data_process_models) | set(s.plan.train_models)), "the run")
+    first = s.stage_units("data_process")
+    result = RunResult(task=args.task, output_path=Path(args.output_path), plan=s.plan)
+    result.samples = len(dataset)
+
+    def fresh(index: int) -> tuple[dict, dict, dict]:
+        with torch.no_grad():
+            return run_units(pipe, first, _transfer(sample_state(s, dataset, index, pipe.device), pipe))
+
+    return train(s, fresh, [dataset.sample_id(i) for i in range(len(dataset))], pipe, report, result)

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The tests that need DiffSynth-Studio itself, in .venv-diffsynth (scripts/setup_diffsynth.sh): its pipelines trained
+# through unitgraph (tests/test_diffsynth_source.py) and the adapter's reading of the installed package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_diffsynth.sh
+exec .venv-diffsynth/bin/python -m pytest tests/test_diffsynth_source.py tests/test_adapters_diffsynth.py "$@"
