@@ -39,11 +39,11 @@ def train_command(**kwargs: Any) -> None:
     from unitgraph.backends.diffusion.args import make_args
     from unitgraph.backends.diffusion.stages import run
 
-    args = make_args(**kwargs)
-    if args.pipeline and str(args.pipeline).startswith("diffsynth:"):  # DiffSynth's own pipeline (diffsynth_source/)
-        from unitgraph.backends.diffusion.diffsynth_source.run import run as run_diffsynth
+    from unitgraph.backends.diffusion.diffsynth_source import run as diffsynth_source
 
-        result = run_diffsynth(args, typer.echo if _is_main() else None)
+    args, why = diffsynth_source.route(make_args(**kwargs))
+    if diffsynth_source.wanted(args):  # DiffSynth's own pipeline (backends/diffusion/diffsynth_source/)
+        result = diffsynth_source.run(args, typer.echo if _is_main() else None, why)
     else:
         result = run(args)
     if not _is_main():

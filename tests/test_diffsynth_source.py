@@ -5,12 +5,15 @@ These tests need the `diffsynth` package itself, which needs torchvision: they r
 skipped elsewhere. The models are test-sized, written in DiffSynth's `./models` layout (diffsynth_source/tiny.py),
 and loaded by DiffSynth's own loader; a command names them as DiffSynth's example does, by model id and pattern.
 
+Pipelines: Stable Diffusion 1.5 (a family unitgraph also trains itself) and Ideogram 4 (DiffSynth's alone).
 What they show, per pipeline:
 - unitgraph's unsplit step equals DiffSynth's own training step (its loader, its `DiffusionTrainingModule` glue as the
   example's train.py assembles it, its dataset operators and its loss): the loss and every LoRA gradient bit for bit
   at fp32;
 - split == unsplit (losses and the LoRA file, bit for bit), with stage 2 run after the text encoder's file is gone;
 - the checkpoint loads with DiffSynth's `pipe.load_lora` and changes the model it is loaded into;
+- a unit reading a model of the other stage (Ideogram 4's prompt unit reads the DiT's patch size) runs in stage 1 on
+  that model's skeleton;
 - what a unit does beyond its declaration stops stage 1 in one line naming it.
 """
 
@@ -37,15 +40,20 @@ from unitgraph.backends.diffusion.randomness import seeded_global_stream  # noqa
 
 pytestmark = pytest.mark.diffsynth
 
-MODULE = "stable_diffusion"
-TARGETS = "to_q,to_k,to_v,to_out.0"
+# module -> (LoRA base model, --lora_target_modules as its example names them, --remove_prefix_in_ckpt)
+PIPELINES = {
+    "stable_diffusion": ("unet", "to_q,to_k,to_v,to_out.0", "pipe.unet."),
+    "ideogram4": ("dit", "attention.qkv,attention.o,feed_forward.w1,feed_forward.w2,feed_forward.w3,adaln_modulation",
+                  "pipe.dit."),
+}
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """The tiny ./models of DiffSynth's SD 1.5 example, a 3-image dataset, and the environment DiffSynth reads."""
-    root = tmp_path_factory.mktemp("diffsynth_sd")
-    flags = write_tiny_models(root / "models", MODULE)
+@pytest.fixture(scope="module", params=sorted(PIPELINES))
+def world(request, tmp_path_factory):
+    """The tiny ./models of the pipeline's DiffSynth example, a 3-image dataset, and the environment DiffSynth reads."""
+    module = request.param
+    root = tmp_path_factory.mktemp(f"diffsynth_{module}")
+    flags = dict(write_tiny_models(root / "models", module), module=module)
     write_synthetic_dataset(root / "data", count=3, size=40)
     saved = {k: os.environ.get(k) for k in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD")}
     os.environ["DIFFSYNTH_MODEL_BASE_PATH"] = str(root / "models")
@@ -59,25 +67,27 @@ def world(tmp_path_factory):
 
 
 def _args(root: Path, flags: dict, **over):
-    base = dict(pipeline=f"diffsynth:{MODULE}", dataset_base_path=str(root / "data"),
+    base_model, targets, prefix = PIPELINES[flags["module"]]
+    base = dict(pipeline=f"diffsynth:{flags['module']}", dataset_base_path=str(root / "data"),
                 dataset_metadata_path=str(root / "data" / "metadata.csv"), height=32, width=32,
-                model_id_with_origin_paths=flags["model_id_with_origin_paths"], lora_base_model="unet",
-                lora_target_modules=TARGETS, lora_rank=4, remove_prefix_in_ckpt="pipe.unet.", num_epochs=2, seed=3)
+                model_id_with_origin_paths=flags["model_id_with_origin_paths"], lora_base_model=base_model,
+                lora_target_modules=targets, lora_rank=4, remove_prefix_in_ckpt=prefix, num_epochs=2, seed=3)
     base.update(over)
     return make_args(**base)
 
 
 def test_the_unsplit_step_is_diffsynths_own_training_step(world):
-    """One step of `unitgraph train --pipeline diffsynth:stable_diffusion` against DiffSynth's: the example's
-    train.py glue written out here with DiffSynth's classes (from_pretrained, split_pipeline_units,
-    switch_pipe_to_training_mode, UnifiedDataset with its ImageCropAndResize, unit_runner, FlowMatchSFTLoss)."""
+    """One step of `unitgraph train --pipeline diffsynth:MODULE` against DiffSynth's: the example's train.py glue
+    written out here with DiffSynth's classes (from_pretrained, split_pipeline_units, switch_pipe_to_training_mode,
+    UnifiedDataset with its image operator, unit_runner, FlowMatchSFTLoss), in the dtype the example trains in
+    (fp32 for SD 1.5, bf16 for Ideogram 4)."""
     from diffsynth.core import ModelConfig, UnifiedDataset
     from diffsynth.diffusion.loss import FlowMatchSFTLoss
     from diffsynth.diffusion.training_module import DiffusionTrainingModule
-    from diffsynth.pipelines.stable_diffusion import StableDiffusionPipeline
 
     root, flags = world
     args = _args(root, flags)
+    base_model, targets, _prefix = PIPELINES[flags["module"]]
     setup = ds_run.setup(args)  # recognises the tiny files (registers them in DiffSynth's table for this process)
     pipe = setup.load(sorted(set(setup.plan.data_process_models) | set(setup.plan.train_models)), "the run")
     ds_run._lora(setup, pipe)
@@ -87,23 +97,26 @@ def test_the_unsplit_step_is_diffsynths_own_training_step(world):
     seed = ds_run.step_seed(args.seed, 0, dataset.sample_id(1))
     ours = ds_run.train_step(pipe, setup.stage_units("train"), ours_state, seed)
     ours.backward()
-    ours_grads = {n: p.grad.clone() for n, p in pipe.unet.named_parameters() if p.requires_grad}
+    model = getattr(pipe, base_model)
+    ours_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     # DiffSynth's own: its loader on the same files, its training module, its dataset, its loss
     base = root / "models"
     configs = [ModelConfig(path=str(base / item.split(":")[0] / item.split(":")[1]))
                for item in flags["model_id_with_origin_paths"].split(",")]
+    glue = setup.glue
     module = DiffusionTrainingModule()
-    module.pipe = StableDiffusionPipeline.from_pretrained(torch_dtype=torch.float32, device="cpu", model_configs=configs,
-                                                          tokenizer_config=ModelConfig(path=flags["tokenizer_path"]))
-    module.pipe = module.split_pipeline_units("sft", module.pipe, None, "unet")
+    module.pipe = setup.pipe_class.from_pretrained(torch_dtype=getattr(torch, glue.dtype), device="cpu",
+                                                   model_configs=configs,
+                                                   tokenizer_config=ModelConfig(path=flags["tokenizer_path"]))
+    module.pipe = module.split_pipeline_units("sft", module.pipe, None, base_model)
     with seeded_global_stream(args.seed, "diffsynth-lora-init"):  # unitgraph's LoRA initialisation stream
-        module.switch_pipe_to_training_mode(module.pipe, None, "unet", TARGETS, 4, None, None, None, task="sft")
+        module.switch_pipe_to_training_mode(module.pipe, None, base_model, targets, 4, None, None, None, task="sft")
     data = UnifiedDataset(base_path=str(root / "data"), metadata_path=str(root / "data" / "metadata.csv"), repeat=1,
                           data_file_keys=["image"],
                           main_data_operator=UnifiedDataset.default_image_operator(
                               base_path=str(root / "data"), max_pixels=args.max_pixels, height=32, width=32,
-                              height_division_factor=32, width_division_factor=32))[1]
+                              height_division_factor=glue.division, width_division_factor=glue.division))[1]
     pipe2 = module.pipe
     inputs = ({"input_image": data["image"], "height": data["image"].size[1], "width": data["image"].size[0],
                "cfg_scale": 1, "rand_device": pipe2.device, "use_gradient_checkpointing": False,
@@ -114,7 +127,7 @@ def test_the_unsplit_step_is_diffsynths_own_training_step(world):
         inputs = pipe2.unit_runner(unit, pipe2, *inputs)
     theirs = FlowMatchSFTLoss(pipe2, **inputs[0], **inputs[1])
     theirs.backward()
-    theirs_grads = {n: p.grad for n, p in pipe2.unet.named_parameters() if p.requires_grad}
+    theirs_grads = {n: p.grad for n, p in getattr(pipe2, base_model).named_parameters() if p.requires_grad}
 
     assert ours.item() == theirs.item()
     assert set(ours_grads) == set(theirs_grads) and len(ours_grads) > 0
@@ -130,7 +143,8 @@ def test_split_equals_unsplit_and_stage_2_needs_no_text_encoder(world, tmp_path)
     s1 = run(_args(root, flags, task="sft:data_process", output_path=str(cache)))
     assert s1.entries_computed == 3 and (cache / ds_run.MANIFEST).is_file()
     # stage 2 without the text encoder's file on disk, and without naming it
-    te = root / "models" / "AI-ModelScope" / "stable-diffusion-v1-5" / "text_encoder"
+    model_id = flags["model_id_with_origin_paths"].split(":")[0]
+    te = root / "models" / model_id / "text_encoder"
     hidden = tmp_path / "te"
     shutil.move(str(te), str(hidden))
     try:
@@ -154,18 +168,22 @@ def test_the_checkpoint_loads_with_diffsynths_load_lora(world, tmp_path):
     lora = load_file(str(result.last_checkpoint))
     assert lora and all(k.endswith(("lora_A.default.weight", "lora_B.default.weight")) for k in lora)
     assert not any(k.startswith("pipe.") for k in lora)
+    base_model = PIPELINES[flags["module"]][0]
     setup = ds_run.setup(_args(root, flags))
-    pipe = setup.load(["unet"], "the check")
-    before = {k: v.clone() for k, v in pipe.unet.state_dict().items()}
-    pipe.load_lora(pipe.unet, str(result.last_checkpoint))
-    changed = [k for k, v in pipe.unet.state_dict().items() if k in before and not torch.equal(v, before[k])]
-    assert changed, "DiffSynth's load_lora left the UNet as it was"
+    pipe = setup.load([base_model], "the check")
+    model = getattr(pipe, base_model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pipe.load_lora(model, str(result.last_checkpoint))
+    changed = [k for k, v in model.state_dict().items() if k in before and not torch.equal(v, before[k])]
+    assert changed, "DiffSynth's load_lora left the model as it was"
 
 
 def test_a_unit_doing_more_than_it_declares_stops_stage_1(world, tmp_path, monkeypatch):
     from diffsynth.pipelines import stable_diffusion as sd
 
     root, flags = world
+    if flags["module"] != "stable_diffusion":
+        pytest.skip("one pipeline's units are enough to show the checks")
     original = sd.SDUnit_ShapeChecker.process
 
     def draws(self, pipe, **kwargs):
@@ -184,22 +202,84 @@ def test_a_unit_doing_more_than_it_declares_stops_stage_1(world, tmp_path, monke
     with pytest.raises(BackendError, match="unit ShapeChecker writes surprise"):
         run(_args(root, flags, task="sft:data_process", output_path=str(tmp_path / "c2")))
 
+    def reads(self, pipe, **kwargs):
+        assert pipe.unet.in_channels == 4  # what the model is: its skeleton answers
+        return original(self, pipe, **kwargs)
+
+    monkeypatch.setattr(sd.SDUnit_ShapeChecker, "process", reads)
+    run(_args(root, flags, task="sft:data_process", output_path=str(tmp_path / "c3")))
+
     def calls(self, pipe, **kwargs):
-        pipe.unet.in_channels  # a model the unit does not name, which stage 1 does not load
+        pipe.unet.conv_in(torch.zeros(1, 4, 4, 4))  # a model the unit does not name, which stage 1 does not load
         return original(self, pipe, **kwargs)
 
     monkeypatch.setattr(sd.SDUnit_ShapeChecker, "process", calls)
-    with pytest.raises(BackendError, match="unit ShapeChecker uses the model unet"):
-        run(_args(root, flags, task="sft:data_process", output_path=str(tmp_path / "c3")))
+    with pytest.raises(BackendError, match="unit ShapeChecker calls the model unet"):
+        run(_args(root, flags, task="sft:data_process", output_path=str(tmp_path / "c4")))
 
 
 def test_bad_commands_are_one_line(world, tmp_path):
     root, flags = world
     with pytest.raises(BackendError, match="--ema_decay is not available yet"):
         run(_args(root, flags, ema_decay=0.9, output_path=str(tmp_path / "x")))
+    if flags["module"] != "stable_diffusion":
+        return
     with pytest.raises(BackendError, match="not trained through DiffSynth's own code yet"):
         run(_args(root, flags, pipeline="diffsynth:ernie_image", output_path=str(tmp_path / "x")))
     with pytest.raises(BackendError, match="matches no module|not found"):
         run(_args(root, flags, lora_target_modules="nope", output_path=str(tmp_path / "x")))
     with pytest.raises(BackendError, match="no cache of stage 1 here"):
         run(_args(root, flags, task="sft:train", dataset_base_path=str(tmp_path), output_path=str(tmp_path / "x")))
+
+
+IDEOGRAM4_COMMAND = r"""
+accelerate launch examples/ideogram4/model_training/train.py \
+    --learning_rate 1e-4 \
+    --num_epochs 5 \
+    --lora_rank 32 \
+    --use_gradient_checkpointing \
+    --find_unused_parameters \
+    --dataset_base_path "./data/diffsynth_example_dataset/ideogram4/Ideogram-4-bf16-repackage" \
+    --dataset_metadata_path "./data/diffsynth_example_dataset/ideogram4/Ideogram-4-bf16-repackage/metadata.json" \
+    --model_id_with_origin_paths "DiffSynth-Studio/ideogram-4-bf16-repackage:transformer/diffusion_pytorch_model.safetensors,DiffSynth-Studio/ideogram-4-bf16-repackage:text_encoder/model.safetensors,DiffSynth-Studio/ideogram-4-bf16-repackage:vae/diffusion_pytorch_model.safetensors" \
+    --lora_base_model "dit" \
+    --remove_prefix_in_ckpt "pipe.dit." \
+    --max_pixels 1048576 \
+    --dataset_repeat 100 \
+    --output_path "./models/train/Ideogram-4-bf16-repackage_lora" \
+    --lora_target_modules "attention.qkv,attention.o,feed_forward.w1,feed_forward.w2,feed_forward.w3,adaln_modulation" \
+    --data_file_keys "image"
+"""
+
+
+def test_diffsynths_ideogram4_lora_command_runs_as_it_is(tmp_path, monkeypatch, capsys):
+    """DiffSynth's examples/ideogram4/model_training/lora/Ideogram-4-bf16-repackage.sh with `unitgraph train` for
+    `accelerate launch .../train.py`; only sizes are lowered (--num_epochs, --dataset_repeat). The models sit where
+    DiffSynth downloads them (./models/<org>/<name>/, its tokenizer at the model id its train.py defaults to), no
+    variable is set, and the model id alone chooses DiffSynth's own pipeline."""
+    import json
+    import shlex
+
+    from clitools import cli
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD"):
+        monkeypatch.delenv(name, raising=False)
+    write_tiny_models(tmp_path / "models", "ideogram4")
+    data = tmp_path / "data" / "diffsynth_example_dataset" / "ideogram4" / "Ideogram-4-bf16-repackage"
+    write_synthetic_dataset(data, count=2, size=40)
+    import csv
+
+    with open(data / "metadata.csv", newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    (data / "metadata.json").write_text(json.dumps(rows), encoding="utf-8")
+    argv = shlex.split(IDEOGRAM4_COMMAND.replace("\\\n", " "))
+    argv = argv[argv.index("examples/ideogram4/model_training/train.py") + 1:]
+    argv[argv.index("--num_epochs") + 1] = "1"
+    argv[argv.index("--dataset_repeat") + 1] = "2"
+    code, out, err = cli(capsys, "train", *argv)
+    assert code == 0, err
+    assert "pipeline: diffsynth:ideogram4 (DiffSynth's Ideogram4Pipeline; the model id names Ideogram 4)" in out
+    lora = load_file(str(tmp_path / "models" / "train" / "Ideogram-4-bf16-repackage_lora" / "epoch-0.safetensors"))
+    assert any(".adaln_modulation.lora_A." in k for k in lora) and not any(k.startswith("pipe.") for k in lora)
+    assert "training: 4 steps" in out

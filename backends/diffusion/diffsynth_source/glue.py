@@ -67,6 +67,9 @@ GLUES: tuple[Glue, ...] = (
                      Tokenizer("tokenizer_2_config", "tokenizer_2_path", "stabilityai/stable-diffusion-xl-base-1.0",
                                "tokenizer_2/", encoder="text_encoder_2")),
          division=32, example="stable_diffusion_xl"),
+    Glue("ideogram4", "Ideogram4Pipeline", "Ideogram 4 (DiffSynth's pipeline; no other trainer has it)",
+         tokenizers=(Tokenizer("tokenizer_config", "tokenizer_path", "ideogram-ai/ideogram-4-fp8", "tokenizer/"),),
+         example="ideogram4"),
 )
 
 

@@ -7,9 +7,11 @@ would make a split differ from the unsplit run without any error, so stage 1 wat
 - **draws**: torch's global random state before and after the unit; a unit that changed it drew numbers the plan
   did not know of (its stage-1 value would be frozen into the cache while the unsplit run draws afresh);
 - **writes**: every param of the three input dicts the unit added or replaced must be one of its outputs;
-- **models**: a model the stage did not load (its file is given, the plan gives it to another stage) is a stand-in
-  on the pipeline that stops the run when touched, so a unit calling a model it does not name is caught rather than
-  skipped (`if pipe.text_encoder is not None:` sees the stand-in, not None).
+- **models**: a model the stage does not load (its file is given, the plan gives it to another stage) is there as
+  its skeleton, built on the meta device from the table entry that recognised its file: a unit may read what it
+  is (Ideogram 4's prompt unit reads the DiT's patch size), but calling any of its modules, or computing an output
+  from its weights, stops the run; `if pipe.text_encoder is not None:` sees the skeleton, so a unit calling a model
+  it does not name is caught rather than skipped. The skeleton's entry is part of stage 1's cache key.
 
 Each is one line naming the unit. What is not caught: in-place changes to a tensor a unit did not declare as an
 output, and draws from Python's or NumPy's random modules.
@@ -21,42 +23,29 @@ from typing import Any, Iterable
 
 from ..errors import BackendError
 
-__all__ = ["UnitHazard", "Unloaded", "check_unit", "install_stand_ins", "state_identities"]
+__all__ = ["UnitHazard", "check_unit", "install_skeletons", "state_identities"]
 
 
 class UnitHazard(BackendError):
     """A unit that does not do what it declares."""
 
 
-class Unloaded:
-    """Stands in for a model this stage does not load; any use of it is a UnitHazard."""
+def install_skeletons(pipe: Any, skeletons: dict[str, Any], stage: str) -> None:
+    """Put each model's skeleton (built on the meta device: attributes and config, no weights) on the pipeline
+    attribute it fills, where the stage loaded nothing; calling any of its modules is a UnitHazard."""
 
-    def __init__(self, attribute: str, stage: str):
-        object.__setattr__(self, "_attribute", attribute)
-        object.__setattr__(self, "_stage", stage)
+    def refuse(attribute: str) -> Any:
+        def hook(_module: Any, _args: Any) -> None:
+            raise UnitHazard(f"calls the model {attribute}, which {stage} does not load and the unit does not name in "
+                             "its onload_model_names")
+        return hook
 
-    def _refuse(self, *_args: Any, **_kwargs: Any) -> Any:
-        raise UnitHazard(f"uses the model {self._attribute}, which {self._stage} does not load and the unit does not "
-                         "name in its onload_model_names")
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        self._refuse()
-
-    __call__ = _refuse
-
-    def __bool__(self) -> bool:
-        self._refuse()
-        return False
-
-
-def install_stand_ins(pipe: Any, attributes: Iterable[str], stage: str) -> None:
-    """Put an `Unloaded` stand-in on each of `attributes` the pipeline holds no model for."""
-    for name in attributes:
-        if getattr(pipe, name, None) is None:
-            getattr(pipe, "_modules", {}).pop(name, None)  # an nn.Module keeps a None child among its modules
-            object.__setattr__(pipe, name, Unloaded(name, stage))
+    for attribute, skeleton in skeletons.items():
+        if getattr(pipe, attribute, None) is not None:
+            continue
+        for module in skeleton.modules():
+            module.register_forward_pre_hook(refuse(attribute))
+        setattr(pipe, attribute, skeleton)
 
 
 def state_identities(state: tuple[dict, dict, dict]) -> dict[tuple[int, str], int]:
@@ -73,6 +62,11 @@ def check_unit(name: str, outputs: Iterable[str], before: dict[tuple[int, str], 
         raise UnitHazard(f"unit {name} draws from torch's random stream but its code does not show it; its output "
                          "cannot be cached (the unsplit run draws afresh every step)")
     allowed = set(outputs)
+    for k, part in enumerate(state):
+        for param, value in part.items():
+            if getattr(value, "is_meta", False):
+                raise UnitHazard(f"unit {name} computes {param} from the weights of a model it does not name in its "
+                                 "onload_model_names (this stage holds only that model's skeleton)")
     for key, ident in state_identities(state).items():
         if before.get(key) != ident and key[1] not in allowed:
             side = ("inputs_shared", "inputs_posi", "inputs_nega")[key[0]]

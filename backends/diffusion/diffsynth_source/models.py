@@ -52,6 +52,19 @@ class ModelFile:
     path: Files
     names: tuple[str, ...]
     attributes: tuple[str, ...]
+    entries: tuple[dict, ...] = ()  # the table entries (class, converter, extra_kwargs), for a skeleton and the key
+
+    def identity(self) -> list[Any]:
+        """What the file loads as (name, class, sizes): part of the cache key of a stage that reads its skeleton."""
+        return [[e["model_name"], e["model_class"], e.get("extra_kwargs", {})] for e in self.entries]
+
+    def skeleton(self) -> Any:
+        """The model of its first entry built on the meta device: attributes and config, no weights."""
+        import torch
+
+        entry = self.entries[0]
+        with torch.device("meta"):
+            return _import(entry["model_class"])(**entry.get("extra_kwargs", {}))
 
     @property
     def label(self) -> str:
@@ -77,15 +90,28 @@ def model_attributes(pipeline_class: type) -> dict[str, str]:
     """
     source = textwrap.dedent(inspect.getsource(pipeline_class.from_pretrained))
     found: dict[str, str] = {}
+    fetched: dict[str, str] = {}  # local variable -> model name (`dits = model_pool.fetch_model("x", index=2)`)
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.Assign) or len(node.targets) != 1:
             continue
         target, value = node.targets[0], node.value
-        if (isinstance(target, ast.Attribute) and isinstance(value, ast.Call)
-                and isinstance(value.func, ast.Attribute) and value.func.attr == "fetch_model"
-                and value.args and isinstance(value.args[0], ast.Constant) and isinstance(value.args[0].value, str)):
-            found.setdefault(value.args[0].value, target.attr)
+        name = _fetched_name(value)
+        if name is not None and isinstance(target, ast.Name):
+            fetched[target.id] = name
+        elif isinstance(target, ast.Attribute):
+            if name is None:
+                base = value.value if isinstance(value, ast.Subscript) else value
+                name = fetched.get(base.id) if isinstance(base, ast.Name) else None
+            if name is not None:
+                found.setdefault(name, target.attr)
     return found
+
+
+def _fetched_name(value: ast.expr) -> Optional[str]:
+    if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "fetch_model"
+            and value.args and isinstance(value.args[0], ast.Constant) and isinstance(value.args[0].value, str)):
+        return value.args[0].value
+    return None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -157,8 +183,10 @@ def find_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_pat
     given = _parse_model_paths(model_paths) + [_id_files(hub, i, p) for i, p in _parse_ids(model_id_with_origin_paths)]
     for files in given:
         _check_files(files)
-        names = recognise(files, attributes)
-        found.append(ModelFile(files, names, tuple(dict.fromkeys(attributes[n] for n in names if n in attributes))))
+        entries = recognise(files, attributes)
+        names = tuple(dict.fromkeys(e["model_name"] for e in entries))
+        found.append(ModelFile(files, names, tuple(dict.fromkeys(attributes[n] for n in names if n in attributes)),
+                               entries))
     return found
 
 
@@ -185,24 +213,25 @@ def _file_shapes(files: Files) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def recognise(files: Files, attributes: dict[str, str]) -> tuple[str, ...]:
-    """The DiffSynth model names `files` loads as: the table's entries of its hash, else (a file the table does not
-    know) the entry its config.json builds, registered now. One line when neither recognises it."""
+def recognise(files: Files, attributes: dict[str, str]) -> tuple[dict, ...]:
+    """The table entries `files` loads as: those of its hash, else (a file the table does not know) the entry its
+    config.json builds, registered now. One line when neither recognises it."""
     from diffsynth.configs import MODEL_CONFIGS
     from diffsynth.core.loader.file import hash_model_file
 
     model_hash = hash_model_file(files)
-    names = tuple(dict.fromkeys(c["model_name"] for c in MODEL_CONFIGS if c["model_hash"] == model_hash))
-    if names:
-        return names
+    known = tuple(c for c in MODEL_CONFIGS if c["model_hash"] == model_hash)
+    if known:
+        return known
     entry = _from_config(files, attributes)
     first = files if isinstance(files, str) else files[0]
     if entry is None:
         raise BackendError(f"DiffSynth does not recognise this model (its key hash {model_hash} is in no entry of "
                            "diffsynth.configs.MODEL_CONFIGS) and no config.json beside it builds one of "
                            f"{', '.join(sorted(attributes.values()))}", source=first)
-    MODEL_CONFIGS.append(dict(entry, model_hash=model_hash))
-    return (entry["model_name"],)
+    entry = dict(entry, model_hash=model_hash)
+    MODEL_CONFIGS.append(entry)
+    return (entry,)
 
 
 def _from_config(files: Files, attributes: dict[str, str]) -> Optional[dict[str, Any]]:
@@ -219,11 +248,14 @@ def _from_config(files: Files, attributes: dict[str, str]) -> Optional[dict[str,
         raise BackendError(f"unreadable config.json ({exc})", source=str(config_file)) from None
     if not isinstance(config, dict):
         return None
+    if "auto_map" in config:
+        raise BackendError("config.json names code to import (auto_map); unitgraph runs no code a model's folder "
+                           "brings", source=str(config_file))
     shapes = _file_shapes(files)
     seen: set[tuple[str, str, str]] = set()
     for entry in MODEL_CONFIGS:
-        if entry["model_name"] not in attributes:
-            continue
+        if entry["model_name"] not in attributes or entry.get("quant_config"):
+            continue  # an entry of a prequantized release file is that file's alone
         ident = (entry["model_name"], entry["model_class"], entry.get("state_dict_converter", ""))
         if ident in seen:
             continue
@@ -231,6 +263,10 @@ def _from_config(files: Files, attributes: dict[str, str]) -> Optional[dict[str,
         cls = _import(entry["model_class"])
         taken = inspect.signature(cls.__init__).parameters
         kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in taken and k != "self"}
+        if "config" in taken and "config" not in config:  # a class taking its whole configuration as one dict
+            kwargs["config"] = {k: v for k, v in config.items() if not k.startswith("_")}
+        if "config_path" in taken:  # a class reading its configuration's folder itself
+            kwargs["config_path"] = str(config_file.parent)
         try:
             with torch.device("meta"):
                 model = cls(**{**entry.get("extra_kwargs", {}), **kwargs})
@@ -241,8 +277,7 @@ def _from_config(files: Files, attributes: dict[str, str]) -> Optional[dict[str,
             continue
         want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         if want == {k: tuple(v.shape) for k, v in state.items()}:
-            extra = {**entry.get("extra_kwargs", {}), **{k: list(v) if isinstance(v, tuple) else v
-                                                         for k, v in kwargs.items()}}
+            extra = {**entry.get("extra_kwargs", {}), **kwargs}
             return {k: v for k, v in entry.items() if k != "model_hash"} | {"extra_kwargs": extra}
     return None
 
@@ -273,8 +308,14 @@ def load_pipeline(glue: Glue, models: Iterable[ModelFile], attributes: Iterable[
     for tokenizer in glue.tokenizers:
         kwargs.setdefault(tokenizer.keyword, None)
     cls = pipeline_class_of(glue)
-    with _quiet():
-        return cls.from_pretrained(torch_dtype=dtype, device=device, model_configs=configs, **kwargs)
+    try:
+        with _quiet():
+            return cls.from_pretrained(torch_dtype=dtype, device=device, model_configs=configs, **kwargs)
+    except (RuntimeError, ValueError, OSError, KeyError, TypeError) as exc:  # its loader's own, as one line
+        files = ", ".join(Path(c.path if isinstance(c.path, str) else c.path[0]).name for c in configs)
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise BackendError(f"DiffSynth's {cls.__name__}.from_pretrained failed on {files or 'no model'}: "
+                           f"{type(exc).__name__}: {detail[:300]}") from None
 
 
 class _quiet:

@@ -36,7 +36,7 @@ from ..randomness import derive_seed, permutation, seeded_global_stream
 from ..result import RunResult
 from . import EXTRA_HINT, available
 from .glue import Glue, glue_for, inputs
-from .hazards import UnitHazard, check_unit, install_stand_ins, state_identities
+from .hazards import UnitHazard, check_unit, install_skeletons, state_identities
 from .models import ModelFile, find_models, load_pipeline, pipeline_class_of, tokenizer_folder
 
 __all__ = ["run", "wanted", "MANIFEST"]
@@ -60,6 +60,30 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
 def wanted(args: TrainArgs) -> bool:
     """Whether this run goes through DiffSynth's own pipeline: `--pipeline diffsynth:MODULE`."""
     return bool(args.pipeline) and str(args.pipeline).startswith("diffsynth:")
+
+
+def route(args: TrainArgs) -> tuple[TrainArgs, Optional[str]]:
+    """(args, the line saying why) for a command without --pipeline whose model ids name a DiffSynth family unitgraph
+    trains only through DiffSynth's own pipeline (untrained.py's table, glue.py's list): its `--pipeline
+    diffsynth:MODULE`, so DiffSynth's command runs as it is. Unchanged otherwise; one line naming the extra when the
+    family is listed but DiffSynth is not installed, before anything is downloaded."""
+    from dataclasses import replace
+
+    from ..untrained import untrained_by_model_id
+    from .glue import GLUES
+
+    if args.pipeline or not args.model_id_with_origin_paths:
+        return args, None
+    for item in str(args.model_id_with_origin_paths).split(","):
+        family = untrained_by_model_id(item.strip().rpartition(":")[0])
+        glue = next((g for g in GLUES if family is not None and g.example == family.folder), None)
+        if glue is None:
+            continue
+        if not available():
+            raise BackendError(f"the model id {item.strip().rpartition(':')[0]} is {family.name}, which unitgraph trains "
+                               f"through DiffSynth's own pipeline (--pipeline {glue.name}); {EXTRA_HINT}")
+        return replace(args, pipeline=glue.name), f"the model id names {family.name}"
+    return args, None
 
 
 def check_flags(args: TrainArgs) -> None:
@@ -114,12 +138,14 @@ class Setup:
                 wanted_tokenizers[tok.keyword] = tokenizer_folder(tok, getattr(self.args, tok.flag, None), self.hub)
         pipe = load_pipeline(self.glue, self.models, stage_models, wanted_tokenizers, self.dtype)
         given = {a for m in self.models for a in m.attributes}
-        missing = sorted(set(stage_models) - {a for a in given if getattr(pipe, a, None) is not None})
+        needed = set(stage_models) & (given | set(self.plan.models_require_backward))  # an optional model may be absent
+        missing = sorted(needed - {a for a in given if getattr(pipe, a, None) is not None})
         if missing:
             raise BackendError(f"{stage} needs the model{'s' if len(missing) > 1 else ''} {', '.join(missing)} of "
                                f"{self.glue.class_name}, which the command's --model_paths / --model_id_with_origin_paths "
                                "do not give")
-        install_stand_ins(pipe, sorted(given - set(stage_models)), stage)
+        others = {m.attributes[0]: m for m in self.models if m.attributes and m.attributes[0] not in stage_models}
+        install_skeletons(pipe, {a: m.skeleton() for a, m in others.items()}, stage)
         pipe.scheduler.set_timesteps(1000, training=True)  # switch_pipe_to_training_mode's first step
         pipe.freeze_except([])
         return pipe
@@ -189,6 +215,11 @@ def run_units(pipe: Any, units: list[tuple[str, Any, Any]], state: tuple[dict, d
             state = pipe.unit_runner(unit, pipe, *state)
         except UnitHazard as exc:
             raise UnitHazard(f"unit {name} {exc}") from None
+        except BackendError:
+            raise
+        except Exception as exc:  # DiffSynth's unit code: its error as one line naming the unit
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise BackendError(f"unit {name} of {type(pipe).__name__} failed: {type(exc).__name__}: {detail[:300]}") from None
         if watch:
             check_unit(name, decl.outputs, before, rng, state)
     return state
@@ -251,6 +282,8 @@ def _key_inputs(setup: Setup) -> dict[str, Any]:
     args = setup.args
     return {"pipeline": setup.glue.name, "diffsynth": getattr(diffsynth, "__version__", "?"),
             "units": setup.plan.data_process_units, "models": files, "dtype": setup.glue.dtype,
+            "skeletons": {",".join(m.attributes): m.identity() for m in setup.models
+                          if not set(m.attributes) & set(setup.plan.data_process_models)},
             "size": ImageSize(args.height, args.width, args.max_pixels).key(),
             "gradient_checkpointing": [bool(args.use_gradient_checkpointing),
                                        bool(args.use_gradient_checkpointing_offload)]}
@@ -413,8 +446,8 @@ def _save(holder: Any, prefix: str, path: Path) -> None:
 # the command
 
 
-def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None) -> RunResult:
-    """Execute args.task through DiffSynth's pipeline (see the module docstring)."""
+def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, why: Optional[str] = None) -> RunResult:
+    """Execute args.task through DiffSynth's pipeline (see the module docstring); `why` the pipeline was chosen."""
     report = echo or (lambda line: None)
     if not available():
         raise BackendError(f"--pipeline {args.pipeline} runs DiffSynth-Studio's own pipeline; {EXTRA_HINT}")
@@ -422,8 +455,11 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None) -> RunRes
     check_flags(args)
     if args.dry_run:
         raise BackendError("--dry_run is not available yet for a pipeline trained through DiffSynth's own code")
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|diffsynth)\.")
     s = setup(args)
-    report(f"pipeline: {s.glue.name} (DiffSynth's {s.glue.class_name}; --pipeline)")
+    report(f"pipeline: {s.glue.name} (DiffSynth's {s.glue.class_name}; {why or '--pipeline'})")
     report(f"plan: stage 1 runs {', '.join(s.plan.data_process_units) or 'nothing'} "
            f"({', '.join(s.plan.data_process_models) or 'no model'}); stage 2 runs "
            f"{', '.join(s.plan.train_units) or 'only the loss'} ({', '.join(s.plan.train_models)})")

@@ -63,7 +63,78 @@ def _from_diffusers_folder(outdir: Path, writer: Any, seed: int, model_id: str, 
             "tokenizer_path": str(root / "tokenizer")}
 
 
-TINY = {"stable_diffusion": _stable_diffusion}
+def _family_with_slot(class_name: str) -> Any:
+    """unitgraph's family with a model slot of the diffusers class `class_name` (its tiny builders are reused)."""
+    from .. import registry
+
+    return next(f for f in registry.families() if any(s.class_name == class_name for s in f.slots))
+
+
+# Ideogram 4 at test size. Its text encoder taps Qwen3-VL's hidden states at 13 fixed layers up to layer 35, so the
+# smallest it allows has 36 layers (here 16 wide); its VAE's latents are normalised by 128 fixed statistics, so the
+# VAE keeps 32 latent channels (a 2x2 patch of them is the DiT's 128 inputs), at 32 channels wide.
+IDEOGRAM4_TEXT = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 36, "num_attention_heads": 2,
+                  "num_key_value_heads": 1, "head_dim": 8}
+IDEOGRAM4_DIT = {"emb_dim": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64, "adanln_dim": 16,
+                 "in_channels": 128, "rope_theta": 5000000, "mrope_section": [4, 2, 2], "norm_eps": 1e-5}
+# Qwen3-VL's chat format for a text-only conversation whose content may be a list of parts, as Ideogram 4's prompt
+# unit sends it (the real tokenizer's template does the same for text parts)
+QWEN3_VL_TEXT_TEMPLATE = (
+    "{%- for message in messages -%}<|im_start|>{{ message['role'] }}\n"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}<|im_end|>\n{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+IDEOGRAM4_VAE = {"block_out_channels": [32, 32, 32, 32], "latent_channels": 32, "layers_per_block": 1,
+                 "norm_num_groups": 32}
+
+
+def _ideogram4(outdir: Path, seed: int) -> dict[str, Any]:
+    import torch
+    from diffusers import AutoencoderKLFlux2
+    from diffsynth.models.ideogram4_dit import Ideogram4DiT
+    from diffsynth.models.ideogram4_text_encoder import QWEN3_VL_ACTIVATION_LAYERS
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModel
+
+    model_id = "DiffSynth-Studio/ideogram-4-bf16-repackage"
+    root = outdir / model_id
+    family = _family_with_slot("AutoencoderKLFlux2")
+    tokenizer = family.tiny_module().build_tokenizer()
+    tokenizer.chat_template = QWEN3_VL_TEXT_TEMPLATE
+    tokenizer_folder = outdir / "ideogram-ai" / "ideogram-4-fp8" / "tokenizer"  # where its train.py looks by default
+    tokenizer.save_pretrained(str(tokenizer_folder))
+    vocab = len(tokenizer)
+    text = {**IDEOGRAM4_TEXT, "vocab_size": vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+            "rope_parameters": {"mrope_interleaved": True, "mrope_section": [2, 1, 1], "rope_theta": 5000000,
+                                "rope_type": "default"}, "model_type": "qwen3_vl_text", "tie_word_embeddings": False}
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 16,
+              "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16,
+              "deepstack_visual_indexes": [0], "model_type": "qwen3_vl_vision"}
+    config = AutoConfig.for_model("qwen3_vl", text_config=text, vision_config=vision, tie_word_embeddings=False)
+    torch.manual_seed(seed + 2)
+    text_encoder = AutoModel.from_config(config)
+    (root / "text_encoder").mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(root / "text_encoder"))
+    save_file({k: v.contiguous() for k, v in text_encoder.state_dict().items()},
+              str(root / "text_encoder" / "model.safetensors"))
+    dit_config = {**IDEOGRAM4_DIT, "llm_features_dim": IDEOGRAM4_TEXT["hidden_size"] * len(QWEN3_VL_ACTIVATION_LAYERS)}
+    torch.manual_seed(seed)
+    dit = Ideogram4DiT(config=dict(dit_config))
+    (root / "transformer").mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in dit.state_dict().items()},
+              str(root / "transformer" / "diffusion_pytorch_model.safetensors"))
+    (root / "transformer" / "config.json").write_text(json.dumps(dit_config, indent=1) + "\n", encoding="utf-8")
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLFlux2(**IDEOGRAM4_VAE)
+    vae.save_pretrained(str(root / "vae"))
+    files = ["transformer/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors",
+             "vae/diffusion_pytorch_model.safetensors"]
+    return {"model_id_with_origin_paths": ",".join(f"{model_id}:{f}" for f in files),
+            "tokenizer_path": str(tokenizer_folder)}
+
+
+TINY = {"stable_diffusion": _stable_diffusion, "ideogram4": _ideogram4}
 
 
 def write_tiny_models(outdir: "str | Path", module: str, seed: int = 0) -> dict[str, Any]:
