@@ -44,6 +44,11 @@ def train_command(**kwargs: Any) -> None:
     args, why = diffsynth_source.route(make_args(**kwargs))
     if diffsynth_source.wanted(args):  # DiffSynth's own pipeline (backends/diffusion/diffsynth_source/)
         result = diffsynth_source.run(args, typer.echo if _is_main() else None, why)
+        if result.memory_plan is not None and _is_main():
+            from unitgraph.backends.diffusion.diffsynth_source.memory import format_plan
+
+            typer.echo(json.dumps(result.memory_plan, indent=1) if args.json else "\n".join(format_plan(result.memory_plan)))
+            return
     else:
         result = run(args)
     if not _is_main():

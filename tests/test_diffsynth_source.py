@@ -258,7 +258,6 @@ def test_diffsynths_ideogram4_lora_command_runs_as_it_is(tmp_path, monkeypatch, 
     DiffSynth downloads them (./models/<org>/<name>/, its tokenizer at the model id its train.py defaults to), no
     variable is set, and the model id alone chooses DiffSynth's own pipeline."""
     import json
-    import shlex
 
     from clitools import cli
 
@@ -273,8 +272,7 @@ def test_diffsynths_ideogram4_lora_command_runs_as_it_is(tmp_path, monkeypatch, 
     with open(data / "metadata.csv", newline="", encoding="utf-8") as handle:
         rows = list(csv.DictReader(handle))
     (data / "metadata.json").write_text(json.dumps(rows), encoding="utf-8")
-    argv = shlex.split(IDEOGRAM4_COMMAND.replace("\\\n", " "))
-    argv = argv[argv.index("examples/ideogram4/model_training/train.py") + 1:]
+    argv = shlex_argv(IDEOGRAM4_COMMAND)
     argv[argv.index("--num_epochs") + 1] = "1"
     argv[argv.index("--dataset_repeat") + 1] = "2"
     code, out, err = cli(capsys, "train", *argv)
@@ -283,3 +281,60 @@ def test_diffsynths_ideogram4_lora_command_runs_as_it_is(tmp_path, monkeypatch, 
     lora = load_file(str(tmp_path / "models" / "train" / "Ideogram-4-bf16-repackage_lora" / "epoch-0.safetensors"))
     assert any(".adaln_modulation.lora_A." in k for k in lora) and not any(k.startswith("pipe.") for k in lora)
     assert "training: 4 steps" in out
+
+
+def test_the_dry_run_counts_what_the_run_loads_and_trains(world, tmp_path):
+    """At test size, with the files here: each model's parameters are its file's, and the LoRA the plan counts is
+    the LoRA the run writes."""
+    from safetensors import safe_open
+
+    root, flags = world
+    plan = run(_args(root, flags, dry_run=True, output_path=str(tmp_path / "dry"))).memory_plan
+    trained = run(_args(root, flags, num_epochs=1, output_path=str(tmp_path / "out")))
+    lora = load_file(str(trained.last_checkpoint))
+    assert plan["stages"]["train"]["trained_params"] == sum(t.numel() for t in lora.values())
+    width = 4 if setup_dtype(flags) == "float32" else 2
+    model_id = flags["model_id_with_origin_paths"].split(":")[0]
+    for attribute, info in plan["models"].items():
+        folder = {"dit": "transformer"}.get(attribute, attribute)
+        files = list((root / "models" / model_id / folder).glob("*.safetensors"))
+        with safe_open(str(files[0]), "pt") as handle:
+            numel = sum(int(torch.tensor(handle.get_slice(k).get_shape()).prod()) for k in handle.keys())
+        assert info["params"] == numel and info["bytes"] == numel * width, attribute
+    stages = plan["stages"]
+    assert stages["unsplit"]["weights"] == stages["data_process"]["weights"] + stages["train"]["weights"]
+    assert not (tmp_path / "dry").exists()
+
+
+def setup_dtype(flags: dict) -> str:
+    from unitgraph.backends.diffusion.diffsynth_source.glue import glue_for
+
+    return glue_for(flags["module"]).dtype
+
+
+def test_the_dry_run_of_the_released_ideogram4_needs_no_file(tmp_path, monkeypatch, capsys):
+    """DiffSynth's Ideogram 4 command, --dry_run, in a folder with nothing downloaded: the released sizes from
+    DiffSynth's table (the bf16 repackage's text encoder and VAE sized as the releases its table names), no network."""
+    from clitools import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DIFFSYNTH_SKIP_DOWNLOAD", "True")
+    argv = shlex_argv(IDEOGRAM4_COMMAND)
+    code, out, err = cli(capsys, "train", *argv, "--dry_run", "--json")
+    assert code == 0, err
+    import json
+
+    plan = json.loads(out[out.index("{"):])
+    models = plan["models"]
+    assert 9.0e9 < models["dit"]["params"] < 9.5e9 and 7.5e9 < models["text_encoder"]["params"] < 8.5e9
+    stages = plan["stages"]
+    assert stages["data_process"]["models"] == ["text_encoder"] and "text_encoder" not in stages["train"]["models"]
+    assert stages["unsplit"]["total"] - stages["train"]["total"] == models["text_encoder"]["bytes"]
+    assert not (tmp_path / "models").exists()
+
+
+def shlex_argv(command: str) -> list[str]:
+    import shlex
+
+    argv = shlex.split(command.replace("\\\n", " "))
+    return argv[argv.index("examples/ideogram4/model_training/train.py") + 1:]

@@ -39,7 +39,7 @@ from ..errors import BackendError
 from ..models.hub import Hub, origin_subfolder
 from .glue import Glue
 
-__all__ = ["ModelFile", "find_models", "load_pipeline", "model_attributes", "recognise"]
+__all__ = ["ModelFile", "examples", "find_models", "load_pipeline", "model_attributes", "planned_models", "recognise"]
 
 Files = Union[str, list[str]]
 
@@ -183,11 +183,75 @@ def find_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_pat
     given = _parse_model_paths(model_paths) + [_id_files(hub, i, p) for i, p in _parse_ids(model_id_with_origin_paths)]
     for files in given:
         _check_files(files)
-        entries = recognise(files, attributes)
-        names = tuple(dict.fromkeys(e["model_name"] for e in entries))
-        found.append(ModelFile(files, names, tuple(dict.fromkeys(attributes[n] for n in names if n in attributes)),
-                               entries))
+        found.append(_model_file(files, recognise(files, attributes), attributes))
     return found
+
+
+def examples() -> dict[tuple[str, str], str]:
+    """{(model id, file pattern): model hash} from the `# Example: ModelConfig(model_id=..., origin_file_pattern=...)`
+    comments of DiffSynth's model-config table: which entry a release file is, known without the file (the dry run
+    plans a command whose models are not downloaded). Read from the table's source; nothing is imported for it."""
+    import re
+
+    from diffsynth import configs
+
+    source = Path(inspect.getsourcefile(configs.model_configs) or "").read_text(encoding="utf-8")
+    found: dict[tuple[str, str], str] = {}
+    pending: list[tuple[str, str]] = []
+    example = re.compile(r'#\s*Example:\s*ModelConfig\(model_id="([^"]+)",\s*origin_file_pattern="([^"]+)"')
+    for line in source.splitlines():
+        match = example.search(line)
+        if match:
+            pending.append((match.group(1), match.group(2)))
+            continue
+        hashed = re.search(r'"model_hash":\s*"([0-9a-f]{32})"', line)
+        if hashed:
+            for key in pending:
+                found.setdefault(key, hashed.group(1))
+            pending = []
+        elif line.strip().startswith("},"):
+            pending = []
+    return found
+
+
+def planned_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_paths: Optional[str],
+                   hub: Hub) -> list[ModelFile]:
+    """The command's models for the dry run: a file that is here is recognised as a run does; a model id whose files
+    are not is taken from the table's examples (its entry, without reading or downloading anything)."""
+    from diffsynth.configs import MODEL_CONFIGS
+
+    attributes = model_attributes(pipeline_class_of(glue))
+    found: list[ModelFile] = []
+    known = examples()
+    for files in _parse_model_paths(model_paths):
+        _check_files(files)
+        entries = recognise(files, attributes)
+        found.append(_model_file(files, entries, attributes))
+    for model_id, pattern in _parse_ids(model_id_with_origin_paths):
+        local = hub.found_locally(model_id, pattern)
+        if local is not None:
+            files = _id_files(hub, model_id, pattern)
+            found.append(_model_file(files, recognise(files, attributes), attributes))
+            continue
+        model_hash = known.get((model_id, pattern))
+        label = f"{model_id}:{pattern}"
+        if model_hash is None:  # another release's file of the same name, of a model this pipeline loads
+            by_hash = {c["model_hash"]: c for c in MODEL_CONFIGS}
+            other = next(((key, h) for key, h in known.items() if key[1] == pattern and h in by_hash
+                          and by_hash[h]["model_name"] in attributes), None)
+            if other is not None:
+                model_hash, label = other[1], f"{label} (sized as {other[0][0]}:{pattern})"
+        entries = tuple(c for c in MODEL_CONFIGS if c["model_hash"] == model_hash)
+        if not entries:
+            raise BackendError(f"{model_id}:{pattern} is not downloaded and DiffSynth's model-config table names no "
+                               "entry for it (its '# Example:' comments); download it or pass --model_paths")
+        found.append(_model_file(label, entries, attributes))
+    return found
+
+
+def _model_file(files: Files, entries: tuple[dict, ...], attributes: dict[str, str]) -> ModelFile:
+    names = tuple(dict.fromkeys(e["model_name"] for e in entries))
+    return ModelFile(files, names, tuple(dict.fromkeys(attributes[n] for n in names if n in attributes)), entries)
 
 
 def pipeline_class_of(glue: Glue) -> type:

@@ -37,7 +37,7 @@ from ..result import RunResult
 from . import EXTRA_HINT, available
 from .glue import Glue, glue_for, inputs
 from .hazards import UnitHazard, check_unit, install_skeletons, state_identities
-from .models import ModelFile, find_models, load_pipeline, pipeline_class_of, tokenizer_folder
+from .models import ModelFile, find_models, load_pipeline, pipeline_class_of, planned_models, tokenizer_folder
 
 __all__ = ["run", "wanted", "MANIFEST"]
 
@@ -53,7 +53,7 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
         "use_gradient_checkpointing_offload", "task", "output_path", "remove_prefix_in_ckpt", "lora_base_model",
         "lora_target_modules", "lora_rank", "lora_alpha", "height", "width", "max_pixels", "seed", "cache_path",
         "overwrite", "progress", "plot", "json", "dataset_num_workers", "find_unused_parameters",
-        "enable_csv_log", "lr_scheduler", "optimizer", "loss_weighting", "timestep_sampling", "lora_format",
+        "enable_csv_log", "dry_run", "lr_scheduler", "optimizer", "loss_weighting", "timestep_sampling", "lora_format",
         "max_timestep_boundary", "min_timestep_boundary"}
 
 
@@ -177,7 +177,10 @@ def setup(args: TrainArgs) -> Setup:
     except Exception as exc:  # SpecError: a model the pipeline does not have
         raise BackendError(f"{glue.name}: {exc}") from None
     hub = Hub.from_env(args.modelscope_cache_dir)
-    models = find_models(glue, args.model_paths, args.model_id_with_origin_paths, hub)
+    if args.dry_run:
+        models = planned_models(glue, args.model_paths, args.model_id_with_origin_paths, hub)
+    else:
+        models = find_models(glue, args.model_paths, args.model_id_with_origin_paths, hub)
     return Setup(glue, args, dtype, pipe_class, list(bare.units), spec, plan, hub, models)
 
 
@@ -453,12 +456,15 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, why: Opti
         raise BackendError(f"--pipeline {args.pipeline} runs DiffSynth-Studio's own pipeline; {EXTRA_HINT}")
     glue_for(str(args.pipeline))
     check_flags(args)
-    if args.dry_run:
-        raise BackendError("--dry_run is not available yet for a pipeline trained through DiffSynth's own code")
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|diffsynth)\.")
     s = setup(args)
+    if args.dry_run:  # DiffSynth's model configs on the meta device: nothing loaded, downloaded or written
+        from .memory import memory_plan
+
+        return RunResult(task=args.task, output_path=Path(args.output_path), plan=s.plan,
+                         memory_plan=memory_plan(s, s.models))
     report(f"pipeline: {s.glue.name} (DiffSynth's {s.glue.class_name}; {why or '--pipeline'})")
     report(f"plan: stage 1 runs {', '.join(s.plan.data_process_units) or 'nothing'} "
            f"({', '.join(s.plan.data_process_models) or 'no model'}); stage 2 runs "

@@ -1,0 +1,102 @@
+"""The dry run of a DiffSynth pipeline: what each stage holds, from DiffSynth's model configs on the meta device.
+
+Each model of the command is its table entry's class built on the meta device with the entry's sizes (no weights
+are read, and none need to be downloaded: models.planned_models), counted at the dtype the pipeline trains in
+(DiffSynth loads every model in it). A stage holds the models the plan gives it; training adds the trained
+parameters' gradients (in that dtype, as DiffSynth upcasts the LoRA to it) and AdamW's two moments in fp32. The
+LoRA is peft's, injected into the skeleton with the command's targets and rank, so its size is the one the run
+trains. Activations are not counted: they depend on the kernels and the sample size, and the run's own
+`--dry_run` of unitgraph's families measures them; this plan says what the weights and the optimizer need.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .models import ModelFile
+
+__all__ = ["memory_plan", "format_plan"]
+
+GIB = 1024 ** 3
+
+
+def _bytes_of(dtype: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _count(module: Any) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _lora_count(skeleton: Any, targets: list[str], rank: int) -> int:
+    """Parameters of the LoRA DiffSynth's add_lora_to_model would inject (peft's matching of the target names)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=targets[0] if len(targets) == 1 else targets)
+    model = inject_adapter_in_model(config, skeleton)
+    return sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+
+
+def memory_plan(setup: Any, models: list[ModelFile]) -> dict[str, Any]:
+    """{models: {attribute: {params, bytes, entry}}, stages: {stage: {models, weights, trained, gradients,
+    optimizer, total}}} in bytes."""
+    args, plan, glue = setup.args, setup.plan, setup.glue
+    width = _bytes_of(glue.dtype)
+    table: dict[str, dict[str, Any]] = {}
+    skeletons: dict[str, Any] = {}
+    for model in models:
+        if not model.attributes:
+            continue
+        skeleton = model.skeleton()
+        n = _count(skeleton)
+        attribute = model.attributes[0]
+        skeletons[attribute] = skeleton
+        table[attribute] = {"params": n, "bytes": n * width, "file": model.label,
+                            "class": model.entries[0]["model_class"].rsplit(".", 1)[1]}
+    trained = 0
+    if args.lora_base_model and args.lora_base_model in skeletons:
+        from .run import DIFFSYNTH_LORA_TARGETS, _helper
+
+        skeleton = skeletons[args.lora_base_model]
+        raw = DIFFSYNTH_LORA_TARGETS if args.lora_target_modules is None else args.lora_target_modules
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            targets = _helper().parse_lora_target_modules(skeleton, raw)
+        trained += _lora_count(skeleton, targets, args.lora_rank)
+    for name in [m for m in (args.trainable_models or "").split(",") if m]:
+        trained += table.get(name, {}).get("params", 0)
+
+    def stage(names: list[str], training: bool) -> dict[str, Any]:
+        held = [n for n in names if n in table]
+        weights = sum(table[n]["bytes"] for n in held) + (trained * width if training and args.lora_base_model else 0)
+        grads = trained * width if training else 0
+        optimizer = trained * 8 if training else 0
+        return {"models": held, "weights": weights, "trained_params": trained if training else 0,
+                "gradients": grads, "optimizer": optimizer, "total": weights + grads + optimizer}
+
+    stages = {"data_process": stage(plan.data_process_models, False), "train": stage(plan.train_models, True),
+              "unsplit": stage(sorted(set(plan.data_process_models) | set(plan.train_models)), True)}
+    return {"pipeline": glue.name, "dtype": glue.dtype, "models": table, "stages": stages,
+            "activations": "not counted"}
+
+
+def format_plan(plan: dict[str, Any]) -> list[str]:
+    lines = [f"dry run: {plan['pipeline']} in {plan['dtype']} (DiffSynth's model configs on the meta device; "
+             "activations not counted)"]
+    for name, info in plan["models"].items():
+        lines.append(f"  {name:<14} {info['class']}: {info['params'] / 1e9:.3f} B params, {info['bytes'] / GIB:.2f} GiB "
+                     f"({info['file']})")
+    titles = {"data_process": "stage 1 (data_process)", "train": "stage 2 (train)", "unsplit": "unsplit (sft)"}
+    for key, title in titles.items():
+        s = plan["stages"][key]
+        extra = ""
+        if s["trained_params"]:
+            extra = (f"; trains {s['trained_params'] / 1e6:.1f} M params: gradients {s['gradients'] / GIB:.2f} GiB, "
+                     f"AdamW {s['optimizer'] / GIB:.2f} GiB")
+        lines.append(f"{title:<24} {', '.join(s['models']) or 'no model'}: weights {s['weights'] / GIB:.2f} GiB"
+                     f"{extra}; total {s['total'] / GIB:.2f} GiB")
+    return lines
