@@ -81,3 +81,25 @@ def test_no_untrained_model_id_is_a_trained_familys():
     assert untrained_by_model_id("ACE-Step/acestep-v15-xl-sft").name == "ACE-Step"  # an organisation's prefix
     assert untrained_by_model_id("krea/krea-realtime-video") is None  # a Wan model: krea's prefix is Krea-2 only
     assert untrained_by_model_id("Qwen/Qwen-Image") is None
+
+
+IDEOGRAM4_IDS = ("DiffSynth-Studio/ideogram-4-bf16-repackage:transformer/diffusion_pytorch_model.safetensors,"
+                 "DiffSynth-Studio/ideogram-4-bf16-repackage:text_encoder/model.safetensors")
+
+
+def test_a_family_trained_through_diffsynth_names_the_extra_where_diffsynth_is_missing(tmp_path, capsys, no_download):
+    """Ideogram 4 trains through DiffSynth's own pipeline (docs/diffsynth.md); in an environment without the
+    `diffsynth` package its model id, or --pipeline diffsynth:ideogram4, is one line saying what to install."""
+    import importlib.util
+
+    if importlib.util.find_spec("diffsynth") is not None:
+        pytest.skip("DiffSynth-Studio is installed here (tests/test_diffsynth_source.py runs these pipelines)")
+    base = ["train", "--dataset_base_path", str(tmp_path), "--lora_base_model", "dit", "--output_path",
+            str(tmp_path / "out")]
+    code, _, err = cli(capsys, *base, "--model_id_with_origin_paths", IDEOGRAM4_IDS)
+    one_error_line(code, err, "is Ideogram 4, which unitgraph trains through DiffSynth's own pipeline",
+                   "--pipeline diffsynth:ideogram4", "scripts/setup_diffsynth.sh")
+    code, _, err = cli(capsys, *base, "--pipeline", "diffsynth:ideogram4")
+    one_error_line(code, err, "--pipeline diffsynth:ideogram4 runs DiffSynth-Studio's own pipeline",
+                   "DiffSynth-Studio is not installed here")
+    assert no_download == [] and not (tmp_path / "out").exists()

@@ -93,7 +93,7 @@ class TrainArgs:
     data_file_keys: str = _f("image", "Comma-separated metadata columns that name files to load.", "dataset")
     extra_inputs: Optional[str] = _f(None, "Comma-separated metadata columns handed to the pipeline (e.g. edit_image).", "dataset")
     # models
-    pipeline: Optional[str] = _f(None, "Pipeline to train (see 'unitgraph pipelines'). Default: the one the command names: its model ids, the classes of its --model_paths folders (model_index.json, a component's config.json), a release file's layout, and the metadata's columns and --extra_inputs (in stage 2, the pipeline its cache was made for) as the tie-breaker; else the first registered family. The run prints its choice and why first.", "models")
+    pipeline: Optional[str] = _f(None, "Pipeline to train (see 'unitgraph pipelines'; diffsynth:MODULE trains DiffSynth-Studio's own pipeline of that module, docs/diffsynth.md). Default: the one the command names: its model ids, the classes of its --model_paths folders (model_index.json, a component's config.json), a release file's layout, and the metadata's columns and --extra_inputs (in stage 2, the pipeline its cache was made for) as the tie-breaker; else the first registered family. The run prints its choice and why first.", "models")
     model_paths: Optional[str] = _f(None, "A JSON list of model folders, or one path (a diffusers pipeline folder works).", "models")
     model_id_with_origin_paths: Optional[str] = _f(None, "'org/name:sub/pattern,...' resolved through modelscope.", "models")
     tokenizer_path: Optional[str] = _f(None, "Tokenizer folder of the (first) text encoder (default: beside the text encoder or in the pipeline folder).", "models")

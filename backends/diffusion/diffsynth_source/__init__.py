@@ -31,7 +31,8 @@ import importlib.util
 
 __all__ = ["available", "EXTRA_HINT"]
 
-EXTRA_HINT = "install DiffSynth-Studio (pip install 'unitgraph[diffsynth]'; it needs torchvision, see docs/diffsynth.md)"
+EXTRA_HINT = ("DiffSynth-Studio is not installed here: install the diffsynth extra beside a torch and torchvision that load "
+              "together (bash scripts/setup_diffsynth.sh makes .venv-diffsynth; docs/diffsynth.md)")
 
 
 def available() -> bool:

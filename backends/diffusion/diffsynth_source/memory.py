@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .lora import target_modules
 from .models import ModelFile
 
 __all__ = ["memory_plan", "format_plan"]
@@ -57,16 +58,8 @@ def memory_plan(setup: Any, models: list[ModelFile]) -> dict[str, Any]:
                             "class": model.entries[0]["model_class"].rsplit(".", 1)[1]}
     trained = 0
     if args.lora_base_model and args.lora_base_model in skeletons:
-        from .run import DIFFSYNTH_LORA_TARGETS, _helper
-
         skeleton = skeletons[args.lora_base_model]
-        raw = DIFFSYNTH_LORA_TARGETS if args.lora_target_modules is None else args.lora_target_modules
-        import contextlib
-        import io
-
-        with contextlib.redirect_stdout(io.StringIO()):
-            targets = _helper().parse_lora_target_modules(skeleton, raw)
-        trained += _lora_count(skeleton, targets, args.lora_rank)
+        trained += _lora_count(skeleton, target_modules(skeleton, args.lora_target_modules), args.lora_rank)
     for name in [m for m in (args.trainable_models or "").split(",") if m]:
         trained += table.get(name, {}).get("params", 0)
 

@@ -36,6 +36,7 @@ from ..randomness import derive_seed, permutation, seeded_global_stream
 from ..result import RunResult
 from . import EXTRA_HINT, available
 from .glue import Glue, glue_for, inputs
+from .lora import DIFFSYNTH_REMOVE_PREFIX, helper, target_modules
 from .hazards import UnitHazard, check_unit, install_skeletons, state_identities
 from .models import ModelFile, find_models, load_pipeline, pipeline_class_of, planned_models, tokenizer_folder
 
@@ -43,8 +44,6 @@ __all__ = ["run", "wanted", "MANIFEST"]
 
 MANIFEST = "unitgraph-diffsynth-cache.json"
 FORMAT = "unitgraph.diffsynth-cache/v1"
-DIFFSYNTH_REMOVE_PREFIX = "pipe.dit."  # DiffSynth's --remove_prefix_in_ckpt default
-DIFFSYNTH_LORA_TARGETS = "q,k,v,o,ffn.0,ffn.2"  # DiffSynth's --lora_target_modules default
 TASKS = ("sft", "sft:data_process", "sft:train")
 # the flags this source reads; any other flag set away from its default is refused in one line
 READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_file_keys", "extra_inputs", "pipeline",
@@ -188,22 +187,9 @@ def setup(args: TrainArgs) -> Setup:
 # the step
 
 
-_HELPER: list[Any] = []
-
-
-def _helper() -> Any:
-    """One `DiffusionTrainingModule` (an empty torch module) whose methods the runs borrow: DiffSynth's own transfer
-    of the inputs, LoRA injection and checkpoint export."""
-    if not _HELPER:
-        from diffsynth.diffusion.training_module import DiffusionTrainingModule
-
-        _HELPER.append(DiffusionTrainingModule())
-    return _HELPER[0]
-
-
 def _transfer(state: tuple[dict, dict, dict], pipe: Any) -> tuple[dict, dict, dict]:
     """DiffSynth's `transfer_data_to_device`: float tensors to the pipeline's device and dtype."""
-    return _helper().transfer_data_to_device(state, pipe.device, pipe.torch_dtype)
+    return helper().transfer_data_to_device(state, pipe.device, pipe.torch_dtype)
 
 
 def run_units(pipe: Any, units: list[tuple[str, Any, Any]], state: tuple[dict, dict, dict],
@@ -364,29 +350,14 @@ def _lora(setup: Setup, pipe: Any) -> None:
     model = getattr(pipe, args.lora_base_model, None)
     if model is None or not hasattr(model, "named_modules"):
         raise BackendError(f"--lora_base_model {args.lora_base_model}: {setup.glue.class_name} has no such model loaded")
-    helper = _helper()
-    targets = DIFFSYNTH_LORA_TARGETS if args.lora_target_modules is None else args.lora_target_modules
-    with _quiet_print():
-        target_list = helper.parse_lora_target_modules(model, targets)
+    target_list = target_modules(model, args.lora_target_modules)
     try:
         with seeded_global_stream(args.seed, "diffsynth-lora-init"):
-            model = helper.add_lora_to_model(model, target_modules=target_list, lora_rank=args.lora_rank,
-                                             lora_alpha=args.lora_alpha, upcast_dtype=pipe.torch_dtype)
+            model = helper().add_lora_to_model(model, target_modules=target_list, lora_rank=args.lora_rank,
+                                               lora_alpha=args.lora_alpha, upcast_dtype=pipe.torch_dtype)
     except ValueError as exc:
-        raise BackendError(f"--lora_target_modules {targets!r}: {str(exc).splitlines()[0]}") from None
+        raise BackendError(f"--lora_target_modules {','.join(target_list)!r}: {str(exc).splitlines()[0]}") from None
     setattr(pipe, args.lora_base_model, model)
-
-
-class _quiet_print:
-    def __enter__(self) -> None:
-        import contextlib
-        import io
-
-        self._r = contextlib.redirect_stdout(io.StringIO())
-        self._r.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        self._r.__exit__(*exc)
 
 
 def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample_ids: list[str], pipe: Any,
