@@ -14,6 +14,8 @@ import warnings
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import unitgraph as ug
 from unitgraph.adapters import AdapterNote, DeclarationWarning
@@ -505,6 +507,123 @@ def test_process_analysis_on_snippets():
             return shared, posi, nega
     """, take_over=True)
     assert f.guards == ["x"] and f.reads == ["x"] and f.writes == {"y"} and f.random
+
+
+def _deps(code: str, assume=None):
+    from unitgraph.adapters.diffsynth import output_dependencies
+
+    found = output_dependencies(ast.parse(textwrap.dedent(code)).body[0], assume)
+    return None if found is None else {k: sorted(v) for k, v in found.items()}
+
+
+def test_output_dependencies_follow_data_control_and_mutation():
+    """Each returned key's arguments: through assignments, calls (which may change their arguments), branches, early
+    returns and loops; a return that is not a dict literal makes the whole answer unknown."""
+    # an early return taints what follows with its condition
+    assert _deps("""
+        def process(self, pipe, image, noise, size):
+            if image is None:
+                return {"a": noise}
+            scaled = pipe.resize(image, size)
+            return {"a": noise, "b": scaled}
+    """) == {"a": ["image", "noise"], "b": ["image", "size"]}
+    # a call may change its arguments in place: `fill(out, noise)` taints out with noise, from there on only
+    assert _deps("""
+        def process(self, pipe, image, noise):
+            out = pipe.encode(image)
+            first = {"b": out}
+            fill(out, noise)
+            return {"b": out}
+    """) == {"b": ["image", "noise"]}
+    assert _deps("""
+        def process(self, pipe, image, noise):
+            out = pipe.encode(image)
+            if pipe.flag:
+                return {"b": out}
+            fill(out, noise)
+            return {"b": out}
+    """, {"pipe.flag": True}) == {"b": ["image"]}
+    # a branch taints what it assigns; both sides are joined
+    assert _deps("""
+        def process(self, pipe, a, b, c):
+            if c:
+                x = a
+            else:
+                x = 1
+            return {"x": x}
+    """) == {"x": ["a", "c"]}
+    # a loop carries its values round
+    assert _deps("""
+        def process(self, pipe, a, b, n):
+            x = 0
+            y = 0
+            for i in range(n):
+                y = x
+                x = a
+            return {"y": y}
+    """) == {"y": ["a", "n"]}
+    assert _deps("""
+        def process(self, pipe, a):
+            out = {"x": a}
+            return out
+    """) is None
+    # the negated assumption takes the other side
+    assert _deps("""
+        def process(self, pipe, a, b):
+            if not pipe.training:
+                return {"x": a}
+            return {"x": b}
+    """, {"pipe.training": True}) == {"x": ["b"]}
+
+
+PARAMS = ("a", "b", "c")
+
+
+@st.composite
+def _programs(draw):
+    """A `process` of assignments, in-place list appends, branches (some returning early) and a final return."""
+    names = list(PARAMS)
+    lines = ["def process(self, pipe, a, b, c):", "    acc = []"]
+    names.append("acc")
+
+    def expr():
+        picked = draw(st.lists(st.sampled_from([n for n in names if n != "acc"]), min_size=1, max_size=3))
+        return " + ".join(picked) + f" + {draw(st.integers(0, 3))}"
+
+    def cond():  # one name against a constant: flips often as the arguments change
+        return f"{draw(st.sampled_from([n for n in names if n != 'acc']))} > {draw(st.integers(0, 4))}"
+
+    for i in range(draw(st.integers(1, 6))):
+        kind = draw(st.sampled_from(["assign", "append", "if", "early"]))
+        if kind == "assign":
+            lines.append(f"    v{i} = {expr()}")
+            names.append(f"v{i}")
+        elif kind == "append":
+            lines.append(f"    acc.append({expr()})")
+        elif kind == "if":
+            lines += [f"    if {cond()}:", f"        v{i} = {expr()}", "    else:",
+                      f"        v{i} = {draw(st.integers(0, 3))}"]
+            names.append(f"v{i}")
+        else:
+            early = draw(st.sampled_from([f"{{'x': {expr()}, 'y': 0}}", "{}"]))  # values, or nothing (a no-op)
+            lines += [f"    if {cond()}:", f"        return {early}"]
+    lines.append(f"    return {{'x': {expr()}, 'y': sum(acc) + {expr()}}}")
+    return "\n".join(lines)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_programs(), st.tuples(*[st.integers(0, 4)] * 3), st.tuples(*[st.integers(0, 4)] * 3))
+def test_an_argument_outside_a_keys_dependencies_never_changes_it(code, first, second):
+    """Soundness by execution: run a generated `process` on two argument tuples that differ only in arguments the
+    analysis says key k does not depend on; k's value is the same."""
+    from unitgraph.adapters.diffsynth import output_dependencies
+
+    deps = output_dependencies(ast.parse(code).body[0])
+    scope: dict = {}
+    exec(compile(code, "<generated>", "exec"), scope)  # the test's own generated code
+    for key in ("x", "y"):
+        mixed = tuple(first[i] if name in deps[key] else second[i] for i, name in enumerate(PARAMS))
+        assert scope["process"](None, None, *first).get(key) == scope["process"](None, None, *mixed).get(key), (code, key)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

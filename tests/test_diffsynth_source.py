@@ -328,8 +328,10 @@ def test_the_dry_run_of_the_released_ideogram4_needs_no_file(tmp_path, monkeypat
     models = plan["models"]
     assert 9.0e9 < models["dit"]["params"] < 9.5e9 and 7.5e9 < models["text_encoder"]["params"] < 8.5e9
     stages = plan["stages"]
-    assert stages["data_process"]["models"] == ["text_encoder"] and "text_encoder" not in stages["train"]["models"]
-    assert stages["unsplit"]["total"] - stages["train"]["total"] == models["text_encoder"]["bytes"]
+    # the text encoder and the VAE go to stage 1 (the image unit narrowed to input_latents: planning.py)
+    assert stages["data_process"]["models"] == ["text_encoder", "vae"] and stages["train"]["models"] == ["dit"]
+    assert (stages["unsplit"]["total"] - stages["train"]["total"]
+            == models["text_encoder"]["bytes"] + models["vae"]["bytes"])
     assert not (tmp_path / "models").exists()
 
 
@@ -338,3 +340,20 @@ def shlex_argv(command: str) -> list[str]:
 
     argv = shlex.split(command.replace("\\\n", " "))
     return argv[argv.index("examples/ideogram4/model_training/train.py") + 1:]
+
+
+def test_the_plan_narrows_an_image_unit_to_what_the_loss_reads():
+    """DiffSynth's FlowMatchSFTLoss overwrites `latents` before reading it, so the image unit, which returns the noise
+    as `latents`, is planned for `input_latents` alone and goes to stage 1 with its VAE (Ideogram 4); SD 1.5's image
+    unit draws from the VAE posterior itself and stays in training."""
+    from diffsynth.diffusion.loss import FlowMatchSFTLoss
+
+    from unitgraph.backends.diffusion.diffsynth_source.planning import loss_overwrites
+
+    assert loss_overwrites(FlowMatchSFTLoss) == {"latents"}
+    ideogram = ds_run.setup(make_args(pipeline="diffsynth:ideogram4", lora_base_model="dit", dry_run=True))
+    assert "InputImageEmbedder" in ideogram.plan.data_process_units and "vae" in ideogram.plan.data_process_models
+    assert ideogram.plan.train_units == ["NoiseInitializer"]
+    assert "InputImageEmbedder: planned for input_latents only" in ideogram.notes["InputImageEmbedder"]
+    sd = ds_run.setup(make_args(pipeline="diffsynth:stable_diffusion", lora_base_model="unet", dry_run=True))
+    assert "InputImageEmbedder" in sd.plan.train_units and "vae" in sd.plan.train_models

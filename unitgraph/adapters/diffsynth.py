@@ -100,6 +100,8 @@ class ProcessFacts:
     reads: list[str] = field(default_factory=list)  # take_over: state keys read
     writes: set[str] = field(default_factory=set)  # take_over: state keys seen written (besides output_params)
     random: bool = False
+    # not take_over: each returned key -> the arguments of `process` its value may depend on (None: unknown)
+    output_deps: dict[str, frozenset[str]] | None = None
 
 
 @dataclass
@@ -135,7 +137,184 @@ def analyse_process(func: ast.FunctionDef, methods: dict[str, ast.FunctionDef], 
     else:
         facts.returned = _returned_keys(func)
     facts.random = bool(_calls(func, methods) & RANDOM_CALLS)
+    if not take_over and len(args) > 1:  # analysed as the unit runs in training (DiffSynth sets the flag)
+        facts.output_deps = output_dependencies(func, {f"{args[1]}.scheduler.training": True})
     return facts
+
+
+def output_dependencies(func: ast.FunctionDef, assume: dict[str, bool] | None = None) -> dict[str, frozenset[str]] | None:
+    """Each key `process` returns -> the arguments (after `self, pipe`) its value may depend on; None when a return is
+    not a dict of string keys. `assume`: conditions known while the unit runs (`{"pipe.scheduler.training": True}`:
+    DiffSynth's training sets it), whose untaken side is not followed.
+
+    A may-depend dataflow analysis over the function's statements, conservative where the code is not plain: an
+    assigned name depends on every name its value mentions (through any call, attribute or subscript); a call may
+    mutate its receiver and arguments with all it is given; a branch taints what it assigns and returns with its
+    condition, and a branch that returns or raises taints what follows with its condition (the rest runs only when it
+    was not taken). The two sides of a branch are followed apart and joined after it; loops are iterated until
+    nothing changes. So a key whose set lacks an argument cannot see that argument: not its value, not whether it is
+    None.
+
+    >>> import textwrap
+    >>> src = textwrap.dedent('''
+    ...     def process(self, pipe, image, noise):
+    ...         if image is None:
+    ...             return {"latents": noise, "input_latents": None}
+    ...         encoded = pipe.vae.encode(image)
+    ...         if pipe.training:
+    ...             return {"latents": noise, "input_latents": encoded}
+    ...         return {"latents": pipe.add_noise(encoded, noise), "input_latents": encoded}''')
+    >>> deps = output_dependencies(ast.parse(src).body[0], {"pipe.training": True})
+    >>> sorted(deps["input_latents"]), sorted(deps["latents"])
+    (['image'], ['image', 'noise'])
+
+    Without the assumption the inference side counts too, where `pipe.add_noise(encoded, noise)` may change
+    `encoded` in place:
+
+    >>> sorted(output_dependencies(ast.parse(src).body[0])["input_latents"])
+    ['image', 'noise']
+    """
+    Env = dict[str, frozenset[str]]
+    params = [a.arg for a in func.args.args[2:]] + [a.arg for a in func.args.kwonlyargs]
+    assumed = dict(assume or {})
+
+    def known_condition(test: ast.expr) -> bool | None:
+        negated = isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)
+        value = assumed.get(ast.unparse(test.operand if negated else test))
+        return None if value is None else (not value if negated else value)
+
+    result: dict[str, set[str]] = {}
+    unknown = False
+
+    def deps(env: Env, node: ast.AST | None) -> frozenset[str]:
+        found: set[str] = set()
+        if node is not None:
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Name):
+                    found |= env.get(sub.id, frozenset())
+        return frozenset(found)
+
+    def taint(env: Env, target: ast.AST, value: frozenset[str], replace: bool = False) -> None:
+        """`value` into the names of `target`: a plain name assigned is replaced, a subscript or attribute store or a
+        mutation adds to its base."""
+        if replace and isinstance(target, ast.Name):
+            env[target.id] = value
+            return
+        for sub in ast.walk(target):
+            if isinstance(sub, ast.Name):
+                env[sub.id] = env.get(sub.id, frozenset()) | value
+
+    def calls(env: Env, node: ast.AST, ctrl: frozenset[str]) -> None:
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Call):
+                flowing = deps(env, sub) | ctrl
+                for part in (sub.func, *sub.args, *(k.value for k in sub.keywords)):
+                    taint(env, part, flowing)
+
+    def join(a: Env | None, b: Env | None) -> Env | None:
+        if a is None or b is None:
+            return b if a is None else a
+        return {k: a.get(k, frozenset()) | b.get(k, frozenset()) for k in set(a) | set(b)}
+
+    def returned(env: Env, value: ast.expr | None, ctrl: frozenset[str]) -> None:
+        nonlocal unknown
+        if value is None or (isinstance(value, ast.Constant) and value.value is None):
+            return
+        if isinstance(value, ast.Dict) and all(isinstance(k, ast.Constant) and isinstance(k.value, str)
+                                               for k in value.keys):
+            pairs = [(k.value, v) for k, v in zip(value.keys, value.values)]
+        elif (isinstance(value, ast.Call) and getattr(value.func, "id", None) == "dict" and not value.args
+              and all(k.arg for k in value.keywords)):
+            pairs = [(k.arg, k.value) for k in value.keywords]
+        else:
+            unknown = True
+            return
+        for key, v in pairs:
+            result.setdefault(key, set()).update(deps(env, v) | ctrl)
+
+    def block(body: list[ast.stmt], env: Env, ctrl: frozenset[str]) -> tuple[Env | None, frozenset[str]]:
+        """(the environment after `body`, or None when every path through it returns or raises; the control
+        dependencies of what follows)."""
+        for stmt in body:
+            known = known_condition(stmt.test) if isinstance(stmt, ast.If) else None
+            if known is not None:  # one side only, as the unit runs in training
+                after, ctrl = block(stmt.body if known else stmt.orelse, env, ctrl)
+                if after is None:
+                    return None, ctrl
+                env = after
+            elif isinstance(stmt, ast.If):
+                calls(env, stmt.test, ctrl)
+                inner = ctrl | deps(env, stmt.test)
+                then, _ = block(stmt.body, dict(env), inner)
+                other, _ = block(stmt.orelse, dict(env), inner)
+                if then is None or other is None:
+                    ctrl = inner  # what follows runs only on the side that did not return
+                joined = join(then, other)
+                if joined is None:
+                    return None, ctrl
+                env = joined
+            elif isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)):
+                head = stmt.test if isinstance(stmt, ast.While) else stmt.iter
+                calls(env, head, ctrl)
+                inner = ctrl | deps(env, head)
+                state = dict(env)
+                for _ in range(100):  # until the loop head's environment stops growing
+                    entry = dict(state)
+                    if not isinstance(stmt, ast.While):
+                        taint(entry, stmt.target, inner)
+                    after, _ = block(stmt.body, entry, inner)
+                    grown = join(state, after) or state
+                    if grown == state:
+                        break
+                    state = grown
+                after, _ = block(stmt.orelse, dict(state), inner)
+                env = join(state, after) or state
+                if any(isinstance(n, (ast.Return, ast.Raise, ast.Break)) for n in _walk_own(stmt)):
+                    ctrl = inner
+            elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+                for item in stmt.items:
+                    calls(env, item.context_expr, ctrl)
+                    if item.optional_vars is not None:
+                        taint(env, item.optional_vars, deps(env, item.context_expr) | ctrl)
+                after, ctrl = block(stmt.body, env, ctrl)
+                if after is None:
+                    return None, ctrl
+                env = after
+            elif isinstance(stmt, ast.Try):
+                paths = [block(stmt.body, dict(env), ctrl)[0]]
+                for handler in stmt.handlers:
+                    paths.append(block(handler.body, dict(env), ctrl)[0])
+                merged: Env | None = None
+                for path in paths:
+                    merged = join(merged, path)
+                env = join(merged, env) or env  # an exception may leave at any point of the body
+                after, _ = block(stmt.orelse + stmt.finalbody, env, ctrl)
+                if after is None:
+                    return None, ctrl
+                env = after
+            elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                taint(env, ast.Name(stmt.name), deps(env, stmt) | ctrl)
+            elif isinstance(stmt, ast.Return):
+                calls(env, stmt, ctrl)
+                returned(env, stmt.value, ctrl)
+                return None, ctrl
+            elif isinstance(stmt, ast.Raise):
+                return None, ctrl
+            else:
+                calls(env, stmt, ctrl)
+                if isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                    value = deps(env, stmt.value) | ctrl
+                    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                    if isinstance(stmt, ast.AugAssign):
+                        value |= deps(env, stmt.target)
+                    for target in targets:
+                        taint(env, target, value, replace=isinstance(stmt, (ast.Assign, ast.AnnAssign)))
+        return env, ctrl
+
+    block(func.body, {p: frozenset({p}) for p in params}, frozenset())
+    if unknown:
+        return None
+    return {key: frozenset(d & set(params)) for key, d in result.items()}
 
 
 def _walk_own(node: ast.AST):
@@ -519,11 +698,15 @@ def from_installed(module_name: str, class_name: str | None = None, *, where: st
     return from_object(pipe, where=where, **options)
 
 
+def declarations(pipe: Any) -> list[UnitDecl]:
+    """The declarations and code facts of a DiffSynth pipeline object's units, in order."""
+    return [_decl_from_object(unit) for unit in list(getattr(pipe, "units", []) or [])]
+
+
 def from_object(pipe: Any, *, where: str | None = None, **options: Any) -> Pipeline:
     """The pipeline of a DiffSynth pipeline object as it is now: a unit per entry of `pipe.units`, in order (the
     diffusion backend plans the very units it then runs, backends/diffusion/diffsynth_source)."""
-    units = list(getattr(pipe, "units", []) or [])
-    decls = [_decl_from_object(unit) for unit in units]
+    decls = declarations(pipe)
     name = type(pipe).__name__
     return build_pipeline(name, decls, getattr(pipe, "in_iteration_models", None), where=where or f"diffsynth:{name}",
                           **options)
@@ -708,4 +891,5 @@ def _warn_string(owner: str, key: str, value: str, known_models: set[str]) -> No
 
 PIPELINES: dict = {}  # open-ended names: `resolve` answers every reference
 
-__all__ = ["ProcessFacts", "UnitDecl", "analyse_process", "build_pipeline", "from_installed", "from_object", "from_source", "resolve"]
+__all__ = ["ProcessFacts", "UnitDecl", "analyse_process", "build_pipeline", "declarations", "from_installed",
+           "from_object", "from_source", "output_dependencies", "resolve"]

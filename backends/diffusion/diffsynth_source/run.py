@@ -38,6 +38,7 @@ from . import EXTRA_HINT, available
 from .glue import Glue, glue_for, inputs
 from .lora import DIFFSYNTH_REMOVE_PREFIX, helper, target_modules
 from .hazards import UnitHazard, check_unit, install_skeletons, state_identities
+from .planning import live_projection, loss_overwrites
 from .models import ModelFile, find_models, load_pipeline, pipeline_class_of, planned_models, tokenizer_folder
 
 __all__ = ["run", "wanted", "MANIFEST"]
@@ -120,14 +121,18 @@ class Setup:
     dtype: Any
     pipe_class: type
     units: list[Any]  # the pipeline's unit objects, in order
-    spec: Any  # unitgraph.spec.Pipeline of those units
+    spec: Any  # unitgraph.spec.Pipeline of those units, each narrowed to the outputs needed (planning.py)
     plan: Any
     hub: Hub
     models: list[ModelFile]
+    declared: dict[str, tuple[str, ...]]  # each unit's outputs as the adapter reads it, before narrowing
+    notes: dict[str, str]  # a line per narrowed unit
 
-    def stage_units(self, stage: str) -> list[tuple[str, Any, Any]]:
+    def stage_units(self, stage: str) -> list[tuple[str, Any, tuple[str, ...]]]:
+        """(name, DiffSynth's unit object, the outputs it may write) of the plan's units of `stage`, in order."""
         names = set(self.plan.data_process_units if stage == "data_process" else self.plan.train_units)
-        return [(decl.name, obj, decl) for decl, obj in zip(self.spec.units, self.units) if decl.name in names]
+        return [(decl.name, obj, self.declared[decl.name]) for decl, obj in zip(self.spec.units, self.units)
+                if decl.name in names]
 
     def load(self, stage_models: list[str], stage: str) -> Any:
         """The pipeline with `stage_models` loaded, the others' attributes standing in (hazards.py)."""
@@ -159,7 +164,9 @@ def _dtype(glue: Glue) -> Any:
 def setup(args: TrainArgs) -> Setup:
     import warnings
 
-    from unitgraph.adapters.diffsynth import from_object
+    from diffsynth.diffusion.loss import FlowMatchSFTLoss
+
+    from unitgraph.adapters.diffsynth import declarations, from_object
 
     glue = glue_for(str(args.pipeline))
     dtype = _dtype(glue)
@@ -167,9 +174,11 @@ def setup(args: TrainArgs) -> Setup:
     bare = pipe_class(device="cpu", torch_dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # declaration notes belong to 'unitgraph audit', not to every run
-        spec = from_object(bare, where=glue.name)
-    if len(spec.units) != len(bare.units):
-        raise BackendError(f"{glue.name}: the adapter read {len(spec.units)} units of {len(bare.units)}")
+        whole = from_object(bare, where=glue.name)
+        decls = declarations(bare)
+    if len(whole.units) != len(bare.units):
+        raise BackendError(f"{glue.name}: the adapter read {len(whole.units)} units of {len(bare.units)}")
+    spec, notes = live_projection(whole, decls, loss_overwrites(FlowMatchSFTLoss))
     backward = [m for m in (args.trainable_models or "").split(",") if m]
     try:
         plan = split(spec, trainable_models=backward, lora_base_model=args.lora_base_model or None)
@@ -180,7 +189,8 @@ def setup(args: TrainArgs) -> Setup:
         models = planned_models(glue, args.model_paths, args.model_id_with_origin_paths, hub)
     else:
         models = find_models(glue, args.model_paths, args.model_id_with_origin_paths, hub)
-    return Setup(glue, args, dtype, pipe_class, list(bare.units), spec, plan, hub, models)
+    return Setup(glue, args, dtype, pipe_class, list(bare.units), spec, plan, hub, models,
+                 {u.name: u.outputs for u in whole.units}, notes)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -197,7 +207,9 @@ def run_units(pipe: Any, units: list[tuple[str, Any, Any]], state: tuple[dict, d
     """Run `units` in order on `state` through DiffSynth's runner; with `watch`, check each (hazards.py)."""
     import torch
 
-    for name, unit, decl in units:
+    if not getattr(pipe.scheduler, "training", False):  # the units were analysed as they run in training
+        raise BackendError(f"{type(pipe).__name__}'s scheduler is not in training mode")
+    for name, unit, outputs in units:
         before = state_identities(state) if watch else {}
         rng = torch.get_rng_state() if watch else None
         try:
@@ -210,7 +222,7 @@ def run_units(pipe: Any, units: list[tuple[str, Any, Any]], state: tuple[dict, d
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise BackendError(f"unit {name} of {type(pipe).__name__} failed: {type(exc).__name__}: {detail[:300]}") from None
         if watch:
-            check_unit(name, decl.outputs, before, rng, state)
+            check_unit(name, outputs, before, rng, state)
     return state
 
 
@@ -440,6 +452,8 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, why: Opti
     report(f"plan: stage 1 runs {', '.join(s.plan.data_process_units) or 'nothing'} "
            f"({', '.join(s.plan.data_process_models) or 'no model'}); stage 2 runs "
            f"{', '.join(s.plan.train_units) or 'only the loss'} ({', '.join(s.plan.train_models)})")
+    for line in s.notes.values():
+        report(f"      {line}")
     if args.task == "sft:data_process":
         where = Path(args.cache_path or args.output_path)
         return data_process(s, where, report)
