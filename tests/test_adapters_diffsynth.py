@@ -509,6 +509,62 @@ def test_process_analysis_on_snippets():
     assert f.guards == ["x"] and f.reads == ["x"] and f.writes == {"y"} and f.random
 
 
+TOY_READER = '''
+from ..diffusion.base_pipeline import BasePipeline, PipelineUnit
+
+
+class ReaderPipeline(BasePipeline):
+    def __init__(self, device="cuda", torch_dtype=None):
+        super().__init__(device=device, torch_dtype=torch_dtype)
+        self.in_iteration_models = ("dit",)
+        self.units = [ReaderUnit_NoiseInitializer(), ReaderUnit_PromptEmbedder()]
+
+
+class ReaderUnit_NoiseInitializer(PipelineUnit):
+    def __init__(self):
+        super().__init__(input_params=("height",), output_params=("noise",))
+
+    def process(self, pipe, height):
+        return {"noise": pipe.generate_noise((1, pipe.dit.in_channels, height))}
+
+
+class ReaderUnit_PromptEmbedder(PipelineUnit):
+    def __init__(self):
+        super().__init__(input_params=("prompt", "height"), output_params=("emb",), onload_model_names=("text_encoder",))
+
+    def process(self, pipe, prompt, height):
+        return {"emb": self.encode(pipe, prompt, height)}
+
+    def encode(self, pipe, prompt, height):
+        return pipe.text_encoder(prompt)[:, : height // pipe.dit.patch_size]
+'''
+
+
+def test_a_model_read_but_not_named_is_a_warning_and_a_config_read(source):
+    """A unit reading a model of the pipeline (directly or in a method it calls) that its onload_model_names does not
+    name: one warning each, and the unit reads that model's config in the plan (stage 1 loads no weights for it)."""
+    (source / "diffsynth" / "pipelines" / "toy_reader.py").write_text(textwrap.dedent(TOY_READER))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipeline = from_source(source, "toy_reader", "ReaderPipeline")
+    said = [str(w.message) for w in caught if issubclass(w.category, DeclarationWarning)]
+    assert len([m for m in said if "reads the model dit (pipe.dit)" in m]) == 2, said
+    units = by_name(pipeline)
+    assert units["PromptEmbedder"].configs == ("dit",) and units["NoiseInitializer"].configs == ("dit",)
+    plan = ug.split(pipeline, lora_base_model="dit")
+    assert "PromptEmbedder" in plan.data_process_units and "dit" not in plan.data_process_models
+
+
+def test_audit_of_every_pipeline_of_a_source(source, tmp_path):
+    (source / "diffsynth" / "pipelines" / "toy_reader.py").write_text(textwrap.dedent(TOY_READER))
+    done = run_cli("audit", "diffsynth:*", "--source", str(source), "-o", str(tmp_path / "all.json"))
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "all.json").read_text())
+    assert sorted(report["pipelines"]) == ["toy_image", "toy_reader"]
+    assert "toy_shared" in report["unreadable"]  # a module of units without a pipeline class: one note, and on
+    assert "2 pipelines audited" in done.stderr and "reads the model dit" in done.stderr
+
+
 def _deps(code: str, assume=None):
     from unitgraph.adapters.diffsynth import output_dependencies
 

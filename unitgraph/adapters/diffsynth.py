@@ -102,6 +102,8 @@ class ProcessFacts:
     random: bool = False
     # not take_over: each returned key -> the arguments of `process` its value may depend on (None: unknown)
     output_deps: dict[str, frozenset[str]] | None = None
+    # attributes of the pipeline `process` (and the unit's methods it calls) reads: `pipe.dit.patch_size` -> "dit"
+    pipe_attributes: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -137,6 +139,7 @@ def analyse_process(func: ast.FunctionDef, methods: dict[str, ast.FunctionDef], 
     else:
         facts.returned = _returned_keys(func)
     facts.random = bool(_calls(func, methods) & RANDOM_CALLS)
+    facts.pipe_attributes = _pipe_attributes(func, methods)
     if not take_over and len(args) > 1:  # analysed as the unit runs in training (DiffSynth sets the flag)
         facts.output_deps = output_dependencies(func, {f"{args[1]}.scheduler.training": True})
     return facts
@@ -452,6 +455,25 @@ def _calls(func: ast.FunctionDef, methods: dict[str, ast.FunctionDef]) -> set[st
                 seen.add(name)
                 todo.append(methods[name])
     return calls
+
+
+def _pipe_attributes(func: ast.FunctionDef, methods: dict[str, ast.FunctionDef]) -> set[str]:
+    """Attributes read from the pipeline argument (the one after `self`) of `func` and of the unit's methods it calls."""
+    found: set[str] = set()
+    seen: set[str] = set()
+    todo = [func]
+    while todo:
+        current = todo.pop()
+        args = [a.arg for a in current.args.args]
+        pipe = args[1] if len(args) > 1 else None
+        for node in ast.walk(current):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == pipe:
+                found.add(node.attr)
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id == "self" and node.func.attr in methods and node.func.attr not in seen):
+                seen.add(node.func.attr)
+                todo.append(methods[node.func.attr])
+    return found
 
 
 def _class_methods(classes: list[ast.ClassDef]) -> dict[str, ast.FunctionDef]:
@@ -770,9 +792,10 @@ def build_pipeline(
     unreadable = []
     for decl, unit_name in zip(decls, names):
         _check_declaration(decl, known_models)
+        _check_model_reads(decl, known_models)
         if decl.unreadable:
             unreadable.append(f"{decl.class_name} ({', '.join(decl.unreadable)})")
-        units.append(_unit(decl, unit_name, force_det, force_random))
+        units.append(_unit(decl, unit_name, force_det, force_random, frozenset(known_models)))
     if isinstance(in_iteration_models, str):
         _warn_string("pipeline", "in_iteration_models", in_iteration_models, known_models)
     if unreadable:
@@ -818,7 +841,8 @@ def _as_names(value: Any) -> list[str]:
         return []
 
 
-def _unit(decl: UnitDecl, unit_name: str, force_det: set[str], force_random: set[str]) -> Unit:
+def _unit(decl: UnitDecl, unit_name: str, force_det: set[str], force_random: set[str],
+          known_models: frozenset[str] = frozenset()) -> Unit:
     f = decl.fields
     facts = decl.process or ProcessFacts(returned=None)
     posi = f.get("input_params_posi") if isinstance(f.get("input_params_posi"), dict) else {}
@@ -838,13 +862,28 @@ def _unit(decl: UnitDecl, unit_name: str, force_det: set[str], force_random: set
         local = {**{k: v for k, v in posi.items() if isinstance(v, str)}, **{p: p for p in _as_names(f.get("input_params"))}}
         requires = list(dict.fromkeys(local[g] for g in facts.guards if g in local))
     models = _as_names(f.get("onload_model_names"))
+    configs = tuple(sorted(m for m in facts.pipe_attributes & known_models if m not in models))
     random = facts.random
     if unit_name in force_random or decl.class_name in force_random:
         random = True
     elif unit_name in force_det or decl.class_name in force_det:
         random = False
     return Unit(unit_name, tuple(inputs), tuple(outputs), tuple(dict.fromkeys(models)), deterministic=not random,
-                requires=tuple(requires))
+                requires=tuple(requires), configs=configs)
+
+
+def _check_model_reads(decl: UnitDecl, known_models: set[str]) -> None:
+    """A warning for a model of the pipeline the unit's code reads but its onload_model_names does not name.
+
+    The unit keeps the model as a config read (`Unit.configs`): DiffSynth's own split would run it without that model
+    loaded, and unitgraph's stage 1 gives it the model's skeleton (backends/diffusion/diffsynth_source)."""
+    facts = decl.process
+    if facts is None:
+        return
+    declared = set(_as_names(decl.fields.get("onload_model_names")))
+    for model in sorted((facts.pipe_attributes & known_models) - declared):
+        declaration_warning(f"diffsynth: {decl.class_name} reads the model {model} (pipe.{model}) but its "
+                            "onload_model_names does not name it; planned as reading its config only")
 
 
 def _check_declaration(decl: UnitDecl, known_models: set[str]) -> None:

@@ -1,0 +1,162 @@
+"""DiffSynth-Studio's own pipelines through unitgraph (issue #41): a split stage-2 step against an unsplit step, per
+pipeline, at test size; each stage's memory at the released sizes from the dry run; how many of the wheel's
+pipelines train this way.
+
+Runs in `.venv-diffsynth` (scripts/setup_diffsynth.sh). For each pipeline of `diffsynth_source/glue.py`: its tiny
+`./models` (diffsynth_source/tiny.py), 8 images at 32 px, a LoRA of rank 4 on the denoiser; the unsplit run (`sft`)
+and stage 2 (`sft:train`, from a cache stage 1 made once) train the same 16 steps, alternating over `rounds` rounds
+after one uncounted run of each; each figure is the median step over the rounds' medians (a run's first step,
+which pays one-off set-up, left out). One process; nothing else should run on the machine meanwhile.
+
+    .venv-diffsynth/bin/python benchmarks/diffsynth_source.py [--rounds 3] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from docsection import installed_versions, write_section  # noqa: E402
+
+DOC = ROOT / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- diffsynth-source:begin -->", "<!-- diffsynth-source:end -->"
+TITLE = "## DiffSynth-Studio's own pipelines (`--pipeline diffsynth:MODULE`)"
+SAMPLES, SIDE, EPOCHS = 8, 32, 2
+LORA = {"stable_diffusion": ("unet", "to_q,to_k,to_v,to_out.0"),
+        "ideogram4": ("dit", "attention.qkv,attention.o,feed_forward.w1,feed_forward.w2,feed_forward.w3,adaln_modulation")}
+# the released files of each pipeline's DiffSynth example, for the dry run (nothing is downloaded)
+RELEASED = {
+    "stable_diffusion": ("AI-ModelScope/stable-diffusion-v1-5:text_encoder/model.safetensors,"
+                         "AI-ModelScope/stable-diffusion-v1-5:unet/diffusion_pytorch_model.safetensors,"
+                         "AI-ModelScope/stable-diffusion-v1-5:vae/diffusion_pytorch_model.safetensors", 32),
+    "ideogram4": ("DiffSynth-Studio/ideogram-4-bf16-repackage:transformer/diffusion_pytorch_model.safetensors,"
+                  "DiffSynth-Studio/ideogram-4-bf16-repackage:text_encoder/model.safetensors,"
+                  "DiffSynth-Studio/ideogram-4-bf16-repackage:vae/diffusion_pytorch_model.safetensors", 32),
+}
+
+
+def _args(module: str, **over: Any) -> Any:
+    from unitgraph.backends.diffusion.args import make_args
+
+    base, targets = LORA[module]
+    return make_args(**{"pipeline": f"diffsynth:{module}", "lora_base_model": base, "lora_target_modules": targets,
+                        "lora_rank": 4, "height": SIDE, "width": SIDE, "num_epochs": EPOCHS, "seed": 1, **over})
+
+
+def _median_step(result: Any) -> float:
+    return statistics.median(result.step_times[1:])
+
+
+def measure(module: str, rounds: int, root: Path) -> dict[str, Any]:
+    from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset
+    from unitgraph.backends.diffusion.diffsynth_source.run import run
+    from unitgraph.backends.diffusion.diffsynth_source.tiny import write_tiny_models
+
+    folder = root / module
+    flags = write_tiny_models(folder / "models", module)
+    write_synthetic_dataset(folder / "data", count=SAMPLES, size=40)
+    os.environ["DIFFSYNTH_MODEL_BASE_PATH"] = str(folder / "models")
+    os.environ["DIFFSYNTH_SKIP_DOWNLOAD"] = "True"
+    data = {"dataset_base_path": str(folder / "data"), "dataset_metadata_path": str(folder / "data" / "metadata.csv"),
+            "model_id_with_origin_paths": flags["model_id_with_origin_paths"]}
+    quiet = lambda _line: None  # noqa: E731
+    began = time.perf_counter()
+    stage1 = run(_args(module, task="sft:data_process", output_path=str(folder / "cache"), **data), quiet)
+    stage1_s = time.perf_counter() - began
+    stage2_ids = ",".join(p for p in flags["model_id_with_origin_paths"].split(",") if "text_encoder" not in p)
+    runs = {
+        "unsplit": lambda out: run(_args(module, output_path=out, **data), quiet),
+        "stage 2": lambda out: run(_args(module, task="sft:train", dataset_base_path=str(folder / "cache"),
+                                         model_id_with_origin_paths=stage2_ids, output_path=out), quiet),
+    }
+    for name, go in runs.items():  # one uncounted run of each
+        go(str(folder / f"warm-{name.replace(' ', '')}"))
+    medians: dict[str, list[float]] = {name: [] for name in runs}
+    losses: dict[str, list[float]] = {}
+    for r in range(rounds):
+        order = list(runs) if r % 2 == 0 else list(reversed(runs))
+        for name in order:
+            result = runs[name](str(folder / f"r{r}-{name.replace(' ', '')}"))
+            medians[name].append(_median_step(result))
+            losses[name] = result.losses
+    return {"stage1_s": stage1_s, "entries": stage1.entries_computed, "plan": stage1.plan,
+            "unsplit_ms": 1000 * statistics.median(medians["unsplit"]),
+            "stage2_ms": 1000 * statistics.median(medians["stage 2"]),
+            "equal": losses["unsplit"] == losses["stage 2"], "steps": len(losses["unsplit"])}
+
+
+def released(module: str) -> dict[str, Any]:
+    from unitgraph.backends.diffusion.diffsynth_source.run import run
+
+    ids, rank = RELEASED[module]
+    base, targets = LORA[module]
+    with tempfile.TemporaryDirectory() as empty:
+        os.environ["DIFFSYNTH_MODEL_BASE_PATH"] = empty
+        return run(_args(module, dry_run=True, model_id_with_origin_paths=ids, lora_rank=rank), lambda _l: None).memory_plan
+
+
+def wheel_pipelines() -> list[str]:
+    import diffsynth
+
+    return sorted(p.stem for p in (Path(diffsynth.__file__).parent / "pipelines").glob("*.py") if p.stem != "__init__")
+
+
+def render(found: dict[str, Any], plans: dict[str, Any], rounds: int, started: str, ended: str) -> str:
+    from unitgraph.backends.diffusion.diffsynth_source.glue import GLUES
+
+    gib = 1024 ** 3
+    lines = [f"Measured {started} to {ended} on this machine ({os.cpu_count()} cores; "
+             f"{installed_versions(('torch', 'diffsynth', 'peft'))}), in `.venv-diffsynth`, by "
+             f"`benchmarks/diffsynth_source.py --rounds {rounds}`: each pipeline's test-size models from DiffSynth's "
+             f"own classes, {SAMPLES} images at {SIDE} px, a rank-4 LoRA on the denoiser, {EPOCHS} epochs; the median "
+             "step of the unsplit run and of stage 2, alternating, median over the rounds.", "",
+             "| pipeline | stage 1 runs | stage 2 runs | stage 1 (s) | unsplit step (ms) | stage-2 step (ms) | "
+             "stage 2 / unsplit | losses equal |", "|---|---|---|---|---|---|---|---|"]
+    for module, f in found.items():
+        plan = f["plan"]
+        lines.append(f"| `diffsynth:{module}` | {', '.join(plan.data_process_units)} ({', '.join(plan.data_process_models)}) "
+                     f"| {', '.join(plan.train_units) or 'the loss'} ({', '.join(plan.train_models)}) | "
+                     f"{f['stage1_s']:.1f} | {f['unsplit_ms']:.1f} | {f['stage2_ms']:.1f} | "
+                     f"{f['stage2_ms'] / f['unsplit_ms']:.2f}x | {'yes' if f['equal'] else 'NO'} ({f['steps']} steps) |")
+    lines += ["", "The dry run of each DiffSynth example at the released sizes (DiffSynth's model configs on the meta "
+              "device, no file read or downloaded; weights in the example's dtype, a rank-32 LoRA's gradients and AdamW "
+              "state; activations not counted):", "",
+              "| pipeline | dtype | stage 1 (GiB) | stage 2 (GiB) | unsplit (GiB) | stage 2 / unsplit |",
+              "|---|---|---|---|---|---|"]
+    for module, plan in plans.items():
+        s = plan["stages"]
+        lines.append(f"| `diffsynth:{module}` | {plan['dtype']} | {s['data_process']['total'] / gib:.2f} | "
+                     f"{s['train']['total'] / gib:.2f} | {s['unsplit']['total'] / gib:.2f} | "
+                     f"{s['train']['total'] / s['unsplit']['total']:.2f}x |")
+    wheel = wheel_pipelines()
+    lines += ["", f"Pipelines: {len(GLUES)} of the {len(wheel)} in the installed wheel ({', '.join(wheel)}) train "
+              f"through DiffSynth's own code: {', '.join(g.name for g in GLUES)} (docs/diffsynth.md says what the "
+              "others need)."]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--write", action="store_true", help=f"write the results into {DOC.relative_to(ROOT)}")
+    args = parser.parse_args(argv)
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    with tempfile.TemporaryDirectory(prefix="unitgraph-bench-ds-") as tmp:
+        found = {module: measure(module, args.rounds, Path(tmp)) for module in LORA}
+    plans = {module: released(module) for module in RELEASED}
+    text = render(found, plans, args.rounds, started, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    print(text)
+    if args.write:
+        write_section(DOC, BEGIN, END, TITLE, text)
+
+
+if __name__ == "__main__":
+    main()
