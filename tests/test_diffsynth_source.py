@@ -357,3 +357,47 @@ def test_the_plan_narrows_an_image_unit_to_what_the_loss_reads():
     assert "InputImageEmbedder: planned for input_latents only" in ideogram.notes["InputImageEmbedder"]
     sd = ds_run.setup(make_args(pipeline="diffsynth:stable_diffusion", lora_base_model="unet", dry_run=True))
     assert "InputImageEmbedder" in sd.plan.train_units and "vae" in sd.plan.train_models
+
+
+def test_resume_continues_exactly_from_a_state_mid_epoch(world, tmp_path):
+    """A run stopped after its first epoch, continued from the state it wrote mid-epoch (--save_steps) with more
+    epochs, takes the uninterrupted run's very steps: the same losses from there on and the same LoRA, bit for bit."""
+    root, flags = world
+    if flags["module"] != "stable_diffusion":
+        pytest.skip("one pipeline shows the loop's resume")
+    common = dict(dataset_repeat=2, save_steps=4, save_total_limit=0)
+    straight = run(_args(root, flags, num_epochs=2, output_path=str(tmp_path / "straight"), **common))
+    out = tmp_path / "stopped"
+    first = run(_args(root, flags, num_epochs=1, output_path=str(out), **common))
+    assert first.losses == straight.losses[:6]
+    states = sorted(p.name for p in (out / "state").iterdir())
+    assert states == ["step-4", "step-6"]
+    continued = run(_args(root, flags, num_epochs=2, output_path=str(out), resume=str(out / "state" / "step-4"),
+                          **common))
+    assert continued.losses == straight.losses[4:]
+    a, b = load_file(str(straight.last_checkpoint)), load_file(str(continued.last_checkpoint))
+    assert continued.last_checkpoint.name == "epoch-1.safetensors" and all(torch.equal(a[k], b[k]) for k in a)
+    rows = (out / "loss.csv").read_text().splitlines()
+    assert len(rows) == 1 + 12 and rows[1:] == (tmp_path / "straight" / "loss.csv").read_text().splitlines()[1:]
+    # the newest state, by --resume alone ("latest"), after the run finished: nothing left to do, the same file
+    again = run(_args(root, flags, num_epochs=2, output_path=str(out), resume="latest", **common))
+    assert again.steps == 0
+    with pytest.raises(BackendError, match="the state was made with seed 3, this run has 4"):
+        run(_args(root, flags, num_epochs=3, output_path=str(out), resume="latest", seed=4, **common))
+
+
+def test_a_folder_of_someone_elses_files_is_refused_and_left_alone(world, tmp_path):
+    root, flags = world
+    if flags["module"] != "stable_diffusion":
+        pytest.skip("one pipeline shows the output folder's rules")
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "epoch-0.safetensors").write_bytes(b"my own file")
+    from unitgraph.errors import UnitgraphError
+
+    with pytest.raises(UnitgraphError, match="not a unitgraph run folder"):
+        run(_args(root, flags, output_path=str(folder)))
+    with pytest.raises(BackendError, match="not a stage-1 cache of unitgraph's"):
+        run(_args(root, flags, task="sft:data_process", output_path=str(folder)))
+    assert (folder / "epoch-0.safetensors").read_bytes() == b"my own file"
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch-0.safetensors"]

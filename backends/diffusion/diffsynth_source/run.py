@@ -39,6 +39,7 @@ from .glue import Glue, glue_for, inputs
 from .lora import DIFFSYNTH_REMOVE_PREFIX, helper, target_modules
 from .hazards import UnitHazard, check_unit, install_skeletons, state_identities
 from .planning import live_projection, loss_overwrites
+from .state import load_state, newest_state, save_state, settings_of
 from .models import ModelFile, find_models, load_pipeline, pipeline_class_of, planned_models, tokenizer_folder
 
 __all__ = ["run", "wanted", "MANIFEST"]
@@ -52,7 +53,7 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
         "learning_rate", "weight_decay", "num_epochs", "trainable_models", "use_gradient_checkpointing",
         "use_gradient_checkpointing_offload", "task", "output_path", "remove_prefix_in_ckpt", "lora_base_model",
         "lora_target_modules", "lora_rank", "lora_alpha", "height", "width", "max_pixels", "seed", "cache_path",
-        "overwrite", "progress", "plot", "json", "dataset_num_workers", "find_unused_parameters",
+        "overwrite", "resume", "save_steps", "save_total_limit", "progress", "plot", "json", "dataset_num_workers", "find_unused_parameters",
         "enable_csv_log", "dry_run", "lr_scheduler", "optimizer", "loss_weighting", "timestep_sampling", "lora_format",
         "max_timestep_boundary", "min_timestep_boundary"}
 
@@ -297,6 +298,12 @@ def data_process(setup: Setup, cache_dir: Path, report: Callable[[str], None]) -
     pipe = setup.load(setup.plan.data_process_models, "stage 1")
     units = setup.stage_units("data_process")
     static = canonical_hash(_key_inputs(setup))
+    if cache_dir.is_dir() and not (cache_dir / MANIFEST).is_file():
+        foreign = sorted(p.name for p in cache_dir.iterdir() if p.name != "entries")
+        if foreign or any((cache_dir / "entries").glob("*")):
+            raise BackendError(f"is not empty and not a stage-1 cache of unitgraph's (it holds "
+                               f"{', '.join(foreign[:3]) or 'entries/'}); stage 1 writes only into a new, empty or own "
+                               "folder: choose another --output_path", source=str(cache_dir))
     cache_dir.mkdir(parents=True, exist_ok=True)
     (cache_dir / "entries").mkdir(exist_ok=True)
     result = RunResult(task=setup.args.task, output_path=cache_dir, plan=setup.plan, cache_path=cache_dir)
@@ -374,50 +381,82 @@ def _lora(setup: Setup, pipe: Any) -> None:
 
 def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample_ids: list[str], pipe: Any,
           report: Callable[[str], None], result: RunResult) -> RunResult:
-    """The loop (DiffSynth's runner, one sample a step): `states(i)` gives sample i's state after stage 1's units."""
+    """The loop (DiffSynth's runner, one sample a step): `states(i)` gives sample i's state after stage 1's units.
+
+    The output folder is claimed as unitgraph's own first (train/outputs.RunFolder: a folder holding someone else's
+    files is refused, an earlier run is moved aside only with --overwrite); a checkpoint and a training state
+    (state.py) are written at each epoch's end and every --save_steps; --resume continues from the newest state."""
     import torch
     from diffsynth.diffusion.training_module import DiffusionTrainingModule
+
+    from ..train.outputs import RunFolder
 
     args = setup.args
     _lora(setup, pipe)
     holder = DiffusionTrainingModule()
     holder.pipe = pipe  # parameter names "pipe.<model>.<module>...", as DiffSynth's training module has them
-    trainable = [p for p in holder.parameters() if p.requires_grad]
-    if not trainable:
+    named = [(n, p) for n, p in holder.named_parameters() if p.requires_grad]
+    if not named:
         raise BackendError("nothing to train: the LoRA and --trainable_models left no parameter needing gradients")
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW([p for _, p in named], lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.ConstantLR(optimizer)
     units = setup.stage_units("train")
     output = Path(args.output_path)
-    output.mkdir(parents=True, exist_ok=True)
     prefix = DIFFSYNTH_REMOVE_PREFIX if args.remove_prefix_in_ckpt is None else args.remove_prefix_in_ckpt
-    rows = []
-    start = time.perf_counter()
+    settings = settings_of(args, sample_ids)
+    record = {"task": args.task, "pipeline": setup.glue.name, "plan_fingerprint": setup.plan.fingerprint}
     n = len(sample_ids)
-    for epoch in range(args.num_epochs):
-        order = [i for _ in range(max(1, args.dataset_repeat)) for i in range(n)]
-        order = [order[k] for k in permutation(len(order), args.seed, "diffsynth-shuffle", epoch)]
-        for index in order:
-            began = time.perf_counter()
-            loss = train_step(pipe, units, states(index), step_seed(args.seed, epoch, sample_ids[index]))
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            result.steps += 1
-            result.losses.append(float(loss.detach()))
-            result.step_times.append(time.perf_counter() - began)
-            rows.append({"step": result.steps, "epoch": epoch, "row": index, "loss": repr(float(loss.detach()))})
-        path = output / f"epoch-{epoch}.safetensors"
-        _save(holder, prefix, path)
-        result.checkpoints.append(path)
-    result.stage_times["train"] = time.perf_counter() - start
-    result.loss_csv = output / "loss.csv"
-    with open(result.loss_csv, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=["step", "epoch", "row", "loss"])
-        writer.writeheader()
-        writer.writerows(rows)
+    with RunFolder(output).claimed(args.overwrite, record, resume=args.resume is not None) as folder:
+        result.replaced = folder.replaced
+        step, position, rows = 0, (0, 0), []
+        if args.resume is not None:
+            found = newest_state(output, args.resume)
+            step, position, rows = load_state(found, named, optimizer, scheduler, settings)
+            result.resumed_from = found
+            report(f"resumed:    {found} (epoch {position[0]}, step {step})")
+        start = time.perf_counter()
+
+        def checkpoint(name: str, next_position: tuple[int, int]) -> None:
+            path = output / name
+            _save(holder, prefix, path)
+            result.checkpoints.append(path)
+            _write_rows(output / "loss.csv", rows)
+            save_state(output, step, next_position, named, optimizer, scheduler, rows, settings, args.save_total_limit)
+
+        for epoch in range(position[0], args.num_epochs):
+            order = [i for _ in range(max(1, args.dataset_repeat)) for i in range(n)]
+            order = [order[k] for k in permutation(len(order), args.seed, "diffsynth-shuffle", epoch)]
+            first = position[1] if epoch == position[0] else 0
+            for k in range(first, len(order)):
+                index = order[k]
+                began = time.perf_counter()
+                loss = train_step(pipe, units, states(index), step_seed(args.seed, epoch, sample_ids[index]))
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                step += 1
+                result.steps += 1
+                result.losses.append(float(loss.detach()))
+                result.step_times.append(time.perf_counter() - began)
+                rows.append({"step": step, "epoch": epoch, "row": index, "loss": repr(float(loss.detach()))})
+                if args.save_steps and step % args.save_steps == 0 and k + 1 < len(order):
+                    checkpoint(f"step-{step}.safetensors", (epoch, k + 1))
+            checkpoint(f"epoch-{epoch}.safetensors", (epoch + 1, 0))
+        result.stage_times["train"] = time.perf_counter() - start
+        result.loss_csv = output / "loss.csv"
+        _write_rows(result.loss_csv, rows)
     return result
+
+
+def _write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    import io
+
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=["step", "epoch", "row", "loss"], lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    write_bytes_atomic(path, text.getvalue().encode("utf-8"))
 
 
 def _save(holder: Any, prefix: str, path: Path) -> None:
