@@ -401,3 +401,42 @@ def test_a_folder_of_someone_elses_files_is_refused_and_left_alone(world, tmp_pa
         run(_args(root, flags, task="sft:data_process", output_path=str(folder)))
     assert (folder / "epoch-0.safetensors").read_bytes() == b"my own file"
     assert sorted(p.name for p in folder.iterdir()) == ["epoch-0.safetensors"]
+
+
+def test_validation_samples_are_diffsynths_own_drawing_and_change_no_step(world, tmp_path):
+    """--validation_prompt at each checkpoint through the pipeline's own __call__: the unsplit run's sample equals
+    DiffSynth's drawing with the checkpoint loaded by its load_lora (bit for bit at fp32); the losses equal a run
+    without samples; stage 2, which trains without the text encoder, loads it only to render and draws the same."""
+    import numpy as np
+    from diffsynth.core import ModelConfig
+    from PIL import Image
+
+    root, flags = world
+    if flags["module"] != "stable_diffusion":
+        pytest.skip("the fp32 pipeline shows the drawing bit for bit")
+    extra = dict(num_epochs=1, learning_rate=1e-2, validation_prompt=["a red circle"], validation_inference_steps=3)
+    plain = run(_args(root, flags, num_epochs=1, learning_rate=1e-2, output_path=str(tmp_path / "plain")))
+    drawn = run(_args(root, flags, output_path=str(tmp_path / "drawn"), **extra))
+    assert drawn.losses == plain.losses
+    sample = tmp_path / "drawn" / "samples" / "epoch-0" / "0.png"
+    assert drawn.sample_images == [sample]
+    base = root / "models"
+    configs = [ModelConfig(path=str(base / item.split(":")[0] / item.split(":")[1]))
+               for item in flags["model_id_with_origin_paths"].split(",")]
+    setup = ds_run.setup(_args(root, flags))
+    pipe = setup.pipe_class.from_pretrained(torch_dtype=torch.float32, device="cpu", model_configs=configs,
+                                            tokenizer_config=ModelConfig(path=flags["tokenizer_path"]))
+    pipe.load_lora(pipe.unet, str(drawn.last_checkpoint))
+    theirs = pipe(prompt="a red circle", height=32, width=32, seed=3, rand_device="cpu", num_inference_steps=3)
+    assert np.array_equal(np.asarray(theirs), np.asarray(Image.open(sample)))
+    # stage 2 from a cache: the text encoder's file named for the render only
+    cache = tmp_path / "cache"
+    run(_args(root, flags, task="sft:data_process", output_path=str(cache)))
+    split = run(_args(root, flags, task="sft:train", dataset_base_path=str(cache), dataset_metadata_path=None,
+                      output_path=str(tmp_path / "split"), **extra))
+    assert split.losses == drawn.losses
+    assert np.array_equal(np.asarray(Image.open(split.sample_images[0])), np.asarray(Image.open(sample)))
+    ids = ",".join(p for p in flags["model_id_with_origin_paths"].split(",") if "text_encoder" not in p)
+    with pytest.raises(BackendError, match="names no file of text_encoder"):
+        run(_args(root, flags, task="sft:train", dataset_base_path=str(cache), dataset_metadata_path=None,
+                  model_id_with_origin_paths=ids, output_path=str(tmp_path / "lacking"), **extra))

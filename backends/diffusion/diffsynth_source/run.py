@@ -39,6 +39,7 @@ from .glue import Glue, glue_for, inputs
 from .lora import DIFFSYNTH_REMOVE_PREFIX, helper, target_modules
 from .hazards import UnitHazard, check_unit, install_skeletons, state_identities
 from .planning import live_projection, loss_overwrites
+from .samples import SAMPLES_DIR, Renderer
 from .state import load_state, newest_state, save_state, settings_of
 from .models import ModelFile, find_models, load_pipeline, pipeline_class_of, planned_models, tokenizer_folder
 
@@ -55,7 +56,8 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
         "lora_target_modules", "lora_rank", "lora_alpha", "height", "width", "max_pixels", "seed", "cache_path",
         "overwrite", "resume", "save_steps", "save_total_limit", "progress", "plot", "json", "dataset_num_workers", "find_unused_parameters",
         "enable_csv_log", "dry_run", "lr_scheduler", "optimizer", "loss_weighting", "timestep_sampling", "lora_format",
-        "max_timestep_boundary", "min_timestep_boundary"}
+        "max_timestep_boundary", "min_timestep_boundary", "validation_prompt", "validation_inference_steps",
+        "validation_seed", "validation_guidance", "validation_negative_prompt"}
 
 
 def wanted(args: TrainArgs) -> bool:
@@ -135,13 +137,18 @@ class Setup:
         return [(decl.name, obj, self.declared[decl.name]) for decl, obj in zip(self.spec.units, self.units)
                 if decl.name in names]
 
+    def tokenizers_for(self, models: list[str]) -> dict[str, str]:
+        """The tokenizer folders of the text encoders among `models` (keyword of from_pretrained -> folder)."""
+        return {tok.keyword: tokenizer_folder(tok, getattr(self.args, tok.flag, None), self.hub)
+                for tok in self.glue.tokenizers if tok.encoder in models}
+
+    def load_plain(self, models: list[str]) -> Any:
+        """A pipeline holding only `models` (and their tokenizers), as DiffSynth loads them: what a render borrows."""
+        return load_pipeline(self.glue, self.models, models, self.tokenizers_for(models), self.dtype)
+
     def load(self, stage_models: list[str], stage: str) -> Any:
         """The pipeline with `stage_models` loaded, the others' attributes standing in (hazards.py)."""
-        wanted_tokenizers = {}
-        for tok in self.glue.tokenizers:
-            if tok.encoder in stage_models:
-                wanted_tokenizers[tok.keyword] = tokenizer_folder(tok, getattr(self.args, tok.flag, None), self.hub)
-        pipe = load_pipeline(self.glue, self.models, stage_models, wanted_tokenizers, self.dtype)
+        pipe = load_pipeline(self.glue, self.models, stage_models, self.tokenizers_for(stage_models), self.dtype)
         given = {a for m in self.models for a in m.attributes}
         needed = set(stage_models) & (given | set(self.plan.models_require_backward))  # an optional model may be absent
         missing = sorted(needed - {a for a in given if getattr(pipe, a, None) is not None})
@@ -380,7 +387,7 @@ def _lora(setup: Setup, pipe: Any) -> None:
 
 
 def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample_ids: list[str], pipe: Any,
-          report: Callable[[str], None], result: RunResult) -> RunResult:
+          report: Callable[[str], None], result: RunResult, stage_models: list[str]) -> RunResult:
     """The loop (DiffSynth's runner, one sample a step): `states(i)` gives sample i's state after stage 1's units.
 
     The output folder is claimed as unitgraph's own first (train/outputs.RunFolder: a folder holding someone else's
@@ -406,6 +413,16 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
     settings = settings_of(args, sample_ids)
     record = {"task": args.task, "pipeline": setup.glue.name, "plan_fingerprint": setup.plan.fingerprint}
     n = len(sample_ids)
+    renderer = Renderer(setup, pipe, stage_models, setup.load_plain)
+    given = {a for m in setup.models for a in m.attributes}
+    lacking = [m for m in setup.plan.data_process_models if m not in given]
+    if renderer and lacking:
+        raise BackendError(f"--validation_prompt draws through the whole pipeline, and the command names no file of "
+                           f"{', '.join(lacking)} (stage 1's); name it too: stage 2 loads it only while the samples "
+                           "render")
+    if renderer and renderer.missing:
+        report(f"samples:    {', '.join(renderer.missing)} loaded while the samples render (this stage trains without "
+               "them)")
     with RunFolder(output).claimed(args.overwrite, record, resume=args.resume is not None) as folder:
         result.replaced = folder.replaced
         step, position, rows = 0, (0, 0), []
@@ -422,6 +439,8 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
             result.checkpoints.append(path)
             _write_rows(output / "loss.csv", rows)
             save_state(output, step, next_position, named, optimizer, scheduler, rows, settings, args.save_total_limit)
+            if renderer:
+                result.sample_images += renderer.render(output / SAMPLES_DIR / Path(name).stem)
 
         for epoch in range(position[0], args.num_epochs):
             order = [i for _ in range(max(1, args.dataset_repeat)) for i in range(n)]
@@ -508,12 +527,13 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, why: Opti
             values, _meta = read_entry(folder / entries[index]["file"])
             return values["inputs_shared"], values["inputs_posi"], values["inputs_nega"]
 
-        return train(s, cached, [e["sample"] for e in entries], pipe, report, result)
+        return train(s, cached, [e["sample"] for e in entries], pipe, report, result, s.plan.train_models)
     # sft: the data_process units run fresh in every step, on every model
     import torch
 
     dataset = dataset_of(s)
-    pipe = s.load(sorted(set(s.plan.data_process_models) | set(s.plan.train_models)), "the run")
+    everything = sorted(set(s.plan.data_process_models) | set(s.plan.train_models))
+    pipe = s.load(everything, "the run")
     first = s.stage_units("data_process")
     result = RunResult(task=args.task, output_path=Path(args.output_path), plan=s.plan)
     result.samples = len(dataset)
@@ -522,4 +542,4 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, why: Opti
         with torch.no_grad():
             return run_units(pipe, first, _transfer(sample_state(s, dataset, index, pipe.device), pipe))
 
-    return train(s, fresh, [dataset.sample_id(i) for i in range(len(dataset))], pipe, report, result)
+    return train(s, fresh, [dataset.sample_id(i) for i in range(len(dataset))], pipe, report, result, everything)

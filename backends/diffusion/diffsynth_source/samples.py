@@ -1,0 +1,89 @@
+"""Validation samples of a DiffSynth pipeline's run, drawn by the pipeline's own `__call__`.
+
+At each checkpoint, each `--validation_prompt` is rendered with the weights being trained: DiffSynth's `__call__`
+with the prompt, `--validation_negative_prompt`, `--validation_guidance` as its `cfg_scale` (its own default without
+it), `--validation_inference_steps`, `--validation_seed` (else `--seed`) and the run's `--height`/`--width` (else
+DiffSynth's defaults), as `OUTPUT/samples/<checkpoint>/<k>.png`. The whole pipeline draws a sample, so models the
+stage does not train with (stage 2's text encoder, or a VAE whose encoding went to stage 1) are loaded while it
+renders, from the files the command names, and released after; their files must then be on disk in stage 2 too.
+Rendering does not change what is trained: `__call__` takes its noise from its own seeded generator, every training
+step seeds torch's stream itself, the scheduler is put back into training mode and the models into train mode.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+from pathlib import Path
+from typing import Any, Callable
+
+from unitgraph.atomic import write_bytes_atomic
+
+from ..errors import BackendError
+
+__all__ = ["Renderer", "SAMPLES_DIR"]
+
+SAMPLES_DIR = "samples"
+
+
+class Renderer:
+    """Draws the run's validation prompts through `pipe.__call__` (see the module docstring)."""
+
+    def __init__(self, setup: Any, pipe: Any, stage_models: list[str], load: Callable[[list[str]], Any]):
+        args = setup.args
+        self.prompts = list(args.validation_prompt or [])
+        self.pipe = pipe
+        given = [m.attributes[0] for m in setup.models if m.attributes]
+        self.missing = [a for a in given if a not in stage_models]
+        self.load = load
+        taken = inspect.signature(type(pipe).__call__).parameters
+        wanted = {"negative_prompt": args.validation_negative_prompt, "cfg_scale": args.validation_guidance,
+                  "height": args.height, "width": args.width,
+                  "seed": args.validation_seed if args.validation_seed is not None else args.seed,
+                  "num_inference_steps": args.validation_inference_steps, "rand_device": "cpu"}
+        self.kwargs = {k: v for k, v in wanted.items() if v is not None and k in taken}
+        if "progress_bar_cmd" in taken:
+            self.kwargs["progress_bar_cmd"] = lambda iterable, **_kw: iterable
+
+    def __bool__(self) -> bool:
+        return bool(self.prompts)
+
+    def render(self, folder: Path) -> list[Path]:
+        """Each prompt's sample under `folder`, with the models the stage lacks loaded for the while."""
+        import torch
+
+        pipe = self.pipe
+        saved = {name: getattr(pipe, name) for name in self.missing}
+        modes = {name: m.training for name, m in pipe.named_children()}
+        written = []
+        try:
+            if self.missing:
+                side = self.load(self.missing)
+                for name in self.missing:
+                    pipe._modules.pop(name, None)
+                    setattr(pipe, name, getattr(side, name))
+                for name in ("tokenizer", "tokenizer_2", "processor"):
+                    if getattr(pipe, name, None) is None and getattr(side, name, None) is not None:
+                        setattr(pipe, name, getattr(side, name))
+            pipe.eval()
+            with torch.random.fork_rng(devices=[]):
+                for k, prompt in enumerate(self.prompts):
+                    try:
+                        image = pipe(prompt=prompt, **self.kwargs)
+                    except Exception as exc:  # DiffSynth's own code: one line naming the prompt
+                        raise BackendError(f"rendering --validation_prompt {prompt!r} through {type(pipe).__name__} "
+                                           f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}") from None
+                    buffer = io.BytesIO()
+                    image.save(buffer, format="PNG")
+                    path = folder / f"{k}.png"
+                    folder.mkdir(parents=True, exist_ok=True)
+                    write_bytes_atomic(path, buffer.getvalue())
+                    written.append(path)
+        finally:
+            for name, value in saved.items():
+                pipe._modules.pop(name, None)
+                setattr(pipe, name, value)
+            for name, module in pipe.named_children():
+                module.train(modes.get(name, False))
+            pipe.scheduler.set_timesteps(1000, training=True)
+        return written
