@@ -31,7 +31,8 @@ BEGIN, END = "<!-- diffsynth-source:begin -->", "<!-- diffsynth-source:end -->"
 TITLE = "## DiffSynth-Studio's own pipelines (`--pipeline diffsynth:MODULE`)"
 SAMPLES, SIDE, EPOCHS = 8, 32, 2
 LORA = {"stable_diffusion": ("unet", "to_q,to_k,to_v,to_out.0"),
-        "ideogram4": ("dit", "attention.qkv,attention.o,feed_forward.w1,feed_forward.w2,feed_forward.w3,adaln_modulation")}
+        "ideogram4": ("dit", "attention.qkv,attention.o,feed_forward.w1,feed_forward.w2,feed_forward.w3,adaln_modulation"),
+        "z_image": ("dit", "to_q,to_k,to_v,to_out.0,w1,w2,w3")}
 # the released files of each pipeline's DiffSynth example, for the dry run (nothing is downloaded)
 RELEASED = {
     "stable_diffusion": ("AI-ModelScope/stable-diffusion-v1-5:text_encoder/model.safetensors,"
@@ -40,6 +41,8 @@ RELEASED = {
     "ideogram4": ("DiffSynth-Studio/ideogram-4-bf16-repackage:transformer/diffusion_pytorch_model.safetensors,"
                   "DiffSynth-Studio/ideogram-4-bf16-repackage:text_encoder/model.safetensors,"
                   "DiffSynth-Studio/ideogram-4-bf16-repackage:vae/diffusion_pytorch_model.safetensors", 32),
+    "z_image": ("Tongyi-MAI/Z-Image-Turbo:transformer/*.safetensors,Tongyi-MAI/Z-Image-Turbo:text_encoder/*.safetensors,"
+                "Tongyi-MAI/Z-Image-Turbo:vae/diffusion_pytorch_model.safetensors", 32),
 }
 
 
@@ -110,7 +113,7 @@ def wheel_pipelines() -> list[str]:
 
 
 def render(found: dict[str, Any], plans: dict[str, Any], rounds: int, started: str, ended: str) -> str:
-    from unitgraph.backends.diffusion.diffsynth_source.glue import GLUES
+    from unitgraph.backends.diffusion.diffsynth_source.glue import glues
 
     gib = 1024 ** 3
     lines = [f"Measured {started} to {ended} on this machine ({os.cpu_count()} cores; "
@@ -137,8 +140,8 @@ def render(found: dict[str, Any], plans: dict[str, Any], rounds: int, started: s
                      f"{s['train']['total'] / gib:.2f} | {s['unsplit']['total'] / gib:.2f} | "
                      f"{s['train']['total'] / s['unsplit']['total']:.2f}x |")
     wheel = wheel_pipelines()
-    lines += ["", f"Pipelines: {len(GLUES)} of the {len(wheel)} in the installed wheel ({', '.join(wheel)}) train "
-              f"through DiffSynth's own code: {', '.join(g.name for g in GLUES)} (docs/diffsynth.md says what the "
+    lines += ["", f"Pipelines: {len(glues())} of the {len(wheel)} in the installed wheel ({', '.join(wheel)}) train "
+              f"through DiffSynth's own code: {', '.join(g.name for g in glues())} (docs/diffsynth.md says what the "
               "others need)."]
     return "\n".join(lines)
 

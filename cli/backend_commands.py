@@ -295,14 +295,14 @@ def pipelines_command(
             slots.add_row(slot["name"], slot["kind"], slot["class"], slot["subfolder"] + "/", ", ".join(slot["lora_targets"]))
         console.print(slots)
     from unitgraph.backends.diffusion.diffsynth_source import available
-    from unitgraph.backends.diffusion.diffsynth_source.glue import GLUES
+    from unitgraph.backends.diffusion.diffsynth_source.glue import glues
 
     where = "installed here" if available() else "not installed here: bash scripts/setup_diffsynth.sh"
     console.rule(f"[bold]DiffSynth-Studio's own pipelines[/bold]  (the diffsynth package, {where}; docs/diffsynth.md)")
     own = Table(show_header=True, header_style="bold", box=None)
     for column in ("pipeline", "task", "what it trains"):
         own.add_column(column)
-    for glue in GLUES:
+    for glue in glues():
         own.add_row(glue.name, "sft", f"{glue.title}: DiffSynth's {glue.class_name}")
     console.print(own)
 

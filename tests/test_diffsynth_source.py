@@ -5,7 +5,8 @@ These tests need the `diffsynth` package itself, which needs torchvision: they r
 skipped elsewhere. The models are test-sized, written in DiffSynth's `./models` layout (diffsynth_source/tiny.py),
 and loaded by DiffSynth's own loader; a command names them as DiffSynth's example does, by model id and pattern.
 
-Pipelines: Stable Diffusion 1.5 (a family unitgraph also trains itself) and Ideogram 4 (DiffSynth's alone).
+Pipelines: Stable Diffusion 1.5 and Z-Image (families unitgraph also trains itself) and Ideogram 4 (DiffSynth's alone).
+Z-Image's text encoder class allows nothing smaller than Qwen3 0.6B (1.2 GB in bf16, written once per module).
 What they show, per pipeline:
 - unitgraph's unsplit step equals DiffSynth's own training step (its loader, its `DiffusionTrainingModule` glue as the
   example's train.py assembles it, its dataset operators and its loss): the loss and every LoRA gradient bit for bit
@@ -45,6 +46,7 @@ PIPELINES = {
     "stable_diffusion": ("unet", "to_q,to_k,to_v,to_out.0", "pipe.unet."),
     "ideogram4": ("dit", "attention.qkv,attention.o,feed_forward.w1,feed_forward.w2,feed_forward.w3,adaln_modulation",
                   "pipe.dit."),
+    "z_image": ("dit", "to_q,to_k,to_v,to_out.0,w1,w2,w3", "pipe.dit."),
 }
 
 
@@ -101,9 +103,7 @@ def test_the_unsplit_step_is_diffsynths_own_training_step(world):
     ours_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     # DiffSynth's own: its loader on the same files, its training module, its dataset, its loss
-    base = root / "models"
-    configs = [ModelConfig(path=str(base / item.split(":")[0] / item.split(":")[1]))
-               for item in flags["model_id_with_origin_paths"].split(",")]
+    configs = [ModelConfig(path=m.path) for m in setup.models]  # the files the command's model ids name
     glue = setup.glue
     module = DiffusionTrainingModule()
     module.pipe = setup.pipe_class.from_pretrained(torch_dtype=getattr(torch, glue.dtype), device="cpu",
@@ -143,8 +143,8 @@ def test_split_equals_unsplit_and_stage_2_needs_no_text_encoder(world, tmp_path)
     s1 = run(_args(root, flags, task="sft:data_process", output_path=str(cache)))
     assert s1.entries_computed == 3 and (cache / ds_run.MANIFEST).is_file()
     # stage 2 without the text encoder's file on disk, and without naming it
-    model_id = flags["model_id_with_origin_paths"].split(":")[0]
-    te = root / "models" / model_id / "text_encoder"
+    encoder = next(m for m in ds_run.setup(_args(root, flags)).models if "text_encoder" in m.attributes)
+    te = Path(encoder.path).parent
     hidden = tmp_path / "te"
     shutil.move(str(te), str(hidden))
     try:
@@ -294,13 +294,13 @@ def test_the_dry_run_counts_what_the_run_loads_and_trains(world, tmp_path):
     lora = load_file(str(trained.last_checkpoint))
     assert plan["stages"]["train"]["trained_params"] == sum(t.numel() for t in lora.values())
     width = 4 if setup_dtype(flags) == "float32" else 2
-    model_id = flags["model_id_with_origin_paths"].split(":")[0]
-    for attribute, info in plan["models"].items():
-        folder = {"dit": "transformer"}.get(attribute, attribute)
-        files = list((root / "models" / model_id / folder).glob("*.safetensors"))
-        with safe_open(str(files[0]), "pt") as handle:
+    setup = ds_run.setup(_args(root, flags))
+    for model in setup.models:
+        with safe_open(str(model.path), "pt") as handle:
             numel = sum(int(torch.tensor(handle.get_slice(k).get_shape()).prod()) for k in handle.keys())
-        assert info["params"] == numel and info["bytes"] == numel * width, attribute
+        counted = sum(plan["models"][a]["params"] for a in model.attributes)  # a VAE file: encoder and decoder
+        assert counted == numel, model.attributes
+        assert all(plan["models"][a]["bytes"] == plan["models"][a]["params"] * width for a in model.attributes)
     stages = plan["stages"]
     assert stages["unsplit"]["weights"] == stages["data_process"]["weights"] + stages["train"]["weights"]
     assert not (tmp_path / "dry").exists()
@@ -420,10 +420,8 @@ def test_validation_samples_are_diffsynths_own_drawing_and_change_no_step(world,
     assert drawn.losses == plain.losses
     sample = tmp_path / "drawn" / "samples" / "epoch-0" / "0.png"
     assert drawn.sample_images == [sample]
-    base = root / "models"
-    configs = [ModelConfig(path=str(base / item.split(":")[0] / item.split(":")[1]))
-               for item in flags["model_id_with_origin_paths"].split(",")]
     setup = ds_run.setup(_args(root, flags))
+    configs = [ModelConfig(path=m.path) for m in setup.models]
     pipe = setup.pipe_class.from_pretrained(torch_dtype=torch.float32, device="cpu", model_configs=configs,
                                             tokenizer_config=ModelConfig(path=flags["tokenizer_path"]))
     pipe.load_lora(pipe.unet, str(drawn.last_checkpoint))
@@ -440,3 +438,25 @@ def test_validation_samples_are_diffsynths_own_drawing_and_change_no_step(world,
     with pytest.raises(BackendError, match="names no file of text_encoder"):
         run(_args(root, flags, task="sft:train", dataset_base_path=str(cache), dataset_metadata_path=None,
                   model_id_with_origin_paths=ids, output_path=str(tmp_path / "lacking"), **extra))
+
+
+def test_the_dry_run_of_the_released_z_image_needs_no_file(tmp_path, monkeypatch, capsys):
+    """DiffSynth's Z-Image LoRA command, --dry_run, nothing downloaded: the 6 B DiT and Z-Image-Turbo's 4 B text
+    encoder from DiffSynth's table; its VAE file holds an encoder (stage 1) and a decoder (drawing only)."""
+    import json
+
+    from clitools import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DIFFSYNTH_SKIP_DOWNLOAD", "True")
+    code, out, err = cli(capsys, "train", "--pipeline", "diffsynth:z_image", "--dry_run", "--json",
+                         "--dataset_base_path", "data", "--lora_base_model", "dit", "--lora_rank", "32",
+                         "--lora_target_modules", "to_q,to_k,to_v,to_out.0,w1,w2,w3", "--model_id_with_origin_paths",
+                         "Tongyi-MAI/Z-Image:transformer/*.safetensors,Tongyi-MAI/Z-Image-Turbo:text_encoder/*.safetensors,"
+                         "Tongyi-MAI/Z-Image-Turbo:vae/diffusion_pytorch_model.safetensors")
+    assert code == 0, err
+    plan = json.loads(out[out.index("{"):])
+    models, stages = plan["models"], plan["stages"]
+    assert 6.0e9 < models["dit"]["params"] < 6.3e9 and 3.9e9 < models["text_encoder"]["params"] < 4.1e9
+    assert stages["data_process"]["models"] == ["text_encoder", "vae_encoder"] and stages["train"]["models"] == ["dit"]
+    assert "vae_decoder" in models and not (tmp_path / "models").exists()

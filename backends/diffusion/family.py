@@ -31,6 +31,8 @@ from typing import Any, Callable, Mapping, Optional, Union
 from unitgraph.spec import Pipeline, Sink, Unit
 
 __all__ = [
+    "DiffSynthPipeline",
+    "DiffSynthTokenizer",
     "Family",
     "Guidance",
     "ModelRepo",
@@ -496,6 +498,45 @@ class Sound:
 
 
 @dataclass(frozen=True)
+class DiffSynthTokenizer:
+    """A tokenizer folder a DiffSynth pipeline's `from_pretrained` takes: its keyword, the flag that names it, the model
+    id and pattern its `train.py` falls back to, and the text encoder (pipeline attribute) it serves: a stage that
+    does not load that encoder does not look for the tokenizer."""
+
+    keyword: str
+    flag: str
+    model_id: str
+    pattern: str
+    encoder: str = "text_encoder"
+
+
+@dataclass(frozen=True)
+class DiffSynthPipeline:
+    """One of DiffSynth-Studio's trainable pipelines, as its example's `train.py` puts it together for training
+    (backends/diffusion/diffsynth_source runs it with DiffSynth's own units, loader and loss).
+
+    module / class_name: `diffsynth.pipelines.<module>.<class_name>`. dtype: what its `train.py` builds the pipeline
+    in. tokenizers: the tokenizer folders of `from_pretrained`. columns: the metadata columns a sample must have.
+    division: the multiple its dataset's ImageCropAndResize rounds sides to. example: its folder under DiffSynth's
+    `examples/`. A family that trains the same models declares it (`Family.diffsynth`), with a writer of its test-size
+    models in DiffSynth's layout; DiffSynth's pipelines of no family are listed in diffsynth_source/glue.py.
+    """
+
+    module: str
+    class_name: str
+    title: str
+    dtype: str = "bfloat16"
+    tokenizers: tuple[DiffSynthTokenizer, ...] = ()
+    columns: tuple[str, ...] = ("image", "prompt")
+    division: int = 16
+    example: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"diffsynth:{self.module}"
+
+
+@dataclass(frozen=True)
 class Family:
     """A model family: everything the generic machinery needs to train it.
 
@@ -528,6 +569,10 @@ class Family:
     data_process_batch_size: int = 1
     demo: Mapping[str, Any] = field(default_factory=dict)
     render: Optional[str] = None
+    # the module (relative to the package) with `PIPELINES`, the family's models as DiffSynth-Studio's own pipelines
+    # (`DiffSynthPipeline`s, trained with --pipeline diffsynth:MODULE), and `write_diffsynth_models(outdir, module,
+    # seed)`, their test-size models in DiffSynth's ./models layout; None: none
+    diffsynth: Optional[str] = None
     render_models: tuple[str, ...] = ()
     repos: tuple[ModelRepo, ...] = ()
     experts: Optional[Experts] = None

@@ -2,78 +2,56 @@
 
 The part of a DiffSynth training step that lives in its repository's examples rather than in the `diffsynth`
 package is small: the dtype the pipeline is built in, the tokenizer folders `from_pretrained` takes (and the model
-ids they default to), and how a dataset row becomes the pipeline's inputs. `Glue` declares those per pipeline;
-`inputs` builds the three input dicts the way the image pipelines' `get_pipeline_inputs` does. Only pipelines whose
-step unitgraph checks against DiffSynth's own in the tests are listed (`GLUES`); the rest of the wheel's pipelines
-are named by `not_listed`.
+ids they default to), and how a dataset row becomes the pipeline's inputs. `Glue` (family.DiffSynthPipeline)
+declares those per pipeline: a family of unitgraph's that trains the same models declares its own in its folder
+(`Family.diffsynth`), and DiffSynth's pipelines of no family are listed here (`OWN`); `glues()` gathers them. Only
+pipelines whose step unitgraph checks against DiffSynth's own in the tests are listed. `inputs` builds the three
+input dicts the way the image pipelines' `get_pipeline_inputs` does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from ..errors import BackendError
+from ..family import DiffSynthPipeline, DiffSynthTokenizer
 
-__all__ = ["Glue", "GLUES", "glue_for", "inputs"]
-
-
-@dataclass(frozen=True)
-class Tokenizer:
-    """A tokenizer folder `from_pretrained` takes: its keyword, the flag that names it, the model id and pattern
-    its `train.py` falls back to, and the text encoder (pipeline attribute) it serves: a stage that does not load
-    that encoder does not look for the tokenizer."""
-
-    keyword: str
-    flag: str
-    model_id: str
-    pattern: str
-    encoder: str = "text_encoder"
+__all__ = ["Glue", "OWN", "Tokenizer", "glue_for", "glues", "inputs"]
 
 
-@dataclass(frozen=True)
-class Glue:
-    """One trainable DiffSynth pipeline.
+Glue = DiffSynthPipeline
+Tokenizer = DiffSynthTokenizer
 
-    module / class_name: `diffsynth.pipelines.<module>.<class_name>`. dtype: what its `train.py` builds the pipeline
-    in. tokenizers: the tokenizer folders of `from_pretrained`. columns: the metadata columns a sample must have.
-    division: the multiple its
-    dataset's ImageCropAndResize rounds sides to. example: its folder under DiffSynth's `examples/`.
-    """
-
-    module: str
-    class_name: str
-    title: str
-    dtype: str = "bfloat16"
-    tokenizers: tuple[Tokenizer, ...] = ()
-    columns: tuple[str, ...] = ("image", "prompt")
-    division: int = 16
-    example: str = ""
-
-    @property
-    def name(self) -> str:
-        return f"diffsynth:{self.module}"
-
-
-GLUES: tuple[Glue, ...] = (
-    Glue("stable_diffusion", "StableDiffusionPipeline", "Stable Diffusion 1.x (DiffSynth's pipeline)", dtype="float32",
-         tokenizers=(Tokenizer("tokenizer_config", "tokenizer_path", "AI-ModelScope/stable-diffusion-v1-5",
-                               "tokenizer/"),),
-         division=32, example="stable_diffusion"),
+# DiffSynth's pipelines of no family of unitgraph's; a family's own are in its folder (`Family.diffsynth`)
+OWN: tuple[Glue, ...] = (
     Glue("ideogram4", "Ideogram4Pipeline", "Ideogram 4 (DiffSynth's pipeline; no other trainer has it)",
          tokenizers=(Tokenizer("tokenizer_config", "tokenizer_path", "ideogram-ai/ideogram-4-fp8", "tokenizer/"),),
          example="ideogram4"),
 )
 
 
+def family_modules() -> list[Any]:
+    """The `diffsynth` modules of the registered families that declare one (imported now; torch-free)."""
+    import importlib
+
+    from ..registry import families
+
+    return [importlib.import_module(f.diffsynth, f.package) for f in families() if f.diffsynth]
+
+
+def glues() -> tuple[Glue, ...]:
+    """Every DiffSynth pipeline unitgraph trains through DiffSynth's own code: the families' first, then its own."""
+    return tuple(g for module in family_modules() for g in module.PIPELINES) + OWN
+
+
 def glue_for(name: str) -> Glue:
     """The glue of `diffsynth:MODULE` (or MODULE); one line naming the listed ones for another."""
     module = name.split(":", 1)[1] if name.startswith("diffsynth:") else name
     module = module.split(".", 1)[0]
-    for glue in GLUES:
+    for glue in glues():
         if glue.module == module:
             return glue
-    listed = ", ".join(g.name for g in GLUES)
+    listed = ", ".join(g.name for g in glues())
     raise BackendError(f"DiffSynth's pipeline {module!r} is not trained through DiffSynth's own code yet "
                        f"(trained this way: {listed})")
 

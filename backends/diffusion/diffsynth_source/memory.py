@@ -48,14 +48,11 @@ def memory_plan(setup: Any, models: list[ModelFile]) -> dict[str, Any]:
     table: dict[str, dict[str, Any]] = {}
     skeletons: dict[str, Any] = {}
     for model in models:
-        if not model.attributes:
-            continue
-        skeleton = model.skeleton()
-        n = _count(skeleton)
-        attribute = model.attributes[0]
-        skeletons[attribute] = skeleton
-        table[attribute] = {"params": n, "bytes": n * width, "file": model.label,
-                            "class": model.entries[0]["model_class"].rsplit(".", 1)[1]}
+        for attribute, skeleton in model.skeletons().items():
+            n = _count(skeleton)
+            skeletons[attribute] = skeleton
+            table[attribute] = {"params": n, "bytes": n * width, "file": model.label,
+                                "class": type(skeleton).__name__}
     trained = 0
     if args.lora_base_model and args.lora_base_model in skeletons:
         skeleton = skeletons[args.lora_base_model]

@@ -58,13 +58,23 @@ class ModelFile:
         """What the file loads as (name, class, sizes): part of the cache key of a stage that reads its skeleton."""
         return [[e["model_name"], e["model_class"], e.get("extra_kwargs", {})] for e in self.entries]
 
-    def skeleton(self) -> Any:
-        """The model of its first entry built on the meta device: attributes and config, no weights."""
+    def skeletons(self) -> dict[str, Any]:
+        """{pipeline attribute: its model built on the meta device (attributes and config, no weights)}: one per entry
+        the pipeline loads (a VAE file may hold an encoder and a decoder, two models)."""
         import torch
 
-        entry = self.entries[0]
-        with torch.device("meta"):
-            return _import(entry["model_class"])(**entry.get("extra_kwargs", {}))
+        built: dict[str, Any] = {}
+        for attribute, entry in zip(self.attributes, self._entries_by_attribute()):
+            with torch.device("meta"):
+                built[attribute] = _import(entry["model_class"])(**entry.get("extra_kwargs", {}))
+        return built
+
+    def _entries_by_attribute(self) -> list[dict]:
+        """The first entry of each model name, in the order of `attributes` (names and attributes are aligned)."""
+        first = {}
+        for entry in self.entries:
+            first.setdefault(entry["model_name"], entry)
+        return [first[name] for name in self.names if name in first][:len(self.attributes)]
 
     @property
     def label(self) -> str:
@@ -175,8 +185,6 @@ def _check_files(files: Files) -> None:
 def find_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_paths: Optional[str],
                 hub: Hub) -> list[ModelFile]:
     """Every model the command names, recognised (see the module docstring)."""
-    from diffsynth.configs import MODEL_CONFIGS  # noqa: F401 - the table recognise() reads
-
     pipeline_class = pipeline_class_of(glue)
     attributes = model_attributes(pipeline_class)
     found: list[ModelFile] = []
@@ -235,12 +243,15 @@ def planned_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_
             continue
         model_hash = known.get((model_id, pattern))
         label = f"{model_id}:{pattern}"
-        if model_hash is None:  # another release's file of the same name, of a model this pipeline loads
-            by_hash = {c["model_hash"]: c for c in MODEL_CONFIGS}
-            other = next(((key, h) for key, h in known.items() if key[1] == pattern and h in by_hash
-                          and by_hash[h]["model_name"] in attributes), None)
+        if model_hash is None:  # the same file in the same repository, else another release's file of the same
+            by_hash = {c["model_hash"]: c for c in MODEL_CONFIGS}  # pattern, of a model this pipeline loads
+            usable = [(key, h) for key, h in known.items() if h in by_hash and by_hash[h]["model_name"] in attributes]
+            other = next(((key, h) for key, h in usable if key[0] == model_id and "*" not in pattern
+                          and Path(key[1]).name == Path(pattern).name
+                          and Path(key[1]).parts[0] == Path(pattern).parts[0]), None)
+            other = other or next(((key, h) for key, h in usable if key[1] == pattern), None)
             if other is not None:
-                model_hash, label = other[1], f"{label} (sized as {other[0][0]}:{pattern})"
+                model_hash, label = other[1], f"{label} (sized as {other[0][0]}:{other[0][1]})"
         entries = tuple(c for c in MODEL_CONFIGS if c["model_hash"] == model_hash)
         if not entries:
             raise BackendError(f"{model_id}:{pattern} is not downloaded and DiffSynth's model-config table names no "

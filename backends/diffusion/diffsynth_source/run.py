@@ -73,13 +73,13 @@ def route(args: TrainArgs) -> tuple[TrainArgs, Optional[str]]:
     from dataclasses import replace
 
     from ..untrained import untrained_by_model_id
-    from .glue import GLUES
+    from .glue import glues
 
     if args.pipeline or not args.model_id_with_origin_paths:
         return args, None
     for item in str(args.model_id_with_origin_paths).split(","):
         family = untrained_by_model_id(item.strip().rpartition(":")[0])
-        glue = next((g for g in GLUES if family is not None and g.example == family.folder), None)
+        glue = next((g for g in glues() if family is not None and g.example == family.folder), None)
         if glue is None:
             continue
         if not available():
@@ -156,8 +156,8 @@ class Setup:
             raise BackendError(f"{stage} needs the model{'s' if len(missing) > 1 else ''} {', '.join(missing)} of "
                                f"{self.glue.class_name}, which the command's --model_paths / --model_id_with_origin_paths "
                                "do not give")
-        others = {m.attributes[0]: m for m in self.models if m.attributes and m.attributes[0] not in stage_models}
-        install_skeletons(pipe, {a: m.skeleton() for a, m in others.items()}, stage)
+        others = {a: skeleton for m in self.models for a, skeleton in m.skeletons().items() if a not in stage_models}
+        install_skeletons(pipe, others, stage)
         pipe.scheduler.set_timesteps(1000, training=True)  # switch_pipe_to_training_mode's first step
         pipe.freeze_except([])
         return pipe

@@ -33,7 +33,7 @@ class Renderer:
         args = setup.args
         self.prompts = list(args.validation_prompt or [])
         self.pipe = pipe
-        given = [m.attributes[0] for m in setup.models if m.attributes]
+        given = [a for m in setup.models for a in m.attributes]
         self.missing = [a for a in given if a not in stage_models]
         self.load = load
         taken = inspect.signature(type(pipe).__call__).parameters

@@ -79,6 +79,7 @@ FAMILY = Family(
     diffusers_pipelines=("StableDiffusionPipeline",),
     demo={"lora_rank": 8, "learning_rate": 1e-3},
     render=".render",
+    diffsynth=".diffsynth",
     render_models=("vae",),
     repos=REPOS,
 )

@@ -1,0 +1,60 @@
+"""Z-Image as DiffSynth-Studio's own pipeline (`--pipeline diffsynth:z_image`, backends/diffusion/diffsynth_source):
+how its example's train.py builds it, and its test-size models in DiffSynth's `./models` layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ...family import DiffSynthPipeline, DiffSynthTokenizer
+
+PIPELINES = (
+    DiffSynthPipeline("z_image", "ZImagePipeline", "Z-Image (DiffSynth's pipeline)", example="z_image",
+                      tokenizers=(DiffSynthTokenizer("tokenizer_config", "tokenizer_path", "Tongyi-MAI/Z-Image-Turbo",
+                                                     "tokenizer/"),)),
+)
+
+# the 16-channel VAE of Z-Image-Turbo's vae/ folder: its class in DiffSynth fixes these sizes
+RELEASED_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_out_channels": [128, 256, 512, 512],
+                "layers_per_block": 2, "down_block_types": ["DownEncoderBlock2D"] * 4,
+                "up_block_types": ["UpDecoderBlock2D"] * 4, "norm_num_groups": 32, "use_quant_conv": False,
+                "use_post_quant_conv": False, "scaling_factor": 0.3611, "shift_factor": 0.1159, "sample_size": 1024}
+
+
+def write_diffsynth_models(outdir: Path, module: str, seed: int = 0) -> dict[str, Any]:
+    """Z-Image as DiffSynth's example downloads it (Z-Image's DiT, Z-Image-Turbo's text encoder and VAE) under
+    `outdir`. DiffSynth's text encoder class fixes its sizes, the smallest being Qwen3 0.6B: written in DiffSynth's
+    own layout with random N(0, 0.02) weights in bf16 (1.2 GB), which DiffSynth's table knows by its key hash; the
+    VAE's class fixes its sizes too (84 M parameters, bf16), also known by its hash; the DiT is this family's test
+    size, recognised by its config.json. Returns the flags naming them."""
+    import torch
+    from diffsynth.models.z_image_text_encoder import ZImageTextEncoder
+    from diffusers import AutoencoderKL, ZImageTransformer2DModel
+    from safetensors.torch import save_file
+
+    from .tiny import SIZES, build_tiny_tokenizer
+
+    root = Path(outdir) / "Tongyi-MAI"
+    build_tiny_tokenizer().save_pretrained(str(root / "Z-Image-Turbo" / "tokenizer"))
+    with torch.device("meta"):
+        encoder = ZImageTextEncoder("0.6B")
+    encoder = encoder.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, param in encoder.named_parameters():
+            param.fill_(1.0) if "norm" in name else param.normal_(0.0, 0.02, generator=generator)
+    (root / "Z-Image-Turbo" / "text_encoder").mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in encoder.state_dict().items()},
+              str(root / "Z-Image-Turbo" / "text_encoder" / "model.safetensors"))
+    del encoder
+    torch.manual_seed(seed)
+    ZImageTransformer2DModel(**{**SIZES["test"]["transformer"], "cap_feat_dim": 1024}).save_pretrained(
+        str(root / "Z-Image" / "transformer"))
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKL(**RELEASED_VAE)
+    (root / "Z-Image-Turbo" / "vae").mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in vae.state_dict().items()},
+              str(root / "Z-Image-Turbo" / "vae" / "diffusion_pytorch_model.safetensors"))
+    files = ["Tongyi-MAI/Z-Image:transformer/*.safetensors", "Tongyi-MAI/Z-Image-Turbo:text_encoder/*.safetensors",
+             "Tongyi-MAI/Z-Image-Turbo:vae/diffusion_pytorch_model.safetensors"]
+    return {"model_id_with_origin_paths": ",".join(files), "tokenizer_path": str(root / "Z-Image-Turbo" / "tokenizer")}
