@@ -122,11 +122,12 @@ def _choice(pipeline: Optional[str]) -> tuple[Any, Any]:
 
 
 PipelineOption = Annotated[Optional[str], typer.Option("--pipeline", help="A pipeline or family (see 'unitgraph pipelines'; default: the first registered family).")]
+TinyPipelineOption = Annotated[Optional[str], typer.Option("--pipeline", help="A pipeline or family (see 'unitgraph pipelines'; default: the first registered family); diffsynth:MODULE writes the test-size models of DiffSynth's own pipeline in its ./models layout (docs/diffsynth.md).")]
 
 
 def tiny_models_command(
     outdir: Annotated[str, typer.Argument(metavar="OUTDIR", help="Folder to write the pipeline into.", show_default=False)],
-    pipeline: PipelineOption = None,
+    pipeline: TinyPipelineOption = None,
     size: Annotated[str, typer.Option("--size", help="test (a train step ~10 ms) or demo (~0.15 s at 256 px); real: the released model's config.json files only, no weights (for train --dry_run; Wan also real-1.3b and real-a14b, Wan 2.2 A14B's two experts).")] = "test",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
     experts: Annotated[bool, typer.Option("--experts", help="A denoiser of two experts (Wan 2.2 A14B's layout: transformer/ for high noise, transformer_2/ for low, boundary_ratio; T2V A14B's for wan, I2V A14B's for wan_i2v); train one with --expert.")] = False,
@@ -139,6 +140,9 @@ def tiny_models_command(
     from unitgraph.backends.diffusion.args import check_seed
     from unitgraph.backends.diffusion.models.own_folder import write_own_folder
 
+    if pipeline and pipeline.startswith("diffsynth:"):
+        _tiny_diffsynth_models(Path(outdir), pipeline, size, seed)
+        return
     family, chosen = _choice(pipeline)
     check_seed(seed)
     if experts and family.experts is None:
@@ -167,6 +171,32 @@ def tiny_models_command(
         staging, size=size, seed=seed, pipeline=chosen.name if chosen else None, **({"experts": True} if experts else {})))
     cls = (chosen.diffusers_pipeline if chosen else None) or family.diffusers_pipelines[0]
     typer.echo(f"wrote {size}-size {family.title} pipeline ({cls}) to {path} in {time.perf_counter() - start:.1f} s")
+
+
+def _tiny_diffsynth_models(outdir: Path, pipeline: str, size: str, seed: int) -> None:
+    """`tiny-models DIR --pipeline diffsynth:MODULE`: the test-size models of DiffSynth's pipeline in its ./models
+    layout (DIR is the base folder DiffSynth looks in), and the command line that trains on them."""
+    from unitgraph.backends.diffusion.args import check_seed
+    from unitgraph.backends.diffusion.diffsynth_source import EXTRA_HINT, available
+    from unitgraph.backends.diffusion.diffsynth_source.glue import glue_for
+    from unitgraph.backends.diffusion.diffsynth_source.tiny import write_tiny_models
+    from unitgraph.backends.diffusion.errors import BackendError
+    from unitgraph.backends.diffusion.models.own_folder import write_own_folder
+
+    glue = glue_for(pipeline)
+    check_seed(seed)
+    if size != "test":
+        raise BackendError(f"--size {size}: DiffSynth's pipelines are written at the test size only")
+    if not available():
+        raise BackendError(f"--pipeline {pipeline} writes models of DiffSynth-Studio's own classes; {EXTRA_HINT}")
+    claim_model_folder(outdir)
+    start = time.perf_counter()
+    flags: dict[str, Any] = {}
+    path = write_own_folder(outdir, MODEL_MARKERS[0], lambda staging: flags.update(write_tiny_models(staging, glue.module, seed)))
+    typer.echo(f"wrote test-size models of {glue.name} ({glue.class_name}) in DiffSynth's ./models layout to {path} in "
+               f"{time.perf_counter() - start:.1f} s; train on them with:")
+    typer.echo(f"  DIFFSYNTH_MODEL_BASE_PATH={path} unitgraph train --pipeline {glue.name} --model_id_with_origin_paths "
+               f"'{flags['model_id_with_origin_paths']}' --lora_base_model ... --dataset_base_path ...")
 
 
 MODEL_MARKERS = ("unitgraph_tiny.json", "unitgraph_config_only.json")  # written by write_tiny_models / --size real

@@ -460,3 +460,23 @@ def test_the_dry_run_of_the_released_z_image_needs_no_file(tmp_path, monkeypatch
     assert 6.0e9 < models["dit"]["params"] < 6.3e9 and 3.9e9 < models["text_encoder"]["params"] < 4.1e9
     assert stages["data_process"]["models"] == ["text_encoder", "vae_encoder"] and stages["train"]["models"] == ["dit"]
     assert "vae_decoder" in models and not (tmp_path / "models").exists()
+
+
+def test_tiny_models_command_writes_a_diffsynth_pipelines_models(tmp_path, monkeypatch, capsys):
+    """`unitgraph tiny-models DIR --pipeline diffsynth:ideogram4` writes DiffSynth's ./models layout and says the
+    command that trains on it; that command trains."""
+    from clitools import cli
+
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(capsys, "tiny-models", "models", "--pipeline", "diffsynth:ideogram4")
+    assert code == 0, err
+    line = out.strip().splitlines()[-1]
+    ids = line.split("--model_id_with_origin_paths '")[1].split("'")[0]
+    monkeypatch.setenv("DIFFSYNTH_MODEL_BASE_PATH", "models")
+    write_synthetic_dataset(tmp_path / "data", count=2, size=32)
+    code, out, err = cli(capsys, "train", "--pipeline", "diffsynth:ideogram4", "--model_id_with_origin_paths", ids,
+                         "--lora_base_model", "dit", "--lora_target_modules", "attention.qkv,attention.o",
+                         "--dataset_base_path", "data", "--dataset_metadata_path", "data/metadata.csv",
+                         "--height", "32", "--width", "32", "--output_path", "out")
+    assert code == 0, err
+    assert (tmp_path / "out" / "epoch-0.safetensors").is_file()
