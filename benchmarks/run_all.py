@@ -5,7 +5,7 @@ second heavy job makes every figure 2-4x slower). With --write, each benchmark r
 as it finishes, and the run's summary (start, end, machine, versions, the commands and their wall
 times) replaces the `run` section at the top of the file; without it, nothing is written.
 
-    python benchmarks/run_all.py [--write] [--only planner,stage1,qwen_image,flux,wan,sd15,sdxl,z_image,flux2_klein,wan_ti2v,ltx2,object_store,thread_overlap,memory_plan,real_size,engines,vae_latents,recipe,datasets]
+    python benchmarks/run_all.py [--write] [--only planner,stage1,qwen_image,flux,wan,sd15,sdxl,z_image,flux2_klein,wan_ti2v,ltx2,object_store,thread_overlap,memory_plan,real_size,engines,vae_latents,recipe,datasets,diffsynth_source]
 """
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ COMMANDS: dict[str, list[str]] = {
     "vae_latents": ["benchmarks/vae_latents.py"],
     "recipe": ["benchmarks/recipe.py"],
     "datasets": ["benchmarks/datasets.py"],
+    "diffsynth_source": ["benchmarks/diffsynth_source.py"],
 }
+# benchmarks run by another environment's interpreter (DiffSynth-Studio's pipelines: scripts/setup_diffsynth.sh)
+INTERPRETERS = {"diffsynth_source": ROOT / ".venv-diffsynth" / "bin" / "python"}
 
 
 def summary(started: str, ended: str, walls: dict[str, float], failed: list[str]) -> str:
@@ -81,7 +84,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     walls: dict[str, float] = {}
     failed: list[str] = []
     for name in names:
-        command = [sys.executable, *COMMANDS[name]] + (["--write"] if args.write else [])
+        python = INTERPRETERS.get(name)
+        command = [str(python) if python is not None and python.exists() else sys.executable, *COMMANDS[name]] + (
+            ["--write"] if args.write else [])
         print(f"run_all: {name}: {' '.join(command[1:])}", flush=True)
         start = time.perf_counter()
         code = subprocess.call(command, cwd=ROOT)

@@ -319,6 +319,7 @@ def test_the_dry_run_of_the_released_ideogram4_needs_no_file(tmp_path, monkeypat
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DIFFSYNTH_SKIP_DOWNLOAD", "True")
+    monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)  # a module fixture's tiny ./models may be set
     argv = shlex_argv(IDEOGRAM4_COMMAND)
     code, out, err = cli(capsys, "train", *argv, "--dry_run", "--json")
     assert code == 0, err
@@ -449,6 +450,7 @@ def test_the_dry_run_of_the_released_z_image_needs_no_file(tmp_path, monkeypatch
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DIFFSYNTH_SKIP_DOWNLOAD", "True")
+    monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)  # a module fixture's tiny ./models may be set
     code, out, err = cli(capsys, "train", "--pipeline", "diffsynth:z_image", "--dry_run", "--json",
                          "--dataset_base_path", "data", "--lora_base_model", "dit", "--lora_rank", "32",
                          "--lora_target_modules", "to_q,to_k,to_v,to_out.0,w1,w2,w3", "--model_id_with_origin_paths",

@@ -11,7 +11,7 @@ input dicts the way the image pipelines' `get_pipeline_inputs` does.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 from ..errors import BackendError
 from ..family import DiffSynthPipeline, DiffSynthTokenizer
@@ -77,12 +77,3 @@ def inputs(glue: Glue, sample: Mapping[str, Any], device: Any, gradient_checkpoi
                                "pipelines yet")
         shared[name] = sample.get(name)
     return shared, {"prompt": sample["prompt"]}, {"negative_prompt": ""}
-
-
-def not_listed(module: str) -> Optional[str]:
-    """None when `module` is listed, else the line `glue_for` raises."""
-    try:
-        glue_for(module)
-    except BackendError as exc:
-        return str(exc)
-    return None

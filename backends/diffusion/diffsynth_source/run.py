@@ -499,7 +499,12 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, why: Opti
     check_flags(args)
     import warnings
 
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|diffsynth)\.")
+    with warnings.catch_warnings():  # the deprecation notes transformers gives DiffSynth's code, once a step
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|diffsynth)\.")
+        return _run(args, report, why)
+
+
+def _run(args: TrainArgs, report: Callable[[str], None], why: Optional[str]) -> RunResult:
     s = setup(args)
     if args.dry_run:  # DiffSynth's model configs on the meta device: nothing loaded, downloaded or written
         from .memory import memory_plan
