@@ -32,7 +32,8 @@ TITLE = "## DiffSynth-Studio's own pipelines (`--pipeline diffsynth:MODULE`)"
 SAMPLES, SIDE, EPOCHS = 8, 32, 2
 LORA = {"stable_diffusion": ("unet", "to_q,to_k,to_v,to_out.0"),
         "ideogram4": ("dit", "attention.qkv,attention.o,feed_forward.w1,feed_forward.w2,feed_forward.w3,adaln_modulation"),
-        "z_image": ("dit", "to_q,to_k,to_v,to_out.0,w1,w2,w3")}
+        "z_image": ("dit", "to_q,to_k,to_v,to_out.0,w1,w2,w3"),
+        "stable_diffusion_xl": ("unet", "to_q,to_k,to_v,to_out.0")}
 # the released files of each pipeline's DiffSynth example, for the dry run (nothing is downloaded)
 RELEASED = {
     "stable_diffusion": ("AI-ModelScope/stable-diffusion-v1-5:text_encoder/model.safetensors,"
@@ -41,6 +42,10 @@ RELEASED = {
     "ideogram4": ("DiffSynth-Studio/ideogram-4-bf16-repackage:transformer/diffusion_pytorch_model.safetensors,"
                   "DiffSynth-Studio/ideogram-4-bf16-repackage:text_encoder/model.safetensors,"
                   "DiffSynth-Studio/ideogram-4-bf16-repackage:vae/diffusion_pytorch_model.safetensors", 32),
+    "stable_diffusion_xl": ("stabilityai/stable-diffusion-xl-base-1.0:text_encoder/model.safetensors,"
+                            "stabilityai/stable-diffusion-xl-base-1.0:text_encoder_2/model.safetensors,"
+                            "stabilityai/stable-diffusion-xl-base-1.0:unet/diffusion_pytorch_model.safetensors,"
+                            "stabilityai/stable-diffusion-xl-base-1.0:vae/diffusion_pytorch_model.safetensors", 32),
     "z_image": ("Tongyi-MAI/Z-Image-Turbo:transformer/*.safetensors,Tongyi-MAI/Z-Image-Turbo:text_encoder/*.safetensors,"
                 "Tongyi-MAI/Z-Image-Turbo:vae/diffusion_pytorch_model.safetensors", 32),
 }

@@ -5,7 +5,8 @@ These tests need the `diffsynth` package itself, which needs torchvision: they r
 skipped elsewhere. The models are test-sized, written in DiffSynth's `./models` layout (diffsynth_source/tiny.py),
 and loaded by DiffSynth's own loader; a command names them as DiffSynth's example does, by model id and pattern.
 
-Pipelines: Stable Diffusion 1.5 and Z-Image (families unitgraph also trains itself) and Ideogram 4 (DiffSynth's alone).
+Pipelines: Stable Diffusion 1.5, SDXL and Z-Image (families unitgraph also trains itself) and Ideogram 4 (DiffSynth's
+alone).
 Z-Image's text encoder class allows nothing smaller than Qwen3 0.6B (1.2 GB in bf16, written once per module).
 What they show, per pipeline:
 - unitgraph's unsplit step equals DiffSynth's own training step (its loader, its `DiffusionTrainingModule` glue as the
@@ -47,6 +48,7 @@ PIPELINES = {
     "ideogram4": ("dit", "attention.qkv,attention.o,feed_forward.w1,feed_forward.w2,feed_forward.w3,adaln_modulation",
                   "pipe.dit."),
     "z_image": ("dit", "to_q,to_k,to_v,to_out.0,w1,w2,w3", "pipe.dit."),
+    "stable_diffusion_xl": ("unet", "to_q,to_k,to_v,to_out.0", "pipe.unet."),
 }
 
 
@@ -106,9 +108,9 @@ def test_the_unsplit_step_is_diffsynths_own_training_step(world):
     configs = [ModelConfig(path=m.path) for m in setup.models]  # the files the command's model ids name
     glue = setup.glue
     module = DiffusionTrainingModule()
+    tokenizers = {k: ModelConfig(path=v) for k, v in setup.tokenizers_for([t.encoder for t in glue.tokenizers]).items()}
     module.pipe = setup.pipe_class.from_pretrained(torch_dtype=getattr(torch, glue.dtype), device="cpu",
-                                                   model_configs=configs,
-                                                   tokenizer_config=ModelConfig(path=flags["tokenizer_path"]))
+                                                   model_configs=configs, **tokenizers)
     module.pipe = module.split_pipeline_units("sft", module.pipe, None, base_model)
     with seeded_global_stream(args.seed, "diffsynth-lora-init"):  # unitgraph's LoRA initialisation stream
         module.switch_pipe_to_training_mode(module.pipe, None, base_model, targets, 4, None, None, None, task="sft")
@@ -482,3 +484,28 @@ def test_tiny_models_command_writes_a_diffsynth_pipelines_models(tmp_path, monke
                          "--height", "32", "--width", "32", "--output_path", "out")
     assert code == 0, err
     assert (tmp_path / "out" / "epoch-0.safetensors").is_file()
+
+
+def test_sdxl_checkpoints_in_the_open_source_layout_load_with_diffsynth(world, tmp_path):
+    """--align_to_opensource_format, as DiffSynth's SDXL example passes it: the checkpoint through DiffSynth's own
+    converter (kohya-style `lora_unet_*` names with alphas), which its `pipe.load_lora` reads back into the UNet."""
+    root, flags = world
+    if flags["module"] != "stable_diffusion_xl":
+        pytest.skip("SDXL's example converts its LoRA")
+    # modules DiffSynth's converter names, as its example's --lora_target_modules lists them
+    targets = ",".join(f"down_blocks.1.attentions.0.transformer_blocks.0.{a}.{m}" for a in ("attn1", "attn2")
+                       for m in ("to_q", "to_k", "to_v", "to_out.0"))
+    result = run(_args(root, flags, num_epochs=1, learning_rate=1e-2, lora_target_modules=targets,
+                       align_to_opensource_format=True, output_path=str(tmp_path / "out")))
+    lora = load_file(str(result.last_checkpoint))
+    assert lora and all(k.startswith("lora_unet_input_blocks_4_1_") for k in lora)
+    assert sum(k.endswith(".alpha") for k in lora) == 8 and sum(k.endswith(".lora_up.weight") for k in lora) == 8
+    setup = ds_run.setup(_args(root, flags))
+    pipe = setup.load(["unet"], "the check")
+    before = {k: v.clone() for k, v in pipe.unet.state_dict().items()}
+    pipe.load_lora(pipe.unet, str(result.last_checkpoint))
+    changed = {k for k, v in pipe.unet.state_dict().items() if k in before and not torch.equal(v, before[k])}
+    assert changed and all(k.startswith("down_blocks.1.attentions.0.transformer_blocks.0.") for k in changed)
+    with pytest.raises(BackendError, match="converts no LoRA to an open-source layout"):
+        run(_args(root, flags, pipeline="diffsynth:stable_diffusion", align_to_opensource_format=True,
+                  output_path=str(tmp_path / "x")))

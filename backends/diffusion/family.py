@@ -518,7 +518,7 @@ class DiffSynthPipeline:
     module / class_name: `diffsynth.pipelines.<module>.<class_name>`. dtype: what its `train.py` builds the pipeline
     in. tokenizers: the tokenizer folders of `from_pretrained`. columns: the metadata columns a sample must have.
     division: the multiple its dataset's ImageCropAndResize rounds sides to. example: its folder under DiffSynth's
-    `examples/`. A family that trains the same models declares it (`Family.diffsynth`), with a writer of its test-size
+    `examples/`. opensource_lora: the converter of its LoRA files to the open-source layout. A family that trains the same models declares it (`Family.diffsynth`), with a writer of its test-size
     models in DiffSynth's layout; DiffSynth's pipelines of no family are listed in diffsynth_source/glue.py.
     """
 
@@ -530,6 +530,8 @@ class DiffSynthPipeline:
     columns: tuple[str, ...] = ("image", "prompt")
     division: int = 16
     example: str = ""
+    # "module:Class.function" of DiffSynth's converter its train.py applies with --align_to_opensource_format ("": none)
+    opensource_lora: str = ""
 
     @property
     def name(self) -> str:

@@ -289,15 +289,16 @@ def _file_shapes(files: Files) -> dict[str, tuple[int, ...]]:
 
 
 def recognise(files: Files, attributes: dict[str, str]) -> tuple[dict, ...]:
-    """The table entries `files` loads as: those of its hash, else (a file the table does not know) the entry its
-    config.json builds, registered now. One line when neither recognises it."""
+    """The table entries `files` loads as: those of its hash when one of them is a model this pipeline loads, else (a
+    file the table does not know for this pipeline) the entry its config.json builds, registered now beside any other
+    entry of the same hash (DiffSynth loads each). One line when neither recognises it."""
     from diffsynth.configs import MODEL_CONFIGS
     from diffsynth.core.loader.file import hash_model_file
 
     model_hash = hash_model_file(files)
     known = tuple(c for c in MODEL_CONFIGS if c["model_hash"] == model_hash)
-    if known:
-        return known
+    if any(c["model_name"] in attributes for c in known):  # the same weights may be several pipelines' models (SD's
+        return known                                        # and SDXL's VAEs): one this pipeline loads must be known
     entry = _from_config(files, attributes)
     first = files if isinstance(files, str) else files[0]
     if entry is None:

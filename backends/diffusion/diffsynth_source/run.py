@@ -55,7 +55,7 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
         "use_gradient_checkpointing_offload", "task", "output_path", "remove_prefix_in_ckpt", "lora_base_model",
         "lora_target_modules", "lora_rank", "lora_alpha", "height", "width", "max_pixels", "seed", "cache_path",
         "overwrite", "resume", "save_steps", "save_total_limit", "progress", "plot", "json", "dataset_num_workers", "find_unused_parameters",
-        "enable_csv_log", "dry_run", "lr_scheduler", "optimizer", "loss_weighting", "timestep_sampling", "lora_format",
+        "enable_csv_log", "dry_run", "align_to_opensource_format", "lr_scheduler", "optimizer", "loss_weighting", "timestep_sampling", "lora_format",
         "max_timestep_boundary", "min_timestep_boundary", "validation_prompt", "validation_inference_steps",
         "validation_seed", "validation_guidance", "validation_negative_prompt"}
 
@@ -109,6 +109,9 @@ def check_flags(args: TrainArgs) -> None:
                                f"({only}) so far")
     if args.lora_format not in ("diffusers", "diffsynth"):
         raise BackendError(f"--lora_format {args.lora_format}: a DiffSynth pipeline writes DiffSynth's layout")
+    if args.align_to_opensource_format and not glue_for(str(args.pipeline)).opensource_lora:
+        raise BackendError(f"--align_to_opensource_format: {args.pipeline}'s example converts no LoRA to an open-source "
+                           "layout")
     if not args.lora_base_model and not args.trainable_models and args.task != "sft:data_process":
         raise BackendError("name what to train: --lora_base_model MODEL or --trainable_models MODELS")
 
@@ -433,9 +436,11 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
             report(f"resumed:    {found} (epoch {position[0]}, step {step})")
         start = time.perf_counter()
 
+        convert = _opensource(setup.glue) if args.align_to_opensource_format else None
+
         def checkpoint(name: str, next_position: tuple[int, int]) -> None:
             path = output / name
-            _save(holder, prefix, path)
+            _save(holder, prefix, path, convert)
             result.checkpoints.append(path)
             _write_rows(output / "loss.csv", rows)
             save_state(output, step, next_position, named, optimizer, scheduler, rows, settings, args.save_total_limit)
@@ -478,10 +483,31 @@ def _write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
     write_bytes_atomic(path, text.getvalue().encode("utf-8"))
 
 
-def _save(holder: Any, prefix: str, path: Path) -> None:
+def _opensource(glue: Glue) -> Callable[[dict], dict]:
+    """DiffSynth's converter of a LoRA file to the open-source layout its example applies (--align_to_opensource_format)."""
+    import importlib
+
+    module, _, path = glue.opensource_lora.partition(":")
+    if not module.startswith("diffsynth."):
+        raise BackendError(f"refusing to import {module}: only DiffSynth's own converters are used")
+    target: Any = importlib.import_module(module)
+    for part in path.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def _save(holder: Any, prefix: str, path: Path, convert: Optional[Callable[[dict], dict]] = None) -> None:
+    """The trained parameters as DiffSynth's ModelLogger saves them: its export, then the example's converter."""
     from safetensors.torch import save
 
     state = holder.export_trainable_state_dict(holder.state_dict(), remove_prefix=prefix or None)
+    if convert is not None:
+        try:
+            state = convert(state)
+        except KeyError as exc:
+            raise BackendError(f"--align_to_opensource_format: DiffSynth's converter has no open-source name for "
+                               f"{exc.args[0]} (train modules of its table, as its example's --lora_target_modules "
+                               "lists them)") from None
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     write_bytes_atomic(path, save(tensors))
 

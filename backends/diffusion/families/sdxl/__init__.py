@@ -94,6 +94,7 @@ FAMILY = Family(
                          "StableDiffusionXLInpaintPipeline"),
     demo={"lora_target_modules": "to_q,to_k,to_v,to_out.0", "lora_rank": 8, "learning_rate": 1e-3},
     render=".render",
+    diffsynth=".diffsynth",
     render_models=("vae",),
     repos=REPOS,
 )
