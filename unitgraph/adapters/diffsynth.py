@@ -435,44 +435,40 @@ def _returned_keys(func: ast.FunctionDef) -> set[str] | None:
     return keys
 
 
+def _reachable(func: ast.FunctionDef, methods: dict[str, ast.FunctionDef]) -> list[ast.FunctionDef]:
+    """`func` and the unit's methods it reaches through `self.method(...)` calls, each once."""
+    reached = [func]
+    seen: set[str] = set()
+    for current in reached:
+        for node in ast.walk(current):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+                    and node.func.attr in methods and node.func.attr not in seen):
+                seen.add(node.func.attr)
+                reached.append(methods[node.func.attr])
+    return reached
+
+
 def _calls(func: ast.FunctionDef, methods: dict[str, ast.FunctionDef]) -> set[str]:
     """Names of the functions `func` calls, following `self.method(...)` calls within the unit class."""
-    seen: set[str] = set()
     calls: set[str] = set()
-    todo = [func]
-    while todo:
-        current = todo.pop()
+    for current in _reachable(func, methods):
         for node in ast.walk(current):
-            if not isinstance(node, ast.Call):
-                continue
-            f = node.func
-            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
-            if not name:
-                continue
-            calls.add(name)
-            if (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"
-                    and name in methods and name not in seen):
-                seen.add(name)
-                todo.append(methods[name])
+            if isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                if name:
+                    calls.add(name)
     return calls
 
 
 def _pipe_attributes(func: ast.FunctionDef, methods: dict[str, ast.FunctionDef]) -> set[str]:
     """Attributes read from the pipeline argument (the one after `self`) of `func` and of the unit's methods it calls."""
     found: set[str] = set()
-    seen: set[str] = set()
-    todo = [func]
-    while todo:
-        current = todo.pop()
+    for current in _reachable(func, methods):
         args = [a.arg for a in current.args.args]
         pipe = args[1] if len(args) > 1 else None
-        for node in ast.walk(current):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == pipe:
-                found.add(node.attr)
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
-                    and node.func.value.id == "self" and node.func.attr in methods and node.func.attr not in seen):
-                seen.add(node.func.attr)
-                todo.append(methods[node.func.attr])
+        found.update(node.attr for node in ast.walk(current)
+                     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == pipe)
     return found
 
 

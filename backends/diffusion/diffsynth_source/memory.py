@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 from .lora import target_modules
-from .models import ModelFile
 
 __all__ = ["memory_plan", "format_plan"]
 
@@ -40,14 +39,14 @@ def _lora_count(skeleton: Any, targets: list[str], rank: int) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
 
 
-def memory_plan(setup: Any, models: list[ModelFile]) -> dict[str, Any]:
+def memory_plan(setup: Any) -> dict[str, Any]:
     """{models: {attribute: {params, bytes, entry}}, stages: {stage: {models, weights, trained, gradients,
     optimizer, total}}} in bytes."""
     args, plan, glue = setup.args, setup.plan, setup.glue
     width = _bytes_of(glue.dtype)
     table: dict[str, dict[str, Any]] = {}
     skeletons: dict[str, Any] = {}
-    for model in models:
+    for model in setup.models:
         for attribute, skeleton in model.skeletons().items():
             n = _count(skeleton)
             skeletons[attribute] = skeleton

@@ -46,35 +46,30 @@ Files = Union[str, list[str]]
 
 @dataclass(frozen=True)
 class ModelFile:
-    """One model of the command: its file(s), the table entries that recognise it and the pipeline attributes
-    they fill."""
+    """One model of the command: its file(s), the table entries that recognise it, and the pipeline attributes it
+    fills, each with the entry it is loaded as (a VAE file may fill an encoder and a decoder)."""
 
     path: Files
-    names: tuple[str, ...]
-    attributes: tuple[str, ...]
-    entries: tuple[dict, ...] = ()  # the table entries (class, converter, extra_kwargs), for a skeleton and the key
+    loads: tuple[tuple[str, dict], ...]  # (pipeline attribute, its table entry), one per model the pipeline loads
+    entries: tuple[dict, ...] = ()  # every table entry of the file (class, converter, sizes), for the cache key
+
+    @property
+    def attributes(self) -> tuple[str, ...]:
+        return tuple(attribute for attribute, _ in self.loads)
 
     def identity(self) -> list[Any]:
         """What the file loads as (name, class, sizes): part of the cache key of a stage that reads its skeleton."""
         return [[e["model_name"], e["model_class"], e.get("extra_kwargs", {})] for e in self.entries]
 
     def skeletons(self) -> dict[str, Any]:
-        """{pipeline attribute: its model built on the meta device (attributes and config, no weights)}: one per entry
-        the pipeline loads (a VAE file may hold an encoder and a decoder, two models)."""
+        """{pipeline attribute: its model built on the meta device (attributes and config, no weights)}."""
         import torch
 
         built: dict[str, Any] = {}
-        for attribute, entry in zip(self.attributes, self._entries_by_attribute()):
+        for attribute, entry in self.loads:
             with torch.device("meta"):
                 built[attribute] = _import(entry["model_class"])(**entry.get("extra_kwargs", {}))
         return built
-
-    def _entries_by_attribute(self) -> list[dict]:
-        """The first entry of each model name, in the order of `attributes` (names and attributes are aligned)."""
-        first = {}
-        for entry in self.entries:
-            first.setdefault(entry["model_name"], entry)
-        return [first[name] for name in self.names if name in first][:len(self.attributes)]
 
     @property
     def label(self) -> str:
@@ -261,8 +256,13 @@ def planned_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_
 
 
 def _model_file(files: Files, entries: tuple[dict, ...], attributes: dict[str, str]) -> ModelFile:
-    names = tuple(dict.fromkeys(e["model_name"] for e in entries))
-    return ModelFile(files, names, tuple(dict.fromkeys(attributes[n] for n in names if n in attributes)), entries)
+    """The file's models the pipeline loads: each attribute with the first entry of its model name."""
+    loads: dict[str, dict] = {}
+    for entry in entries:
+        attribute = attributes.get(entry["model_name"])
+        if attribute is not None:
+            loads.setdefault(attribute, entry)
+    return ModelFile(files, tuple(loads.items()), entries)
 
 
 def pipeline_class_of(glue: Glue) -> type:

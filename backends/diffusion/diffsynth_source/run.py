@@ -27,7 +27,8 @@ from unitgraph.plan import split
 
 from ..args import TrainArgs
 from ..cache.entries import read_entry, write_entry
-from ..cache.keys import canonical_hash, sha256_file
+from ..cache.keys import HASHES, HashMemo, canonical_hash
+from ..cache.store import LocalStore
 from ..data.dataset import DiffusionDataset
 from ..context import ImageSize
 from ..errors import BackendError
@@ -54,10 +55,11 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
         "learning_rate", "weight_decay", "num_epochs", "trainable_models", "use_gradient_checkpointing",
         "use_gradient_checkpointing_offload", "task", "output_path", "remove_prefix_in_ckpt", "lora_base_model",
         "lora_target_modules", "lora_rank", "lora_alpha", "height", "width", "max_pixels", "seed", "cache_path",
-        "overwrite", "resume", "save_steps", "save_total_limit", "progress", "plot", "json", "dataset_num_workers", "find_unused_parameters",
-        "enable_csv_log", "dry_run", "align_to_opensource_format", "lr_scheduler", "optimizer", "loss_weighting", "timestep_sampling", "lora_format",
-        "max_timestep_boundary", "min_timestep_boundary", "validation_prompt", "validation_inference_steps",
-        "validation_seed", "validation_guidance", "validation_negative_prompt"}
+        "overwrite", "resume", "save_steps", "save_total_limit", "progress", "plot", "json", "dataset_num_workers",
+        "find_unused_parameters", "enable_csv_log", "dry_run", "align_to_opensource_format", "lr_scheduler",
+        "optimizer", "loss_weighting", "timestep_sampling", "lora_format", "max_timestep_boundary",
+        "min_timestep_boundary", "validation_prompt", "validation_inference_steps", "validation_seed",
+        "validation_guidance", "validation_negative_prompt"}
 
 
 def wanted(args: TrainArgs) -> bool:
@@ -134,6 +136,11 @@ class Setup:
     declared: dict[str, tuple[str, ...]]  # each unit's outputs as the adapter reads it, before narrowing
     notes: dict[str, str]  # a line per narrowed unit
 
+    @property
+    def given(self) -> set[str]:
+        """The pipeline attributes the command's model files fill."""
+        return {a for m in self.models for a in m.attributes}
+
     def stage_units(self, stage: str) -> list[tuple[str, Any, tuple[str, ...]]]:
         """(name, DiffSynth's unit object, the outputs it may write) of the plan's units of `stage`, in order."""
         names = set(self.plan.data_process_units if stage == "data_process" else self.plan.train_units)
@@ -152,9 +159,8 @@ class Setup:
     def load(self, stage_models: list[str], stage: str) -> Any:
         """The pipeline with `stage_models` loaded, the others' attributes standing in (hazards.py)."""
         pipe = load_pipeline(self.glue, self.models, stage_models, self.tokenizers_for(stage_models), self.dtype)
-        given = {a for m in self.models for a in m.attributes}
-        needed = set(stage_models) & (given | set(self.plan.models_require_backward))  # an optional model may be absent
-        missing = sorted(needed - {a for a in given if getattr(pipe, a, None) is not None})
+        needed = set(stage_models) & (self.given | set(self.plan.models_require_backward))  # an optional one may be absent
+        missing = sorted(needed - {a for a in self.given if getattr(pipe, a, None) is not None})
         if missing:
             raise BackendError(f"{stage} needs the model{'s' if len(missing) > 1 else ''} {', '.join(missing)} of "
                                f"{self.glue.class_name}, which the command's --model_paths / --model_id_with_origin_paths "
@@ -256,9 +262,13 @@ def train_step(pipe: Any, units: list[tuple[str, Any, Any]], state: tuple[dict, 
 # samples
 
 
+def _extra_inputs(args: TrainArgs) -> tuple[str, ...]:
+    return tuple(n for n in (args.extra_inputs or "").split(",") if n)
+
+
 def dataset_of(setup: Setup) -> DiffusionDataset:
     args = setup.args
-    extra = tuple(n for n in (args.extra_inputs or "").split(",") if n)
+    extra = _extra_inputs(args)
     keys = tuple(k for k in (args.data_file_keys or "image").split(",") if k)
     return DiffusionDataset(args.dataset_base_path, args.dataset_metadata_path, ("image", "prompt", *extra),
                             data_file_keys=keys, extra_inputs=extra, required=setup.glue.columns)
@@ -273,24 +283,24 @@ def sample_state(setup: Setup, dataset: DiffusionDataset, index: int, device: An
     sample = dataset.sample(index)
     resize = ImageCropAndResize(args.height, args.width, args.max_pixels, setup.glue.division, setup.glue.division)
     sample["image"] = resize(sample["image"])
-    extra = tuple(n for n in (args.extra_inputs or "").split(",") if n)
     return inputs(setup.glue, sample, device, bool(args.use_gradient_checkpointing),
-                  bool(args.use_gradient_checkpointing_offload), extra)
+                  bool(args.use_gradient_checkpointing_offload), _extra_inputs(args))
 
 
 # ------------------------------------------------------------------------------------------------
 # stage 1
 
 
-def _key_inputs(setup: Setup) -> dict[str, Any]:
-    """What every entry key shares: the pipeline, the data_process units, the files of their models, the settings."""
+def _key_inputs(setup: Setup, memo: HashMemo) -> dict[str, Any]:
+    """What every entry key shares: the pipeline, the data_process units, the files of their models (sha256,
+    remembered in the cache's hashes.json so a later stage 1 only stats them), the settings."""
     import diffsynth
 
     files = {}
     for model in setup.models:
         if set(model.attributes) & set(setup.plan.data_process_models):
             for path in [model.path] if isinstance(model.path, str) else model.path:
-                files[Path(path).name + ":" + ",".join(model.attributes)] = sha256_file(Path(path))
+                files[Path(path).name + ":" + ",".join(model.attributes)] = memo.digest(Path(path))
     args = setup.args
     return {"pipeline": setup.glue.name, "diffsynth": getattr(diffsynth, "__version__", "?"),
             "units": setup.plan.data_process_units, "models": files, "dtype": setup.glue.dtype,
@@ -304,18 +314,21 @@ def _key_inputs(setup: Setup) -> dict[str, Any]:
 def data_process(setup: Setup, cache_dir: Path, report: Callable[[str], None]) -> RunResult:
     import torch
 
-    dataset = dataset_of(setup)
-    pipe = setup.load(setup.plan.data_process_models, "stage 1")
-    units = setup.stage_units("data_process")
-    static = canonical_hash(_key_inputs(setup))
     if cache_dir.is_dir() and not (cache_dir / MANIFEST).is_file():
-        foreign = sorted(p.name for p in cache_dir.iterdir() if p.name != "entries")
+        foreign = sorted(p.name for p in cache_dir.iterdir() if p.name not in ("entries", HASHES))
         if foreign or any((cache_dir / "entries").glob("*")):
             raise BackendError(f"is not empty and not a stage-1 cache of unitgraph's (it holds "
                                f"{', '.join(foreign[:3]) or 'entries/'}); stage 1 writes only into a new, empty or own "
                                "folder: choose another --output_path", source=str(cache_dir))
+    dataset = dataset_of(setup)
+    pipe = setup.load(setup.plan.data_process_models, "stage 1")
+    units = setup.stage_units("data_process")
     cache_dir.mkdir(parents=True, exist_ok=True)
     (cache_dir / "entries").mkdir(exist_ok=True)
+    memo = HashMemo(LocalStore(cache_dir))
+    key_inputs = _key_inputs(setup, memo)
+    memo.save()
+    static = canonical_hash(key_inputs)
     result = RunResult(task=setup.args.task, output_path=cache_dir, plan=setup.plan, cache_path=cache_dir)
     entries = []
     start = time.perf_counter()
@@ -338,7 +351,7 @@ def data_process(setup: Setup, cache_dir: Path, report: Callable[[str], None]) -
                 result.computed_indices.append(index)
             entries.append({"row": index, "sample": sample_id, "file": f"entries/{key}.safetensors"})
     manifest = {"format": FORMAT, "pipeline": setup.glue.name, "plan": setup.plan.to_dict(),
-                "key": _key_inputs(setup), "entries": entries}
+                "key": key_inputs, "entries": entries}
     write_bytes_atomic(cache_dir / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode("utf-8"))
     result.samples = len(dataset)
     result.cache_reused = result.entries_computed == 0
@@ -417,8 +430,7 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
     record = {"task": args.task, "pipeline": setup.glue.name, "plan_fingerprint": setup.plan.fingerprint}
     n = len(sample_ids)
     renderer = Renderer(setup, pipe, stage_models, setup.load_plain)
-    given = {a for m in setup.models for a in m.attributes}
-    lacking = [m for m in setup.plan.data_process_models if m not in given]
+    lacking = [m for m in setup.plan.data_process_models if m not in setup.given]
     if renderer and lacking:
         raise BackendError(f"--validation_prompt draws through the whole pipeline, and the command names no file of "
                            f"{', '.join(lacking)} (stage 1's); name it too: stage 2 loads it only while the samples "
@@ -468,8 +480,7 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
                     checkpoint(f"step-{step}.safetensors", (epoch, k + 1))
             checkpoint(f"epoch-{epoch}.safetensors", (epoch + 1, 0))
         result.stage_times["train"] = time.perf_counter() - start
-        result.loss_csv = output / "loss.csv"
-        _write_rows(result.loss_csv, rows)
+        result.loss_csv = output / "loss.csv"  # written with every checkpoint
     return result
 
 
@@ -536,7 +547,7 @@ def _run(args: TrainArgs, report: Callable[[str], None], why: Optional[str]) -> 
         from .memory import memory_plan
 
         return RunResult(task=args.task, output_path=Path(args.output_path), plan=s.plan,
-                         memory_plan=memory_plan(s, s.models))
+                         memory_plan=memory_plan(s))
     report(f"pipeline: {s.glue.name} (DiffSynth's {s.glue.class_name}; {why or '--pipeline'})")
     report(f"plan: stage 1 runs {', '.join(s.plan.data_process_units) or 'nothing'} "
            f"({', '.join(s.plan.data_process_models) or 'no model'}); stage 2 runs "

@@ -33,8 +33,7 @@ class Renderer:
         args = setup.args
         self.prompts = list(args.validation_prompt or [])
         self.pipe = pipe
-        given = [a for m in setup.models for a in m.attributes]
-        self.missing = [a for a in given if a not in stage_models]
+        self.missing = sorted(setup.given - set(stage_models))
         self.load = load
         taken = inspect.signature(type(pipe).__call__).parameters
         wanted = {"negative_prompt": args.validation_negative_prompt, "cfg_scale": args.validation_guidance,
