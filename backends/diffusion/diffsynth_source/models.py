@@ -297,8 +297,8 @@ def recognise(files: Files, attributes: dict[str, str]) -> tuple[dict, ...]:
 
     model_hash = hash_model_file(files)
     known = tuple(c for c in MODEL_CONFIGS if c["model_hash"] == model_hash)
-    if any(c["model_name"] in attributes for c in known):  # the same weights may be several pipelines' models (SD's
-        return known                                        # and SDXL's VAEs): one this pipeline loads must be known
+    if any(c["model_name"] in attributes for c in known):  # the same weights may be several pipelines' models (two
+        return known                                        # SD generations' VAEs): one this pipeline loads must be known
     entry = _from_config(files, attributes)
     first = files if isinstance(files, str) else files[0]
     if entry is None:
