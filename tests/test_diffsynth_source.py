@@ -5,8 +5,8 @@ These tests need the `diffsynth` package itself, which needs torchvision: they r
 skipped elsewhere. The models are test-sized, written in DiffSynth's `./models` layout (diffsynth_source/tiny.py),
 and loaded by DiffSynth's own loader; a command names them as DiffSynth's example does, by model id and pattern.
 
-Pipelines: Stable Diffusion 1.5, SDXL and Z-Image (families unitgraph also trains itself) and Ideogram 4 (DiffSynth's
-alone).
+Pipelines: Stable Diffusion 1.5, SDXL, Z-Image and Wan 2.1 T2V (families unitgraph also trains itself) and Ideogram 4
+(DiffSynth's alone). Wan's VAE class fixes its size (127 M parameters, written in bf16: 254 MB per module).
 Z-Image's text encoder class allows nothing smaller than Qwen3 0.6B (1.2 GB in bf16, written once per module).
 What they show, per pipeline:
 - unitgraph's unsplit step equals DiffSynth's own training step (its loader, its `DiffusionTrainingModule` glue as the
@@ -49,7 +49,14 @@ PIPELINES = {
                   "pipe.dit."),
     "z_image": ("dit", "to_q,to_k,to_v,to_out.0,w1,w2,w3", "pipe.dit."),
     "stable_diffusion_xl": ("unet", "to_q,to_k,to_v,to_out.0", "pipe.unet."),
+    "wan_video": ("dit", "q,k,v,o,ffn.0,ffn.2", "pipe.dit."),
 }
+
+
+def _video(module: str) -> bool:
+    from unitgraph.backends.diffusion.diffsynth_source.glue import glue_for
+
+    return glue_for(module).media == "video"
 
 
 @pytest.fixture(scope="module", params=sorted(PIPELINES))
@@ -58,7 +65,10 @@ def world(request, tmp_path_factory):
     module = request.param
     root = tmp_path_factory.mktemp(f"diffsynth_{module}")
     flags = dict(write_tiny_models(root / "models", module), module=module)
-    write_synthetic_dataset(root / "data", count=3, size=40)
+    if _video(module):  # 5-frame clips (a 40 px image scrolling sideways) in a `video` column
+        write_synthetic_dataset(root / "data", count=3, size=40, videos=("video",), frames=5)
+    else:
+        write_synthetic_dataset(root / "data", count=3, size=40)
     saved = {k: os.environ.get(k) for k in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD")}
     os.environ["DIFFSYNTH_MODEL_BASE_PATH"] = str(root / "models")
     os.environ["DIFFSYNTH_SKIP_DOWNLOAD"] = "True"
@@ -76,6 +86,8 @@ def _args(root: Path, flags: dict, **over):
                 dataset_metadata_path=str(root / "data" / "metadata.csv"), height=32, width=32,
                 model_id_with_origin_paths=flags["model_id_with_origin_paths"], lora_base_model=base_model,
                 lora_target_modules=targets, lora_rank=4, remove_prefix_in_ckpt=prefix, num_epochs=2, seed=3)
+    if _video(flags["module"]):
+        base.update(num_frames=5, data_file_keys="video")
     base.update(over)
     return make_args(**base)
 
@@ -114,15 +126,30 @@ def test_the_unsplit_step_is_diffsynths_own_training_step(world):
     module.pipe = module.split_pipeline_units("sft", module.pipe, None, base_model)
     with seeded_global_stream(args.seed, "diffsynth-lora-init"):  # unitgraph's LoRA initialisation stream
         module.switch_pipe_to_training_mode(module.pipe, None, base_model, targets, 4, None, None, None, task="sft")
-    data = UnifiedDataset(base_path=str(root / "data"), metadata_path=str(root / "data" / "metadata.csv"), repeat=1,
-                          data_file_keys=["image"],
-                          main_data_operator=UnifiedDataset.default_image_operator(
-                              base_path=str(root / "data"), max_pixels=args.max_pixels, height=32, width=32,
-                              height_division_factor=glue.division, width_division_factor=glue.division))[1]
     pipe2 = module.pipe
-    inputs = ({"input_image": data["image"], "height": data["image"].size[1], "width": data["image"].size[0],
-               "cfg_scale": 1, "rand_device": pipe2.device, "use_gradient_checkpointing": False,
-               "use_gradient_checkpointing_offload": False}, {"prompt": data["prompt"]}, {"negative_prompt": ""})
+    if _video(flags["module"]):  # examples/wanvideo/model_training/train.py
+        data = UnifiedDataset(base_path=str(root / "data"), metadata_path=str(root / "data" / "metadata.csv"),
+                              repeat=1, data_file_keys=["video"],
+                              main_data_operator=UnifiedDataset.default_video_operator(
+                                  base_path=str(root / "data"), max_pixels=args.max_pixels, height=32, width=32,
+                                  height_division_factor=16, width_division_factor=16, num_frames=5,
+                                  time_division_factor=4, time_division_remainder=1))[1]
+        video = data["video"]
+        assert len(video) == 5
+        inputs = ({"input_video": video, "height": video[0].size[1], "width": video[0].size[0],
+                   "num_frames": len(video), "cfg_scale": 1, "tiled": False, "rand_device": pipe2.device,
+                   "use_gradient_checkpointing": True,  # its train.py forces it on
+                   "use_gradient_checkpointing_offload": False, "cfg_merge": False, "vace_scale": 1,
+                   "max_timestep_boundary": 1.0, "min_timestep_boundary": 0.0}, {"prompt": data["prompt"]}, {})
+    else:
+        data = UnifiedDataset(base_path=str(root / "data"), metadata_path=str(root / "data" / "metadata.csv"),
+                              repeat=1, data_file_keys=["image"],
+                              main_data_operator=UnifiedDataset.default_image_operator(
+                                  base_path=str(root / "data"), max_pixels=args.max_pixels, height=32, width=32,
+                                  height_division_factor=glue.division, width_division_factor=glue.division))[1]
+        inputs = ({"input_image": data["image"], "height": data["image"].size[1], "width": data["image"].size[0],
+                   "cfg_scale": 1, "rand_device": pipe2.device, "use_gradient_checkpointing": False,
+                   "use_gradient_checkpointing_offload": False}, {"prompt": data["prompt"]}, {"negative_prompt": ""})
     torch.manual_seed(seed)
     inputs = module.transfer_data_to_device(inputs, pipe2.device, pipe2.torch_dtype)
     for unit in pipe2.units:
@@ -144,17 +171,22 @@ def test_split_equals_unsplit_and_stage_2_needs_no_text_encoder(world, tmp_path)
     cache = tmp_path / "cache"
     s1 = run(_args(root, flags, task="sft:data_process", output_path=str(cache)))
     assert s1.entries_computed == 3 and (cache / ds_run.MANIFEST).is_file()
-    # stage 2 without the text encoder's file on disk, and without naming it
-    encoder = next(m for m in ds_run.setup(_args(root, flags)).models if "text_encoder" in m.attributes)
-    te = Path(encoder.path).parent
-    hidden = tmp_path / "te"
-    shutil.move(str(te), str(hidden))
+    # stage 2 without the text encoder's file on disk (nor any other file of stage 1's models alone), unnamed
+    setup = ds_run.setup(_args(root, flags))
+    given = flags["model_id_with_origin_paths"].split(",")
+    kept = [i for i, m in zip(given, setup.models) if set(m.attributes) & set(setup.plan.train_models)]
+    folders = {Path(m.path).parent for i, m in zip(given, setup.models) if i not in kept}
+    folders -= {Path(m.path).parent for i, m in zip(given, setup.models) if i in kept}
+    assert any("text_encoder" in m.attributes for i, m in zip(given, setup.models) if Path(m.path).parent in folders)
+    hidden = {folder: tmp_path / f"hidden{n}" for n, folder in enumerate(sorted(folders))}
+    for folder, where in hidden.items():
+        shutil.move(str(folder), str(where))
     try:
-        ids = ",".join(p for p in flags["model_id_with_origin_paths"].split(",") if "text_encoder" not in p)
         split = run(_args(root, flags, task="sft:train", dataset_base_path=str(cache), dataset_metadata_path=None,
-                          model_id_with_origin_paths=ids, output_path=str(tmp_path / "split")))
+                          model_id_with_origin_paths=",".join(kept), output_path=str(tmp_path / "split")))
     finally:
-        shutil.move(str(hidden), str(te))
+        for folder, where in hidden.items():
+            shutil.move(str(where), str(folder))
     assert unsplit.losses == split.losses and len(split.losses) == 6
     a, b = load_file(str(unsplit.last_checkpoint)), load_file(str(split.last_checkpoint))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -509,3 +541,80 @@ def test_sdxl_checkpoints_in_the_open_source_layout_load_with_diffsynth(world, t
     with pytest.raises(BackendError, match="converts no LoRA to an open-source layout"):
         run(_args(root, flags, pipeline="diffsynth:stable_diffusion", align_to_opensource_format=True,
                   output_path=str(tmp_path / "x")))
+
+
+WAN_COMMAND = r"""
+accelerate launch examples/wanvideo/model_training/train.py \
+  --dataset_base_path data/diffsynth_example_dataset/wanvideo/Wan2.1-T2V-1.3B \
+  --dataset_metadata_path data/diffsynth_example_dataset/wanvideo/Wan2.1-T2V-1.3B/metadata.csv \
+  --height 480 \
+  --width 832 \
+  --dataset_repeat 100 \
+  --model_id_with_origin_paths "Wan-AI/Wan2.1-T2V-1.3B:diffusion_pytorch_model*.safetensors,Wan-AI/Wan2.1-T2V-1.3B:models_t5_umt5-xxl-enc-bf16.pth,Wan-AI/Wan2.1-T2V-1.3B:Wan2.1_VAE.pth" \
+  --learning_rate 1e-4 \
+  --num_epochs 5 \
+  --remove_prefix_in_ckpt "pipe.dit." \
+  --output_path "./models/train/Wan2.1-T2V-1.3B_lora" \
+  --lora_base_model "dit" \
+  --lora_target_modules "q,k,v,o,ffn.0,ffn.2" \
+  --lora_rank 32
+"""
+
+
+def _wan_argv() -> list[str]:
+    import shlex
+
+    argv = shlex.split(WAN_COMMAND.replace("\\\n", " "))
+    return argv[argv.index("examples/wanvideo/model_training/train.py") + 1:]
+
+
+def test_diffsynths_wan_lora_command_runs_as_it_is(tmp_path, monkeypatch, capsys):
+    """DiffSynth's examples/wanvideo/model_training/lora/Wan2.1-T2V-1.3B.sh with `unitgraph train` for `accelerate
+    launch .../train.py` and `--pipeline diffsynth:wan_video` (the model id alone chooses unitgraph's own Wan family,
+    the documented default); only sizes are lowered (--height/--width, --num_epochs, --dataset_repeat, and 5-frame
+    clips). Its .pth text encoder and VAE are read where DiffSynth's from_pretrained redirects them: its own
+    safetensors copies (no pickle is opened). A validation prompt draws a clip through WanVideoPipeline.__call__."""
+    from clitools import cli
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD"):
+        monkeypatch.delenv(name, raising=False)
+    write_tiny_models(tmp_path / "models", "wan_video")
+    data = tmp_path / "data" / "diffsynth_example_dataset" / "wanvideo" / "Wan2.1-T2V-1.3B"
+    write_synthetic_dataset(data, count=2, size=40, videos=("video",), frames=5)
+    argv = _wan_argv()
+    for flag, value in (("--num_epochs", "1"), ("--dataset_repeat", "1"), ("--height", "32"), ("--width", "32")):
+        argv[argv.index(flag) + 1] = value
+    code, out, err = cli(capsys, "train", *argv, "--pipeline", "diffsynth:wan_video", "--data_file_keys", "video",
+                         "--validation_prompt", "a red circle", "--validation_inference_steps", "2")
+    assert code == 0, err
+    assert "pipeline: diffsynth:wan_video (DiffSynth's WanVideoPipeline; --pipeline)" in out
+    assert "InputVideoEmbedder: planned for input_latents only" in out
+    assert "stage 2 runs NoiseInitializer (dit)" in out
+    folder = tmp_path / "models" / "train" / "Wan2.1-T2V-1.3B_lora"
+    lora = load_file(str(folder / "epoch-0.safetensors"))
+    assert any(".ffn.0.lora_A." in k for k in lora) and not any(k.startswith("pipe.") for k in lora)
+    import imageio.v3 as iio
+
+    clip = iio.imread(folder / "samples" / "epoch-0" / "0.mp4")
+    assert clip.shape[0] >= 1 and clip.shape[1:3] == (32, 32)
+    assert not (tmp_path / "models" / "Wan-AI" / "Wan2.1-T2V-1.3B" / "models_t5_umt5-xxl-enc-bf16.pth").exists()
+
+
+def test_the_dry_run_of_the_released_wan_needs_no_file(tmp_path, monkeypatch, capsys):
+    """The same command, --dry_run, nothing downloaded: Wan 2.1 T2V 1.3B at its released sizes from DiffSynth's table
+    (the redirected .pth files sized as the releases its table names); the T5 encoder and the VAE go to stage 1."""
+    import json
+
+    from clitools import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DIFFSYNTH_SKIP_DOWNLOAD", "True")
+    monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
+    code, out, err = cli(capsys, "train", *_wan_argv(), "--pipeline", "diffsynth:wan_video", "--dry_run", "--json")
+    assert code == 0, err
+    plan = json.loads(out[out.index("{"):])
+    models, stages = plan["models"], plan["stages"]
+    assert 1.3e9 < models["dit"]["params"] < 1.5e9 and 5.5e9 < models["text_encoder"]["params"] < 5.8e9
+    assert stages["data_process"]["models"] == ["text_encoder", "vae"] and stages["train"]["models"] == ["dit"]
+    assert not (tmp_path / "models").exists()

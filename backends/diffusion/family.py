@@ -518,8 +518,15 @@ class DiffSynthPipeline:
     module / class_name: `diffsynth.pipelines.<module>.<class_name>`. dtype: what its `train.py` builds the pipeline
     in. tokenizers: the tokenizer folders of `from_pretrained`. columns: the metadata columns a sample must have.
     division: the multiple its dataset's ImageCropAndResize rounds sides to. example: its folder under DiffSynth's
-    `examples/`. opensource_lora: the converter of its LoRA files to the open-source layout. A family that trains the same models declares it (`Family.diffsynth`), with a writer of its test-size
-    models in DiffSynth's layout; DiffSynth's pipelines of no family are listed in diffsynth_source/glue.py.
+    `examples/`. opensource_lora: the converter of its LoRA files to the open-source layout. media: what a sample
+    trains on, "image" (its `image` column, one picture) or "video" (its `video` column, frames read by DiffSynth's
+    video operator: --num_frames, cut to `frames` = (time division, remainder)). constants: the inputs its
+    `get_pipeline_inputs` sets to fixed values beyond the image pipelines' (a video one's `tiled`, `cfg_merge`,
+    `vace_scale`). boundaries: whether it passes --max/--min_timestep_boundary to the loss. negative: the
+    `inputs_nega` prompt (None: an empty dict). checkpointing: whether its train.py turns gradient checkpointing on
+    whatever the flag says. A family that trains the same models declares it (`Family.diffsynth`), with a writer of
+    its test-size models in DiffSynth's layout; DiffSynth's pipelines of no family are listed in
+    diffsynth_source/glue.py.
     """
 
     module: str
@@ -532,6 +539,12 @@ class DiffSynthPipeline:
     example: str = ""
     # "module:Class.function" of DiffSynth's converter its train.py applies with --align_to_opensource_format ("": none)
     opensource_lora: str = ""
+    media: str = "image"
+    frames: tuple[int, int] = (4, 1)
+    constants: tuple[tuple[str, Any], ...] = ()
+    boundaries: bool = False
+    negative: Optional[str] = ""
+    checkpointing: bool = False
 
     @property
     def name(self) -> str:

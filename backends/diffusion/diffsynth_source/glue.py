@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from ..errors import BackendError
 from ..family import DiffSynthPipeline, DiffSynthTokenizer
 
-__all__ = ["Glue", "OWN", "Tokenizer", "glue_for", "glues", "inputs"]
+__all__ = ["Glue", "OWN", "Tokenizer", "glue_for", "glues", "inputs", "provided"]
 
 
 Glue = DiffSynthPipeline
@@ -57,23 +57,49 @@ def glue_for(name: str) -> Glue:
 
 
 def inputs(glue: Glue, sample: Mapping[str, Any], device: Any, gradient_checkpointing: bool,
-           gradient_checkpointing_offload: bool, extra_inputs: tuple[str, ...] = ()) -> tuple[dict, dict, dict]:
-    """(inputs_shared, inputs_posi, inputs_nega) of one sample, as the image pipelines' `get_pipeline_inputs` builds
-    them: the image and its size, `cfg_scale` 1, the pipeline's device as `rand_device`, the gradient checkpointing
-    flags, and each --extra_inputs column by its own name."""
-    image = sample["image"]
-    shared: dict[str, Any] = {
-        "input_image": image,
-        "height": image.size[1],
-        "width": image.size[0],
+           gradient_checkpointing_offload: bool, extra_inputs: tuple[str, ...] = (),
+           boundaries: tuple[float, float] = (1.0, 0.0)) -> tuple[dict, dict, dict]:
+    """(inputs_shared, inputs_posi, inputs_nega) of one sample, as the example's `get_pipeline_inputs` builds them:
+    the picture (an image pipeline's `input_image`; a video pipeline's `input_video` frames and their count) and its
+    size, `cfg_scale` 1, the pipeline's device as `rand_device`, the gradient checkpointing flags (on whatever they
+    say where the example's train.py forces it), the glue's constants, the timestep boundaries where the example
+    passes them (`boundaries`: max, min), and each --extra_inputs column by its own name (a video pipeline's
+    `input_image` / `end_image`: the clip's first / last frame)."""
+    if glue.media == "video":
+        frames = sample["video"]
+        shared: dict[str, Any] = {"input_video": frames, "height": frames[0].size[1], "width": frames[0].size[0],
+                                  "num_frames": len(frames)}
+    else:
+        image = sample["image"]
+        shared = {"input_image": image, "height": image.size[1], "width": image.size[0]}
+    shared.update({
         "cfg_scale": 1,
         "rand_device": device,
-        "use_gradient_checkpointing": gradient_checkpointing,
+        "use_gradient_checkpointing": gradient_checkpointing or glue.checkpointing,
         "use_gradient_checkpointing_offload": gradient_checkpointing_offload,
-    }
+    })
+    shared.update(dict(glue.constants))
+    if glue.boundaries:
+        shared["max_timestep_boundary"], shared["min_timestep_boundary"] = boundaries
     for name in extra_inputs:
         if name.startswith(("controlnet_", "blockwise_controlnet_")):
             raise BackendError(f"--extra_inputs {name}: ControlNet inputs are not trained through DiffSynth's own "
                                "pipelines yet")
-        shared[name] = sample.get(name)
-    return shared, {"prompt": sample["prompt"]}, {"negative_prompt": ""}
+        if glue.media == "video" and name in ("input_image", "end_image"):
+            shared[name] = sample["video"][0 if name == "input_image" else -1]
+        else:
+            shared[name] = sample.get(name)
+    negative = {} if glue.negative is None else {"negative_prompt": glue.negative}
+    return shared, {"prompt": sample["prompt"]}, negative
+
+
+def provided(glue: Glue, extra_inputs: tuple[str, ...] = ()) -> frozenset[str]:
+    """The params a sample's inputs give (what `inputs` sets, None-valued ones aside): a unit that does nothing
+    without one of its other params (its `requires`, read from its code by the adapter) is left out of the plan,
+    as DiffSynth's runner would run it to no effect."""
+    from PIL import Image
+
+    picture = Image.new("RGB", (16, 16))
+    sample = {"video": [picture], "image": picture, "prompt": "", **{n: 0 for n in extra_inputs}}
+    given = inputs(glue, sample, "cpu", False, False, extra_inputs)
+    return frozenset(k for part in given for k, v in part.items() if v is not None)

@@ -21,7 +21,8 @@ Two things are unitgraph's:
   file no entry fits is one line naming it.
 
 Weights are read from safetensors only: DiffSynth would read another file with torch.load (pickle), so unitgraph
-refuses it.
+refuses it. A release file the pipeline's `from_pretrained` redirects to DiffSynth's own safetensors copy (a video
+family's `.pth` text encoder and VAE) is looked for where DiffSynth looks: at the copy (`redirects`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from ..errors import BackendError
 from ..models.hub import Hub, origin_subfolder
 from .glue import Glue
 
-__all__ = ["ModelFile", "examples", "find_models", "load_pipeline", "model_attributes", "planned_models", "recognise"]
+__all__ = ["ModelFile", "examples", "find_models", "load_pipeline", "model_attributes", "planned_models", "recognise",
+           "redirects", "skeleton"]
 
 Files = Union[str, list[str]]
 
@@ -63,17 +65,30 @@ class ModelFile:
 
     def skeletons(self) -> dict[str, Any]:
         """{pipeline attribute: its model built on the meta device (attributes and config, no weights)}."""
-        import torch
+        return {attribute: skeleton(entry) for attribute, entry in self.loads}
 
-        built: dict[str, Any] = {}
-        for attribute, entry in self.loads:
-            with torch.device("meta"):
-                built[attribute] = _import(entry["model_class"])(**entry.get("extra_kwargs", {}))
-        return built
+    def records(self) -> dict[str, dict[str, Any]]:
+        """{pipeline attribute: what its skeleton is built from (class and sizes)}, as JSON: stage 1 writes it into
+        the cache, so stage 2 rebuilds the skeleton of a model its units only read the configuration of (a video noise
+        unit reads the VAE's latent channels) without that model's file."""
+        return {attribute: {"model_name": entry["model_name"], "model_class": entry["model_class"],
+                            "extra_kwargs": json.loads(json.dumps(entry.get("extra_kwargs", {})))}
+                for attribute, entry in self.loads}
 
     @property
     def label(self) -> str:
         return self.path if isinstance(self.path, str) else f"{self.path[0]} (+{len(self.path) - 1} more)"
+
+
+def skeleton(entry: dict[str, Any]) -> Any:
+    """The model of a table entry (or a cache's record of one) built on the meta device: only `diffsynth.*` classes."""
+    import torch
+
+    kwargs = entry.get("extra_kwargs", {})
+    if not isinstance(kwargs, dict):
+        raise BackendError(f"a model record's sizes are not a mapping ({type(kwargs).__name__})")
+    with torch.device("meta"):
+        return _import(str(entry["model_class"]))(**kwargs)
 
 
 def _import(dotted: str) -> Any:
@@ -112,6 +127,31 @@ def model_attributes(pipeline_class: type) -> dict[str, str]:
     return found
 
 
+def redirects(pipeline_class: type) -> dict[str, tuple[str, str]]:
+    """{file pattern: (model id, pattern)} of the release files `from_pretrained` fetches from DiffSynth's own copies
+    instead (its `redirect_dict`, on by default: a video family's `.pth` text encoder and VAE are
+    read from DiffSynth's converted safetensors copies), read from its source; {} for a pipeline without one.
+
+    >>> class P:
+    ...     @staticmethod
+    ...     def from_pretrained(model_configs=(), redirect_common_files=True):
+    ...         redirect_dict = {"a.pth": ("Org/Copies", "a.safetensors")}
+    >>> redirects(P)
+    {'a.pth': ('Org/Copies', 'a.safetensors')}
+    """
+    source = textwrap.dedent(inspect.getsource(pipeline_class.from_pretrained))
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id == "redirect_dict"):
+            try:
+                table = ast.literal_eval(node.value)
+            except ValueError:
+                return {}
+            return {k: (v[0], v[1]) for k, v in table.items()
+                    if isinstance(k, str) and isinstance(v, tuple) and len(v) == 2}
+    return {}
+
+
 def _fetched_name(value: ast.expr) -> Optional[str]:
     if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "fetch_model"
             and value.args and isinstance(value.args[0], ast.Constant) and isinstance(value.args[0].value, str)):
@@ -144,7 +184,9 @@ def _parse_model_paths(value: Optional[str]) -> list[Files]:
     return out
 
 
-def _parse_ids(value: Optional[str]) -> list[tuple[str, str]]:
+def _parse_ids(value: Optional[str], redirected: Optional[dict[str, tuple[str, str]]] = None) -> list[tuple[str, str]]:
+    """(model id, pattern) pairs of --model_id_with_origin_paths, each release file the pipeline's `from_pretrained`
+    redirects (`redirected`: `redirects`) replaced by DiffSynth's copy, as DiffSynth fetches it."""
     if not value:
         return []
     pairs = []
@@ -153,7 +195,7 @@ def _parse_ids(value: Optional[str]) -> list[tuple[str, str]]:
         model_id, sep, pattern = item.rpartition(":")
         if not sep or not model_id or not pattern:
             raise BackendError(f"--model_id_with_origin_paths: {item!r} is not MODEL_ID:PATTERN")
-        pairs.append((model_id, pattern))
+        pairs.append((redirected or {}).get(pattern, (model_id, pattern)))
     return pairs
 
 
@@ -183,7 +225,8 @@ def find_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_pat
     pipeline_class = pipeline_class_of(glue)
     attributes = model_attributes(pipeline_class)
     found: list[ModelFile] = []
-    given = _parse_model_paths(model_paths) + [_id_files(hub, i, p) for i, p in _parse_ids(model_id_with_origin_paths)]
+    ids = _parse_ids(model_id_with_origin_paths, redirects(pipeline_class))
+    given = _parse_model_paths(model_paths) + [_id_files(hub, i, p) for i, p in ids]
     for files in given:
         _check_files(files)
         found.append(_model_file(files, recognise(files, attributes), attributes))
@@ -223,20 +266,24 @@ def planned_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_
     are not is taken from the table's examples (its entry, without reading or downloading anything)."""
     from diffsynth.configs import MODEL_CONFIGS
 
-    attributes = model_attributes(pipeline_class_of(glue))
+    pipeline_class = pipeline_class_of(glue)
+    attributes = model_attributes(pipeline_class)
     found: list[ModelFile] = []
     known = examples()
     for files in _parse_model_paths(model_paths):
         _check_files(files)
         entries = recognise(files, attributes)
         found.append(_model_file(files, entries, attributes))
-    for model_id, pattern in _parse_ids(model_id_with_origin_paths):
+    named = _parse_ids(model_id_with_origin_paths)
+    for (model_id, pattern), asked in zip(_parse_ids(model_id_with_origin_paths, redirects(pipeline_class)), named):
         local = hub.found_locally(model_id, pattern)
         if local is not None:
             files = _id_files(hub, model_id, pattern)
             found.append(_model_file(files, recognise(files, attributes), attributes))
             continue
-        model_hash = known.get((model_id, pattern))
+        model_hash = known.get((model_id, pattern)) or known.get(asked)  # a redirected file: the release's entry
+        if model_hash is None and asked != (model_id, pattern):
+            model_id, pattern = asked  # sized from the release file the command names
         label = f"{model_id}:{pattern}"
         if model_hash is None:  # the same file in the same repository, else another release's file of the same
             by_hash = {c["model_hash"]: c for c in MODEL_CONFIGS}  # pattern, of a model this pipeline loads
@@ -369,6 +416,8 @@ def tokenizer_folder(tokenizer: Any, given: Optional[str], hub: Hub) -> str:
         return given
     folder = hub.snapshot(tokenizer.model_id, tokenizer.pattern,
                           lambda where, problem: BackendError(f"{problem} (or pass --{tokenizer.flag})", source=str(where)))
+    if tokenizer.pattern.endswith("/") and origin_subfolder(tokenizer.pattern):  # a nested folder ("google/umt5-xxl/")
+        return str(folder.parent / tokenizer.pattern.rstrip("/"))                 # is the pattern's whole path
     return str(folder)
 
 

@@ -18,12 +18,13 @@ from __future__ import annotations
 import csv
 import json
 import time
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from unitgraph.atomic import write_bytes_atomic
 from unitgraph.plan import split
+from unitgraph.prune import active_units
 
 from ..args import TrainArgs
 from ..cache.entries import read_entry, write_entry
@@ -36,13 +37,14 @@ from ..models.hub import Hub
 from ..randomness import derive_seed, permutation, seeded_global_stream
 from ..result import RunResult
 from . import EXTRA_HINT, available
-from .glue import Glue, glue_for, inputs
+from .glue import Glue, glue_for, inputs, provided
 from .lora import DIFFSYNTH_REMOVE_PREFIX, helper, target_modules
 from .hazards import UnitHazard, check_unit, install_skeletons, state_identities
 from .planning import live_projection, loss_overwrites
 from .samples import SAMPLES_DIR, Renderer
 from .state import load_state, newest_state, save_state, settings_of
-from .models import ModelFile, find_models, load_pipeline, pipeline_class_of, planned_models, tokenizer_folder
+from .models import (ModelFile, find_models, load_pipeline, pipeline_class_of, planned_models, skeleton,
+                     tokenizer_folder)
 
 __all__ = ["run", "wanted", "MANIFEST"]
 
@@ -59,7 +61,7 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
         "find_unused_parameters", "enable_csv_log", "dry_run", "align_to_opensource_format", "lr_scheduler",
         "optimizer", "loss_weighting", "timestep_sampling", "lora_format", "max_timestep_boundary",
         "min_timestep_boundary", "validation_prompt", "validation_inference_steps", "validation_seed",
-        "validation_guidance", "validation_negative_prompt"}
+        "validation_guidance", "validation_negative_prompt", "num_frames"}
 
 
 def wanted(args: TrainArgs) -> bool:
@@ -156,8 +158,9 @@ class Setup:
         """A pipeline holding only `models` (and their tokenizers), as DiffSynth loads them: what a render borrows."""
         return load_pipeline(self.glue, self.models, models, self.tokenizers_for(models), self.dtype)
 
-    def load(self, stage_models: list[str], stage: str) -> Any:
-        """The pipeline with `stage_models` loaded, the others' attributes standing in (hazards.py)."""
+    def load(self, stage_models: list[str], stage: str, recorded: Optional[dict[str, dict]] = None) -> Any:
+        """The pipeline with `stage_models` loaded, the others' attributes standing in (hazards.py): from the
+        command's files, else from `recorded` (stage 1's record of every model in the cache's manifest)."""
         pipe = load_pipeline(self.glue, self.models, stage_models, self.tokenizers_for(stage_models), self.dtype)
         needed = set(stage_models) & (self.given | set(self.plan.models_require_backward))  # an optional one may be absent
         missing = sorted(needed - {a for a in self.given if getattr(pipe, a, None) is not None})
@@ -165,7 +168,18 @@ class Setup:
             raise BackendError(f"{stage} needs the model{'s' if len(missing) > 1 else ''} {', '.join(missing)} of "
                                f"{self.glue.class_name}, which the command's --model_paths / --model_id_with_origin_paths "
                                "do not give")
-        others = {a: skeleton for m in self.models for a, skeleton in m.skeletons().items() if a not in stage_models}
+        others = {a: built for m in self.models for a, built in m.skeletons().items() if a not in stage_models}
+        read = {c for u in self.spec.units if u.name in self.plan.train_units for c in u.configs}
+        for attribute, record in (recorded or {}).items():  # only what stage 2's units read the configuration of
+            if (attribute in read and attribute not in others and attribute not in stage_models
+                    and getattr(pipe, attribute, None) is None):
+                try:
+                    others[attribute] = skeleton(record)
+                except BackendError:
+                    raise
+                except Exception as exc:  # a damaged or edited record: a class these sizes do not build
+                    raise BackendError(f"the cache's record of the model {attribute} does not build "
+                                       f"({type(exc).__name__}: {str(exc)[:200]})") from None
         install_skeletons(pipe, others, stage)
         pipe.scheduler.set_timesteps(1000, training=True)  # switch_pipe_to_training_mode's first step
         pipe.freeze_except([])
@@ -195,10 +209,14 @@ def setup(args: TrainArgs) -> Setup:
         decls = declarations(bare)
     if len(whole.units) != len(bare.units):
         raise BackendError(f"{glue.name}: the adapter read {len(whole.units)} units of {len(bare.units)}")
-    spec, notes = live_projection(whole, decls, loss_overwrites(FlowMatchSFTLoss))
+    given = provided(glue, _extra_inputs(args))
+    on = active_units(whole, given)  # units that would do nothing for these inputs are left out first
+    active = replace(whole, units=tuple(u for u, keep in zip(whole.units, on) if keep))
+    spec, notes = live_projection(active, [d for d, keep in zip(decls, on) if keep],
+                                  loss_overwrites(FlowMatchSFTLoss))
     backward = [m for m in (args.trainable_models or "").split(",") if m]
     try:
-        plan = split(spec, trainable_models=backward, lora_base_model=args.lora_base_model or None)
+        plan = split(spec, trainable_models=backward, lora_base_model=args.lora_base_model or None, provided=given)
     except Exception as exc:  # SpecError: a model the pipeline does not have
         raise BackendError(f"{glue.name}: {exc}") from None
     hub = Hub.from_env(args.modelscope_cache_dir)
@@ -206,7 +224,8 @@ def setup(args: TrainArgs) -> Setup:
         models = planned_models(glue, args.model_paths, args.model_id_with_origin_paths, hub)
     else:
         models = find_models(glue, args.model_paths, args.model_id_with_origin_paths, hub)
-    return Setup(glue, args, dtype, pipe_class, list(bare.units), spec, plan, hub, models,
+    units = [u for u, keep in zip(bare.units, on) if keep]
+    return Setup(glue, args, dtype, pipe_class, units, spec, plan, hub, models,
                  {u.name: u.outputs for u in whole.units}, notes)
 
 
@@ -267,24 +286,50 @@ def _extra_inputs(args: TrainArgs) -> tuple[str, ...]:
 
 
 def dataset_of(setup: Setup) -> DiffusionDataset:
+    """The command's dataset; the glue's picture column (`image` or `video`) is always a file column."""
     args = setup.args
     extra = _extra_inputs(args)
-    keys = tuple(k for k in (args.data_file_keys or "image").split(",") if k)
-    return DiffusionDataset(args.dataset_base_path, args.dataset_metadata_path, ("image", "prompt", *extra),
-                            data_file_keys=keys, extra_inputs=extra, required=setup.glue.columns)
+    media = setup.glue.media
+    keys = tuple(dict.fromkeys([*(k for k in (args.data_file_keys or "image").split(",") if k), media]))
+    derived = ("input_image", "end_image") if media == "video" else ()  # taken from the clip, not from a column
+    columns = tuple(n for n in extra if n not in derived)
+    params = ("prompt", *columns) if media == "video" else (media, "prompt", *columns)  # frames: sample_state
+    return DiffusionDataset(args.dataset_base_path, args.dataset_metadata_path, params,
+                            data_file_keys=keys, extra_inputs=columns, required=setup.glue.columns)
 
 
 def sample_state(setup: Setup, dataset: DiffusionDataset, index: int, device: Any) -> tuple[dict, dict, dict]:
     """The inputs of sample `index`: its image resized by DiffSynth's own ImageCropAndResize (--height/--width, else
-    --max_pixels, sides multiples of the pipeline's factor), then the pipeline's inputs (glue.inputs)."""
+    --max_pixels, sides multiples of the pipeline's factor), or its video's frames read by DiffSynth's own video
+    operator (--num_frames at most, cut to the pipeline's time division; each frame resized the same way; a still
+    image is a one-frame clip), then the pipeline's inputs (glue.inputs)."""
     from diffsynth.core.data.operators import ImageCropAndResize
 
-    args = setup.args
-    sample = dataset.sample(index)
-    resize = ImageCropAndResize(args.height, args.width, args.max_pixels, setup.glue.division, setup.glue.division)
-    sample["image"] = resize(sample["image"])
-    return inputs(setup.glue, sample, device, bool(args.use_gradient_checkpointing),
-                  bool(args.use_gradient_checkpointing_offload), _extra_inputs(args))
+    args, glue = setup.args, setup.glue
+    if glue.media == "video":
+        from diffsynth.core import UnifiedDataset
+
+        sample = dataset.sample(index)
+        path = dataset.files(index)["video"][0]
+        read = UnifiedDataset.default_video_operator(
+            base_path=str(dataset.base_path), max_pixels=args.max_pixels, height=args.height, width=args.width,
+            height_division_factor=glue.division, width_division_factor=glue.division, num_frames=args.num_frames,
+            time_division_factor=glue.frames[0], time_division_remainder=glue.frames[1])
+        try:
+            sample["video"] = read(str(Path(path).resolve()))
+        except Exception as exc:  # imageio's and PIL's decoders raise many types for a damaged file
+            raise BackendError(f"row {index + 1}: cannot read the video {path.name!r} with DiffSynth's video operator "
+                               f"({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''})",
+                               source=str(dataset.metadata_path)) from None
+        if not sample["video"]:
+            raise BackendError(f"row {index + 1}: the video {path.name!r} has no frame", source=str(dataset.metadata_path))
+    else:
+        sample = dataset.sample(index)
+        resize = ImageCropAndResize(args.height, args.width, args.max_pixels, glue.division, glue.division)
+        sample["image"] = resize(sample["image"])
+    return inputs(glue, sample, device, bool(args.use_gradient_checkpointing),
+                  bool(args.use_gradient_checkpointing_offload), _extra_inputs(args),
+                  (args.max_timestep_boundary, args.min_timestep_boundary))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -307,6 +352,7 @@ def _key_inputs(setup: Setup, memo: HashMemo) -> dict[str, Any]:
             "skeletons": {",".join(m.attributes): m.identity() for m in setup.models
                           if not set(m.attributes) & set(setup.plan.data_process_models)},
             "size": ImageSize(args.height, args.width, args.max_pixels).key(),
+            "frames": args.num_frames if setup.glue.media == "video" else None,
             "gradient_checkpointing": [bool(args.use_gradient_checkpointing),
                                        bool(args.use_gradient_checkpointing_offload)]}
 
@@ -350,8 +396,9 @@ def data_process(setup: Setup, cache_dir: Path, report: Callable[[str], None]) -
                 result.entries_computed += 1
                 result.computed_indices.append(index)
             entries.append({"row": index, "sample": sample_id, "file": f"entries/{key}.safetensors"})
+    records = {a: r for m in setup.models for a, r in m.records().items()}
     manifest = {"format": FORMAT, "pipeline": setup.glue.name, "plan": setup.plan.to_dict(),
-                "key": key_inputs, "entries": entries}
+                "key": key_inputs, "entries": entries, "models": records}
     write_bytes_atomic(cache_dir / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode("utf-8"))
     result.samples = len(dataset)
     result.cache_reused = result.entries_computed == 0
@@ -403,12 +450,14 @@ def _lora(setup: Setup, pipe: Any) -> None:
 
 
 def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample_ids: list[str], pipe: Any,
-          report: Callable[[str], None], result: RunResult, stage_models: list[str]) -> RunResult:
+          report: Callable[[str], None], result: RunResult, stage_models: list[str],
+          stage_1: tuple[str, ...] = ()) -> RunResult:
     """The loop (DiffSynth's runner, one sample a step): `states(i)` gives sample i's state after stage 1's units.
 
     The output folder is claimed as unitgraph's own first (train/outputs.RunFolder: a folder holding someone else's
     files is refused, an earlier run is moved aside only with --overwrite); a checkpoint and a training state
-    (state.py) are written at each epoch's end and every --save_steps; --resume continues from the newest state."""
+    (state.py) are written at each epoch's end and every --save_steps; --resume continues from the newest state.
+    `stage_1`: the models stage 1 loaded (its cache's record), which a validation render borrows."""
     import torch
     from diffsynth.diffusion.training_module import DiffusionTrainingModule
 
@@ -430,7 +479,7 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
     record = {"task": args.task, "pipeline": setup.glue.name, "plan_fingerprint": setup.plan.fingerprint}
     n = len(sample_ids)
     renderer = Renderer(setup, pipe, stage_models, setup.load_plain)
-    lacking = [m for m in setup.plan.data_process_models if m not in setup.given]
+    lacking = [m for m in setup.plan.data_process_models if m in stage_1 and m not in setup.given]
     if renderer and lacking:
         raise BackendError(f"--validation_prompt draws through the whole pipeline, and the command names no file of "
                            f"{', '.join(lacking)} (stage 1's); name it too: stage 2 loads it only while the samples "
@@ -549,9 +598,12 @@ def _run(args: TrainArgs, report: Callable[[str], None], why: Optional[str]) -> 
         return RunResult(task=args.task, output_path=Path(args.output_path), plan=s.plan,
                          memory_plan=memory_plan(s))
     report(f"pipeline: {s.glue.name} (DiffSynth's {s.glue.class_name}; {why or '--pipeline'})")
+    def named(models: list[str]) -> str:  # the plan's models the command gives (an optional one may be absent)
+        return ", ".join(m for m in models if m in s.given) or "no model"
+
     report(f"plan: stage 1 runs {', '.join(s.plan.data_process_units) or 'nothing'} "
-           f"({', '.join(s.plan.data_process_models) or 'no model'}); stage 2 runs "
-           f"{', '.join(s.plan.train_units) or 'only the loss'} ({', '.join(s.plan.train_models)})")
+           f"({named(s.plan.data_process_models)}); stage 2 runs "
+           f"{', '.join(s.plan.train_units) or 'only the loss'} ({named(s.plan.train_models)})")
     for line in s.notes.values():
         report(f"      {line}")
     if args.task == "sft:data_process":
@@ -561,7 +613,11 @@ def _run(args: TrainArgs, report: Callable[[str], None], why: Optional[str]) -> 
         folder = Path(args.cache_path or args.dataset_base_path)
         manifest = read_manifest(folder, s)
         entries = manifest["entries"]
-        pipe = s.load(s.plan.train_models, "stage 2")
+        recorded = manifest.get("models", {})
+        if not isinstance(recorded, dict) or not all(isinstance(v, dict) and "model_class" in v
+                                                     for v in recorded.values()):
+            raise BackendError("the cache's manifest has a damaged models record", source=str(folder / MANIFEST))
+        pipe = s.load(s.plan.train_models, "stage 2", recorded)
         result = RunResult(task=args.task, output_path=Path(args.output_path), plan=s.plan, cache_path=folder)
         result.samples = len(entries)
 
@@ -569,7 +625,8 @@ def _run(args: TrainArgs, report: Callable[[str], None], why: Optional[str]) -> 
             values, _meta = read_entry(folder / entries[index]["file"])
             return values["inputs_shared"], values["inputs_posi"], values["inputs_nega"]
 
-        return train(s, cached, [e["sample"] for e in entries], pipe, report, result, s.plan.train_models)
+        return train(s, cached, [e["sample"] for e in entries], pipe, report, result, s.plan.train_models,
+                     tuple(recorded) if recorded else tuple(s.plan.data_process_models))
     # sft: the data_process units run fresh in every step, on every model
     import torch
 

@@ -39,7 +39,8 @@ class Renderer:
         wanted = {"negative_prompt": args.validation_negative_prompt, "cfg_scale": args.validation_guidance,
                   "height": args.height, "width": args.width,
                   "seed": args.validation_seed if args.validation_seed is not None else args.seed,
-                  "num_inference_steps": args.validation_inference_steps, "rand_device": "cpu"}
+                  "num_inference_steps": args.validation_inference_steps, "rand_device": "cpu",
+                  "num_frames": args.num_frames if setup.glue.media == "video" else None}
         self.kwargs = {k: v for k, v in wanted.items() if v is not None and k in taken}
         if "progress_bar_cmd" in taken:
             self.kwargs["progress_bar_cmd"] = lambda iterable, **_kw: iterable
@@ -72,12 +73,8 @@ class Renderer:
                     except Exception as exc:  # DiffSynth's own code: one line naming the prompt
                         raise BackendError(f"rendering --validation_prompt {prompt!r} through {type(pipe).__name__} "
                                            f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}") from None
-                    buffer = io.BytesIO()
-                    image.save(buffer, format="PNG")
-                    path = folder / f"{k}.png"
                     folder.mkdir(parents=True, exist_ok=True)
-                    write_bytes_atomic(path, buffer.getvalue())
-                    written.append(path)
+                    written.append(_save(image, folder / str(k)))
         finally:
             for name, value in saved.items():
                 pipe._modules.pop(name, None)
@@ -86,3 +83,26 @@ class Renderer:
                 module.train(modes.get(name, False))
             pipe.scheduler.set_timesteps(1000, training=True)
         return written
+
+
+def _save(drawn: Any, stem: Path) -> Path:
+    """A drawn image as `stem`.png, a drawn video (a list of frames) as `stem`.mp4 (H.264, 16 frames a second,
+    written beside and renamed, so no half-written clip is left)."""
+    import os
+
+    if isinstance(drawn, (list, tuple)):
+        from ..data.video import write_clip
+
+        path = stem.with_suffix(".mp4")
+        partial = stem.with_name(stem.name + ".partial.mp4")
+        try:
+            write_clip(partial, list(drawn), fps=16)
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+        return path
+    buffer = io.BytesIO()
+    drawn.save(buffer, format="PNG")
+    path = stem.with_suffix(".png")
+    write_bytes_atomic(path, buffer.getvalue())
+    return path

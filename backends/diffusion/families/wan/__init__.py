@@ -162,6 +162,7 @@ FAMILY = Family(
     diffusers_pipelines=("WanPipeline", "WanImageToVideoPipeline"),
     demo={"lora_target_modules": "q,k,v,o,ffn.0,ffn.2", "lora_rank": 8, "learning_rate": 1e-3, "num_frames": 9},
     render=".render",
+    diffsynth=".diffsynth",
     render_models=("vae",),
     repos=REPOS,
     experts=EXPERTS,
