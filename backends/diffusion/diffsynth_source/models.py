@@ -184,9 +184,7 @@ def _parse_model_paths(value: Optional[str]) -> list[Files]:
     return out
 
 
-def _parse_ids(value: Optional[str], redirected: Optional[dict[str, tuple[str, str]]] = None) -> list[tuple[str, str]]:
-    """(model id, pattern) pairs of --model_id_with_origin_paths, each release file the pipeline's `from_pretrained`
-    redirects (`redirected`: `redirects`) replaced by DiffSynth's copy, as DiffSynth fetches it."""
+def _parse_ids(value: Optional[str]) -> list[tuple[str, str]]:
     if not value:
         return []
     pairs = []
@@ -195,7 +193,7 @@ def _parse_ids(value: Optional[str], redirected: Optional[dict[str, tuple[str, s
         model_id, sep, pattern = item.rpartition(":")
         if not sep or not model_id or not pattern:
             raise BackendError(f"--model_id_with_origin_paths: {item!r} is not MODEL_ID:PATTERN")
-        pairs.append((redirected or {}).get(pattern, (model_id, pattern)))
+        pairs.append((model_id, pattern))
     return pairs
 
 
@@ -225,7 +223,8 @@ def find_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_pat
     pipeline_class = pipeline_class_of(glue)
     attributes = model_attributes(pipeline_class)
     found: list[ModelFile] = []
-    ids = _parse_ids(model_id_with_origin_paths, redirects(pipeline_class))
+    redirected = redirects(pipeline_class)  # a release file DiffSynth fetches from its own copy is looked for there
+    ids = [redirected.get(p, (i, p)) for i, p in _parse_ids(model_id_with_origin_paths)]
     given = _parse_model_paths(model_paths) + [_id_files(hub, i, p) for i, p in ids]
     for files in given:
         _check_files(files)
@@ -274,8 +273,9 @@ def planned_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_
         _check_files(files)
         entries = recognise(files, attributes)
         found.append(_model_file(files, entries, attributes))
-    named = _parse_ids(model_id_with_origin_paths)
-    for (model_id, pattern), asked in zip(_parse_ids(model_id_with_origin_paths, redirects(pipeline_class)), named):
+    redirected = redirects(pipeline_class)
+    for asked in _parse_ids(model_id_with_origin_paths):
+        model_id, pattern = redirected.get(asked[1], asked)
         local = hub.found_locally(model_id, pattern)
         if local is not None:
             files = _id_files(hub, model_id, pattern)

@@ -18,13 +18,13 @@ from __future__ import annotations
 import csv
 import json
 import time
-from dataclasses import MISSING, dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from unitgraph.atomic import write_bytes_atomic
 from unitgraph.plan import split
-from unitgraph.prune import active_units
+from unitgraph.prune import prune
 
 from ..args import TrainArgs
 from ..cache.entries import read_entry, write_entry
@@ -210,10 +210,10 @@ def setup(args: TrainArgs) -> Setup:
     if len(whole.units) != len(bare.units):
         raise BackendError(f"{glue.name}: the adapter read {len(whole.units)} units of {len(bare.units)}")
     given = provided(glue, _extra_inputs(args))
-    on = active_units(whole, given)  # units that would do nothing for these inputs are left out first
-    active = replace(whole, units=tuple(u for u, keep in zip(whole.units, on) if keep))
-    spec, notes = live_projection(active, [d for d, keep in zip(decls, on) if keep],
-                                  loss_overwrites(FlowMatchSFTLoss))
+    active, _dropped = prune(whole, given)  # units that would do nothing for these inputs are left out first
+    kept = {u.name for u in active.units}
+    on = [u.name in kept for u in whole.units]
+    spec, notes = live_projection(active, [d for d, keep in zip(decls, on) if keep], loss_overwrites(FlowMatchSFTLoss))
     backward = [m for m in (args.trainable_models or "").split(",") if m]
     try:
         plan = split(spec, trainable_models=backward, lora_base_model=args.lora_base_model or None, provided=given)
@@ -419,6 +419,9 @@ def read_manifest(folder: Path, setup: Setup) -> dict[str, Any]:
         raise BackendError("not a cache of a DiffSynth pipeline's stage 1", source=str(path))
     if manifest.get("pipeline") != setup.glue.name:
         raise BackendError(f"the cache was made for {manifest.get('pipeline')}, not {setup.glue.name}", source=str(path))
+    recorded = manifest.get("models", {})
+    if not isinstance(recorded, dict) or not all(isinstance(v, dict) and "model_class" in v for v in recorded.values()):
+        raise BackendError("the cache's manifest has a damaged models record", source=str(path))
     planned = manifest.get("plan", {}).get("fingerprint")
     if planned != setup.plan.fingerprint:
         raise BackendError("the cache was made for another plan (other models to train); run stage 1 again",
@@ -614,9 +617,6 @@ def _run(args: TrainArgs, report: Callable[[str], None], why: Optional[str]) -> 
         manifest = read_manifest(folder, s)
         entries = manifest["entries"]
         recorded = manifest.get("models", {})
-        if not isinstance(recorded, dict) or not all(isinstance(v, dict) and "model_class" in v
-                                                     for v in recorded.values()):
-            raise BackendError("the cache's manifest has a damaged models record", source=str(folder / MANIFEST))
         pipe = s.load(s.plan.train_models, "stage 2", recorded)
         result = RunResult(task=args.task, output_path=Path(args.output_path), plan=s.plan, cache_path=folder)
         result.samples = len(entries)
