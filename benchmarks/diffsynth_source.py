@@ -3,7 +3,7 @@ pipeline, at test size; each stage's memory at the released sizes from the dry r
 pipelines train this way.
 
 Runs in `.venv-diffsynth` (scripts/setup_diffsynth.sh). For each pipeline of `diffsynth_source/glue.py`: its tiny
-`./models` (diffsynth_source/tiny.py), 8 images at 32 px, a LoRA of rank 4 on the denoiser; the unsplit run (`sft`)
+`./models` (diffsynth_source/tiny.py), 8 images at 32 px (a video pipeline: 8 clips of 5 frames), a LoRA of rank 4 on the denoiser; the unsplit run (`sft`)
 and stage 2 (`sft:train`, from a cache stage 1 made once) train the same 16 steps, alternating over `rounds` rounds
 after one uncounted run of each; each figure is the median step over the rounds' medians (a run's first step,
 which pays one-off set-up, left out). One process; nothing else should run on the machine meanwhile.
@@ -33,7 +33,11 @@ SAMPLES, SIDE, EPOCHS = 8, 32, 2
 LORA = {"stable_diffusion": ("unet", "to_q,to_k,to_v,to_out.0"),
         "ideogram4": ("dit", "attention.qkv,attention.o,feed_forward.w1,feed_forward.w2,feed_forward.w3,adaln_modulation"),
         "z_image": ("dit", "to_q,to_k,to_v,to_out.0,w1,w2,w3"),
-        "stable_diffusion_xl": ("unet", "to_q,to_k,to_v,to_out.0")}
+        "stable_diffusion_xl": ("unet", "to_q,to_k,to_v,to_out.0"),
+        "wan_video": ("dit", "q,k,v,o,ffn.0,ffn.2"),
+        "flux2_image": ("dit", "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,linear_in,"
+                               "linear_out,to_qkv_mlp_proj")}
+FRAMES = 5  # a video pipeline's clips: 5 frames (4k+1) of 32 px
 # the released files of each pipeline's DiffSynth example, for the dry run (nothing is downloaded)
 RELEASED = {
     "stable_diffusion": ("AI-ModelScope/stable-diffusion-v1-5:text_encoder/model.safetensors,"
@@ -48,6 +52,11 @@ RELEASED = {
                             "stabilityai/stable-diffusion-xl-base-1.0:vae/diffusion_pytorch_model.safetensors", 32),
     "z_image": ("Tongyi-MAI/Z-Image-Turbo:transformer/*.safetensors,Tongyi-MAI/Z-Image-Turbo:text_encoder/*.safetensors,"
                 "Tongyi-MAI/Z-Image-Turbo:vae/diffusion_pytorch_model.safetensors", 32),
+    "wan_video": ("Wan-AI/Wan2.1-T2V-1.3B:diffusion_pytorch_model*.safetensors,"
+                  "Wan-AI/Wan2.1-T2V-1.3B:models_t5_umt5-xxl-enc-bf16.pth,Wan-AI/Wan2.1-T2V-1.3B:Wan2.1_VAE.pth", 32),
+    "flux2_image": ("black-forest-labs/FLUX.2-klein-4B:text_encoder/*.safetensors,"
+                    "black-forest-labs/FLUX.2-klein-4B:transformer/*.safetensors,"
+                    "black-forest-labs/FLUX.2-klein-4B:vae/diffusion_pytorch_model.safetensors", 32),
 }
 
 
@@ -68,22 +77,32 @@ def measure(module: str, rounds: int, root: Path) -> dict[str, Any]:
     from unitgraph.backends.diffusion.diffsynth_source.run import run
     from unitgraph.backends.diffusion.diffsynth_source.tiny import write_tiny_models
 
+    from unitgraph.backends.diffusion.diffsynth_source.glue import glue_for
+    from unitgraph.backends.diffusion.diffsynth_source.run import setup
+
     folder = root / module
     flags = write_tiny_models(folder / "models", module)
-    write_synthetic_dataset(folder / "data", count=SAMPLES, size=40)
+    video = glue_for(module).media == "video"
+    write_synthetic_dataset(folder / "data", count=SAMPLES, size=40, **({"videos": ("video",), "frames": FRAMES}
+                                                                        if video else {}))
     os.environ["DIFFSYNTH_MODEL_BASE_PATH"] = str(folder / "models")
     os.environ["DIFFSYNTH_SKIP_DOWNLOAD"] = "True"
+    both = {"tokenizer_path": flags["tokenizer_path"], **({"num_frames": FRAMES, "data_file_keys": "video"} if video else {})}
     data = {"dataset_base_path": str(folder / "data"), "dataset_metadata_path": str(folder / "data" / "metadata.csv"),
-            "model_id_with_origin_paths": flags["model_id_with_origin_paths"]}
+            "model_id_with_origin_paths": flags["model_id_with_origin_paths"], **both}
     quiet = lambda _line: None  # noqa: E731
     began = time.perf_counter()
     stage1 = run(_args(module, task="sft:data_process", output_path=str(folder / "cache"), **data), quiet)
     stage1_s = time.perf_counter() - began
-    stage2_ids = ",".join(p for p in flags["model_id_with_origin_paths"].split(",") if "text_encoder" not in p)
+    # stage 2 names only the files of the models it trains with (not the text encoder's, nor the VAE's when stage 1
+    # has it alone)
+    planned = setup(_args(module, **data))
+    given = flags["model_id_with_origin_paths"].split(",")
+    stage2_ids = ",".join(i for i, m in zip(given, planned.models) if set(m.attributes) & set(planned.plan.train_models))
     runs = {
         "unsplit": lambda out: run(_args(module, output_path=out, **data), quiet),
         "stage 2": lambda out: run(_args(module, task="sft:train", dataset_base_path=str(folder / "cache"),
-                                         model_id_with_origin_paths=stage2_ids, output_path=out), quiet),
+                                         model_id_with_origin_paths=stage2_ids, output_path=out, **both), quiet),
     }
     for name, go in runs.items():  # one uncounted run of each
         go(str(folder / f"warm-{name.replace(' ', '')}"))
@@ -95,7 +114,7 @@ def measure(module: str, rounds: int, root: Path) -> dict[str, Any]:
             result = runs[name](str(folder / f"r{r}-{name.replace(' ', '')}"))
             medians[name].append(_median_step(result))
             losses[name] = result.losses
-    return {"stage1_s": stage1_s, "entries": stage1.entries_computed, "plan": stage1.plan,
+    return {"stage1_s": stage1_s, "entries": stage1.entries_computed, "plan": stage1.plan, "given": planned.given,
             "unsplit_ms": 1000 * statistics.median(medians["unsplit"]),
             "stage2_ms": 1000 * statistics.median(medians["stage 2"]),
             "equal": losses["unsplit"] == losses["stage 2"], "steps": len(losses["unsplit"])}
@@ -124,14 +143,15 @@ def render(found: dict[str, Any], plans: dict[str, Any], rounds: int, started: s
     lines = [f"Measured {started} to {ended} on this machine ({os.cpu_count()} cores; "
              f"{installed_versions(('torch', 'diffsynth', 'peft'))}), in `.venv-diffsynth`, by "
              f"`benchmarks/diffsynth_source.py --rounds {rounds}`: each pipeline's test-size models from DiffSynth's "
-             f"own classes, {SAMPLES} images at {SIDE} px, a rank-4 LoRA on the denoiser, {EPOCHS} epochs; the median "
+             f"own classes, {SAMPLES} images at {SIDE} px (a video pipeline's: {SAMPLES} clips of {FRAMES} frames), a rank-4 LoRA on the denoiser, {EPOCHS} epochs; the median "
              "step of the unsplit run and of stage 2, alternating, median over the rounds.", "",
              "| pipeline | stage 1 runs | stage 2 runs | stage 1 (s) | unsplit step (ms) | stage-2 step (ms) | "
              "stage 2 / unsplit | losses equal |", "|---|---|---|---|---|---|---|---|"]
     for module, f in found.items():
         plan = f["plan"]
-        lines.append(f"| `diffsynth:{module}` | {', '.join(plan.data_process_units)} ({', '.join(plan.data_process_models)}) "
-                     f"| {', '.join(plan.train_units) or 'the loss'} ({', '.join(plan.train_models)}) | "
+        named = lambda models: ", ".join(m for m in models if m in f["given"])  # noqa: E731 - as the run's plan line
+        lines.append(f"| `diffsynth:{module}` | {', '.join(plan.data_process_units)} ({named(plan.data_process_models)}) "
+                     f"| {', '.join(plan.train_units) or 'the loss'} ({named(plan.train_models)}) | "
                      f"{f['stage1_s']:.1f} | {f['unsplit_ms']:.1f} | {f['stage2_ms']:.1f} | "
                      f"{f['stage2_ms'] / f['unsplit_ms']:.2f}x | {'yes' if f['equal'] else 'NO'} ({f['steps']} steps) |")
     lines += ["", "The dry run of each DiffSynth example at the released sizes (DiffSynth's model configs on the meta "

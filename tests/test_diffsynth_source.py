@@ -5,9 +5,10 @@ These tests need the `diffsynth` package itself, which needs torchvision: they r
 skipped elsewhere. The models are test-sized, written in DiffSynth's `./models` layout (diffsynth_source/tiny.py),
 and loaded by DiffSynth's own loader; a command names them as DiffSynth's example does, by model id and pattern.
 
-Pipelines: Stable Diffusion 1.5, SDXL, Z-Image and Wan 2.1 T2V (families unitgraph also trains itself) and Ideogram 4
-(DiffSynth's alone). Wan's VAE class fixes its size (127 M parameters, written in bf16: 254 MB per module).
-Z-Image's text encoder class allows nothing smaller than Qwen3 0.6B (1.2 GB in bf16, written once per module).
+Pipelines: Stable Diffusion 1.5, SDXL, Z-Image, Wan 2.1 T2V and FLUX.2 [klein] (families unitgraph also trains
+itself) and Ideogram 4 (DiffSynth's alone). Wan's VAE class fixes its size (127 M parameters, written in bf16: 254 MB
+per module). The text encoder class of Z-Image and FLUX.2 [klein] allows nothing smaller than Qwen3 0.6B (1.2 GB in
+bf16, written once a session and linked into each module's folder).
 What they show, per pipeline:
 - unitgraph's unsplit step equals DiffSynth's own training step (its loader, its `DiffusionTrainingModule` glue as the
   example's train.py assembles it, its dataset operators and its loss): the loss and every LoRA gradient bit for bit
@@ -50,7 +51,12 @@ PIPELINES = {
     "z_image": ("dit", "to_q,to_k,to_v,to_out.0,w1,w2,w3", "pipe.dit."),
     "stable_diffusion_xl": ("unet", "to_q,to_k,to_v,to_out.0", "pipe.unet."),
     "wan_video": ("dit", "q,k,v,o,ffn.0,ffn.2", "pipe.dit."),
+    "flux2_image": ("dit", "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,linear_in,linear_out,"
+                           "to_qkv_mlp_proj,single_transformer_blocks.0.attn.to_out", "pipe.dit."),
 }
+# the inputs an image example's get_pipeline_inputs sets beyond the picture, its size, cfg_scale, rand_device and the
+# checkpointing flags (examples/flux2/model_training/train.py: "embedded_guidance": 1.0)
+EXAMPLE_INPUTS = {"flux2_image": {"embedded_guidance": 1.0}}
 
 
 def _video(module: str) -> bool:
@@ -88,6 +94,8 @@ def _args(root: Path, flags: dict, **over):
                 lora_target_modules=targets, lora_rank=4, remove_prefix_in_ckpt=prefix, num_epochs=2, seed=3)
     if _video(flags["module"]):
         base.update(num_frames=5, data_file_keys="video")
+    if flags["module"] == "flux2_image":  # its train.py defaults to FLUX.2-dev's tokenizer; klein's example names its own
+        base.update(tokenizer_path=flags["tokenizer_path"])
     base.update(over)
     return make_args(**base)
 
@@ -149,7 +157,8 @@ def test_the_unsplit_step_is_diffsynths_own_training_step(world):
                                   height_division_factor=glue.division, width_division_factor=glue.division))[1]
         inputs = ({"input_image": data["image"], "height": data["image"].size[1], "width": data["image"].size[0],
                    "cfg_scale": 1, "rand_device": pipe2.device, "use_gradient_checkpointing": False,
-                   "use_gradient_checkpointing_offload": False}, {"prompt": data["prompt"]}, {"negative_prompt": ""})
+                   "use_gradient_checkpointing_offload": False, **EXAMPLE_INPUTS.get(flags["module"], {})},
+                  {"prompt": data["prompt"]}, {"negative_prompt": ""})
     torch.manual_seed(seed)
     inputs = module.transfer_data_to_device(inputs, pipe2.device, pipe2.torch_dtype)
     for unit in pipe2.units:
@@ -177,7 +186,8 @@ def test_split_equals_unsplit_and_stage_2_needs_no_text_encoder(world, tmp_path)
     kept = [i for i, m in zip(given, setup.models) if set(m.attributes) & set(setup.plan.train_models)]
     folders = {Path(m.path).parent for i, m in zip(given, setup.models) if i not in kept}
     folders -= {Path(m.path).parent for i, m in zip(given, setup.models) if i in kept}
-    assert any("text_encoder" in m.attributes for i, m in zip(given, setup.models) if Path(m.path).parent in folders)
+    assert any(a.startswith("text_encoder") for i, m in zip(given, setup.models) if Path(m.path).parent in folders
+               for a in m.attributes)  # FLUX.2 [klein]'s is text_encoder_qwen3
     hidden = {folder: tmp_path / f"hidden{n}" for n, folder in enumerate(sorted(folders))}
     for folder, where in hidden.items():
         shutil.move(str(folder), str(where))
@@ -617,4 +627,106 @@ def test_the_dry_run_of_the_released_wan_needs_no_file(tmp_path, monkeypatch, ca
     models, stages = plan["models"], plan["stages"]
     assert 1.3e9 < models["dit"]["params"] < 1.5e9 and 5.5e9 < models["text_encoder"]["params"] < 5.8e9
     assert stages["data_process"]["models"] == ["text_encoder", "vae"] and stages["train"]["models"] == ["dit"]
+    assert not (tmp_path / "models").exists()
+
+
+FLUX2_SPLIT_COMMANDS = r"""
+accelerate launch examples/flux2/model_training/train.py \
+  --dataset_base_path data/example_image_dataset \
+  --dataset_metadata_path data/example_image_dataset/metadata.csv \
+  --max_pixels 1048576 \
+  --dataset_repeat 1 \
+  --model_id_with_origin_paths "black-forest-labs/FLUX.2-klein-4B:text_encoder/*.safetensors,black-forest-labs/FLUX.2-klein-4B:vae/diffusion_pytorch_model.safetensors" \
+  --tokenizer_path "black-forest-labs/FLUX.2-klein-4B:tokenizer/" \
+  --learning_rate 1e-4 \
+  --num_epochs 5 \
+  --remove_prefix_in_ckpt "pipe.dit." \
+  --output_path "./models/train/FLUX.2-klein-base-4B_lora_cache" \
+  --lora_base_model "dit" \
+  --lora_target_modules "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,linear_in,linear_out,to_qkv_mlp_proj,single_transformer_blocks.0.attn.to_out,single_transformer_blocks.1.attn.to_out,single_transformer_blocks.2.attn.to_out,single_transformer_blocks.3.attn.to_out,single_transformer_blocks.4.attn.to_out,single_transformer_blocks.5.attn.to_out,single_transformer_blocks.6.attn.to_out,single_transformer_blocks.7.attn.to_out,single_transformer_blocks.8.attn.to_out,single_transformer_blocks.9.attn.to_out,single_transformer_blocks.10.attn.to_out,single_transformer_blocks.11.attn.to_out,single_transformer_blocks.12.attn.to_out,single_transformer_blocks.13.attn.to_out,single_transformer_blocks.14.attn.to_out,single_transformer_blocks.15.attn.to_out,single_transformer_blocks.16.attn.to_out,single_transformer_blocks.17.attn.to_out,single_transformer_blocks.18.attn.to_out,single_transformer_blocks.19.attn.to_out" \
+  --lora_rank 32 \
+  --use_gradient_checkpointing \
+  --task "sft:data_process"
+
+accelerate launch examples/flux2/model_training/train.py \
+  --dataset_base_path "./models/train/FLUX.2-klein-base-4B_lora_cache" \
+  --max_pixels 1048576 \
+  --dataset_repeat 50 \
+  --model_id_with_origin_paths "black-forest-labs/FLUX.2-klein-base-4B:transformer/*.safetensors" \
+  --tokenizer_path "black-forest-labs/FLUX.2-klein-4B:tokenizer/" \
+  --learning_rate 1e-4 \
+  --num_epochs 5 \
+  --remove_prefix_in_ckpt "pipe.dit." \
+  --output_path "./models/train/FLUX.2-klein-base-4B_lora" \
+  --lora_base_model "dit" \
+  --lora_target_modules "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,linear_in,linear_out,to_qkv_mlp_proj,single_transformer_blocks.0.attn.to_out,single_transformer_blocks.1.attn.to_out,single_transformer_blocks.2.attn.to_out,single_transformer_blocks.3.attn.to_out,single_transformer_blocks.4.attn.to_out,single_transformer_blocks.5.attn.to_out,single_transformer_blocks.6.attn.to_out,single_transformer_blocks.7.attn.to_out,single_transformer_blocks.8.attn.to_out,single_transformer_blocks.9.attn.to_out,single_transformer_blocks.10.attn.to_out,single_transformer_blocks.11.attn.to_out,single_transformer_blocks.12.attn.to_out,single_transformer_blocks.13.attn.to_out,single_transformer_blocks.14.attn.to_out,single_transformer_blocks.15.attn.to_out,single_transformer_blocks.16.attn.to_out,single_transformer_blocks.17.attn.to_out,single_transformer_blocks.18.attn.to_out,single_transformer_blocks.19.attn.to_out" \
+  --lora_rank 32 \
+  --use_gradient_checkpointing \
+  --task "sft:train"
+"""
+
+
+def _flux2_argvs() -> list[list[str]]:
+    import shlex
+
+    script = "examples/flux2/model_training/train.py"
+    return [(argv := shlex.split(part.replace("\\\n", " ")))[argv.index(script) + 1:]
+            for part in FLUX2_SPLIT_COMMANDS.strip().split("\n\n")]
+
+
+def test_diffsynths_flux2_split_training_commands_run_as_they_are(tmp_path, monkeypatch, capsys):
+    """DiffSynth's examples/flux2/model_training/special/split_training/FLUX.2-klein-base-4B_lora.sh, both of its
+    commands, with `unitgraph train` for `accelerate launch .../train.py` and `--pipeline diffsynth:flux2_image` (the
+    model ids alone choose unitgraph's own FLUX.2 family, the documented default); only sizes are lowered
+    (--num_epochs, --dataset_repeat). Stage 1 names klein-4B's text encoder and VAE and no DiT; stage 2 names only
+    klein-base-4B's DiT and trains it from the cache, the text encoder's folder gone. Its LoRA list names 20 single
+    blocks; the test-sized DiT has one, and the names that match nothing are left alone, as in DiffSynth's run."""
+    from clitools import cli
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD"):
+        monkeypatch.delenv(name, raising=False)
+    write_tiny_models(tmp_path / "models", "flux2_image")
+    write_synthetic_dataset(tmp_path / "data" / "example_image_dataset", count=2, size=40)
+    stage_1, stage_2 = _flux2_argvs()
+    for argv in (stage_1, stage_2):
+        for flag, value in (("--num_epochs", "1"), ("--dataset_repeat", "1")):
+            argv[argv.index(flag) + 1] = value
+    code, out, err = cli(capsys, "train", *stage_1, "--pipeline", "diffsynth:flux2_image")
+    assert code == 0, err
+    assert "stage 1 runs" in out and "(text_encoder_qwen3, vae)" in out
+    shutil.move(str(tmp_path / "models" / "black-forest-labs" / "FLUX.2-klein-4B" / "text_encoder"),
+                str(tmp_path / "gone"))
+    code, out, err = cli(capsys, "train", *stage_2, "--pipeline", "diffsynth:flux2_image")
+    assert code == 0, err
+    assert "stage 2 runs NoiseInitializer (dit)" in out and "stage 2 (train): 2 steps" in out
+    lora = load_file(str(tmp_path / "models" / "train" / "FLUX.2-klein-base-4B_lora" / "epoch-0.safetensors"))
+    assert any("single_transformer_blocks.0.attn.to_out.lora_A." in k for k in lora)
+    assert any(".to_qkv_mlp_proj.lora_B." in k for k in lora) and not any(k.startswith("pipe.") for k in lora)
+
+
+def test_the_dry_run_of_the_released_flux2_klein_needs_no_file(tmp_path, monkeypatch, capsys):
+    """DiffSynth's FLUX.2 [klein] 4B LoRA command, --dry_run, nothing downloaded: its Qwen3-4B text encoder, which
+    DiffSynth's table knows by Z-Image-Turbo's example (the glue's `sized_as`), not as FLUX.2-dev's 24 B Mistral of
+    the same file pattern; the base model's DiT sized as klein's (the repository sharing the longest name)."""
+    import json
+
+    from clitools import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DIFFSYNTH_SKIP_DOWNLOAD", "True")
+    monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
+    stage_1, stage_2 = _flux2_argvs()
+    ids = ",".join([stage_1[stage_1.index("--model_id_with_origin_paths") + 1],
+                    stage_2[stage_2.index("--model_id_with_origin_paths") + 1]])
+    argv = list(stage_2)
+    argv[argv.index("--model_id_with_origin_paths") + 1] = ids
+    argv[argv.index("--task") + 1] = "sft"
+    code, out, err = cli(capsys, "train", *argv, "--pipeline", "diffsynth:flux2_image", "--dry_run", "--json")
+    assert code == 0, err
+    plan = json.loads(out[out.index("{"):])
+    models, stages = plan["models"], plan["stages"]
+    assert 3.8e9 < models["dit"]["params"] < 4.0e9 and 3.9e9 < models["text_encoder_qwen3"]["params"] < 4.1e9
+    assert "text_encoder" not in models
+    assert stages["data_process"]["models"] == ["text_encoder_qwen3", "vae"] and stages["train"]["models"] == ["dit"]
     assert not (tmp_path / "models").exists()

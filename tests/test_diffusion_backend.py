@@ -165,6 +165,31 @@ def test_cache_entry_round_trip(tmp_path):
         Cache(tmp_path).open_for_training(unitgraph.split(PIPELINES["qwen_image"](), lora_base_model="dit"))
 
 
+@settings(max_examples=60, deadline=None)
+@given(shape=st.lists(st.integers(1, 4), min_size=2, max_size=5), data=st.data())
+def test_a_cached_view_comes_back_with_its_layout(tmp_path_factory, shape, data):
+    """A dense permuted view (a `rearrange` of a contiguous tensor) is cached in memory order and read back as the
+    same view: equal values and strides, so `randn_like` on it draws the same noise at the same positions as on the
+    original, which the split run needs (DiffSynth's loss draws like FLUX.2's permuted `input_latents`). A tensor
+    that is not dense (a slice) comes back contiguous with its values."""
+    order = data.draw(st.permutations(range(len(shape))))
+    base = torch.randn(*[shape[d] for d in order])
+    view = base.permute(sorted(range(len(order)), key=order.__getitem__))  # logical shape `shape`, memory `order`
+    sliced = torch.randn(*shape, 3)[..., :2]
+    path = tmp_path_factory.mktemp("layout") / "e.safetensors"
+    write_entry(path, {"view": view, "sliced": sliced, "nested": [view]}, {})
+    got, _ = read_entry(path)
+    for value in (got["view"], got["nested"][0]):
+        assert torch.equal(value, view)
+        assert [s for s, n in zip(value.stride(), value.shape) if n > 1] == [
+            s for s, n in zip(view.stride(), view.shape) if n > 1]
+        torch.manual_seed(0)
+        expected = torch.randn_like(view)
+        torch.manual_seed(0)
+        assert torch.equal(torch.randn_like(value), expected)
+    assert torch.equal(got["sliced"], sliced) and got["sliced"].is_contiguous()
+
+
 def test_args_errors():
     with pytest.raises(BackendError, match="--task"):
         make_args(task="nope", lora_base_model="dit")

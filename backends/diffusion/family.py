@@ -524,8 +524,9 @@ class DiffSynthPipeline:
     `get_pipeline_inputs` sets to fixed values beyond the image pipelines' (a video one's `tiled`, `cfg_merge`,
     `vace_scale`). boundaries: whether it passes --max/--min_timestep_boundary to the loss. negative: the
     `inputs_nega` prompt (None: an empty dict). checkpointing: whether its train.py turns gradient checkpointing on
-    whatever the flag says. A family that trains the same models declares it (`Family.diffsynth`), with a writer of
-    its test-size models in DiffSynth's layout; DiffSynth's pipelines of no family are listed in
+    whatever the flag says. sized_as: release files known to DiffSynth's table by another repository's example
+    (the dry run sizes them from it). A family that trains the same models declares it (`Family.diffsynth`), with
+    a writer of its test-size models in DiffSynth's layout; DiffSynth's pipelines of no family are listed in
     diffsynth_source/glue.py.
     """
 
@@ -545,6 +546,9 @@ class DiffSynthPipeline:
     boundaries: bool = False
     negative: Optional[str] = ""
     checkpointing: bool = False
+    # release files DiffSynth's table knows only under another repository's example: ("id:pattern" the commands
+    # name, "id:pattern" of the example with the same weights' names and shapes), for the dry run without the files
+    sized_as: tuple[tuple[str, str], ...] = ()
 
     @property
     def name(self) -> str:

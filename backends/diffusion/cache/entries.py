@@ -32,8 +32,12 @@ def _encode(value: Any, tensors: dict[str, "torch.Tensor"], path: str) -> Any:
     import torch
 
     if isinstance(value, torch.Tensor):
-        tensors[path] = value.detach().to("cpu").contiguous().clone()
-        return {"__tensor__": path}
+        order = _memory_order(value)
+        if order is None:
+            tensors[path] = value.detach().to("cpu").contiguous().clone()
+            return {"__tensor__": path}
+        tensors[path] = value.detach().to("cpu").permute(order).contiguous().clone()
+        return {"__tensor__": path, "__order__": order}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if _is_pil(value):  # a raw dataset image: stored as uint8 pixels, restored as a PIL image
@@ -46,10 +50,23 @@ def _encode(value: Any, tensors: dict[str, "torch.Tensor"], path: str) -> Any:
     if isinstance(value, list):
         return [_encode(v, tensors, f"{path}.{i}") for i, v in enumerate(value)]
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        if {"__tensor__", "__tuple__", "__image__"} & set(value):
+        if {"__tensor__", "__tuple__", "__image__", "__order__"} & set(value):
             raise TypeError(f"cannot cache a dict with reserved key at {path}")
         return {k: _encode(v, tensors, f"{path}.{k}") for k, v in value.items()}
     raise TypeError(f"cannot cache a value of type {type(value).__name__} at {path} (tensors, JSON values, lists, tuples)")
+
+
+def _memory_order(tensor: "torch.Tensor") -> list[int] | None:
+    """The order of `tensor`'s dimensions in memory when it is a dense permuted view (a `rearrange` of a contiguous
+    tensor), else None. Its layout is part of what it means to the code that reads it: `torch.randn_like` keeps a
+    dense tensor's strides and fills its memory in order, so the same values laid out otherwise draw other noise at
+    the same positions (DiffSynth's loss draws its noise like its `input_latents`, which an image unit may return
+    as a permuted view). The entry stores the tensor in memory order and `_decode` permutes it back: the same values
+    with the same layout."""
+    if tensor.dim() < 2 or tensor.is_contiguous():
+        return None
+    order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), d))
+    return order if tensor.permute(order).is_contiguous() else None
 
 
 def _is_pil(value: Any) -> bool:
@@ -64,6 +81,9 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(value, dict):
         if set(value) == {"__tensor__"}:
             return tensors[value["__tensor__"]]
+        if set(value) == {"__tensor__", "__order__"}:  # stored in memory order: the view it was (_memory_order)
+            order = value["__order__"]
+            return tensors[value["__tensor__"]].permute(sorted(range(len(order)), key=order.__getitem__))
         if set(value) == {"__image__"}:
             from PIL import Image
 
@@ -79,8 +99,8 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
 def _tensor_refs(value: Any) -> list[str]:
     """Names of the stored tensors an encoded value refers to."""
     if isinstance(value, dict):
-        if set(value) in ({"__tensor__"}, {"__image__"}):
-            return [next(iter(value.values()))]
+        if set(value) in ({"__tensor__"}, {"__image__"}, {"__tensor__", "__order__"}):
+            return [value.get("__tensor__", value.get("__image__"))]
         if set(value) == {"__tuple__"}:
             return [r for v in value["__tuple__"] for r in _tensor_refs(v)]
         return [r for v in value.values() for r in _tensor_refs(v)]

@@ -31,6 +31,7 @@ import ast
 import importlib
 import inspect
 import json
+import os
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,6 +270,7 @@ def planned_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_
     attributes = model_attributes(pipeline_class)
     found: list[ModelFile] = []
     known = examples()
+    aliases = {asked: tuple(twin.rsplit(":", 1)) for asked, twin in glue.sized_as}
     for files in _parse_model_paths(model_paths):
         _check_files(files)
         entries = recognise(files, attributes)
@@ -285,13 +287,19 @@ def planned_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_
         if model_hash is None and asked != (model_id, pattern):
             model_id, pattern = asked  # sized from the release file the command names
         label = f"{model_id}:{pattern}"
+        twin = aliases.get(label)
+        if model_hash is None and twin is not None and known.get(twin):  # the glue names the example it is
+            model_hash, label = known[twin], f"{label} (sized as {twin[0]}:{twin[1]})"
         if model_hash is None:  # the same file in the same repository, else another release's file of the same
             by_hash = {c["model_hash"]: c for c in MODEL_CONFIGS}  # pattern, of a model this pipeline loads
             usable = [(key, h) for key, h in known.items() if h in by_hash and by_hash[h]["model_name"] in attributes]
             other = next(((key, h) for key, h in usable if key[0] == model_id and "*" not in pattern
                           and Path(key[1]).name == Path(pattern).name
                           and Path(key[1]).parts[0] == Path(pattern).parts[0]), None)
-            other = other or next(((key, h) for key, h in usable if key[1] == pattern), None)
+            # of those with the pattern, the repository whose name shares the longest start with the asked one, the
+            # table's first of equals (a base model's DiT sized as its distilled sibling's, not as another size's)
+            same = [(key, h) for key, h in usable if key[1] == pattern]
+            other = other or max(same, key=lambda kh: len(os.path.commonprefix([kh[0][0], model_id])), default=None)
             if other is not None:
                 model_hash, label = other[1], f"{label} (sized as {other[0][0]}:{other[0][1]})"
         entries = tuple(c for c in MODEL_CONFIGS if c["model_hash"] == model_hash)
@@ -410,14 +418,21 @@ def _from_config(files: Files, attributes: dict[str, str]) -> Optional[dict[str,
 
 
 def tokenizer_folder(tokenizer: Any, given: Optional[str], hub: Hub) -> str:
+    """The folder of one of the pipeline's tokenizers. `given` (its flag's value) is read as DiffSynth's training
+    module reads it: an existing path, else `model_id:pattern` (split at the last colon, as in `org/name:tokenizer/`,
+    which some examples pass), found as the model files are; no flag: the pipeline's default."""
+    model_id, pattern = tokenizer.model_id, tokenizer.pattern
     if given:
-        if not Path(given).is_dir():
-            raise BackendError("tokenizer folder not found", source=given)
-        return given
-    folder = hub.snapshot(tokenizer.model_id, tokenizer.pattern,
+        if Path(given).is_dir():
+            return given
+        if ":" not in given or Path(given).exists():
+            raise BackendError("tokenizer folder not found (a folder, or model_id:pattern as DiffSynth's examples "
+                               "give it)", source=given)
+        model_id, pattern = given.rsplit(":", 1)
+    folder = hub.snapshot(model_id, pattern,
                           lambda where, problem: BackendError(f"{problem} (or pass --{tokenizer.flag})", source=str(where)))
-    if tokenizer.pattern.endswith("/") and origin_subfolder(tokenizer.pattern):  # a nested folder ("google/umt5-xxl/")
-        return str(folder.parent / tokenizer.pattern.rstrip("/"))                 # is the pattern's whole path
+    if pattern.endswith("/") and origin_subfolder(pattern):  # a nested folder ("google/umt5-xxl/")
+        return str(folder.parent / pattern.rstrip("/"))       # is the pattern's whole path
     return str(folder)
 
 

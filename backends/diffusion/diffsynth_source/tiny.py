@@ -11,13 +11,15 @@ classes allow them; this module writes those of DiffSynth's pipelines of no fami
 
 from __future__ import annotations
 
+import inspect
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from ..errors import BackendError
 
-__all__ = ["OWN", "write_tiny_models", "writers"]
+__all__ = ["OWN", "smallest_entry", "write_smallest_model", "write_tiny_models", "writers"]
 
 
 def _family_with_slot(class_name: str) -> Any:
@@ -91,6 +93,59 @@ def _ideogram4(outdir: Path, seed: int) -> dict[str, Any]:
             "tokenizer_path": str(tokenizer_folder)}
 
 
+def smallest_entry(module: str, attribute: str) -> dict[str, Any]:
+    """The entry of DiffSynth's model-config table that builds the pipeline's model `attribute` smallest, of those
+    that load a file in the class's own layout (no state-dict converter, not prequantized): how a test writes a model
+    whose class fixes its width (a text encoder offered at a few released sizes only)."""
+    from diffsynth.configs import MODEL_CONFIGS
+
+    from .glue import glue_for
+    from .models import model_attributes, pipeline_class_of, skeleton
+
+    names = {n for n, a in model_attributes(pipeline_class_of(glue_for(module))).items() if a == attribute}
+    entries = [c for c in MODEL_CONFIGS
+               if c["model_name"] in names and not c.get("state_dict_converter") and not c.get("quant_config")]
+    if not entries:
+        raise BackendError(f"DiffSynth's table has no entry of diffsynth:{module}'s {attribute} in its own layout")
+    return min(entries, key=lambda c: sum(p.numel() for p in skeleton(c).parameters()))
+
+
+def write_smallest_model(folder: Path, module: str, attribute: str, seed: int) -> Path:
+    """The pipeline's model `attribute` at the smallest size DiffSynth's table builds it (`smallest_entry`), with
+    random N(0, 0.02) weights (norm scales 1) in bf16, as `folder/model.safetensors`; DiffSynth knows the file by its
+    key hash. The weights depend only on the entry and `seed`, so a process writes them once and links (or copies)
+    the same file to every further folder: a Qwen3 0.6B encoder, the smallest some pipelines take, is 1.2 GB."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from .models import skeleton
+
+    entry = smallest_entry(module, attribute)
+    memo = (entry["model_class"], json.dumps(entry.get("extra_kwargs", {}), sort_keys=True), seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / "model.safetensors"
+    earlier = _WRITTEN.get(memo)
+    if earlier is not None and earlier.is_file():
+        try:
+            os.link(earlier, target)
+        except OSError:
+            shutil.copyfile(earlier, target)
+        return target
+    model = skeleton(entry).to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.fill_(1.0) if "norm" in name else param.normal_(0.0, 0.02, generator=generator)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}, str(target))
+    _WRITTEN[memo] = target
+    return target
+
+
+_WRITTEN: dict[tuple[str, str, int], Path] = {}  # (class, sizes, seed) -> the file this process wrote
+
+
 OWN = {"ideogram4": _ideogram4}  # writers of DiffSynth's pipelines of no family; a family's are in its folder
 
 
@@ -103,7 +158,12 @@ def writers() -> dict[str, Any]:
     found: dict[str, Any] = {}
     for module in family_modules():
         for glue in module.PIPELINES:
-            found[glue.module] = partial(module.write_diffsynth_models, module=glue.module)
+            writer = module.write_diffsynth_models
+            # a family's folder may not import this package (the rooms of CONTRIBUTING.md): a writer that needs a
+            # model at the smallest size DiffSynth's table allows is handed the function that writes it
+            tools = ({"write_smallest": write_smallest_model}
+                     if "write_smallest" in inspect.signature(writer).parameters else {})
+            found[glue.module] = partial(writer, module=glue.module, **tools)
     return {**found, **OWN}
 
 

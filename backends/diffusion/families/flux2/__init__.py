@@ -146,5 +146,6 @@ FAMILY = Family(
     demo={"lora_target_modules": "to_q,to_k,to_v,to_out.0", "lora_rank": 8, "learning_rate": 1e-3},
     render=".render",
     render_models=("vae",),
+    diffsynth=".diffsynth",
     repos=REPOS,
 )

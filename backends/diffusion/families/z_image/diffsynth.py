@@ -4,7 +4,7 @@ how its example's train.py builds it, and its test-size models in DiffSynth's `.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 from ...family import DiffSynthPipeline, DiffSynthTokenizer
 
@@ -21,14 +21,15 @@ RELEASED_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "blo
                 "use_post_quant_conv": False, "scaling_factor": 0.3611, "shift_factor": 0.1159, "sample_size": 1024}
 
 
-def write_diffsynth_models(outdir: Path, module: str, seed: int = 0) -> dict[str, Any]:
+def write_diffsynth_models(outdir: Path, module: str, seed: int = 0,
+                           write_smallest: Optional[Callable[..., Path]] = None) -> dict[str, Any]:
     """Z-Image as DiffSynth's example downloads it (Z-Image's DiT, Z-Image-Turbo's text encoder and VAE) under
     `outdir`. DiffSynth's text encoder class fixes its sizes, the smallest being Qwen3 0.6B: written in DiffSynth's
     own layout with random N(0, 0.02) weights in bf16 (1.2 GB), which DiffSynth's table knows by its key hash; the
     VAE's class fixes its sizes too (84 M parameters, bf16), also known by its hash; the DiT is this family's test
-    size, recognised by its config.json. Returns the flags naming them."""
+    size, recognised by its config.json; the text encoder is written by `write_smallest`, which
+    diffsynth_source/tiny.py hands in. Returns the flags naming them."""
     import torch
-    from diffsynth.models.z_image_text_encoder import ZImageTextEncoder
     from diffusers import AutoencoderKL, ZImageTransformer2DModel
     from safetensors.torch import save_file
 
@@ -36,17 +37,7 @@ def write_diffsynth_models(outdir: Path, module: str, seed: int = 0) -> dict[str
 
     root = Path(outdir) / "Tongyi-MAI"
     build_tiny_tokenizer().save_pretrained(str(root / "Z-Image-Turbo" / "tokenizer"))
-    with torch.device("meta"):
-        encoder = ZImageTextEncoder("0.6B")
-    encoder = encoder.to_empty(device="cpu")
-    generator = torch.Generator().manual_seed(seed + 2)
-    with torch.no_grad():
-        for name, param in encoder.named_parameters():
-            param.fill_(1.0) if "norm" in name else param.normal_(0.0, 0.02, generator=generator)
-    (root / "Z-Image-Turbo" / "text_encoder").mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in encoder.state_dict().items()},
-              str(root / "Z-Image-Turbo" / "text_encoder" / "model.safetensors"))
-    del encoder
+    write_smallest(root / "Z-Image-Turbo" / "text_encoder", module, "text_encoder", seed + 2)
     torch.manual_seed(seed)
     ZImageTransformer2DModel(**{**SIZES["test"]["transformer"], "cap_feat_dim": 1024}).save_pretrained(
         str(root / "Z-Image" / "transformer"))
