@@ -4,8 +4,9 @@ backends/diffusion/diffsynth_source): how its example's train.py builds it, and 
 
 DiffSynth's Flux2ImagePipeline encodes the prompt with FLUX.2-dev's Mistral encoder or, when the command names one,
 with klein's Qwen3 (its `text_encoder_qwen3`, a class DiffSynth shares with another family); klein's examples name
-the Qwen3 one. Its two prompt units declare `prompt_emb`/`prompt_emb_mask` but return `prompt_embeds`/`text_ids`: the plan
-reads what `process` returns (the diffsynth adapter), so both go to the cache and stage 2 never loads the encoder.
+the Qwen3 one. Its two prompt units declare `prompt_emb`/`prompt_emb_mask` but return `prompt_embeds`/`text_ids`:
+the plan reads what `process` returns (the diffsynth adapter), so both go to the cache and stage 2 never loads the
+encoder.
 """
 
 from __future__ import annotations
