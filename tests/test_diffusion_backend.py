@@ -171,13 +171,13 @@ def test_a_cached_view_comes_back_with_its_layout(tmp_path_factory, shape, data)
     """A dense permuted view (a `rearrange` of a contiguous tensor) is cached in memory order and read back as the
     same view: equal values and strides, so `randn_like` on it draws the same noise at the same positions as on the
     original, which the split run needs (DiffSynth's loss draws like FLUX.2's permuted `input_latents`). A tensor
-    that is not dense (a slice) comes back contiguous with its values."""
+    that is not dense (a slice) comes back contiguous with its values. Only where the writer asks (DiffSynth's units)."""
     order = data.draw(st.permutations(range(len(shape))))
     base = torch.randn(*[shape[d] for d in order])
     view = base.permute(sorted(range(len(order)), key=order.__getitem__))  # logical shape `shape`, memory `order`
     sliced = torch.randn(*shape, 3)[..., :2]
     path = tmp_path_factory.mktemp("layout") / "e.safetensors"
-    write_entry(path, {"view": view, "sliced": sliced, "nested": [view]}, {})
+    write_entry(path, {"view": view, "sliced": sliced, "nested": [view]}, {}, keep_layout=True)
     got, _ = read_entry(path)
     for value in (got["view"], got["nested"][0]):
         assert torch.equal(value, view)
@@ -188,6 +188,10 @@ def test_a_cached_view_comes_back_with_its_layout(tmp_path_factory, shape, data)
         torch.manual_seed(0)
         assert torch.equal(torch.randn_like(value), expected)
     assert torch.equal(got["sliced"], sliced) and got["sliced"].is_contiguous()
+    # unitgraph's own families' entries (no keep_layout) stay contiguous: a batched stage 1 writes the same bytes
+    write_entry(path, {"view": view}, {})
+    plain, _ = read_entry(path)
+    assert torch.equal(plain["view"], view) and plain["view"].is_contiguous()
 
 
 def test_args_errors():

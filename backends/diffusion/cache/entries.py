@@ -28,11 +28,11 @@ HEADER_KEY = "unitgraph"
 # values <-> safetensors + JSON
 
 
-def _encode(value: Any, tensors: dict[str, "torch.Tensor"], path: str) -> Any:
+def _encode(value: Any, tensors: dict[str, "torch.Tensor"], path: str, keep_layout: bool = False) -> Any:
     import torch
 
     if isinstance(value, torch.Tensor):
-        order = _memory_order(value)
+        order = _memory_order(value) if keep_layout else None
         if order is None:
             tensors[path] = value.detach().to("cpu").contiguous().clone()
             return {"__tensor__": path}
@@ -46,13 +46,13 @@ def _encode(value: Any, tensors: dict[str, "torch.Tensor"], path: str) -> Any:
         tensors[path] = torch.from_numpy(np.asarray(value.convert("RGB"), dtype=np.uint8).copy())
         return {"__image__": path}
     if isinstance(value, tuple):
-        return {"__tuple__": [_encode(v, tensors, f"{path}.{i}") for i, v in enumerate(value)]}
+        return {"__tuple__": [_encode(v, tensors, f"{path}.{i}", keep_layout) for i, v in enumerate(value)]}
     if isinstance(value, list):
-        return [_encode(v, tensors, f"{path}.{i}") for i, v in enumerate(value)]
+        return [_encode(v, tensors, f"{path}.{i}", keep_layout) for i, v in enumerate(value)]
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         if {"__tensor__", "__tuple__", "__image__", "__order__"} & set(value):
             raise TypeError(f"cannot cache a dict with reserved key at {path}")
-        return {k: _encode(v, tensors, f"{path}.{k}") for k, v in value.items()}
+        return {k: _encode(v, tensors, f"{path}.{k}", keep_layout) for k, v in value.items()}
     raise TypeError(f"cannot cache a value of type {type(value).__name__} at {path} (tensors, JSON values, lists, tuples)")
 
 
@@ -62,7 +62,9 @@ def _memory_order(tensor: "torch.Tensor") -> list[int] | None:
     dense tensor's strides and fills its memory in order, so the same values laid out otherwise draw other noise at
     the same positions (DiffSynth's loss draws its noise like its `input_latents`, which an image unit may return
     as a permuted view). The entry stores the tensor in memory order and `_decode` permutes it back: the same values
-    with the same layout."""
+    with the same layout. Only where the writer asks (`keep_layout`: DiffSynth's own units, foreign code whose stage 2
+    may read a layout); unitgraph's families store contiguous tensors, so that a batched stage 1, whose slices of a
+    batch are laid out otherwise, writes the very bytes an unbatched one does."""
     if tensor.dim() < 2 or tensor.is_contiguous():
         return None
     order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), d))
@@ -109,11 +111,12 @@ def _tensor_refs(value: Any) -> list[str]:
     return []
 
 
-def entry_bytes(values: dict[str, Any], meta: dict[str, Any]) -> bytes:
+def entry_bytes(values: dict[str, Any], meta: dict[str, Any], keep_layout: bool = False) -> bytes:
+    """An entry's bytes; with `keep_layout`, a dense permuted view is stored as one (`_memory_order`)."""
     from safetensors.torch import save
 
     tensors: dict[str, torch.Tensor] = {}
-    encoded = {key: _encode(value, tensors, key) for key, value in values.items()}
+    encoded = {key: _encode(value, tensors, key, keep_layout) for key, value in values.items()}
     header = json.dumps({"meta": meta, "values": encoded}, sort_keys=True)
     return save(tensors, metadata={HEADER_KEY: header})
 
@@ -171,8 +174,8 @@ def parse_entry(data: bytes, source: str) -> tuple[dict[str, Any], dict[str, Any
         raise BackendError(f"unreadable cache entry ({type(exc).__name__}: {exc})", source=source) from None
 
 
-def write_entry(path: str | Path, values: dict[str, Any], meta: dict[str, Any]) -> None:
-    write_bytes_atomic(path, entry_bytes(values, meta))
+def write_entry(path: str | Path, values: dict[str, Any], meta: dict[str, Any], keep_layout: bool = False) -> None:
+    write_bytes_atomic(path, entry_bytes(values, meta, keep_layout))
 
 
 def read_entry(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:

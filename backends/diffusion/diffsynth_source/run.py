@@ -390,7 +390,7 @@ def data_process(setup: Setup, cache_dir: Path, report: Callable[[str], None]) -
                                   watch=True)
                 values = {"inputs_shared": state[0], "inputs_posi": state[1], "inputs_nega": state[2]}
                 try:
-                    write_entry(path, values, {"sample": sample_id, "row": index})
+                    write_entry(path, values, {"sample": sample_id, "row": index}, keep_layout=True)
                 except TypeError as exc:
                     raise BackendError(f"stage 1 cannot store a value of {setup.glue.name}'s state ({exc})") from None
                 result.entries_computed += 1
