@@ -194,6 +194,20 @@ def test_a_cached_view_comes_back_with_its_layout(tmp_path_factory, shape, data)
     assert torch.equal(plain["view"], view) and plain["view"].is_contiguous()
 
 
+@pytest.mark.parametrize("order", [[5, 0], [0, 0], [1], "01", [0.5, 1]])
+def test_a_damaged_layout_record_in_an_entry_is_one_line(order):
+    import json as _json
+
+    from safetensors.torch import save
+
+    from unitgraph.backends.diffusion.cache.entries import HEADER_KEY, parse_entry
+
+    header = _json.dumps({"meta": {}, "values": {"v": {"__tensor__": "v", "__order__": order}}})
+    data = save({"v": torch.zeros(2, 3)}, metadata={HEADER_KEY: header})
+    with pytest.raises(BackendError, match="unreadable cache entry"):
+        parse_entry(data, "entry.safetensors")
+
+
 def test_args_errors():
     with pytest.raises(BackendError, match="--task"):
         make_args(task="nope", lora_base_model="dit")

@@ -251,7 +251,9 @@ def stored_tensor(value: Any) -> Optional[tuple[str, Optional[list[int]]]]:
 
 
 def logical_shape(stored: Sequence[int], order: Optional[list[int]]) -> tuple[int, ...]:
-    """The shape of the tensor an entry gives back from its stored (memory-order) shape."""
-    if order is None:
+    """The shape of the tensor an entry gives back from its stored (memory-order) shape; the stored shape itself for
+    a record that is not an order of its dims (reading the entry then refuses it in one line)."""
+    if (not isinstance(order, list) or any(type(d) is not int for d in order)
+            or sorted(order) != list(range(len(stored)))):
         return tuple(stored)
     return tuple(stored[order.index(d)] for d in range(len(order)))

@@ -84,8 +84,11 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
         if set(value) == {"__tensor__"}:
             return tensors[value["__tensor__"]]
         if set(value) == {"__tensor__", "__order__"}:  # stored in memory order: the view it was (_memory_order)
-            order = value["__order__"]
-            return tensors[value["__tensor__"]].permute(sorted(range(len(order)), key=order.__getitem__))
+            stored, order = tensors[value["__tensor__"]], value["__order__"]
+            if (not isinstance(order, list) or any(type(d) is not int for d in order)
+                    or sorted(order) != list(range(stored.dim()))):
+                raise ValueError(f"the layout record {order!r} is not an order of the tensor's {stored.dim()} dims")
+            return stored.permute(sorted(range(len(order)), key=order.__getitem__))
         if set(value) == {"__image__"}:
             from PIL import Image
 
