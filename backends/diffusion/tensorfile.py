@@ -17,15 +17,14 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional
 
 from unitgraph.userfiles import open_user_file, parse_user_json
 
 from .errors import BackendError
 
 __all__ = ["FLOATING", "Header", "ITEM_SIZES", "MAX_HEADER_BYTES", "TensorInfo", "dtype_code", "finite",
-           "header_of_bytes", "load_tensors", "logical_shape", "metadata_object", "parse_header", "read_header",
-           "stored_tensor"]
+           "header_of_bytes", "load_tensors", "metadata_object", "parse_header", "read_header"]
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 # the dtypes of whole bytes (safetensors' names); sub-byte ones (F4, F6) are not used by unitgraph
@@ -236,24 +235,3 @@ def metadata_object(header: Header, key: str, source: str) -> Optional[dict[str,
     if not isinstance(value, dict):
         raise BackendError(f"the {key} in the file's header is {_kind(value)}, not a JSON object", source=source)
     return value
-
-
-# ------------------------------------------------------------------------------------------------
-# a cache entry's tensor references (cache/entries.py writes them; the data and cache readers read them)
-
-
-def stored_tensor(value: Any) -> Optional[tuple[str, Optional[list[int]]]]:
-    """(the stored tensor's name, its memory order or None) of a cache entry's encoded value that is a tensor
-    (cache/entries.py: `{"__tensor__": name}`, with `"__order__"` for a view stored in memory order), else None."""
-    if isinstance(value, dict) and set(value) in ({"__tensor__"}, {"__tensor__", "__order__"}):
-        return value["__tensor__"], value.get("__order__")
-    return None
-
-
-def logical_shape(stored: Sequence[int], order: Optional[list[int]]) -> tuple[int, ...]:
-    """The shape of the tensor an entry gives back from its stored (memory-order) shape; the stored shape itself for
-    a record that is not an order of its dims (reading the entry then refuses it in one line)."""
-    if (not isinstance(order, list) or any(type(d) is not int for d in order)
-            or sorted(order) != list(range(len(stored)))):
-        return tuple(stored)
-    return tuple(stored[order.index(d)] for d in range(len(order)))

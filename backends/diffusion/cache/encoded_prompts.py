@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from ..errors import BackendError
-from ..tensorfile import (Header, TensorInfo, dtype_code, header_of_bytes, logical_shape, metadata_object,
-                          stored_tensor)
+from ..tensorfile import Header, TensorInfo, dtype_code, header_of_bytes, metadata_object
 
 if TYPE_CHECKING:
     from .cache import Cache
@@ -149,12 +148,11 @@ def _reference(cache: "Cache", manifest: "Manifest", outputs: dict[str, str]) ->
         out = {}
         for output, unit in outputs.items():
             value = values.get(output, values.get(f"{output}@{unit}"))
-            ref = stored_tensor(value)
-            if ref is not None:
-                info = header.get(ref[0])
+            if isinstance(value, dict) and set(value) == {"__tensor__"}:
+                info = header.get(value["__tensor__"])
                 shape = info.get("shape") if isinstance(info, dict) else None
                 if isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-                    out[output] = TensorInfo(str(info.get("dtype")), logical_shape(shape, ref[1]), 0, 0)
+                    out[output] = TensorInfo(str(info.get("dtype")), tuple(shape), 0, 0)
         return out
     except (OSError, ValueError, AttributeError, TypeError, KeyError, BackendError):
         return {}

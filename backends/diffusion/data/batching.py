@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Hashable, Iterable, Mapping, Optional, Sequence
 
-from ..tensorfile import logical_shape, stored_tensor
 from ..randomness import permutation
 
 HEADER_KEY = "unitgraph"  # the cache's JSON header inside the safetensors metadata (see cache/entries.py)
@@ -217,12 +216,9 @@ def entry_signature(path: "str | Path | dict[str, Any]", sink_keys: Iterable[str
 
     def describe(key: str, value: Any) -> Any:
         if isinstance(value, dict):
-            ref = stored_tensor(value)
-            if ref is not None and ref[1] is not None and ref[0] in tensors:  # stored in memory order
-                shape, dtype = tensors[ref[0]]
-                return ("tensor", (logical_shape(shape, ref[1]), dtype, tuple(ref[1])))
-            if ref is not None or set(value) == {"__image__"}:
-                return ("tensor", tensors.get(next(iter(value.values()))))
+            if set(value) == {"__tensor__"} or set(value) == {"__image__"}:
+                ref = next(iter(value.values()))
+                return ("tensor", tensors.get(ref))
             return ("dict", tuple(sorted((k, describe(key, v)) for k, v in value.items())))
         if isinstance(value, list):
             return ("list", tuple(describe(key, v) for v in value))
