@@ -167,6 +167,25 @@ def test_weights_that_fit_no_released_config_are_named_together_in_one_line(diff
     assert "put the release's vae/config.json beside them" in line
 
 
+def test_klein_text_encoder_without_config_is_completed_as_qwen3_not_as_flux2_devs_mistral(tmp_path):
+    """FLUX.2 keeps two text-encoder classes in text_encoder/ (FLUX.2-dev's Mistral 3, klein's Qwen3): klein-4B's
+    downloaded without its config.json is completed from klein's released config, each release's config read with
+    the class it names (read with the family's first text-encoder class, Mistral 3, it was a traceback)."""
+    from unitgraph.backends.diffusion.families.flux2 import FAMILY, real
+    from unitgraph.backends.diffusion.models.hub import Hub
+    from unitgraph.backends.diffusion.models.sources import ModelSources
+
+    configs = real.write_real_configs(tmp_path / "configs", pipeline="flux2_klein")
+    klein = tmp_path / "models" / "black-forest-labs" / "FLUX.2-klein-4B"
+    shards(klein / "text_encoder", "model", released_state(configs / "text_encoder", "transformers",
+                                                          "Qwen3ForCausalLM"), 2)
+    ids = "black-forest-labs/FLUX.2-klein-4B:text_encoder/*.safetensors"
+    hub = Hub(base_path=tmp_path / "models", offline=True, offline_reason="DIFFSYNTH_SKIP_DOWNLOAD")
+    sources = ModelSources(FAMILY, model_id_with_origin_paths=ids, offline=True, hub=hub)
+    assert sources.load_config("text_encoder_qwen3").hidden_size == real.TEXT_ENCODER["hidden_size"]
+    assert [done.note for done in sources.completed][0].count("FLUX.2-klein-4B") >= 1
+
+
 def test_a_completed_tiny_folder_trains_as_the_whole_folder(tiny, tmp_path, monkeypatch, capsys):
     """The tiny Qwen-Image DiT saved in 3 shards, then its config.json and shard index removed as DiffSynth's
     download leaves a folder; with the tiny config standing for a release, the run reads the completed folder and

@@ -120,8 +120,7 @@ def _read_released(family: Any, subfolder: str) -> tuple[tuple[str, str, tuple],
     import importlib
 
     real = importlib.import_module(".real", family.package)
-    slot = family.slot_of_subfolder(subfolder)
-    if slot is None or slot.kind != "model":
+    if family.slot_of_subfolder(subfolder) is None:
         return ()
     out: dict[str, tuple[str, str, tuple]] = {}
     with tempfile.TemporaryDirectory(prefix="unitgraph-releases-") as tmp:
@@ -137,6 +136,7 @@ def _read_released(family: Any, subfolder: str) -> tuple[tuple[str, str, tuple],
                 if text is None or text in out:
                     continue
                 marker = json.loads((top / "unitgraph_config_only.json").read_text(encoding="utf-8"))
+                slot = family.slot_of_subfolder(subfolder, json.loads(text))  # of the slots sharing it, the class it names
                 out[text] = (str(marker.get("source") or family.title), text, _state_shapes(slot, path.parent))
     return tuple(out.values())
 
