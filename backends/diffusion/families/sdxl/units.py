@@ -21,9 +21,12 @@ StableDiffusionXLPipeline and DiffSynth-Studio's StableDiffusionXLPipeline compu
   fresh      noise; timestep (int64, one of the scheduler's 1000 training steps) and loss_weight (None: the DDPM
              weight is 1), non-deterministic (ddpm.sample_ddpm_timestep)
 
-Where this knowingly differs from DiffSynth-Studio's own SDXL pipeline: its text_encoder unit reads the hidden states
-of one layer earlier (`hidden_states[-(clip_skip + 1)]` with clip_skip 2: the output of layer 10 of CLIP ViT-L's 12),
-where diffusers' StableDiffusionXLPipeline and SDXL's reference code read the penultimate layer, as here.
+Where this knowingly differs from DiffSynth-Studio's own SDXL pipeline (2.1.12): its text_encoder unit reads the hidden
+states of one layer earlier (`hidden_states[-(clip_skip + 1)]` with clip_skip 2: the output of layer 10 of CLIP
+ViT-L's 12), where diffusers' StableDiffusionXLPipeline and SDXL's reference code read the penultimate layer, as here;
+and its text_encoder_2 projects the first token's hidden state as the pooled embedding (`last_hidden_state[:, 0]`,
+the same for every prompt under CLIP's causal mask), where CLIP pools at the end-of-text token, as here. Given those
+two, both sources give the same loss (tests/test_diffsynth_both_sources.py).
 
 The two CLIP encoders are separate units, so a LoRA on one leaves the other (and the VAE) in stage 1. Each function
 is `fn(ctx, **inputs) -> {output: value}` over one sample; it touches only the models it declares, and a
