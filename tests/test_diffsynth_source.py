@@ -387,6 +387,24 @@ def shlex_argv(command: str) -> list[str]:
     return argv[argv.index("examples/ideogram4/model_training/train.py") + 1:]
 
 
+def test_what_a_file_is_does_not_depend_on_entries_another_pipeline_registered(world):
+    """An entry of the same key hash naming another pipeline's model (SD's and SDXL's test-size VAEs share their
+    shapes; a process that set up SDXL first registered its own) changes neither what the file loads as here nor the
+    cache key: before, SD 1.5's stage 1 made other entry keys after an SDXL run in the same process."""
+    from diffsynth.configs import MODEL_CONFIGS
+
+    root, flags = world
+    before = [m.identity() for m in ds_run.setup(_args(root, flags)).models]
+    hashes = {e["model_hash"] for m in ds_run.setup(_args(root, flags)).models for e in m.entries}
+    others = [dict(c, model_name="another_pipelines_model") for c in MODEL_CONFIGS if c["model_hash"] in hashes]
+    assert others
+    MODEL_CONFIGS.extend(others)
+    try:
+        assert [m.identity() for m in ds_run.setup(_args(root, flags)).models] == before
+    finally:
+        del MODEL_CONFIGS[-len(others):]
+
+
 def test_the_plan_narrows_an_image_unit_to_what_the_loss_reads():
     """DiffSynth's FlowMatchSFTLoss overwrites `latents` before reading it, so the image unit, which returns the noise
     as `latents`, is planned for `input_latents` alone and goes to stage 1 with its VAE (Ideogram 4); SD 1.5's image

@@ -344,16 +344,20 @@ def _file_shapes(files: Files) -> dict[str, tuple[int, ...]]:
 
 
 def recognise(files: Files, attributes: dict[str, str]) -> tuple[dict, ...]:
-    """The table entries `files` loads as: those of its hash when one of them is a model this pipeline loads, else (a
-    file the table does not know for this pipeline) the entry its config.json builds, registered now beside any other
-    entry of the same hash (DiffSynth loads each). One line when neither recognises it."""
+    """The table entries `files` loads as in this pipeline: those of its hash naming a model the pipeline loads, else
+    (a file the table does not know for this pipeline) the entry its config.json builds, registered now beside any
+    other entry of the same hash (DiffSynth loads each). One line when neither recognises it.
+
+    Only this pipeline's entries count: the same weights may be several pipelines' models (two SD generations'
+    VAEs; two test-size VAEs of one shape), and an entry another pipeline registered earlier in the process must not
+    change what the file is here (it is part of a cache's key)."""
     from diffsynth.configs import MODEL_CONFIGS
     from diffsynth.core.loader.file import hash_model_file
 
     model_hash = hash_model_file(files)
-    known = tuple(c for c in MODEL_CONFIGS if c["model_hash"] == model_hash)
-    if any(c["model_name"] in attributes for c in known):  # the same weights may be several pipelines' models (two
-        return known                                        # SD generations' VAEs): one this pipeline loads must be known
+    known = tuple(c for c in MODEL_CONFIGS if c["model_hash"] == model_hash and c["model_name"] in attributes)
+    if known:
+        return known
     entry = _from_config(files, attributes)
     first = files if isinstance(files, str) else files[0]
     if entry is None:

@@ -7,7 +7,8 @@ entry (`sft:train`), which `sft:data_process` wrote after running the same units
 whole argument for split == unsplit (see the package docstring for the draws).
 
 The parts around the step are DiffSynth's runner's: AdamW with --learning_rate and --weight_decay, torch's
-ConstantLR with its defaults, one sample per step, the LoRA injected by DiffSynth's `add_lora_to_model` (peft) and
+ConstantLR with its defaults, one sample per micro-step (--gradient_accumulation_steps of them a step, on each
+process of a launch: world.py), the LoRA injected by DiffSynth's `add_lora_to_model` (peft) and
 written each epoch as `epoch-N.safetensors` by DiffSynth's `export_trainable_state_dict` (keys without
 --remove_prefix_in_ckpt, DiffSynth's default `pipe.dit.`), which its `pipe.load_lora` reads. The epoch's order is
 unitgraph's seeded permutation, not the DataLoader's draw from the global stream.
@@ -15,6 +16,7 @@ unitgraph's seeded permutation, not the DataLoader's draw from the global stream
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import time
@@ -38,6 +40,7 @@ from ..randomness import derive_seed, permutation, seeded_global_stream
 from ..result import RunResult
 from . import EXTRA_HINT, available
 from .glue import Glue, glue_for, inputs, provided
+from .world import World, launched
 from .lora import DIFFSYNTH_REMOVE_PREFIX, helper, target_modules
 from .hazards import UnitHazard, check_unit, install_skeletons, state_identities
 from .planning import live_projection, loss_overwrites
@@ -61,7 +64,7 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
         "find_unused_parameters", "enable_csv_log", "dry_run", "align_to_opensource_format", "lr_scheduler",
         "optimizer", "loss_weighting", "timestep_sampling", "lora_format", "max_timestep_boundary",
         "min_timestep_boundary", "validation_prompt", "validation_inference_steps", "validation_seed",
-        "validation_guidance", "validation_negative_prompt", "num_frames"}
+        "validation_guidance", "validation_negative_prompt", "num_frames", "gradient_accumulation_steps"}
 
 
 def wanted(args: TrainArgs) -> bool:
@@ -137,6 +140,7 @@ class Setup:
     models: list[ModelFile]
     declared: dict[str, tuple[str, ...]]  # each unit's outputs as the adapter reads it, before narrowing
     notes: dict[str, str]  # a line per narrowed unit
+    world: World = World()  # the processes of the launch (world.py)
 
     @property
     def given(self) -> set[str]:
@@ -156,12 +160,13 @@ class Setup:
 
     def load_plain(self, models: list[str]) -> Any:
         """A pipeline holding only `models` (and their tokenizers), as DiffSynth loads them: what a render borrows."""
-        return load_pipeline(self.glue, self.models, models, self.tokenizers_for(models), self.dtype)
+        return load_pipeline(self.glue, self.models, models, self.tokenizers_for(models), self.dtype, self.world.device)
 
     def load(self, stage_models: list[str], stage: str, recorded: Optional[dict[str, dict]] = None) -> Any:
         """The pipeline with `stage_models` loaded, the others' attributes standing in (hazards.py): from the
         command's files, else from `recorded` (stage 1's record of every model in the cache's manifest)."""
-        pipe = load_pipeline(self.glue, self.models, stage_models, self.tokenizers_for(stage_models), self.dtype)
+        pipe = load_pipeline(self.glue, self.models, stage_models, self.tokenizers_for(stage_models), self.dtype,
+                             self.world.device)
         needed = set(stage_models) & (self.given | set(self.plan.models_require_backward))  # an optional one may be absent
         missing = sorted(needed - {a for a in self.given if getattr(pipe, a, None) is not None})
         if missing:
@@ -226,7 +231,7 @@ def setup(args: TrainArgs) -> Setup:
         models = find_models(glue, args.model_paths, args.model_id_with_origin_paths, hub)
     units = [u for u, keep in zip(bare.units, on) if keep]
     return Setup(glue, args, dtype, pipe_class, units, spec, plan, hub, models,
-                 {u.name: u.outputs for u in whole.units}, notes)
+                 {u.name: u.outputs for u in whole.units}, notes, World() if args.dry_run else launched())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -366,23 +371,30 @@ def data_process(setup: Setup, cache_dir: Path, report: Callable[[str], None]) -
             raise BackendError(f"is not empty and not a stage-1 cache of unitgraph's (it holds "
                                f"{', '.join(foreign[:3]) or 'entries/'}); stage 1 writes only into a new, empty or own "
                                "folder: choose another --output_path", source=str(cache_dir))
+    world = setup.world
     dataset = dataset_of(setup)
     pipe = setup.load(setup.plan.data_process_models, "stage 1")
     units = setup.stage_units("data_process")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    (cache_dir / "entries").mkdir(exist_ok=True)
+    if world.main:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        (cache_dir / "entries").mkdir(exist_ok=True)
     memo = HashMemo(LocalStore(cache_dir))
     key_inputs = _key_inputs(setup, memo)
-    memo.save()
+    if world.main:
+        memo.save()
     static = canonical_hash(key_inputs)
     result = RunResult(task=setup.args.task, output_path=cache_dir, plan=setup.plan, cache_path=cache_dir)
     entries = []
     start = time.perf_counter()
+    world.barrier()  # the folders exist
     with torch.no_grad():
         for index in range(len(dataset)):
             sample_id = dataset.sample_id(index)
             key = canonical_hash({"static": static, "sample": sample_id})
             path = cache_dir / "entries" / f"{key}.safetensors"
+            entries.append({"row": index, "sample": sample_id, "file": f"entries/{key}.safetensors"})
+            if index % world.size != world.rank:  # another process's entry (world.py)
+                continue
             if path.is_file():
                 result.entries_reused += 1
             else:
@@ -395,11 +407,16 @@ def data_process(setup: Setup, cache_dir: Path, report: Callable[[str], None]) -
                     raise BackendError(f"stage 1 cannot store a value of {setup.glue.name}'s state ({exc})") from None
                 result.entries_computed += 1
                 result.computed_indices.append(index)
-            entries.append({"row": index, "sample": sample_id, "file": f"entries/{key}.safetensors"})
+    counts = world.sum_(torch.tensor([result.entries_computed, result.entries_reused]))
+    result.entries_computed, result.entries_reused = (int(c) for c in counts.tolist())
+    world.barrier()  # every process's entries are in place
     records = {a: r for m in setup.models for a, r in m.records().items()}
     manifest = {"format": FORMAT, "pipeline": setup.glue.name, "plan": setup.plan.to_dict(),
                 "key": key_inputs, "entries": entries, "models": records}
-    write_bytes_atomic(cache_dir / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+    if world.main:
+        write_bytes_atomic(cache_dir / MANIFEST,
+                           (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+    world.barrier()
     result.samples = len(dataset)
     result.cache_reused = result.entries_computed == 0
     result.stage_times["data_process"] = time.perf_counter() - start
@@ -455,7 +472,8 @@ def _lora(setup: Setup, pipe: Any) -> None:
 def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample_ids: list[str], pipe: Any,
           report: Callable[[str], None], result: RunResult, stage_models: list[str],
           stage_1: tuple[str, ...] = ()) -> RunResult:
-    """The loop (DiffSynth's runner, one sample a step): `states(i)` gives sample i's state after stage 1's units.
+    """The loop (DiffSynth's runner: a step of `processes x --gradient_accumulation_steps` samples, world.py):
+    `states(i)` gives sample i's state after stage 1's units.
 
     The output folder is claimed as unitgraph's own first (train/outputs.RunFolder: a folder holding someone else's
     files is refused, an earlier run is moved aside only with --overwrite); a checkpoint and a training state
@@ -463,8 +481,6 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
     `stage_1`: the models stage 1 loaded (its cache's record), which a validation render borrows."""
     import torch
     from diffsynth.diffusion.training_module import DiffusionTrainingModule
-
-    from ..train.outputs import RunFolder
 
     args = setup.args
     _lora(setup, pipe)
@@ -490,8 +506,11 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
     if renderer and renderer.missing:
         report(f"samples:    {', '.join(renderer.missing)} loaded while the samples render (this stage trains without "
                "them)")
-    with RunFolder(output).claimed(args.overwrite, record, resume=args.resume is not None) as folder:
-        result.replaced = folder.replaced
+    world = setup.world
+    per = world.size * max(1, args.gradient_accumulation_steps)  # the samples of one optimizer step (world.py)
+    settings["samples_per_step"] = per
+    with _claimed(output, world, args.overwrite, record, args.resume is not None) as folder:
+        result.replaced = folder.replaced if folder is not None else None
         step, position, rows = 0, (0, 0), []
         if args.resume is not None:
             found = newest_state(output, args.resume)
@@ -504,36 +523,63 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
 
         def checkpoint(name: str, next_position: tuple[int, int]) -> None:
             path = output / name
-            _save(holder, prefix, path, convert)
             result.checkpoints.append(path)
+            if not world.main:  # every process holds the same weights: the main one writes them
+                return
+            _save(holder, prefix, path, convert)
             _write_rows(output / "loss.csv", rows)
             save_state(output, step, next_position, named, optimizer, scheduler, rows, settings, args.save_total_limit)
             if renderer:
                 result.sample_images += renderer.render(output / SAMPLES_DIR / Path(name).stem)
 
+        params = [p for _, p in named]
         for epoch in range(position[0], args.num_epochs):
             order = [i for _ in range(max(1, args.dataset_repeat)) for i in range(n)]
             order = [order[k] for k in permutation(len(order), args.seed, "diffsynth-shuffle", epoch)]
             first = position[1] if epoch == position[0] else 0
-            for k in range(first, len(order)):
-                index = order[k]
+            for begin in range(first, len(order), per):
+                chunk = order[begin:begin + per]
                 began = time.perf_counter()
-                loss = train_step(pipe, units, states(index), step_seed(args.seed, epoch, sample_ids[index]))
-                loss.backward()
+                losses = torch.zeros(len(chunk), dtype=torch.float64)
+                for at in range(world.rank, len(chunk), world.size):  # this process's share of the step
+                    index = chunk[at]
+                    loss = train_step(pipe, units, states(index), step_seed(args.seed, epoch, sample_ids[index]))
+                    (loss / len(chunk)).backward()  # the step's mean gradient, summed over its samples
+                    losses[at] = float(loss.detach())
+                world.sum_gradients(params)
+                world.sum_(losses)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
                 step += 1
                 result.steps += 1
-                result.losses.append(float(loss.detach()))
                 result.step_times.append(time.perf_counter() - began)
-                rows.append({"step": step, "epoch": epoch, "row": index, "loss": repr(float(loss.detach()))})
-                if args.save_steps and step % args.save_steps == 0 and k + 1 < len(order):
-                    checkpoint(f"step-{step}.safetensors", (epoch, k + 1))
+                for index, value in zip(chunk, losses.tolist()):
+                    result.losses.append(value)
+                    rows.append({"step": step, "epoch": epoch, "row": index, "loss": repr(value)})
+                if args.save_steps and step % args.save_steps == 0 and begin + per < len(order):
+                    checkpoint(f"step-{step}.safetensors", (epoch, begin + per))
             checkpoint(f"epoch-{epoch}.safetensors", (epoch + 1, 0))
         result.stage_times["train"] = time.perf_counter() - start
         result.loss_csv = output / "loss.csv"  # written with every checkpoint
     return result
+
+
+@contextlib.contextmanager
+def _claimed(output: Path, world: World, overwrite: bool, record: dict[str, Any], resume: bool):
+    """The output folder claimed as unitgraph's (train/outputs.RunFolder) by the main process, the others waiting
+    until it is; each ends once all have finished. Yields the main process's claim, None in the others."""
+    from ..train.outputs import RunFolder
+
+    if world.main:
+        with RunFolder(output).claimed(overwrite, record, resume=resume) as folder:
+            world.barrier()
+            yield folder
+            world.barrier()
+    else:
+        world.barrier()  # the main process has claimed the folder (or failed: then the launch stops)
+        yield None
+        world.barrier()
 
 
 def _write_rows(path: Path, rows: list[dict[str, Any]]) -> None:

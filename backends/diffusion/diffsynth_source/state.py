@@ -28,6 +28,9 @@ STATE_DIR = "state"
 FORMAT = "unitgraph.diffsynth-state/v1"
 
 
+SETTING_NAMES = {"samples_per_step": "samples a step (processes x --gradient_accumulation_steps)"}
+
+
 def settings_of(args: Any, sample_ids: list[str]) -> dict[str, Any]:
     """What a continued run must share with the one that wrote the state (--num_epochs may grow)."""
     import hashlib
@@ -108,9 +111,11 @@ def load_state(folder: Path, named: list[tuple[str, Any]], optimizer: Any, sched
         raise BackendError(f"--resume: unreadable training state ({type(exc).__name__}: {exc})", source=str(folder)) from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise BackendError("--resume: not a training state of a DiffSynth pipeline's run", source=str(folder))
+    saved = {"samples_per_step": 1, **(data.get("settings") or {})}  # a state from before several a step: one
     for key, value in settings.items():
-        if data.get("settings", {}).get(key) != value:
-            raise BackendError(f"--resume: the state was made with {key} {data['settings'].get(key)!r}, this run has "
+        if saved.get(key) != value:
+            what = SETTING_NAMES.get(key, key)
+            raise BackendError(f"--resume: the state was made with {what} {saved.get(key)!r}, this run has "
                                f"{value!r}; a continued run must compute what the first would have", source=str(folder))
     names = [n for n, _ in named]
     if data.get("names") != names or set(trained) != set(names):
