@@ -85,7 +85,7 @@ def result_lines(result: Any) -> list[str]:
     if "train" in result.stage_times:
         step = result.median_step_s
         lines.append(f"{'stage 2 (train)' if result.task.endswith((':train', ':split')) else 'training'}: "
-                     f"{result.steps} steps in {result.stage_times['train']:.1f} s"
+                     f"{result.steps} step{'' if result.steps == 1 else 's'} in {result.stage_times['train']:.1f} s"
                      + (f" ({step * 1000:.0f} ms/step median)" if step else ""))
     held = getattr(result, "held_bytes", None)
     if held:

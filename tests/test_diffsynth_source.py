@@ -174,6 +174,80 @@ def test_the_unsplit_step_is_diffsynths_own_training_step(world):
     assert any(g.abs().sum() > 0 for g in ours_grads.values())
 
 
+def _edit_dataset(folder: Path) -> Path:
+    """3 rows in DiffSynth's JSON metadata: a 40 px target image, a prompt and two 40 px reference images (the
+    edit example of examples/flux2/model_training/full/FLUX.2-klein-4B.sh: --data_file_keys "image,edit_image"
+    --extra_inputs "edit_image")."""
+    import csv
+    import json
+
+    write_synthetic_dataset(folder, count=3, size=40)
+    with (folder / "metadata.csv").open(encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    meta = [{"image": r["image"], "prompt": r["prompt"],
+             "edit_image": [rows[(i + 1) % 3]["image"], rows[(i + 2) % 3]["image"]]} for i, r in enumerate(rows)]
+    (folder / "metadata.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    return folder / "metadata.json"
+
+
+@pytest.mark.parametrize("world", ["flux2_image"], indirect=True)
+def test_an_edit_step_is_diffsynths_own_with_its_references_resized(world, tmp_path):
+    """FLUX.2 [klein] trained on edits: the references (a list of two 40 px images a row) go through DiffSynth's image
+    operator as the target does (to 32 px); unitgraph's unsplit step equals DiffSynth's own, loss and LoRA gradients
+    bit for bit. Before, only the target image was resized."""
+    from diffsynth.core import ModelConfig, UnifiedDataset
+    from diffsynth.diffusion.loss import FlowMatchSFTLoss
+    from diffsynth.diffusion.training_module import DiffusionTrainingModule
+
+    root, flags = world
+    metadata = _edit_dataset(tmp_path / "edit")
+    args = _args(root, flags, dataset_base_path=str(tmp_path / "edit"), dataset_metadata_path=str(metadata),
+                 data_file_keys="image,edit_image", extra_inputs="edit_image")
+    base_model, targets, _prefix = PIPELINES[flags["module"]]
+    setup = ds_run.setup(args)
+    assert "EditImageEmbedder" in setup.plan.data_process_units
+    pipe = setup.load(sorted(set(setup.plan.data_process_models) | set(setup.plan.train_models)), "the run")
+    ds_run._lora(setup, pipe)
+    dataset = ds_run.dataset_of(setup)
+    state = ds_run.sample_state(setup, dataset, 1, pipe.device)
+    assert [im.size for im in state[0]["edit_image"]] == [(32, 32), (32, 32)]
+    state = ds_run.run_units(pipe, setup.stage_units("data_process"), ds_run._transfer(state, pipe))
+    seed = ds_run.step_seed(args.seed, 0, dataset.sample_id(1))
+    ours = ds_run.train_step(pipe, setup.stage_units("train"), state, seed)
+    ours.backward()
+    ours_grads = {n: p.grad.clone() for n, p in getattr(pipe, base_model).named_parameters() if p.requires_grad}
+
+    module = DiffusionTrainingModule()
+    tokenizers = {k: ModelConfig(path=v) for k, v in
+                  setup.tokenizers_for([t.encoder for t in setup.glue.tokenizers]).items()}
+    module.pipe = setup.pipe_class.from_pretrained(torch_dtype=torch.bfloat16, device="cpu",
+                                                   model_configs=[ModelConfig(path=m.path) for m in setup.models],
+                                                   **tokenizers)
+    module.pipe = module.split_pipeline_units("sft", module.pipe, None, base_model)
+    with seeded_global_stream(args.seed, "diffsynth-lora-init"):
+        module.switch_pipe_to_training_mode(module.pipe, None, base_model, targets, 4, None, None, None, task="sft")
+    pipe2 = module.pipe
+    data = UnifiedDataset(base_path=str(tmp_path / "edit"), metadata_path=str(metadata), repeat=1,
+                          data_file_keys=["image", "edit_image"],
+                          main_data_operator=UnifiedDataset.default_image_operator(
+                              base_path=str(tmp_path / "edit"), max_pixels=args.max_pixels, height=32, width=32,
+                              height_division_factor=16, width_division_factor=16))[1]
+    shared = {"input_image": data["image"], "height": data["image"].size[1], "width": data["image"].size[0],
+              "cfg_scale": 1, "rand_device": pipe2.device, "use_gradient_checkpointing": False,
+              "use_gradient_checkpointing_offload": False, **EXAMPLE_INPUTS["flux2_image"]}
+    shared = module.parse_extra_inputs(data, ["edit_image"], shared)
+    inputs = module.transfer_data_to_device((shared, {"prompt": data["prompt"]}, {"negative_prompt": ""}),
+                                            pipe2.device, pipe2.torch_dtype)
+    torch.manual_seed(seed)
+    for unit in pipe2.units:
+        inputs = pipe2.unit_runner(unit, pipe2, *inputs)
+    theirs = FlowMatchSFTLoss(pipe2, **inputs[0], **inputs[1])
+    theirs.backward()
+    theirs_grads = {n: p.grad for n, p in getattr(pipe2, base_model).named_parameters() if p.requires_grad}
+    assert ours.item() == theirs.item()
+    assert set(ours_grads) == set(theirs_grads) and all(torch.equal(g, theirs_grads[n]) for n, g in ours_grads.items())
+
+
 def test_split_equals_unsplit_and_stage_2_needs_no_text_encoder(world, tmp_path):
     root, flags = world
     unsplit = run(_args(root, flags, output_path=str(tmp_path / "sft")))

@@ -304,10 +304,11 @@ def dataset_of(setup: Setup) -> DiffusionDataset:
 
 
 def sample_state(setup: Setup, dataset: DiffusionDataset, index: int, device: Any) -> tuple[dict, dict, dict]:
-    """The inputs of sample `index`: its image resized by DiffSynth's own ImageCropAndResize (--height/--width, else
-    --max_pixels, sides multiples of the pipeline's factor), or its video's frames read by DiffSynth's own video
-    operator (--num_frames at most, cut to the pipeline's time division; each frame resized the same way; a still
-    image is a one-frame clip), then the pipeline's inputs (glue.inputs)."""
+    """The inputs of sample `index`: its images (every file column's: an edit's references too) resized by
+    DiffSynth's own ImageCropAndResize (--height/--width, else --max_pixels, sides multiples of the pipeline's
+    factor), or its video's frames read by DiffSynth's own video operator (--num_frames at most, cut to the
+    pipeline's time division; each frame resized the same way; a still image is a one-frame clip), then the
+    pipeline's inputs (glue.inputs)."""
     from diffsynth.core.data.operators import ImageCropAndResize
 
     args, glue = setup.args, setup.glue
@@ -329,9 +330,16 @@ def sample_state(setup: Setup, dataset: DiffusionDataset, index: int, device: An
         if not sample["video"]:
             raise BackendError(f"row {index + 1}: the video {path.name!r} has no frame", source=str(dataset.metadata_path))
     else:
+        from PIL import Image
+
         sample = dataset.sample(index)
         resize = ImageCropAndResize(args.height, args.width, args.max_pixels, glue.division, glue.division)
-        sample["image"] = resize(sample["image"])
+        for key in dataset.file_keys:  # DiffSynth's image operator sizes every file column (an edit's references
+            value = sample.get(key)    # too), each image of a list alike
+            if isinstance(value, Image.Image):
+                sample[key] = resize(value)
+            elif isinstance(value, list) and value and all(isinstance(v, Image.Image) for v in value):
+                sample[key] = [resize(v) for v in value]
     return inputs(glue, sample, device, bool(args.use_gradient_checkpointing),
                   bool(args.use_gradient_checkpointing_offload), _extra_inputs(args),
                   (args.max_timestep_boundary, args.min_timestep_boundary))
