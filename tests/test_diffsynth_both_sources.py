@@ -26,7 +26,6 @@ Run in .venv-diffsynth (scripts/test_diffsynth.sh); skipped without the `diffsyn
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -39,6 +38,7 @@ import diffsynth.diffusion.loss  # noqa: E402
 
 import torch  # noqa: E402
 
+from diffsynth_env import diffsynth_models  # noqa: E402
 from unitgraph.backends.diffusion import ddpm, flowmatch  # noqa: E402
 from unitgraph.backends.diffusion.args import make_args  # noqa: E402
 from unitgraph.backends.diffusion.config import RunConfig  # noqa: E402
@@ -94,15 +94,8 @@ def shared(request, tmp_path_factory):
     flags = write_tiny_models(root / "models", module)
     _with_configs(module, root / "models")
     write_synthetic_dataset(root / "data", count=3, size=32)
-    saved = {k: os.environ.get(k) for k in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD")}
-    os.environ["DIFFSYNTH_MODEL_BASE_PATH"] = str(root / "models")
-    os.environ["DIFFSYNTH_SKIP_DOWNLOAD"] = "True"
-    yield module, root, flags
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with diffsynth_models(root / "models"):
+        yield module, root, flags
 
 
 def _args(module: str, root: Path, flags: dict, pipeline: str):

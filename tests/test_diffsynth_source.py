@@ -22,7 +22,6 @@ What they show, per pipeline:
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -32,6 +31,8 @@ diffsynth = pytest.importorskip("diffsynth", reason="DiffSynth-Studio is not ins
 
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+
+from diffsynth_env import diffsynth_models  # noqa: E402
 
 from unitgraph.backends.diffusion.args import make_args  # noqa: E402
 from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
@@ -75,15 +76,8 @@ def world(request, tmp_path_factory):
         write_synthetic_dataset(root / "data", count=3, size=40, videos=("video",), frames=5)
     else:
         write_synthetic_dataset(root / "data", count=3, size=40)
-    saved = {k: os.environ.get(k) for k in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD")}
-    os.environ["DIFFSYNTH_MODEL_BASE_PATH"] = str(root / "models")
-    os.environ["DIFFSYNTH_SKIP_DOWNLOAD"] = "True"
-    yield root, flags
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with diffsynth_models(root / "models"):
+        yield root, flags
 
 
 def _args(root: Path, flags: dict, **over):
@@ -100,13 +94,28 @@ def _args(root: Path, flags: dict, **over):
     return make_args(**base)
 
 
+def diffsynths_step(module, inputs: tuple, seed: int, base_model: str):
+    """DiffSynth's own training step on `inputs` (shared, positive, negative), as its training module runs it: the
+    data to the pipeline's device and dtype, torch's stream seeded, every unit through its runner, FlowMatchSFTLoss,
+    backward. Returns the loss and the gradients of `base_model`'s trained parameters."""
+    from diffsynth.diffusion.loss import FlowMatchSFTLoss
+
+    pipe = module.pipe
+    inputs = module.transfer_data_to_device(inputs, pipe.device, pipe.torch_dtype)
+    torch.manual_seed(seed)
+    for unit in pipe.units:
+        inputs = pipe.unit_runner(unit, pipe, *inputs)
+    loss = FlowMatchSFTLoss(pipe, **inputs[0], **inputs[1])
+    loss.backward()
+    return loss, {n: p.grad for n, p in getattr(pipe, base_model).named_parameters() if p.requires_grad}
+
+
 def test_the_unsplit_step_is_diffsynths_own_training_step(world):
     """One step of `unitgraph train --pipeline diffsynth:MODULE` against DiffSynth's: the example's train.py glue
     written out here with DiffSynth's classes (from_pretrained, split_pipeline_units, switch_pipe_to_training_mode,
     UnifiedDataset with its image operator, unit_runner, FlowMatchSFTLoss), in the dtype the example trains in
     (fp32 for SD 1.5, bf16 for Ideogram 4)."""
     from diffsynth.core import ModelConfig, UnifiedDataset
-    from diffsynth.diffusion.loss import FlowMatchSFTLoss
     from diffsynth.diffusion.training_module import DiffusionTrainingModule
 
     root, flags = world
@@ -159,13 +168,7 @@ def test_the_unsplit_step_is_diffsynths_own_training_step(world):
                    "cfg_scale": 1, "rand_device": pipe2.device, "use_gradient_checkpointing": False,
                    "use_gradient_checkpointing_offload": False, **EXAMPLE_INPUTS.get(flags["module"], {})},
                   {"prompt": data["prompt"]}, {"negative_prompt": ""})
-    torch.manual_seed(seed)
-    inputs = module.transfer_data_to_device(inputs, pipe2.device, pipe2.torch_dtype)
-    for unit in pipe2.units:
-        inputs = pipe2.unit_runner(unit, pipe2, *inputs)
-    theirs = FlowMatchSFTLoss(pipe2, **inputs[0], **inputs[1])
-    theirs.backward()
-    theirs_grads = {n: p.grad for n, p in getattr(pipe2, base_model).named_parameters() if p.requires_grad}
+    theirs, theirs_grads = diffsynths_step(module, inputs, seed, base_model)
 
     assert ours.item() == theirs.item()
     assert set(ours_grads) == set(theirs_grads) and len(ours_grads) > 0
@@ -196,7 +199,6 @@ def test_an_edit_step_is_diffsynths_own_with_its_references_resized(world, tmp_p
     operator as the target does (to 32 px); unitgraph's unsplit step equals DiffSynth's own, loss and LoRA gradients
     bit for bit. Before, only the target image was resized."""
     from diffsynth.core import ModelConfig, UnifiedDataset
-    from diffsynth.diffusion.loss import FlowMatchSFTLoss
     from diffsynth.diffusion.training_module import DiffusionTrainingModule
 
     root, flags = world
@@ -236,14 +238,8 @@ def test_an_edit_step_is_diffsynths_own_with_its_references_resized(world, tmp_p
               "cfg_scale": 1, "rand_device": pipe2.device, "use_gradient_checkpointing": False,
               "use_gradient_checkpointing_offload": False, **EXAMPLE_INPUTS["flux2_image"]}
     shared = module.parse_extra_inputs(data, ["edit_image"], shared)
-    inputs = module.transfer_data_to_device((shared, {"prompt": data["prompt"]}, {"negative_prompt": ""}),
-                                            pipe2.device, pipe2.torch_dtype)
-    torch.manual_seed(seed)
-    for unit in pipe2.units:
-        inputs = pipe2.unit_runner(unit, pipe2, *inputs)
-    theirs = FlowMatchSFTLoss(pipe2, **inputs[0], **inputs[1])
-    theirs.backward()
-    theirs_grads = {n: p.grad for n, p in getattr(pipe2, base_model).named_parameters() if p.requires_grad}
+    theirs, theirs_grads = diffsynths_step(module, (shared, {"prompt": data["prompt"]}, {"negative_prompt": ""}),
+                                           seed, base_model)
     assert ours.item() == theirs.item()
     assert set(ours_grads) == set(theirs_grads) and all(torch.equal(g, theirs_grads[n]) for n, g in ours_grads.items())
 

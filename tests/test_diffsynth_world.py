@@ -27,6 +27,8 @@ pytest.importorskip("diffsynth", reason="DiffSynth-Studio is not installed (scri
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from diffsynth_env import diffsynth_models  # noqa: E402
+
 from unitgraph.backends.diffusion.args import make_args  # noqa: E402
 from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
 from unitgraph.backends.diffusion.diffsynth_source import run as ds_run  # noqa: E402
@@ -45,15 +47,8 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("diffsynth_world")
     flags = write_tiny_models(root / "models", MODULE)
     write_synthetic_dataset(root / "data", count=5, size=32)
-    env = {"DIFFSYNTH_MODEL_BASE_PATH": str(root / "models"), "DIFFSYNTH_SKIP_DOWNLOAD": "True"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield root, flags
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with diffsynth_models(root / "models"):
+        yield root, flags
 
 
 def _flags(root: Path, flags: dict, **over) -> dict:
