@@ -138,6 +138,19 @@ def test_accumulation_resumes_exactly_from_a_state_mid_epoch(world, tmp_path):
         run(make_args(**_flags(root, flags, num_epochs=3, save_steps=1, output_path=str(cut), resume=str(newest))))
 
 
+def test_resuming_from_the_newest_state_prunes_beyond_the_limit(world, tmp_path):
+    """A kill between a new state and the pruning of the oldest leaves one too many, and a run resumed from the newest
+    may save no further state: it prunes on resuming (here the run's own states stand for such leftovers)."""
+    root, flags = world
+    out = tmp_path / "out"
+    run(make_args(**_flags(root, flags, num_epochs=1, save_steps=1, save_total_limit=0, output_path=str(out))))
+    every = sorted((out / "state").iterdir(), key=lambda p: int(p.name.split("-")[1]))
+    assert len(every) == 5
+    run(make_args(**_flags(root, flags, num_epochs=1, save_steps=1, save_total_limit=2, output_path=str(out),
+                           resume="latest")))
+    assert sorted((out / "state").iterdir(), key=lambda p: int(p.name.split("-")[1])) == every[-2:]
+
+
 def test_a_deepspeed_launch_is_refused_in_one_line(world, tmp_path, monkeypatch):
     root, flags = world
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")

@@ -183,3 +183,19 @@ def test_a_state_of_another_training_is_refused_in_one_line(setup, tmp_path, cap
     code, _, err = cli(capsys, *argv(models, data, out, "sft"), "--resume", str(state))
     one_error_line(code, err, "trained.safetensors", "damaged")
     assert (out / STATE_DIR).is_dir()
+
+
+def test_resuming_from_the_newest_state_prunes_what_a_kill_left_beyond_the_limit(setup, tmp_path, capsys):
+    """A kill between a new state and the pruning of the oldest leaves one state too many; a run resumed from the
+    newest may save no further state (it was the last step), so it prunes on resuming (the SIGKILL test above met it:
+    three states under --save_total_limit 2). Here the run's 4 states stand for such leftovers."""
+    models, data, _ = setup
+    out = tmp_path / "out"
+    code, _, err = cli(capsys, *argv(models, data, out, "sft"), "--num_epochs", "1", "--save_total_limit", "0")
+    assert code == 0, err
+    every = states(out)
+    assert len(every) == 4
+    code, _, err = cli(capsys, *argv(models, data, out, "sft"), "--num_epochs", "1", "--save_total_limit", "2",
+                       "--resume", "latest")
+    assert code == 0, err
+    assert states(out) == every[-2:]

@@ -45,7 +45,7 @@ from .lora import DIFFSYNTH_REMOVE_PREFIX, helper, target_modules
 from .hazards import UnitHazard, check_unit, install_skeletons, state_identities
 from .planning import live_projection, loss_overwrites
 from .samples import SAMPLES_DIR, Renderer
-from .state import load_state, newest_state, save_state, settings_of
+from .state import load_state, newest_state, prune_states, save_state, settings_of
 from .models import (ModelFile, find_models, load_pipeline, pipeline_class_of, planned_models, skeleton,
                      tokenizer_folder)
 
@@ -525,6 +525,8 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
             step, position, rows = load_state(found, named, optimizer, scheduler, settings)
             result.resumed_from = found
             report(f"resumed:    {found} (epoch {position[0]}, step {step})")
+            if world.main:
+                prune_states(output, args.save_total_limit, resumed=found)
         start = time.perf_counter()
 
         convert = _opensource(setup.glue) if args.align_to_opensource_format else None

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from ..errors import BackendError
 
-__all__ = ["STATE_DIR", "load_state", "newest_state", "save_state", "settings_of"]
+__all__ = ["STATE_DIR", "load_state", "newest_state", "prune_states", "save_state", "settings_of"]
 
 STATE_DIR = "state"
 FORMAT = "unitgraph.diffsynth-state/v1"
@@ -66,10 +66,19 @@ def save_state(output: Path, step: int, position: tuple[int, int], named: list[t
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
-    if keep:
-        for old in sorted(_states(root), key=lambda p: _step(p))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    prune_states(output, keep)
     return final
+
+
+def prune_states(output: Path, keep: Optional[int], resumed: Optional[Path] = None) -> None:
+    """Keep the newest `keep` states (--save_total_limit; 0 or None: all): after a new state is whole, and when a run
+    resumed from the newest (`resumed`: a kill between a state and this pruning left one too many)."""
+    found = sorted(_states(output / STATE_DIR), key=_step)
+    if resumed is not None and (not found or Path(resumed).resolve() != found[-1].resolve()):
+        return  # resumed from an older state, or from another folder's: the others are left as they are
+    if keep:
+        for old in found[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _step(folder: Path) -> int:

@@ -287,6 +287,9 @@ class _Run:
             result.resumed_from = self.start.path
             if self.main:
                 print(f"resuming from {self.start.path} (step {self.start.step}, epoch {self.start.epoch})")
+                newest = latest_state(output)  # a kill between a new state and the pruning of the oldest left one
+                if newest is not None and Path(self.start.path).resolve() == newest.resolve():  # too many
+                    prune_states(output, cfg.output.save_total_limit)
         self.log = LossLog(output / "loss.csv", self.main, rows=self.start.rows if self.start else None,
                            norms=cfg.optim.max_grad_norm is not None)
         per_epoch = len(step_groups(data.batches(0, self.rank, self.world), cfg.optim.accumulation))
