@@ -628,15 +628,9 @@ class Family:
         slots = tuple(replace(s, subfolder=subfolder) if s.name == self.experts.slot else s for s in self.slots)
         return replace(self, slots=slots)
 
-    def slot_of_subfolder(self, subfolder: str, config: Optional[Mapping[str, Any]] = None) -> Optional[ModelSlot]:
-        """The model slot a pipeline subfolder holds: a slot's own, or any expert's of the expert slot. Where several
-        slots share the subfolder (two text-encoder classes a family's releases keep in text_encoder/), `config` (the
-        folder's config.json) picks the one whose class or transformers model_type it names; without it, the first."""
-        mine = [s for s in self.slots if s.subfolder == subfolder and s.kind == "model"]
-        if config is not None and len(mine) > 1:
-            names = {str(config.get("_class_name") or ""), *(str(a) for a in config.get("architectures") or ())}
-            mine = [s for s in mine if names & set(s.class_names) or config.get("model_type") in s.model_types] or mine
-        own = mine[0] if mine else None
+    def slot_of_subfolder(self, subfolder: str) -> Optional[ModelSlot]:
+        """The model slot a pipeline subfolder holds: a slot's own, or any expert's of the expert slot."""
+        own = next((s for s in self.slots if s.subfolder == subfolder and s.kind == "model"), None)
         if own is None and self.experts is not None and subfolder in dict(self.experts.subfolders).values():
             return self.slot(self.experts.slot)
         return own

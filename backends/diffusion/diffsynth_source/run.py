@@ -502,7 +502,9 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
     units = setup.stage_units("train")
     output = Path(args.output_path)
     prefix = DIFFSYNTH_REMOVE_PREFIX if args.remove_prefix_in_ckpt is None else args.remove_prefix_in_ckpt
-    settings = settings_of(args, sample_ids)
+    world = setup.world
+    per = world.size * max(1, args.gradient_accumulation_steps)  # the samples of one optimizer step (world.py)
+    settings = settings_of(args, sample_ids, per)
     record = {"task": args.task, "pipeline": setup.glue.name, "plan_fingerprint": setup.plan.fingerprint}
     n = len(sample_ids)
     renderer = Renderer(setup, pipe, stage_models, setup.load_plain)
@@ -514,9 +516,6 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
     if renderer and renderer.missing:
         report(f"samples:    {', '.join(renderer.missing)} loaded while the samples render (this stage trains without "
                "them)")
-    world = setup.world
-    per = world.size * max(1, args.gradient_accumulation_steps)  # the samples of one optimizer step (world.py)
-    settings["samples_per_step"] = per
     with _claimed(output, world, args.overwrite, record, args.resume is not None) as folder:
         result.replaced = folder.replaced if folder is not None else None
         step, position, rows = 0, (0, 0), []

@@ -31,14 +31,15 @@ FORMAT = "unitgraph.diffsynth-state/v1"
 SETTING_NAMES = {"samples_per_step": "samples a step (processes x --gradient_accumulation_steps)"}
 
 
-def settings_of(args: Any, sample_ids: list[str]) -> dict[str, Any]:
-    """What a continued run must share with the one that wrote the state (--num_epochs may grow)."""
+def settings_of(args: Any, sample_ids: list[str], samples_per_step: int = 1) -> dict[str, Any]:
+    """What a continued run must share with the one that wrote the state (--num_epochs may grow), the samples of an
+    optimizer step (processes x --gradient_accumulation_steps) included."""
     import hashlib
 
     names = ("seed", "learning_rate", "weight_decay", "lora_base_model", "lora_target_modules", "lora_rank",
              "lora_alpha", "trainable_models", "dataset_repeat", "remove_prefix_in_ckpt", "save_steps")
     samples = hashlib.sha256("\n".join(sample_ids).encode("utf-8")).hexdigest()
-    return {**{name: getattr(args, name) for name in names}, "samples": samples}
+    return {**{name: getattr(args, name) for name in names}, "samples": samples, "samples_per_step": samples_per_step}
 
 
 def save_state(output: Path, step: int, position: tuple[int, int], named: list[tuple[str, Any]], optimizer: Any,

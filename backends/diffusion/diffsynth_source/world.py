@@ -73,17 +73,11 @@ class World:
 def launched() -> World:
     """The launch's processes (accelerate's environment; one without a launch), their process group started; a
     sharding engine refused in one line."""
-    import os
-
     import torch
 
-    from ..engine import engine_from_env
+    from ..engine import engine_from_env, requested_sharding
 
-    if _on("ACCELERATE_USE_DEEPSPEED"):  # before engine_from_env's checks: installing DeepSpeed would not help
-        stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-        sharding = f"DeepSpeed ZeRO-{stage}" if stage else "DeepSpeed"
-    else:
-        sharding = "FSDP" if _on("ACCELERATE_USE_FSDP") else ""
+    sharding = requested_sharding()
     if sharding:
         raise BackendError(f"{sharding} from accelerate launch: a DiffSynth pipeline trains data parallel so far "
                            "(each process holding the whole pipeline); launch it with an accelerate config without "
@@ -97,9 +91,3 @@ def launched() -> World:
     state = PartialState(cpu=not cuda)  # starts the process group (gloo on the CPU, NCCL on GPUs)
     return World(size=int(state.num_processes), rank=int(state.process_index),
                  device=str(state.device) if cuda else "cpu")
-
-
-def _on(name: str) -> bool:
-    import os
-
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from .folders import SlotTable
+
 __all__ = ["Completion", "weights_without_config", "complete", "mismatch_problem"]
 
 
@@ -120,8 +122,11 @@ def _read_released(family: Any, subfolder: str) -> tuple[tuple[str, str, tuple],
     import importlib
 
     real = importlib.import_module(".real", family.package)
-    if family.slot_of_subfolder(subfolder) is None:
+    slot = family.slot_of_subfolder(subfolder)
+    if slot is None:
         return ()
+    table = SlotTable(family.slots)
+    sharing = table.shared_subfolder.get(subfolder, ())  # two classes in one folder: the config says which
     out: dict[str, tuple[str, str, tuple]] = {}
     with tempfile.TemporaryDirectory(prefix="unitgraph-releases-") as tmp:
         for size in real.RELEASES:
@@ -136,8 +141,9 @@ def _read_released(family: Any, subfolder: str) -> tuple[tuple[str, str, tuple],
                 if text is None or text in out:
                     continue
                 marker = json.loads((top / "unitgraph_config_only.json").read_text(encoding="utf-8"))
-                slot = family.slot_of_subfolder(subfolder, json.loads(text))  # of the slots sharing it, the class it names
-                out[text] = (str(marker.get("source") or family.title), text, _state_shapes(slot, path.parent))
+                named = table.of_config(json.loads(text)) if len(sharing) > 1 else None
+                own = family.slot(named) if named in sharing else slot
+                out[text] = (str(marker.get("source") or family.title), text, _state_shapes(own, path.parent))
     return tuple(out.values())
 
 

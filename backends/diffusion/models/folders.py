@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from unitgraph.errors import UnitgraphError, path_missing
 from unitgraph.userfiles import parse_user_json
@@ -147,6 +147,16 @@ class SlotTable:
     def expected(self, slot: str) -> str:
         return self.slots[slot].class_name
 
+    def of_config(self, config: Mapping[str, Any]) -> str | None:
+        """The slot a component's config.json names: by its diffusers `_class_name`, else by its transformers
+        `model_type` or `architectures`; None when it names none of the family's."""
+        class_name = config.get("_class_name")
+        if class_name:
+            return self.by_class.get(class_name)
+        architectures = [str(a) for a in config.get("architectures") or []]
+        return self.by_model_type.get(config.get("model_type")) or next(
+            (self.by_class[a] for a in architectures if a in self.by_class), None)
+
     def encoder_of(self, tokenizer: str) -> str | None:
         """The text encoder slot a tokenizer slot is paired with."""
         return next((s.name for s in self.slots.values() if s.tokenizer == tokenizer), None)
@@ -215,8 +225,8 @@ def classify_folder(path: Path | str, table: SlotTable, origin: str | None = Non
         config = read_json_file(p / "config.json")
         class_name = config.get("_class_name")
         models = [s for s in table.slots.values() if s.kind == "model"]
+        slot = table.of_config(config)
         if class_name:
-            slot = table.by_class.get(class_name)
             if slot is None:
                 expected = " or ".join(s.class_name for s in models if s.library == "diffusers")
                 raise UnreadableLayout(p, f"unsupported diffusers model class {class_name} (expected {expected})")
@@ -224,8 +234,6 @@ def classify_folder(path: Path | str, table: SlotTable, origin: str | None = Non
         architectures = [str(a) for a in config.get("architectures") or []]
         model_type = config.get("model_type")
         if architectures or model_type:
-            slot = table.by_model_type.get(model_type) or next(
-                (table.by_class[a] for a in architectures if a in table.by_class), None)
             if slot is not None:
                 return FolderEntry(origin=origin, path=p, kind=slot,
                               class_name=architectures[0] if architectures else table.expected(slot))
