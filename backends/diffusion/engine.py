@@ -261,7 +261,8 @@ def deepspeed_config(engine: Engine, batch_size: int, max_grad_norm: Optional[fl
     unitgraph steps the optimizer itself at the end of each optimizer step (the engine's accumulation boundary
     set by hand), so DeepSpeed sees one micro-batch a step and never rescales a loss; clipping is --max_grad_norm
     (else the config's number); the precision sections are off (the module docstring says why); a client AdamW
-    is allowed with optimizer offload (DeepSpeed's CPU Adam would round differently from the unsplit run's).
+    is allowed with optimizer offload (DeepSpeed's CPU Adam would round differently from the unsplit run's); ZeRO-3's
+    memory-efficient linear is off (see below).
     """
     config = {key: value for key, value in engine.config.items() if key not in ("fp16", "bf16", "optimizer",
                                                                                  "scheduler")}
@@ -280,6 +281,11 @@ def deepspeed_config(engine: Engine, batch_size: int, max_grad_norm: Optional[fl
     zero["offload_optimizer"] = {**(zero.get("offload_optimizer") or {}),
                                  "device": "cpu" if engine.offload_optimizer else "none"}
     zero["offload_param"] = {**(zero.get("offload_param") or {}), "device": "cpu" if engine.offload_params else "none"}
+    # ZeRO-3's memory-efficient linear: the engine's conversion of the model to partitions replaces
+    # torch.nn.functional.linear for the rest of the process (deepspeed's zero.Init(module=...)), so the frozen
+    # models outside the engine (an unsplit run's encoders) would round otherwise than stage 1 did without an
+    # engine: off, so split equals unsplit under ZeRO-3
+    zero["memory_efficient_linear"] = False
     for key in ("offload_optimizer", "offload_param"):
         zero[key].pop("nvme_path", None)
         if zero[key]["device"] == "none":
