@@ -23,6 +23,6 @@ if [ "$(cat .venv-diffsynth/.setup-stamp 2>/dev/null || true)" != "$stamp" ]; th
   # shellcheck disable=SC2086
   .venv-diffsynth/bin/python -m pip install -q --disable-pip-version-check $PINS
   # shellcheck disable=SC2086
-  .venv-diffsynth/bin/python -m pip install -q --disable-pip-version-check $PINS -e ".[diffusion,dev,diffsynth]"
+  .venv-diffsynth/bin/python -m pip install -q --disable-pip-version-check $PINS -e ".[diffusion,dev,diffsynth,deepspeed]"
   echo "$stamp" > .venv-diffsynth/.setup-stamp
 fi

@@ -22,6 +22,7 @@ What they show, per pipeline:
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -594,6 +595,46 @@ def test_the_dry_run_of_the_released_z_image_needs_no_file(tmp_path, monkeypatch
     assert 6.0e9 < models["dit"]["params"] < 6.3e9 and 3.9e9 < models["text_encoder"]["params"] < 4.1e9
     assert stages["data_process"]["models"] == ["text_encoder", "vae_encoder"] and stages["train"]["models"] == ["dit"]
     assert "vae_decoder" in models and not (tmp_path / "models").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+def test_the_dry_run_under_diffsynths_zero3_config_is_per_process(tmp_path, monkeypatch, capsys):
+    """DiffSynth's full Z-Image command with its ZeRO-3 config over 8 processes, --dry_run: stage 2 holds an eighth
+    of the 6 B DiT's bf16 weights, of its gradients, of AdamW's moments and of the fp32 masters; stage 1 is as
+    without an engine; the same with ZeRO-2 keeps the weights whole."""
+    import json
+
+    from clitools import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DIFFSYNTH_SKIP_DOWNLOAD", "True")
+    monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
+    ids = ("Tongyi-MAI/Z-Image:transformer/*.safetensors,Tongyi-MAI/Z-Image-Turbo:text_encoder/*.safetensors,"
+           "Tongyi-MAI/Z-Image-Turbo:vae/diffusion_pytorch_model.safetensors")
+    plans = {}
+    for stage in (2, 3):
+        config = tmp_path / f"zero{stage}.yaml"
+        config.write_text(f"distributed_type: DEEPSPEED\nmixed_precision: bf16\nnum_processes: 8\ndeepspeed_config:\n"
+                          f"  zero_stage: {stage}\n  offload_optimizer_device: none\n  offload_param_device: none\n")
+        code, out, err = cli(capsys, "train", "--pipeline", "diffsynth:z_image", "--dry_run", "--json",
+                             "--dataset_base_path", "data", "--trainable_models", "dit", "--model_id_with_origin_paths",
+                             ids, "--config_file", str(config))
+        assert code == 0, err
+        plans[stage] = json.loads(out[out.index("{"):])
+    dit = plans[3]["models"]["dit"]
+    n = dit["params"]
+    two, three = plans[2]["stages"], plans[3]["stages"]
+    assert three["train"]["weights"] == -(-dit["bytes"] // 8) and two["train"]["weights"] == dit["bytes"]
+    for plan in (two, three):
+        assert plan["train"]["optimizer"] == -(-8 * n // 8) and plan["train"]["master"] == -(-4 * n // 8)
+        assert plan["train"]["gradients"] == -(-2 * n // 8)
+    assert three["data_process"] == two["data_process"] and three["data_process"]["master"] == 0
+    assert three["unsplit"]["weights"] == three["train"]["weights"] + sum(
+        plans[3]["models"][m]["bytes"] for m in three["data_process"]["models"])
+    code, out, err = cli(capsys, "train", "--pipeline", "diffsynth:z_image", "--dry_run", "--dataset_base_path", "data",
+                         "--trainable_models", "dit", "--model_id_with_origin_paths", ids, "--config_file",
+                         str(tmp_path / "zero3.yaml"))
+    assert code == 0 and "per process under DeepSpeed ZeRO-3 over 8 processes" in out, out
 
 
 def test_tiny_models_command_writes_a_diffsynth_pipelines_models(tmp_path, monkeypatch, capsys):

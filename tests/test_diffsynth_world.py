@@ -6,7 +6,10 @@ Two CPU processes over gloo, on Stable Diffusion 1.5's test-size models in fp32 
 - stage 1 over two processes computes each entry once and writes the manifest one process writes; stage 2 over two
   processes equals the two-process unsplit run;
 - `--gradient_accumulation_steps` resumes exactly from a state written mid-epoch;
-- an accelerate config with a DeepSpeed section is refused in one line;
+- an accelerate config with an FSDP section is refused in one line;
+- DiffSynth's DeepSpeed configs as shipped (diffsynth_source/zero.py): ZeRO-2 (and ZeRO-2 with offload) trains SD
+  1.5's LoRA as data parallel does; under ZeRO-3, Z-Image's DiT trained whole in bf16 trains split == unsplit and
+  resumes exactly; DiffSynth's full Z-Image command runs under its ZeRO-2 config;
 - DiffSynth's full fine-tuning of FLUX.2 [klein] 4B on edits (examples/flux2/model_training/full/FLUX.2-klein-4B.sh,
   its edit command) runs as it is under a two-process launch and writes the whole DiT once.
 
@@ -15,10 +18,13 @@ Run in .venv-diffsynth (scripts/test_diffsynth.sh); skipped without the `diffsyn
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -51,26 +57,40 @@ def world(tmp_path_factory):
         yield root, flags
 
 
-def _flags(root: Path, flags: dict, **over) -> dict:
-    base = {"pipeline": f"diffsynth:{MODULE}", "dataset_base_path": str(root / "data"),
+def _flags(root: Path, flags: dict, module: str = MODULE, **over) -> dict:
+    base = {"pipeline": f"diffsynth:{module}", "dataset_base_path": str(root / "data"),
             "dataset_metadata_path": str(root / "data" / "metadata.csv"), "height": 32, "width": 32,
-            "model_id_with_origin_paths": flags["model_id_with_origin_paths"], "lora_base_model": "unet",
-            "lora_target_modules": "to_q,to_k,to_v,to_out.0", "lora_rank": 4, "num_epochs": 2, "seed": 3}
+            "model_id_with_origin_paths": flags["model_id_with_origin_paths"], "num_epochs": 2, "seed": 3}
+    base.update({k: v for k, v in flags.items() if k.startswith("tokenizer")})
+    if module == MODULE:
+        base.update(lora_base_model="unet", lora_target_modules="to_q,to_k,to_v,to_out.0", lora_rank=4)
     base.update(over)
     return {k: v for k, v in base.items() if v is not None}
 
 
-def launch(root: Path, flags: dict, **over) -> str:
-    """`unitgraph train` with these flags under `accelerate launch` with 2 CPU processes; its output."""
-    argv = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-            "--num_machines", "1", "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no",
-            str(CLI), "train"]
-    for name, value in _flags(root, flags, **over).items():
-        argv += [f"--{name}", str(value)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+def launch(root: Path, flags: dict, config: Optional[Path] = None, module: str = MODULE, **over) -> str:
+    """`unitgraph train` with these flags under `accelerate launch` with 2 CPU processes (with `config`: its
+    accelerate config, the processes' count overridden as DiffSynth's configs name 8); its output."""
+    done = launched(root, flags, config, module, **over)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return done.stdout
+
+
+def launched(root: Path, flags: dict, config: Optional[Path] = None, module: str = MODULE,
+             **over) -> subprocess.CompletedProcess:
+    """`launch`, its process whatever its exit code."""
+    argv = [sys.executable, "-m", "accelerate.commands.launch"]
+    if config is None:
+        argv += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    else:
+        argv += ["--config_file", str(config)]
+    argv += ["--num_processes", "2", "--num_machines", "1", "--main_process_port", "0", str(CLI), "train"]
+    for name, value in _flags(root, flags, module, **over).items():
+        argv += [f"--{name}", str(value)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if config is None:
+        env["ACCELERATE_USE_CPU"] = "true"  # (DeepSpeed runs on CPU processes without it: shared/ENGINE_NOTES.md)
+    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
 
 
 def rows(folder: Path) -> list[str]:
@@ -151,16 +171,198 @@ def test_resuming_from_the_newest_state_prunes_beyond_the_limit(world, tmp_path)
     assert sorted((out / "state").iterdir(), key=lambda p: int(p.name.split("-")[1])) == every[-2:]
 
 
-def test_a_deepspeed_launch_is_refused_in_one_line(world, tmp_path, monkeypatch):
+def test_an_fsdp_launch_is_refused_in_one_line(world, tmp_path, monkeypatch):
     root, flags = world
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(BackendError) as caught:
-        run(make_args(**_flags(root, flags, output_path=str(tmp_path / "ds"))))
+        run(make_args(**_flags(root, flags, output_path=str(tmp_path / "fsdp"))))
     line = caught.value.one_line()
-    assert "DeepSpeed ZeRO-2" in line and "data parallel" in line and "\n" not in line
-    assert not (tmp_path / "ds").exists()
+    assert "FSDP" in line and "DeepSpeed" in line and "\n" not in line
+    assert not (tmp_path / "fsdp").exists()
+
+
+# DiffSynth's accelerate configs for full training, as shipped: examples/z_image/model_training/full/
+# accelerate_config.yaml (ZeRO-2; FLUX.2's and Ideogram 4's are the same text), examples/qwen_image/model_training/
+# full/accelerate_config_zero2offload.yaml (ZERO2_OFFLOAD_CONFIG below) and z_image's accelerate_config_zero3.yaml
+ZERO2_CONFIG = """compute_environment: LOCAL_MACHINE
+debug: false
+deepspeed_config:
+  gradient_accumulation_steps: 1
+  offload_optimizer_device: none
+  offload_param_device: none
+  zero3_init_flag: false
+  zero_stage: 2
+distributed_type: DEEPSPEED
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 8
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+ZERO3_CONFIG = """compute_environment: LOCAL_MACHINE
+debug: false
+deepspeed_config:
+  gradient_accumulation_steps: 1
+  offload_optimizer_device: none
+  offload_param_device: none
+  zero3_init_flag: true
+  zero3_save_16bit_model: true
+  zero_stage: 3
+distributed_type: DEEPSPEED
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 8
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+ZERO2_OFFLOAD_CONFIG = ZERO2_CONFIG.replace("offload_optimizer_device: none\n  offload_param_device: none",
+                                            "offload_optimizer_device: 'cpu'\n  offload_param_device: 'cpu'")
+assert ZERO2_OFFLOAD_CONFIG != ZERO2_CONFIG
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="DeepSpeed is not installed (the deepspeed extra)")
+
+
+def _config(folder: Path, text: str, name: str = "accelerate_config.yaml") -> Path:
+    path = folder / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+@needs_deepspeed
+def test_zero2_over_two_processes_trains_what_data_parallel_trains(world, two, tmp_path):
+    """DiffSynth's ZeRO-2 config, SD 1.5's LoRA in fp32: the loss rows of the data-parallel run over two processes,
+    the LoRA to within the order of a sum (here equal); each process keeps its own optimizer partition in a state.
+    Its ZeRO-2 config with the optimizer offloaded to CPU memory trains the same numbers (the client AdamW steps
+    there too)."""
+    root, flags = world
+    folder, _out = two
+    out = launch(root, flags, _config(tmp_path, ZERO2_CONFIG), output_path=str(tmp_path / "zero2"))
+    assert "engine:     DeepSpeed ZeRO-2 over 2 processes" in out, out
+    assert rows(tmp_path / "zero2") == rows(folder)
+    a, b = load_file(str(folder / "epoch-1.safetensors")), load_file(str(tmp_path / "zero2" / "epoch-1.safetensors"))
+    assert set(a) == set(b) and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+    assert any(not torch.equal(a[k], torch.zeros_like(a[k])) for k in a if "lora_B" in k)  # it trained
+    state = tmp_path / "zero2" / "state" / "step-6"
+    assert {p.name for p in state.iterdir()} == {"state.json", "trained.safetensors", "optimizer.safetensors",
+                                                  "optimizer-rank1.safetensors"}
+    offload = _config(tmp_path, ZERO2_OFFLOAD_CONFIG, "offload.yaml")
+    out = launch(root, flags, offload, output_path=str(tmp_path / "off"))
+    assert "engine:     DeepSpeed ZeRO-2 (optimizer offloaded to CPU) over 2 processes" in out, out
+    assert rows(tmp_path / "off") == rows(folder)
+    assert same_lora(tmp_path / "off" / "epoch-1.safetensors", tmp_path / "zero2" / "epoch-1.safetensors")
+
+
+@pytest.fixture(scope="module")
+def z_image(tmp_path_factory):
+    """Z-Image's test-size models (DiffSynth loads them in bf16) and 5 rows."""
+    root = tmp_path_factory.mktemp("diffsynth_zero")
+    flags = write_tiny_models(root / "models", "z_image")
+    write_synthetic_dataset(root / "data", count=5, size=32)
+    return root, flags
+
+
+@needs_deepspeed
+def test_zero3_full_training_split_equals_unsplit_and_resumes_exactly(z_image, tmp_path):
+    """DiffSynth's ZeRO-3 config, Z-Image's DiT trained whole in bf16: each process holds half its weights; stage 1
+    then stage 2 under the same launch train the unsplit run's numbers bit for bit; a run resumed from a state
+    mid-run ends on the same weights (each process's fp32 masters come back from its own file: their bf16
+    roundings would not do); a data-parallel run does not continue it."""
+    root, flags = z_image
+    config = _config(tmp_path, ZERO3_CONFIG)
+    common = dict(module="z_image", trainable_models="dit", learning_rate=1e-3, save_steps=2, save_total_limit=0)
+    with diffsynth_models(root / "models"):
+        out = launch(root, flags, config, output_path=str(tmp_path / "unsplit"), **common)
+        assert "DeepSpeed ZeRO-3 over 2 processes: the weights of dit partitioned, this process holds 50.0%" in out, out
+        launch(root, flags, config, task="sft:data_process", output_path=str(tmp_path / "cache"), **common)
+        launch(root, flags, config, task="sft:train", dataset_base_path=str(tmp_path / "cache"),
+               dataset_metadata_path=None, output_path=str(tmp_path / "split"), **common)
+        unsplit = tmp_path / "unsplit"
+        assert rows(tmp_path / "split") == rows(unsplit)
+        assert same_lora(tmp_path / "split" / "epoch-1.safetensors", unsplit / "epoch-1.safetensors")
+        assert {v.dtype for v in load_file(str(unsplit / "epoch-1.safetensors")).values()} == {torch.bfloat16}
+        cut = tmp_path / "cut"
+        shutil.copytree(unsplit / "state" / "step-2", cut / "state" / "step-2")
+        refused = launched(root, flags, config, output_path=str(cut), resume="latest", **common)
+        assert refused.returncode != 0 and "[rank1]: Traceback" not in refused.stderr, refused.stderr[-3000:]
+        assert "the main process refused the output folder" in refused.stderr, refused.stderr[-3000:]
+        shutil.rmtree(cut)
+        shutil.copytree(unsplit, cut, ignore=shutil.ignore_patterns("step-4", "step-6", "epoch-*"))
+        launch(root, flags, config, output_path=str(cut), resume="latest", **common)
+        assert rows(cut) == rows(unsplit)
+        assert same_lora(cut / "epoch-1.safetensors", unsplit / "epoch-1.safetensors")
+        with pytest.raises(BackendError, match=r"the engine 'DeepSpeed ZeRO-3 over 2 processes', this run has "
+                                               r"'data parallel'"):
+            run(make_args(**_flags(root, flags, output_path=str(cut), resume=str(cut / "state" / "step-2"),
+                                   gradient_accumulation_steps=2, **common)))  # the same samples a step
+
+
+# examples/z_image/model_training/full/Z-Image.sh, as it is
+Z_IMAGE_FULL = r"""
+accelerate launch --config_file examples/z_image/model_training/full/accelerate_config.yaml examples/z_image/model_training/train.py \
+  --dataset_base_path data/diffsynth_example_dataset/z_image/Z-Image \
+  --dataset_metadata_path data/diffsynth_example_dataset/z_image/Z-Image/metadata.csv \
+  --max_pixels 1048576 \
+  --dataset_repeat 400 \
+  --model_id_with_origin_paths "Tongyi-MAI/Z-Image:transformer/*.safetensors,Tongyi-MAI/Z-Image-Turbo:text_encoder/*.safetensors,Tongyi-MAI/Z-Image-Turbo:vae/diffusion_pytorch_model.safetensors" \
+  --learning_rate 1e-5 \
+  --num_epochs 2 \
+  --remove_prefix_in_ckpt "pipe.dit." \
+  --output_path "./models/train/Z-Image_full" \
+  --trainable_models "dit" \
+  --use_gradient_checkpointing \
+  --dataset_num_workers 8
+"""
+
+
+@needs_deepspeed
+def test_diffsynths_z_image_full_command_runs_under_its_zero2_config(tmp_path):
+    """The command with `unitgraph train` for DiffSynth's train.py, `--pipeline diffsynth:z_image` (the model ids
+    alone choose unitgraph's own Z-Image family), lowered sizes (--num_epochs 1, --dataset_repeat 1) and the
+    launch's `--num_processes 2` (its config names 8), from a folder holding DiffSynth's config at its path and
+    `./models` as DiffSynth's loader lays it out; 3 rows."""
+    import shlex
+
+    words = shlex.split(Z_IMAGE_FULL.replace("\\\n", " "))
+    launch_args = words[2:words.index("examples/z_image/model_training/train.py")]
+    argv = words[words.index("examples/z_image/model_training/train.py") + 1:]
+    for flag, value in (("--num_epochs", "1"), ("--dataset_repeat", "1")):
+        argv[argv.index(flag) + 1] = value
+    argv += ["--pipeline", "diffsynth:z_image"]
+    config = tmp_path / launch_args[launch_args.index("--config_file") + 1]
+    config.parent.mkdir(parents=True)
+    config.write_text(ZERO2_CONFIG, encoding="utf-8")
+    write_tiny_models(tmp_path / "models", "z_image")
+    write_synthetic_dataset(tmp_path / "data" / "diffsynth_example_dataset" / "z_image" / "Z-Image", count=3, size=32)
+    env = {k: v for k, v in os.environ.items() if k not in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD")}
+    env.update(OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *launch_args, "--num_processes", "2",
+                           "--main_process_port", "0", str(CLI), "train", *argv], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "engine:     DeepSpeed ZeRO-2 over 2 processes" in done.stdout and "training: 2 steps in" in done.stdout
+    out = tmp_path / "models" / "train" / "Z-Image_full"
+    full = load_file(str(out / "epoch-0.safetensors"))
+    dit = load_file(str(next((tmp_path / "models" / "Tongyi-MAI" / "Z-Image" / "transformer").glob("*.safetensors"))))
+    assert set(full) == set(dit) and any(not torch.equal(full[k], dit[k]) for k in full)  # the whole DiT, trained
+    assert [r.split(",")[0] for r in rows(out)[1:]] == ["1", "1", "2"]  # steps of 2 samples, then 1
 
 
 # examples/flux2/model_training/full/FLUX.2-klein-4B.sh, its edit command (commented out in the script, as DiffSynth

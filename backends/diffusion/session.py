@@ -40,7 +40,7 @@ def make_accelerator(cfg: RunConfig):
     processes as for data parallel, and the trained models are sharded with torch's fully_shard (train/engines.py).
     """
     import torch
-    from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
+    from accelerate import Accelerator, DistributedDataParallelKwargs
 
     engine = cfg.engine
     # A LoRA on modules whose outputs nobody reads (the text stream of a DiT's last block, say) leaves
@@ -49,30 +49,40 @@ def make_accelerator(cfg: RunConfig):
     handlers: list[Any] = [DistributedDataParallelKwargs(find_unused_parameters=cfg.optim.find_unused_parameters or multi)]
     trackers = {} if cfg.output.report_to == "none" else {
         "log_with": cfg.output.report_to, "project_dir": str(Path(cfg.output.path) / "logs")}
-    cuda = torch.cuda.is_available()
     if engine.kind == "deepspeed":
-        if not cuda:
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-            handlers.append(InitProcessGroupKwargs(backend="gloo"))
-        _forget_other_precision("no", multi)
-        try:
-            accelerator = Accelerator(mixed_precision="no", kwargs_handlers=handlers, **trackers)
-        except ValueError as exc:  # accelerate's checks of a DeepSpeed config against the launch's settings
-            first = " ".join(str(exc).split("\n")[:2]).strip()
-            raise BackendError(f"accelerate refuses the DeepSpeed settings: {first}",
-                               source=engine.config_file or engine.source) from None
-        # transformers' from_pretrained would build every model inside deepspeed.zero.Init under ZeRO-3, the frozen
-        # encoders too, which then could not run outside an engine: models load whole, and the engine shards the
-        # trained one when it is made (its weights are partitioned there, before the first step)
-        from transformers.integrations import unset_hf_deepspeed_config
-
-        unset_hf_deepspeed_config()
-        return accelerator
+        return deepspeed_accelerator(engine, handlers, trackers, multi)
+    cuda = torch.cuda.is_available()
     # the run's precision (--mixed_precision, else accelerate's launch flag or config, else bf16: config.py);
     # accelerate autocasts the trained models it prepares and scales fp16 losses
     _forget_other_precision(cfg.precision.mixed, multi)
     with _without_fsdp_plugin(engine.kind == "fsdp2"):
         return Accelerator(cpu=not cuda, mixed_precision=cfg.precision.mixed, kwargs_handlers=handlers, **trackers)
+
+
+def deepspeed_accelerator(engine: Any, handlers: list[Any], trackers: dict[str, Any], multi: bool) -> Any:
+    """The Accelerator of a DeepSpeed launch: accelerate makes the engine at `prepare`. On a CPU DeepSpeed needs its
+    CPU accelerator (DS_ACCELERATOR=cpu) and accelerate a gloo process group, or it would count one process. The
+    precision is the caller's (autocast, or the models' own dtype), so DeepSpeed's own is left off."""
+    import torch
+    from accelerate import Accelerator, InitProcessGroupKwargs
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        handlers = [*handlers, InitProcessGroupKwargs(backend="gloo")]
+    _forget_other_precision("no", multi)
+    try:
+        accelerator = Accelerator(mixed_precision="no", kwargs_handlers=handlers, **trackers)
+    except ValueError as exc:  # accelerate's checks of a DeepSpeed config against the launch's settings
+        first = " ".join(str(exc).split("\n")[:2]).strip()
+        raise BackendError(f"accelerate refuses the DeepSpeed settings: {first}",
+                           source=engine.config_file or engine.source) from None
+    # transformers' from_pretrained would build every model inside deepspeed.zero.Init under ZeRO-3, the frozen
+    # encoders too, which then could not run outside an engine: models load whole, and the engine shards the
+    # trained one when it is made (its weights are partitioned there, before the first step)
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    return accelerator
 
 
 @contextlib.contextmanager

@@ -7,6 +7,13 @@ parameters' gradients (in that dtype, as DiffSynth upcasts the LoRA to it) and A
 LoRA is peft's, injected into the skeleton with the command's targets and rank, so its size is the one the run
 trains. Activations are not counted: they depend on the kernels and the sample size, and the run's own
 `--dry_run` of unitgraph's families measures them; this plan says what the weights and the optimizer need.
+
+With `--config_file X [--num_processes N]` (the accelerate config the run will be launched with) the training
+stages are counted per process under its engine, as zero.py trains: data parallel holds everything on every
+process; DeepSpeed ZeRO-1 splits AdamW's moments and, for models not in fp32, the fp32 master copy of the trained
+weights over the N processes, ZeRO-2 the gradients too, ZeRO-3 the trained models' weights too (the frozen
+base under a LoRA included; one gathered layer at a time is not counted). What the config offloads is counted
+as host memory, not on the device. Stage 1 trains nothing and is the same under every engine.
 """
 
 from __future__ import annotations
@@ -39,9 +46,13 @@ def _lora_count(skeleton: Any, targets: list[str], rank: int) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
 
 
-def memory_plan(setup: Any) -> dict[str, Any]:
+def memory_plan(setup: Any, engine: Any = None) -> dict[str, Any]:
     """{models: {attribute: {params, bytes, entry}}, stages: {stage: {models, weights, trained, gradients,
-    optimizer, total}}} in bytes."""
+    optimizer, master, host, total}}, engine} in bytes, per process under `engine` (engine.Engine; data parallel
+    when None): `total` on the device, `host` what the engine offloads to CPU memory."""
+    from ..engine import Engine
+
+    engine = engine or Engine()
     args, plan, glue = setup.args, setup.plan, setup.glue
     width = _bytes_of(glue.dtype)
     table: dict[str, dict[str, Any]] = {}
@@ -59,23 +70,46 @@ def memory_plan(setup: Any) -> dict[str, Any]:
     for name in [m for m in (args.trainable_models or "").split(",") if m]:
         trained += table.get(name, {}).get("params", 0)
 
+    wrapped = {m for m in [args.lora_base_model, *(args.trainable_models or "").split(",")] if m}
+
     def stage(names: list[str], training: bool) -> dict[str, Any]:
         held = [n for n in names if n in table]
-        weights = sum(table[n]["bytes"] for n in held) + (trained * width if training and args.lora_base_model else 0)
+        lora = trained * width if training and args.lora_base_model else 0
+        weights = sum(table[n]["bytes"] for n in held) + lora
         grads = trained * width if training else 0
         optimizer = trained * 8 if training else 0
+        zero = engine.kind == "deepspeed" and engine.zero_stage >= 1  # a ZeRO optimizer keeps fp32 masters
+        master = trained * 4 if training and glue.dtype != "float32" and zero else 0
+        host = 0
+        if training and zero:
+            n = max(1, engine.processes)
+            optimizer, master = -(-optimizer // n), -(-master // n)
+            if engine.zero_stage >= 2:
+                grads = -(-grads // n)
+            if engine.zero_stage == 3:
+                sharded = sum(table[m]["bytes"] for m in held if m in wrapped) + lora
+                part = -(-sharded // n)
+                weights -= sharded - (0 if engine.offload_params else part)
+                host += part if engine.offload_params else 0
+            if engine.offload_optimizer:
+                host += optimizer + master
+                optimizer = master = 0
         return {"models": held, "weights": weights, "trained_params": trained if training else 0,
-                "gradients": grads, "optimizer": optimizer, "total": weights + grads + optimizer}
+                "gradients": grads, "optimizer": optimizer, "master": master, "host": host,
+                "total": weights + grads + optimizer + master}
 
     stages = {"data_process": stage(plan.data_process_models, False), "train": stage(plan.train_models, True),
               "unsplit": stage(sorted(set(plan.data_process_models) | set(plan.train_models)), True)}
     return {"pipeline": glue.name, "dtype": glue.dtype, "models": table, "stages": stages,
-            "activations": "not counted"}
+            "engine": {**engine.to_json(), "processes": engine.processes}, "activations": "not counted"}
 
 
 def format_plan(plan: dict[str, Any]) -> list[str]:
+    engine = plan.get("engine") or {"kind": "ddp", "processes": 1}
+    per = "" if engine["kind"] == "ddp" and engine.get("processes", 1) == 1 else \
+        f"; training stages per process under {engine['name']} over {engine['processes']} processes"
     lines = [f"dry run: {plan['pipeline']} in {plan['dtype']} (DiffSynth's model configs on the meta device; "
-             "activations not counted)"]
+             f"activations not counted{per})"]
     for name, info in plan["models"].items():
         lines.append(f"  {name:<14} {info['class']}: {info['params'] / 1e9:.3f} B params, {info['bytes'] / GIB:.2f} GiB "
                      f"({info['file']})")
@@ -86,6 +120,9 @@ def format_plan(plan: dict[str, Any]) -> list[str]:
         if s["trained_params"]:
             extra = (f"; trains {s['trained_params'] / 1e6:.1f} M params: gradients {s['gradients'] / GIB:.2f} GiB, "
                      f"AdamW {s['optimizer'] / GIB:.2f} GiB")
+            if s.get("master"):
+                extra += f", fp32 masters {s['master'] / GIB:.2f} GiB"
+        host = f" (+ {s['host'] / GIB:.2f} GiB offloaded to CPU memory)" if s.get("host") else ""
         lines.append(f"{title:<24} {', '.join(s['models']) or 'no model'}: weights {s['weights'] / GIB:.2f} GiB"
-                     f"{extra}; total {s['total'] / GIB:.2f} GiB")
+                     f"{extra}; total {s['total'] / GIB:.2f} GiB{host}")
     return lines

@@ -8,10 +8,11 @@ whole argument for split == unsplit (see the package docstring for the draws).
 
 The parts around the step are DiffSynth's runner's: AdamW with --learning_rate and --weight_decay, torch's
 ConstantLR with its defaults, one sample per micro-step (--gradient_accumulation_steps of them a step, on each
-process of a launch: world.py), the LoRA injected by DiffSynth's `add_lora_to_model` (peft) and
-written each epoch as `epoch-N.safetensors` by DiffSynth's `export_trainable_state_dict` (keys without
---remove_prefix_in_ckpt, DiffSynth's default `pipe.dit.`), which its `pipe.load_lora` reads. The epoch's order is
-unitgraph's seeded permutation, not the DataLoader's draw from the global stream.
+process of a launch: world.py; under DeepSpeed ZeRO through its engine: zero.py), the LoRA injected by DiffSynth's
+`add_lora_to_model` (peft) and written each epoch as `epoch-N.safetensors` by DiffSynth's
+`export_trainable_state_dict` (keys without --remove_prefix_in_ckpt, DiffSynth's default `pipe.dit.`), which its
+`pipe.load_lora` reads. The epoch's order is unitgraph's seeded permutation, not the DataLoader's draw from the
+global stream.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ from .lora import DIFFSYNTH_REMOVE_PREFIX, helper, target_modules
 from .hazards import UnitHazard, check_unit, install_skeletons, state_identities
 from .planning import live_projection, loss_overwrites
 from .samples import SAMPLES_DIR, Renderer
-from .state import load_state, newest_state, prune_states, save_state, settings_of
+from .state import (load_optimizer, load_state, newest_state, optimizer_tensors, prune_states, save_rank_file,
+                    save_state, settings_of, staging_folder)
+from .zero import ZeroTraining
 from .models import (ModelFile, find_models, load_pipeline, pipeline_class_of, planned_models, skeleton,
                      tokenizer_folder)
 
@@ -64,7 +67,8 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
         "find_unused_parameters", "enable_csv_log", "dry_run", "align_to_opensource_format", "lr_scheduler",
         "optimizer", "loss_weighting", "timestep_sampling", "lora_format", "max_timestep_boundary",
         "min_timestep_boundary", "validation_prompt", "validation_inference_steps", "validation_seed",
-        "validation_guidance", "validation_negative_prompt", "num_frames", "gradient_accumulation_steps"}
+        "validation_guidance", "validation_negative_prompt", "num_frames", "gradient_accumulation_steps",
+        "config_file", "num_processes"}
 
 
 def wanted(args: TrainArgs) -> bool:
@@ -497,14 +501,20 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
     named = [(n, p) for n, p in holder.named_parameters() if p.requires_grad]
     if not named:
         raise BackendError("nothing to train: the LoRA and --trainable_models left no parameter needing gradients")
-    optimizer = torch.optim.AdamW([p for _, p in named], lr=args.learning_rate, weight_decay=args.weight_decay)
+    world = setup.world
+
+    def make_optimizer(params: list[Any]) -> Any:
+        return torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+
+    zero = ZeroTraining(world, pipe, named, make_optimizer, max(1, args.gradient_accumulation_steps)) \
+        if world.zero else None
+    optimizer = zero.base if zero is not None else make_optimizer([p for _, p in named])
     scheduler = torch.optim.lr_scheduler.ConstantLR(optimizer)
     units = setup.stage_units("train")
     output = Path(args.output_path)
     prefix = DIFFSYNTH_REMOVE_PREFIX if args.remove_prefix_in_ckpt is None else args.remove_prefix_in_ckpt
-    world = setup.world
     per = world.size * max(1, args.gradient_accumulation_steps)  # the samples of one optimizer step (world.py)
-    settings = settings_of(args, sample_ids, per)
+    settings = settings_of(args, sample_ids, per, world.describe())
     record = {"task": args.task, "pipeline": setup.glue.name, "plan_fingerprint": setup.plan.fingerprint}
     n = len(sample_ids)
     renderer = Renderer(setup, pipe, stage_models, setup.load_plain)
@@ -513,15 +523,29 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
         raise BackendError(f"--validation_prompt draws through the whole pipeline, and the command names no file of "
                            f"{', '.join(lacking)} (stage 1's); name it too: stage 2 loads it only while the samples "
                            "render")
+    if renderer and zero is not None and world.engine.shards_frozen:
+        raise BackendError("--validation_prompt under DeepSpeed ZeRO-3: the samples would render on the main process "
+                           "alone from weights partitioned over all; train under ZeRO-2 or render afterwards")
     if renderer and renderer.missing:
         report(f"samples:    {', '.join(renderer.missing)} loaded while the samples render (this stage trains without "
                "them)")
+    if zero is not None:
+        report(f"engine:     {zero.note()}")
     with _claimed(output, world, args.overwrite, record, args.resume is not None) as folder:
         result.replaced = folder.replaced if folder is not None else None
         step, position, rows = 0, (0, 0), []
         if args.resume is not None:
             found = newest_state(output, args.resume)
-            step, position, rows = load_state(found, named, optimizer, scheduler, settings)
+            loaded = load_state(found, [name for name, _ in named], settings, world.rank)
+            if zero is not None:
+                zero.restore(loaded.trained, loaded.optimizer, loaded.groups, str(found))
+            else:
+                with torch.no_grad():
+                    for name, param in named:
+                        param.copy_(loaded.trained[name])
+                load_optimizer(optimizer, loaded.optimizer, loaded.groups, str(found))
+            scheduler.load_state_dict(loaded.scheduler)
+            step, position, rows = loaded.step, loaded.position, loaded.rows
             result.resumed_from = found
             report(f"resumed:    {found} (epoch {position[0]}, step {step})")
             if world.main:
@@ -533,13 +557,21 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
         def checkpoint(name: str, next_position: tuple[int, int]) -> None:
             path = output / name
             result.checkpoints.append(path)
-            if not world.main:  # every process holds the same weights: the main one writes them
-                return
-            _save(holder, prefix, path, convert)
-            _write_rows(output / "loss.csv", rows)
-            save_state(output, step, next_position, named, optimizer, scheduler, rows, settings, args.save_total_limit)
-            if renderer:
-                result.sample_images += renderer.render(output / SAMPLES_DIR / Path(name).stem)
+            # every process: under ZeRO-3 the weights are gathered, and each keeps its own optimizer partition
+            trained = zero.whole() if zero is not None else dict(named)
+            state = zero.optimizer_state() if zero is not None else optimizer_tensors(optimizer)
+            ranks = staging_folder(output, step) if zero is not None and world.size > 1 else None
+            if ranks is not None:
+                if not world.main:
+                    save_rank_file(ranks, world.rank, state[0])
+                world.barrier()
+            if world.main:  # every process holds the same weights: the main one writes them
+                _save(holder, trained, prefix, path, convert)
+                _write_rows(output / "loss.csv", rows)
+                save_state(output, step, next_position, trained, state, scheduler, rows, settings,
+                           args.save_total_limit, ranks)
+                if renderer:
+                    result.sample_images += renderer.render(output / SAMPLES_DIR / Path(name).stem)
 
         params = [p for _, p in named]
         for epoch in range(position[0], args.num_epochs):
@@ -550,16 +582,23 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
                 chunk = order[begin:begin + per]
                 began = time.perf_counter()
                 losses = torch.zeros(len(chunk), dtype=torch.float64)
-                for at in range(world.rank, len(chunk), world.size):  # this process's share of the step
-                    index = chunk[at]
-                    loss = train_step(pipe, units, states(index), step_seed(args.seed, epoch, sample_ids[index]))
-                    (loss / len(chunk)).backward()  # the step's mean gradient, summed over its samples
-                    losses[at] = float(loss.detach())
-                world.sum_gradients(params)
+
+                def loss_of(index: int) -> Any:
+                    return train_step(pipe, units, states(index), step_seed(args.seed, epoch, sample_ids[index]))
+
+                if zero is not None:  # the engine steps the optimizer after the step's last backward
+                    for at, value in zero.step(chunk, loss_of):
+                        losses[at] = value
+                else:
+                    for at in range(world.rank, len(chunk), world.size):  # this process's share of the step
+                        loss = loss_of(chunk[at])
+                        (loss / len(chunk)).backward()  # the step's mean gradient, summed over its samples
+                        losses[at] = float(loss.detach())
+                    world.sum_gradients(params)
+                    optimizer.step()
+                    optimizer.zero_grad()
                 world.sum_(losses)
-                optimizer.step()
                 scheduler.step()
-                optimizer.zero_grad()
                 step += 1
                 result.steps += 1
                 result.step_times.append(time.perf_counter() - began)
@@ -577,16 +616,24 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
 @contextlib.contextmanager
 def _claimed(output: Path, world: World, overwrite: bool, record: dict[str, Any], resume: bool):
     """The output folder claimed as unitgraph's (train/outputs.RunFolder) by the main process, the others waiting
-    until it is; each ends once all have finished. Yields the main process's claim, None in the others."""
+    until it is; each ends once all have finished. Yields the main process's claim, None in the others. When the
+    main process refuses the folder (its one line), the others stop with a line of their own, not a broken
+    connection's traceback."""
     from ..train.outputs import RunFolder
 
     if world.main:
-        with RunFolder(output).claimed(overwrite, record, resume=resume) as folder:
-            world.barrier()
+        with contextlib.ExitStack() as stack:
+            try:
+                folder = stack.enter_context(RunFolder(output).claimed(overwrite, record, resume=resume))
+            except BaseException:
+                world.agree(False)
+                raise
+            world.agree(True)
             yield folder
             world.barrier()
     else:
-        world.barrier()  # the main process has claimed the folder (or failed: then the launch stops)
+        if not world.agree(True):
+            raise BackendError("the main process refused the output folder (its line says why)", source=str(output))
         yield None
         world.barrier()
 
@@ -614,11 +661,13 @@ def _opensource(glue: Glue) -> Callable[[dict], dict]:
     return target
 
 
-def _save(holder: Any, prefix: str, path: Path, convert: Optional[Callable[[dict], dict]] = None) -> None:
-    """The trained parameters as DiffSynth's ModelLogger saves them: its export, then the example's converter."""
+def _save(holder: Any, trained: dict[str, Any], prefix: str, path: Path,
+          convert: Optional[Callable[[dict], dict]] = None) -> None:
+    """The `trained` tensors (by their names in DiffSynth's training module) as its ModelLogger saves them: its
+    export, then the example's converter."""
     from safetensors.torch import save
 
-    state = holder.export_trainable_state_dict(holder.state_dict(), remove_prefix=prefix or None)
+    state = holder.export_trainable_state_dict(trained, remove_prefix=prefix or None)
     if convert is not None:
         try:
             state = convert(state)
@@ -651,10 +700,16 @@ def run(args: TrainArgs, echo: Optional[Callable[[str], None]] = None, why: Opti
 def _run(args: TrainArgs, report: Callable[[str], None], why: Optional[str]) -> RunResult:
     s = setup(args)
     if args.dry_run:  # DiffSynth's model configs on the meta device: nothing loaded, downloaded or written
+        from ..engine import Engine, engine_from_config_file
         from .memory import memory_plan
 
+        engine = engine_from_config_file(args.config_file, args.num_processes) if args.config_file else \
+            Engine(processes=args.num_processes or 1)
+        if engine.kind == "fsdp2":
+            raise BackendError("FSDP: a DiffSynth pipeline trains data parallel or under DeepSpeed ZeRO",
+                               source=args.config_file)
         return RunResult(task=args.task, output_path=Path(args.output_path), plan=s.plan,
-                         memory_plan=memory_plan(s))
+                         memory_plan=memory_plan(s, engine))
     report(f"pipeline: {s.glue.name} (DiffSynth's {s.glue.class_name}; {why or '--pipeline'})")
     def named(models: list[str]) -> str:  # the plan's models the command gives (an optional one may be absent)
         return ", ".join(m for m in models if m in s.given) or "no model"

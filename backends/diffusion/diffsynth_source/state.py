@@ -9,6 +9,10 @@ from (--seed, epoch), so nothing of torch's random state needs keeping: a run co
 steps the uninterrupted run takes. It is written into a temporary folder and renamed into place, so a kill leaves
 the previous state whole; only the newest --save_total_limit states are kept (all with 0). Never pickle: tensors in
 safetensors, the rest JSON.
+
+Under DeepSpeed ZeRO (zero.py) each process keeps its own partition of the optimizer state: the main process's is
+optimizer.safetensors, process R's optimizer-rank<R>.safetensors, written by that process into a staging folder
+first (`staging_folder`) and moved into the state by the main process before the state is renamed into place.
 """
 
 from __future__ import annotations
@@ -17,49 +21,101 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import BackendError
 
-__all__ = ["STATE_DIR", "load_state", "newest_state", "prune_states", "save_state", "settings_of"]
+__all__ = ["STATE_DIR", "Loaded", "load_optimizer", "load_state", "newest_state", "optimizer_tensors", "prune_states",
+           "rank_file", "save_rank_file", "save_state", "settings_of", "staging_folder"]
 
 STATE_DIR = "state"
 FORMAT = "unitgraph.diffsynth-state/v1"
 
 
-SETTING_NAMES = {"samples_per_step": "samples a step (processes x --gradient_accumulation_steps)"}
+SETTING_NAMES = {"samples_per_step": "samples a step (processes x --gradient_accumulation_steps)",
+                 "engine": "the engine"}
+DEFAULTS = {"samples_per_step": 1, "engine": "data parallel"}  # what a state from before a setting was recorded had
 
 
-def settings_of(args: Any, sample_ids: list[str], samples_per_step: int = 1) -> dict[str, Any]:
+def settings_of(args: Any, sample_ids: list[str], samples_per_step: int = 1,
+                engine: str = "data parallel") -> dict[str, Any]:
     """What a continued run must share with the one that wrote the state (--num_epochs may grow), the samples of an
-    optimizer step (processes x --gradient_accumulation_steps) included."""
+    optimizer step (processes x --gradient_accumulation_steps) and the engine (world.World.describe) included."""
     import hashlib
 
     names = ("seed", "learning_rate", "weight_decay", "lora_base_model", "lora_target_modules", "lora_rank",
              "lora_alpha", "trainable_models", "dataset_repeat", "remove_prefix_in_ckpt", "save_steps")
     samples = hashlib.sha256("\n".join(sample_ids).encode("utf-8")).hexdigest()
-    return {**{name: getattr(args, name) for name in names}, "samples": samples, "samples_per_step": samples_per_step}
+    return {**{name: getattr(args, name) for name in names}, "samples": samples, "samples_per_step": samples_per_step,
+            "engine": engine}
 
 
-def save_state(output: Path, step: int, position: tuple[int, int], named: list[tuple[str, Any]], optimizer: Any,
-               scheduler: Any, rows: list[dict[str, Any]], settings: dict[str, Any], keep: Optional[int]) -> Path:
-    """Write the state after global step `step` (next: epoch, index = `position`); drop all but the newest `keep`."""
+def rank_file(rank: int) -> str:
+    """The optimizer file of process `rank` (the main process's is the one a data-parallel state has)."""
+    return "optimizer.safetensors" if rank == 0 else f"optimizer-rank{rank}.safetensors"
+
+
+def staging_folder(output: Path, step: int) -> Path:
+    """Where the other processes put their optimizer files of the state after `step` (a leftover of a killed run is
+    overwritten by the next state of that step, and never read: it is not a step-N folder)."""
+    return Path(output) / STATE_DIR / f".ranks-step-{step}"
+
+
+def save_rank_file(folder: Path, rank: int, tensors: dict[str, Any]) -> None:
+    """Process `rank`'s optimizer tensors into the staging `folder`, whole or not at all."""
+    from safetensors.torch import save
+
+    from unitgraph.atomic import write_bytes_atomic
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(folder / rank_file(rank), save({k: v.contiguous() for k, v in tensors.items()}))
+
+
+def optimizer_tensors(optimizer: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(tensors "<param index>.<key>", param groups) of a torch optimizer's state, on the CPU."""
+    saved = optimizer.state_dict()
+    tensors = {f"{i}.{key}": value.detach().to("cpu").contiguous()
+               for i, state in saved["state"].items() for key, value in state.items()}
+    return tensors, saved["param_groups"]
+
+
+def load_optimizer(optimizer: Any, tensors: dict[str, Any], groups: list[dict[str, Any]], source: str) -> None:
+    """`optimizer_tensors`' output put back into `optimizer`; one line when it does not fit."""
+    state: dict[int, dict[str, Any]] = {}
+    try:
+        for key, value in tensors.items():
+            index, _, field = key.partition(".")
+            state.setdefault(int(index), {})[field] = value
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BackendError(f"--resume: the state's optimizer state does not fit this run's ({exc})",
+                           source=source) from None
+
+
+def save_state(output: Path, step: int, position: tuple[int, int], trained: dict[str, Any],
+               optimizer: tuple[dict[str, Any], list[dict[str, Any]]], scheduler: Any, rows: list[dict[str, Any]],
+               settings: dict[str, Any], keep: Optional[int], ranks: Optional[Path] = None) -> Path:
+    """Write the state after global step `step` (next: epoch, index = `position`): the `trained` tensors by name,
+    the main process's `optimizer` (`optimizer_tensors`' pair) and, from the `ranks` staging folder, the other
+    processes' optimizer files; drop all but the newest `keep`."""
     from safetensors.torch import save_file
 
     root = output / STATE_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
     scratch = Path(tempfile.mkdtemp(prefix=f".step-{step}.", dir=root))
+    moments, groups = optimizer
     try:
-        save_file({name: p.detach().to("cpu").contiguous() for name, p in named}, str(scratch / "trained.safetensors"))
-        saved = optimizer.state_dict()
-        moments = {f"{i}.{key}": value.detach().to("cpu").contiguous()
-                   for i, state in saved["state"].items() for key, value in state.items()}
-        save_file(moments, str(scratch / "optimizer.safetensors"))
-        data = {"format": FORMAT, "step": step, "epoch": position[0], "index": position[1], "names": [n for n, _ in named],
-                "param_groups": saved["param_groups"], "scheduler": scheduler.state_dict(), "rows": rows,
-                "settings": settings}
+        save_file({name: p.detach().to("cpu").contiguous() for name, p in trained.items()},
+                  str(scratch / "trained.safetensors"))
+        save_file(moments, str(scratch / rank_file(0)))
+        if ranks is not None:
+            for file in sorted(ranks.iterdir()):
+                os.rename(file, scratch / file.name)
+        data = {"format": FORMAT, "step": step, "epoch": position[0], "index": position[1], "names": list(trained),
+                "param_groups": groups, "scheduler": scheduler.state_dict(), "rows": rows, "settings": settings}
         (scratch / "state.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
         if final.exists():
             shutil.rmtree(final)  # a state of this very step, written by an earlier attempt: ours
@@ -67,6 +123,9 @@ def save_state(output: Path, step: int, position: tuple[int, int], named: list[t
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
+    finally:
+        if ranks is not None:
+            shutil.rmtree(ranks, ignore_errors=True)
     prune_states(output, keep)
     return final
 
@@ -104,39 +163,43 @@ def newest_state(output: Path, given: str) -> Path:
     return max(found, key=_step)
 
 
-def load_state(folder: Path, named: list[tuple[str, Any]], optimizer: Any, scheduler: Any,
-               settings: dict[str, Any]) -> tuple[int, tuple[int, int], list[dict[str, Any]]]:
-    """Put the state of `folder` into the trained parameters, the optimizer and the schedule; (global step, next
-    position, loss rows so far). One line when it is not this run's."""
-    import torch
+@dataclass
+class Loaded:
+    """A training state as read for this process."""
+
+    step: int
+    position: tuple[int, int]  # (epoch, index in its order) of the next step
+    rows: list[dict[str, Any]]
+    trained: dict[str, Any]  # name -> whole tensor
+    optimizer: dict[str, Any]  # this process's optimizer tensors (`optimizer_tensors`' layout)
+    groups: list[dict[str, Any]]
+    scheduler: dict[str, Any]
+
+
+def load_state(folder: Path, names: list[str], settings: dict[str, Any], rank: int = 0) -> Loaded:
+    """The state of `folder` as process `rank` needs it; one line when it is not this run's."""
     from safetensors.torch import load_file
 
     try:
         data = json.loads((folder / "state.json").read_text(encoding="utf-8"))
         trained = load_file(str(folder / "trained.safetensors"))
-        moments = load_file(str(folder / "optimizer.safetensors"))
+        moments = load_file(str(folder / rank_file(rank)))
+    except FileNotFoundError as exc:
+        raise BackendError(f"--resume: the training state has no {Path(exc.filename or '?').name}",
+                           source=str(folder)) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BackendError(f"--resume: unreadable training state ({exc})", source=str(folder)) from None
     except Exception as exc:  # safetensors' own errors for a damaged file
         raise BackendError(f"--resume: unreadable training state ({type(exc).__name__}: {exc})", source=str(folder)) from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise BackendError("--resume: not a training state of a DiffSynth pipeline's run", source=str(folder))
-    saved = {"samples_per_step": 1, **(data.get("settings") or {})}  # a state from before several a step: one
+    saved = {**DEFAULTS, **(data.get("settings") or {})}
     for key, value in settings.items():
         if saved.get(key) != value:
             what = SETTING_NAMES.get(key, key)
             raise BackendError(f"--resume: the state was made with {what} {saved.get(key)!r}, this run has "
                                f"{value!r}; a continued run must compute what the first would have", source=str(folder))
-    names = [n for n, _ in named]
     if data.get("names") != names or set(trained) != set(names):
         raise BackendError("--resume: the state holds other trained parameters than this run's", source=str(folder))
-    with torch.no_grad():
-        for name, param in named:
-            param.copy_(trained[name])
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in moments.items():
-        index, _, field = key.partition(".")
-        state.setdefault(int(index), {})[field] = value
-    optimizer.load_state_dict({"state": state, "param_groups": data["param_groups"]})
-    scheduler.load_state_dict(data["scheduler"])
-    return int(data["step"]), (int(data["epoch"]), int(data["index"])), list(data["rows"])
+    return Loaded(int(data["step"]), (int(data["epoch"]), int(data["index"])), list(data["rows"]), trained, moments,
+                  data["param_groups"], data["scheduler"])

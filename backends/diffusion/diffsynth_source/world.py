@@ -11,15 +11,18 @@ computes, summed in the same order: two processes equal one process accumulating
 process that computes it. Stage 1 computes each entry on one process (entry i on process i mod N).
 
 Only the main process writes the run's files (checkpoints, training states, loss.csv, samples); the others wait
-for it where it claims the output folder and where a run ends. DeepSpeed and FSDP2 (from an accelerate config
-with a deepspeed_config or fsdp_config, as DiffSynth's full-training examples ship them) shard the model over the
-processes, which DiffSynth's pipelines are not trained with here yet: refused in one line.
+for it where it claims the output folder and where a run ends.
+
+DeepSpeed ZeRO (an accelerate config with a deepspeed_config section: DiffSynth's full-training examples ship
+ZeRO-2, ZeRO-2 with offload and ZeRO-3 ones) shards the trained model's optimizer state, gradients and, at stage
+3, its weights over the processes: the World then carries the launch's engine and the Accelerator that makes it
+(zero.py trains under it). FSDP, which no DiffSynth example configures, is refused in one line.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
 
 from ..errors import BackendError
 
@@ -33,6 +36,20 @@ class World:
     size: int = 1
     rank: int = 0
     device: str = "cpu"  # where this process's pipeline lives: its GPU (accelerate's local rank), else the CPU
+    engine: Optional[Any] = field(default=None, compare=False)  # engine.Engine of a DeepSpeed launch, else None
+    accelerator: Optional[Any] = field(default=None, compare=False)  # the Accelerator that makes that engine
+
+    @property
+    def zero(self) -> bool:
+        """Whether the trained model goes through DeepSpeed's engine (zero.py)."""
+        return self.engine is not None and self.engine.kind == "deepspeed"
+
+    def describe(self) -> str:
+        """The engine in the words a training state records: runs of another engine compute other numbers (data
+        parallel over any number of processes is one, as world.py argues)."""
+        if not self.zero:
+            return "data parallel"
+        return f"{self.engine.describe()} over {self.size} process{'es' if self.size != 1 else ''}"
 
     @property
     def main(self) -> bool:
@@ -44,6 +61,14 @@ class World:
             import torch.distributed as dist
 
             dist.barrier()
+
+    def agree(self, ok: bool) -> bool:
+        """Whether every process says `ok` (a collective call: each process calls it once at the same place)."""
+        if self.size <= 1:
+            return ok
+        import torch
+
+        return bool(self.sum_(torch.tensor([0.0 if ok else 1.0])).item() == 0)
 
     def sum_(self, tensor: Any) -> Any:
         """`tensor` summed over the processes, in place (every process gets the sum)."""
@@ -72,18 +97,24 @@ class World:
 
 def launched() -> World:
     """The launch's processes (accelerate's environment; one without a launch), their process group started; a
-    sharding engine refused in one line."""
+    DeepSpeed launch's engine read and its Accelerator made (engine.py, session.py); FSDP refused in one line."""
     import torch
 
     from ..engine import engine_from_env, requested_sharding
 
     sharding = requested_sharding()
-    if sharding:
-        raise BackendError(f"{sharding} from accelerate launch: a DiffSynth pipeline trains data parallel so far "
-                           "(each process holding the whole pipeline); launch it with an accelerate config without "
-                           "deepspeed_config or fsdp_config")
+    if sharding == "FSDP":
+        raise BackendError("FSDP from accelerate launch: a DiffSynth pipeline trains data parallel or under DeepSpeed "
+                           "ZeRO (DiffSynth's own full-training configs); launch it with an accelerate config without "
+                           "fsdp_config, or with one of DiffSynth's deepspeed ones")
     engine = engine_from_env()
     cuda = torch.cuda.is_available()
+    if engine.kind == "deepspeed":
+        from ..session import deepspeed_accelerator
+
+        accelerator = deepspeed_accelerator(engine, [], {}, engine.processes > 1)
+        return World(size=int(accelerator.num_processes), rank=int(accelerator.process_index),
+                     device=str(accelerator.device) if cuda else "cpu", engine=engine, accelerator=accelerator)
     if engine.processes <= 1:
         return World(device="cuda" if cuda else "cpu")
     from accelerate import PartialState
