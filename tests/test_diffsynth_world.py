@@ -365,6 +365,68 @@ def test_diffsynths_z_image_full_command_runs_under_its_zero2_config(tmp_path):
     assert [r.split(",")[0] for r in rows(out)[1:]] == ["1", "1", "2"]  # steps of 2 samples, then 1
 
 
+# examples/wanvideo/model_training/full/Wan2.1-T2V-14B.sh, as it is; its accelerate_config_14B.yaml (ZeRO-2, the
+# optimizer and parameters offloaded to CPU memory; 48 of DiffSynth's Wan commands launch with it) is ZERO2_CONFIG
+# with both offload devices `cpu`, unquoted
+WAN_14B_FULL = r"""
+accelerate launch --config_file examples/wanvideo/model_training/full/accelerate_config_14B.yaml examples/wanvideo/model_training/train.py \
+  --dataset_base_path data/diffsynth_example_dataset/wanvideo/Wan2.1-T2V-14B \
+  --dataset_metadata_path data/diffsynth_example_dataset/wanvideo/Wan2.1-T2V-14B/metadata.csv \
+  --height 480 \
+  --width 832 \
+  --dataset_repeat 100 \
+  --model_id_with_origin_paths "Wan-AI/Wan2.1-T2V-14B:diffusion_pytorch_model*.safetensors,Wan-AI/Wan2.1-T2V-14B:models_t5_umt5-xxl-enc-bf16.pth,Wan-AI/Wan2.1-T2V-14B:Wan2.1_VAE.pth" \
+  --learning_rate 1e-5 \
+  --num_epochs 2 \
+  --remove_prefix_in_ckpt "pipe.dit." \
+  --output_path "./models/train/Wan2.1-T2V-14B_full" \
+  --trainable_models "dit"
+"""
+WAN_14B_CONFIG = ZERO2_CONFIG.replace("offload_optimizer_device: none\n  offload_param_device: none",
+                                      "offload_optimizer_device: cpu\n  offload_param_device: cpu")
+
+
+@needs_deepspeed
+def test_diffsynths_wan_14b_full_command_runs_under_its_offloading_config(tmp_path):
+    """The command with `unitgraph train` for DiffSynth's train.py, `--pipeline diffsynth:wan_video` and
+    `--data_file_keys video` (as the Wan LoRA port), lowered sizes (--height/--width 32, --num_epochs 1,
+    --dataset_repeat 1, 5-frame clips) and the launch's `--num_processes 2`. The 14B folder holds a test-size DiT of
+    the same class; the umt5 tokenizer comes from the 1.3B folder, as DiffSynth's train.py defaults it, and the .pth
+    files are read from DiffSynth's converted copies."""
+    import shlex
+
+    words = shlex.split(WAN_14B_FULL.replace("\\\n", " "))
+    script = "examples/wanvideo/model_training/train.py"
+    launch_args, argv = words[2:words.index(script)], words[words.index(script) + 1:]
+    for flag, value in (("--num_epochs", "1"), ("--dataset_repeat", "1"), ("--height", "32"), ("--width", "32")):
+        argv[argv.index(flag) + 1] = value
+    argv += ["--pipeline", "diffsynth:wan_video", "--data_file_keys", "video"]
+    config = tmp_path / launch_args[launch_args.index("--config_file") + 1]
+    config.parent.mkdir(parents=True)
+    config.write_text(WAN_14B_CONFIG, encoding="utf-8")
+    write_tiny_models(tmp_path / "models", "wan_video")
+    small, big = tmp_path / "models" / "Wan-AI" / "Wan2.1-T2V-1.3B", tmp_path / "models" / "Wan-AI" / "Wan2.1-T2V-14B"
+    big.mkdir()
+    for name in ("diffusion_pytorch_model.safetensors", "config.json"):
+        shutil.copy(small / name, big / name)
+    data = tmp_path / "data" / "diffsynth_example_dataset" / "wanvideo" / "Wan2.1-T2V-14B"
+    write_synthetic_dataset(data, count=2, size=40, videos=("video",), frames=5)
+    env = {k: v for k, v in os.environ.items() if k not in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD")}
+    env.update(OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *launch_args, "--num_processes", "2",
+                           "--main_process_port", "0", str(CLI), "train", *argv], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "engine:     DeepSpeed ZeRO-2 (optimizer offloaded to CPU) over 2 processes" in done.stdout, done.stdout
+    assert "training: 1 step in" in done.stdout, done.stdout
+    out = tmp_path / "models" / "train" / "Wan2.1-T2V-14B_full"
+    full = load_file(str(out / "epoch-0.safetensors"))
+    dit = load_file(str(big / "diffusion_pytorch_model.safetensors"))
+    assert set(full) == set(dit) and any(not torch.equal(full[k], dit[k]) for k in full)  # the whole DiT, trained
+    assert {p.name for p in (out / "state" / "step-1").iterdir()} >= {"optimizer.safetensors",
+                                                                     "optimizer-rank1.safetensors"}
+
+
 # examples/flux2/model_training/full/FLUX.2-klein-4B.sh, its edit command (commented out in the script, as DiffSynth
 # ships it), as it is
 FLUX2_FULL_EDIT = r"""
