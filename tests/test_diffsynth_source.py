@@ -601,7 +601,8 @@ def test_the_dry_run_of_the_released_z_image_needs_no_file(tmp_path, monkeypatch
 def test_the_dry_run_under_diffsynths_zero3_config_is_per_process(tmp_path, monkeypatch, capsys):
     """DiffSynth's full Z-Image command with its ZeRO-3 config over 8 processes, --dry_run: stage 2 holds an eighth
     of the 6 B DiT's bf16 weights, of its gradients, of AdamW's moments and of the fp32 masters; stage 1 is as
-    without an engine; the same with ZeRO-2 keeps the weights whole."""
+    without an engine; the same with ZeRO-2 keeps the weights whole; FSDP2 shards the weights as ZeRO-3 does, without
+    masters."""
     import json
 
     from clitools import cli
@@ -635,6 +636,23 @@ def test_the_dry_run_under_diffsynths_zero3_config_is_per_process(tmp_path, monk
                          "--trainable_models", "dit", "--model_id_with_origin_paths", ids, "--config_file",
                          str(tmp_path / "zero3.yaml"))
     assert code == 0 and "per process under DeepSpeed ZeRO-3 over 8 processes" in out, out
+    # FSDP2 over 8: the weights, gradients and moments an eighth each, no fp32 masters (it steps the bf16 weights);
+    # offloaded, the shards, their gradients and the moments are in CPU memory
+    for offload in ("false", "true"):
+        config = tmp_path / f"fsdp2-{offload}.yaml"
+        config.write_text(f"distributed_type: FSDP\nnum_processes: 8\nfsdp_config:\n  fsdp_version: 2\n"
+                          f"  fsdp_offload_params: {offload}\n")
+        code, out, err = cli(capsys, "train", "--pipeline", "diffsynth:z_image", "--dry_run", "--json",
+                             "--dataset_base_path", "data", "--trainable_models", "dit", "--model_id_with_origin_paths",
+                             ids, "--config_file", str(config))
+        assert code == 0, err
+        plans[offload] = json.loads(out[out.index("{"):])["stages"]
+    fsdp, off = plans["false"]["train"], plans["true"]["train"]
+    assert fsdp["weights"] == three["train"]["weights"] and fsdp["master"] == 0
+    assert fsdp["gradients"] == -(-2 * n // 8) and fsdp["optimizer"] == -(-8 * n // 8)
+    assert off["weights"] == 0 and off["gradients"] == off["optimizer"] == 0
+    assert off["host"] == fsdp["weights"] + fsdp["gradients"] + fsdp["optimizer"]
+    assert plans["true"]["data_process"] == two["data_process"]
 
 
 def test_tiny_models_command_writes_a_diffsynth_pipelines_models(tmp_path, monkeypatch, capsys):

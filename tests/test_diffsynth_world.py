@@ -6,8 +6,10 @@ Two CPU processes over gloo, on Stable Diffusion 1.5's test-size models in fp32 
 - stage 1 over two processes computes each entry once and writes the manifest one process writes; stage 2 over two
   processes equals the two-process unsplit run;
 - `--gradient_accumulation_steps` resumes exactly from a state written mid-epoch;
-- an accelerate config with an FSDP section is refused in one line;
-- DiffSynth's DeepSpeed configs as shipped (diffsynth_source/zero.py): ZeRO-2 (and ZeRO-2 with offload) trains SD
+- FSDP2 (an accelerate config with fsdp_version 2; diffsynth_source/sharding.py): SD 1.5's LoRA over its sharded
+  UNet trains data parallel's numbers to a rounding and resumes exactly; Z-Image's DiT trained whole in bf16 trains
+  data parallel's numbers bit for bit, split == unsplit; FSDP1 is refused in one line;
+- DiffSynth's DeepSpeed configs as shipped (diffsynth_source/sharding.py): ZeRO-2 (and ZeRO-2 with offload) trains SD
   1.5's LoRA as data parallel does; under ZeRO-3, Z-Image's DiT trained whole in bf16 trains split == unsplit and
   resumes exactly; DiffSynth's full Z-Image command runs under its ZeRO-2 config;
 - DiffSynth's full fine-tuning of FLUX.2 [klein] 4B on edits (examples/flux2/model_training/full/FLUX.2-klein-4B.sh,
@@ -171,15 +173,15 @@ def test_resuming_from_the_newest_state_prunes_beyond_the_limit(world, tmp_path)
     assert sorted((out / "state").iterdir(), key=lambda p: int(p.name.split("-")[1])) == every[-2:]
 
 
-def test_an_fsdp_launch_is_refused_in_one_line(world, tmp_path, monkeypatch):
+def test_an_fsdp1_launch_is_refused_in_one_line(world, tmp_path, monkeypatch):
     root, flags = world
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_VERSION", "1")
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(BackendError) as caught:
         run(make_args(**_flags(root, flags, output_path=str(tmp_path / "fsdp"))))
     line = caught.value.one_line()
-    assert "FSDP" in line and "DeepSpeed" in line and "\n" not in line
+    assert "FSDP version 1" in line and "fsdp_version: 2" in line and "\n" not in line
     assert not (tmp_path / "fsdp").exists()
 
 
@@ -277,6 +279,84 @@ def z_image(tmp_path_factory):
     flags = write_tiny_models(root / "models", "z_image")
     write_synthetic_dataset(root / "data", count=5, size=32)
     return root, flags
+
+
+# an FSDP2 config as `accelerate config` writes it (DiffSynth ships none)
+FSDP2_CONFIG = """compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+fsdp_config:
+  fsdp_activation_checkpointing: false
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_cpu_ram_efficient_loading: false
+  fsdp_offload_params: false
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_version: 2
+machine_rank: 0
+main_training_function: main
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 8
+rdzv_backend: static
+same_network: true
+use_cpu: false
+"""
+
+
+def test_fsdp2_lora_trains_what_data_parallel_trains_and_resumes_exactly(world, two, tmp_path):
+    """FSDP2 over two processes, SD 1.5's LoRA in fp32: the UNet's blocks and the rest sharded, frozen base and
+    adapters, each process holding half; the loss rows and the LoRA of the data-parallel run to a rounding (the
+    gathered weights are other buffers, and a matrix product may round otherwise in the last bit); each process
+    keeps its own shard of AdamW's moments in a state; a run resumed from a state mid-epoch ends on the same LoRA,
+    bit for bit; --validation_prompt, which would render on the main process alone, is refused in one line."""
+    root, flags = world
+    folder, _out = two
+    config = _config(tmp_path, FSDP2_CONFIG)
+    common = dict(save_steps=2, save_total_limit=0)
+    out = launch(root, flags, config, output_path=str(tmp_path / "fsdp"), **common)
+    assert "engine:     FSDP2 over 2 processes: unet in 5 shard groups (4 blocks and the rest), this process holds " \
+           "50.0% of their weights" in out, out
+    losses = [[float(v) for v in line.split(",")[2:]] for line in rows(tmp_path / "fsdp")[1:]]
+    expected = [[float(v) for v in line.split(",")[2:]] for line in rows(folder)[1:]]
+    assert torch.allclose(torch.tensor(losses), torch.tensor(expected), rtol=1e-6, atol=0)
+    a, b = load_file(str(folder / "epoch-1.safetensors")), load_file(str(tmp_path / "fsdp" / "epoch-1.safetensors"))
+    assert set(a) == set(b) and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+    assert any(not torch.equal(a[k], torch.zeros_like(a[k])) for k in a if "lora_B" in k)  # it trained
+    state = tmp_path / "fsdp" / "state" / "step-2"
+    assert {p.name for p in state.iterdir()} == {"state.json", "trained.safetensors", "optimizer.safetensors",
+                                                  "optimizer-rank1.safetensors"}
+    mine, theirs = (load_file(str(state / name)) for name in ("optimizer.safetensors", "optimizer-rank1.safetensors"))
+    assert set(mine) == set(theirs) and not all(torch.equal(mine[k], theirs[k]) for k in mine)  # two halves
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "fsdp", cut, ignore=shutil.ignore_patterns("step-4", "step-6", "epoch-*"))
+    launch(root, flags, config, output_path=str(cut), resume="latest", **common)
+    assert rows(cut) == rows(tmp_path / "fsdp")
+    assert same_lora(cut / "epoch-1.safetensors", tmp_path / "fsdp" / "epoch-1.safetensors")
+    refused = launched(root, flags, config, output_path=str(tmp_path / "drawn"), validation_prompt="a cat")
+    assert refused.returncode != 0 and "--validation_prompt under FSDP2" in refused.stderr, refused.stderr[-3000:]
+    assert "[rank0]: Traceback" not in refused.stderr and "[rank1]: Traceback" not in refused.stderr
+
+
+def test_fsdp2_full_training_in_bf16_split_is_data_parallels_unsplit_run_bit_for_bit(z_image, tmp_path):
+    """FSDP2 over two processes, Z-Image's DiT trained whole in bf16 (an epoch: steps of 2, 2 and 1 samples, the
+    last with a pass weighted 0): AdamW steps each process's shard in bf16, elementwise as data parallel steps the
+    whole weights, and the gradients' average over two is exact, so stage 1 then stage 2 under FSDP2 train the
+    loss rows and the DiT of the unsplit data-parallel run bit for bit (split == unsplit, and FSDP2 == data
+    parallel, in one comparison)."""
+    root, flags = z_image
+    config = _config(tmp_path, FSDP2_CONFIG)
+    common = dict(module="z_image", trainable_models="dit", learning_rate=1e-3, num_epochs=1)
+    with diffsynth_models(root / "models"):
+        launch(root, flags, None, output_path=str(tmp_path / "dp"), **common)
+        launch(root, flags, config, task="sft:data_process", output_path=str(tmp_path / "cache"), **common)
+        out = launch(root, flags, config, task="sft:train", dataset_base_path=str(tmp_path / "cache"),
+                     dataset_metadata_path=None, output_path=str(tmp_path / "split"), **common)
+        assert "FSDP2 over 2 processes: dit in " in out and ": 3 steps in" in out, out
+        unsplit = tmp_path / "dp"
+        assert rows(tmp_path / "split") == rows(unsplit)
+        assert same_lora(tmp_path / "split" / "epoch-0.safetensors", unsplit / "epoch-0.safetensors")
+        assert {v.dtype for v in load_file(str(unsplit / "epoch-0.safetensors")).values()} == {torch.bfloat16}
 
 
 @needs_deepspeed

@@ -9,11 +9,12 @@ trains. Activations are not counted: they depend on the kernels and the sample s
 `--dry_run` of unitgraph's families measures them; this plan says what the weights and the optimizer need.
 
 With `--config_file X [--num_processes N]` (the accelerate config the run will be launched with) the training
-stages are counted per process under its engine, as zero.py trains: data parallel holds everything on every
+stages are counted per process under its engine, as sharding.py trains: data parallel holds everything on every
 process; DeepSpeed ZeRO-1 splits AdamW's moments and, for models not in fp32, the fp32 master copy of the trained
 weights over the N processes, ZeRO-2 the gradients too, ZeRO-3 the trained models' weights too (the frozen
-base under a LoRA included; one gathered layer at a time is not counted). What the config offloads is counted
-as host memory, not on the device. Stage 1 trains nothing and is the same under every engine.
+base under a LoRA included; one gathered layer at a time is not counted); FSDP2 splits the trained models'
+weights, gradients and AdamW's moments (no masters: it steps the weights' own dtype). What the config offloads
+is counted as host memory, not on the device. Stage 1 trains nothing and is the same under every engine.
 """
 
 from __future__ import annotations
@@ -79,8 +80,17 @@ def memory_plan(setup: Any, engine: Any = None) -> dict[str, Any]:
         grads = trained * width if training else 0
         optimizer = trained * 8 if training else 0
         zero = engine.kind == "deepspeed" and engine.zero_stage >= 1  # a ZeRO optimizer keeps fp32 masters
+        fsdp = engine.kind == "fsdp2"
         master = trained * 4 if training and glue.dtype != "float32" and zero else 0
         host = 0
+        if training and fsdp:  # weights, gradients and AdamW's state of the trained models: each process a shard
+            n = max(1, engine.processes)
+            sharded = sum(table[m]["bytes"] for m in held if m in wrapped) + lora
+            part, grads, optimizer = -(-sharded // n), -(-grads // n), -(-optimizer // n)
+            weights -= sharded - (0 if engine.offload_params else part)
+            if engine.offload_params:  # CPUOffloadPolicy: shards, gradients and the optimizer step in CPU memory
+                host += part + grads + optimizer
+                grads = optimizer = 0
         if training and zero:
             n = max(1, engine.processes)
             optimizer, master = -(-optimizer // n), -(-master // n)

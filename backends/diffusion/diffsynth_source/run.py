@@ -8,7 +8,7 @@ whole argument for split == unsplit (see the package docstring for the draws).
 
 The parts around the step are DiffSynth's runner's: AdamW with --learning_rate and --weight_decay, torch's
 ConstantLR with its defaults, one sample per micro-step (--gradient_accumulation_steps of them a step, on each
-process of a launch: world.py; under DeepSpeed ZeRO through its engine: zero.py), the LoRA injected by DiffSynth's
+process of a launch: world.py; sharded under DeepSpeed ZeRO or FSDP2: sharding.py), the LoRA injected by DiffSynth's
 `add_lora_to_model` (peft) and written each epoch as `epoch-N.safetensors` by DiffSynth's
 `export_trainable_state_dict` (keys without --remove_prefix_in_ckpt, DiffSynth's default `pipe.dit.`), which its
 `pipe.load_lora` reads. The epoch's order is unitgraph's seeded permutation, not the DataLoader's draw from the
@@ -48,7 +48,7 @@ from .planning import live_projection, loss_overwrites
 from .samples import SAMPLES_DIR, Renderer
 from .state import (load_optimizer, load_state, newest_state, optimizer_tensors, prune_states, save_rank_file,
                     save_state, settings_of, staging_folder)
-from .zero import ZeroTraining
+from .sharding import ShardedTraining
 from .models import (ModelFile, find_models, load_pipeline, pipeline_class_of, planned_models, skeleton,
                      tokenizer_folder)
 
@@ -506,9 +506,9 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
     def make_optimizer(params: list[Any]) -> Any:
         return torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
 
-    zero = ZeroTraining(world, pipe, named, make_optimizer, max(1, args.gradient_accumulation_steps)) \
-        if world.zero else None
-    optimizer = zero.base if zero is not None else make_optimizer([p for _, p in named])
+    sharded = ShardedTraining(world, pipe, named, make_optimizer, max(1, args.gradient_accumulation_steps)) \
+        if world.sharded else None
+    optimizer = sharded.base if sharded is not None else make_optimizer([p for _, p in named])
     scheduler = torch.optim.lr_scheduler.ConstantLR(optimizer)
     units = setup.stage_units("train")
     output = Path(args.output_path)
@@ -523,22 +523,23 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
         raise BackendError(f"--validation_prompt draws through the whole pipeline, and the command names no file of "
                            f"{', '.join(lacking)} (stage 1's); name it too: stage 2 loads it only while the samples "
                            "render")
-    if renderer and zero is not None and world.engine.shards_frozen:
-        raise BackendError("--validation_prompt under DeepSpeed ZeRO-3: the samples would render on the main process "
-                           "alone from weights partitioned over all; train under ZeRO-2 or render afterwards")
+    if renderer and sharded is not None and world.engine.shards_frozen:
+        raise BackendError(f"--validation_prompt under {world.engine.name}: the samples would render on the main "
+                           "process alone from weights sharded over all; train under ZeRO-2 or data parallel, or "
+                           "render afterwards")
     if renderer and renderer.missing:
         report(f"samples:    {', '.join(renderer.missing)} loaded while the samples render (this stage trains without "
                "them)")
-    if zero is not None:
-        report(f"engine:     {zero.note()}")
+    if sharded is not None:
+        report(f"engine:     {sharded.note()}")
     with _claimed(output, world, args.overwrite, record, args.resume is not None) as folder:
         result.replaced = folder.replaced if folder is not None else None
         step, position, rows = 0, (0, 0), []
         if args.resume is not None:
             found = newest_state(output, args.resume)
             loaded = load_state(found, [name for name, _ in named], settings, world.rank)
-            if zero is not None:
-                zero.restore(loaded.trained, loaded.optimizer, loaded.groups, str(found))
+            if sharded is not None:
+                sharded.restore(loaded.trained, loaded.optimizer, loaded.groups, str(found))
             else:
                 with torch.no_grad():
                     for name, param in named:
@@ -557,10 +558,10 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
         def checkpoint(name: str, next_position: tuple[int, int]) -> None:
             path = output / name
             result.checkpoints.append(path)
-            # every process: under ZeRO-3 the weights are gathered, and each keeps its own optimizer partition
-            trained = zero.whole() if zero is not None else dict(named)
-            state = zero.optimizer_state() if zero is not None else optimizer_tensors(optimizer)
-            ranks = staging_folder(output, step) if zero is not None and world.size > 1 else None
+            # every process: under ZeRO-3 and FSDP2 the weights are gathered, and each keeps its own optimizer share
+            trained = sharded.whole() if sharded is not None else dict(named)
+            state = sharded.optimizer_state() if sharded is not None else optimizer_tensors(optimizer)
+            ranks = staging_folder(output, step) if sharded is not None and world.size > 1 else None
             if ranks is not None:
                 if not world.main:
                     save_rank_file(ranks, world.rank, state[0])
@@ -586,8 +587,8 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
                 def loss_of(index: int) -> Any:
                     return train_step(pipe, units, states(index), step_seed(args.seed, epoch, sample_ids[index]))
 
-                if zero is not None:  # the engine steps the optimizer after the step's last backward
-                    for at, value in zero.step(chunk, loss_of):
+                if sharded is not None:  # the engine's backward passes, then its optimizer step
+                    for at, value in sharded.step(chunk, loss_of):
                         losses[at] = value
                 else:
                     for at in range(world.rank, len(chunk), world.size):  # this process's share of the step
@@ -705,9 +706,6 @@ def _run(args: TrainArgs, report: Callable[[str], None], why: Optional[str]) -> 
 
         engine = engine_from_config_file(args.config_file, args.num_processes) if args.config_file else \
             Engine(processes=args.num_processes or 1)
-        if engine.kind == "fsdp2":
-            raise BackendError("FSDP: a DiffSynth pipeline trains data parallel or under DeepSpeed ZeRO",
-                               source=args.config_file)
         return RunResult(task=args.task, output_path=Path(args.output_path), plan=s.plan,
                          memory_plan=memory_plan(s, engine))
     report(f"pipeline: {s.glue.name} (DiffSynth's {s.glue.class_name}; {why or '--pipeline'})")

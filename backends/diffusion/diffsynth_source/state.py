@@ -10,7 +10,7 @@ steps the uninterrupted run takes. It is written into a temporary folder and ren
 the previous state whole; only the newest --save_total_limit states are kept (all with 0). Never pickle: tensors in
 safetensors, the rest JSON.
 
-Under DeepSpeed ZeRO (zero.py) each process keeps its own partition of the optimizer state: the main process's is
+Under DeepSpeed ZeRO and FSDP2 (sharding.py) each process keeps its own share of the optimizer state: the main process's is
 optimizer.safetensors, process R's optimizer-rank<R>.safetensors, written by that process into a staging folder
 first (`staging_folder`) and moved into the state by the main process before the state is renamed into place.
 """
@@ -76,9 +76,14 @@ def save_rank_file(folder: Path, rank: int, tensors: dict[str, Any]) -> None:
 def optimizer_tensors(optimizer: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(tensors "<param index>.<key>", param groups) of a torch optimizer's state, on the CPU."""
     saved = optimizer.state_dict()
-    tensors = {f"{i}.{key}": value.detach().to("cpu").contiguous()
+    tensors = {f"{i}.{key}": _local(value).detach().to("cpu").contiguous()
                for i, state in saved["state"].items() for key, value in state.items()}
     return tensors, saved["param_groups"]
+
+
+def _local(value: Any) -> Any:
+    """This process's part of a tensor: an FSDP2 shard's local tensor (sharding.py), else the tensor."""
+    return value.to_local() if hasattr(value, "to_local") else value
 
 
 def load_optimizer(optimizer: Any, tensors: dict[str, Any], groups: list[dict[str, Any]], source: str) -> None:

@@ -15,16 +15,15 @@ for it where it claims the output folder and where a run ends.
 
 DeepSpeed ZeRO (an accelerate config with a deepspeed_config section: DiffSynth's full-training examples ship
 ZeRO-2, ZeRO-2 with offload and ZeRO-3 ones) shards the trained model's optimizer state, gradients and, at stage
-3, its weights over the processes: the World then carries the launch's engine and the Accelerator that makes it
-(zero.py trains under it). FSDP, which no DiffSynth example configures, is refused in one line.
+3, its weights over the processes; FSDP2 (fsdp_version 2) shards all three. The World then carries the launch's
+engine and what makes it (sharding.py trains under it): DeepSpeed's Accelerator, or for FSDP2 accelerate's
+PartialState, whose process group torch's fully_shard uses.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
-
-from ..errors import BackendError
 
 __all__ = ["World", "launched"]
 
@@ -36,18 +35,18 @@ class World:
     size: int = 1
     rank: int = 0
     device: str = "cpu"  # where this process's pipeline lives: its GPU (accelerate's local rank), else the CPU
-    engine: Optional[Any] = field(default=None, compare=False)  # engine.Engine of a DeepSpeed launch, else None
-    accelerator: Optional[Any] = field(default=None, compare=False)  # the Accelerator that makes that engine
+    engine: Optional[Any] = field(default=None, compare=False)  # engine.Engine of a sharded launch, else None
+    accelerator: Optional[Any] = field(default=None, compare=False)  # what makes that engine (its device, processes)
 
     @property
-    def zero(self) -> bool:
-        """Whether the trained model goes through DeepSpeed's engine (zero.py)."""
-        return self.engine is not None and self.engine.kind == "deepspeed"
+    def sharded(self) -> bool:
+        """Whether the trained models are sharded by an engine, DeepSpeed ZeRO or FSDP2 (sharding.py)."""
+        return self.engine is not None and self.engine.kind in ("deepspeed", "fsdp2")
 
     def describe(self) -> str:
         """The engine in the words a training state records: runs of another engine compute other numbers (data
         parallel over any number of processes is one, as world.py argues)."""
-        if not self.zero:
+        if not self.sharded:
             return "data parallel"
         return f"{self.engine.describe()} over {self.size} process{'es' if self.size != 1 else ''}"
 
@@ -97,16 +96,12 @@ class World:
 
 def launched() -> World:
     """The launch's processes (accelerate's environment; one without a launch), their process group started; a
-    DeepSpeed launch's engine read and its Accelerator made (engine.py, session.py); FSDP refused in one line."""
+    DeepSpeed launch's engine read and its Accelerator made (engine.py, session.py); an FSDP2 launch's engine read
+    (FSDP1 refused in one line there)."""
     import torch
 
-    from ..engine import engine_from_env, requested_sharding
+    from ..engine import engine_from_env
 
-    sharding = requested_sharding()
-    if sharding == "FSDP":
-        raise BackendError("FSDP from accelerate launch: a DiffSynth pipeline trains data parallel or under DeepSpeed "
-                           "ZeRO (DiffSynth's own full-training configs); launch it with an accelerate config without "
-                           "fsdp_config, or with one of DiffSynth's deepspeed ones")
     engine = engine_from_env()
     cuda = torch.cuda.is_available()
     if engine.kind == "deepspeed":
@@ -121,4 +116,5 @@ def launched() -> World:
 
     state = PartialState(cpu=not cuda)  # starts the process group (gloo on the CPU, NCCL on GPUs)
     return World(size=int(state.num_processes), rank=int(state.process_index),
-                 device=str(state.device) if cuda else "cpu")
+                 device=str(state.device) if cuda else "cpu", engine=engine if engine.kind == "fsdp2" else None,
+                 accelerator=state if engine.kind == "fsdp2" else None)

@@ -158,6 +158,12 @@ class ShardedSteps(Steps):
     """FSDP2: torch's fully_shard on every trained model (the module docstring)."""
 
     gathers = True
+    per_rank_state = False  # the optimizer state is gathered whole into a state (resume.py)
+
+    @staticmethod
+    def find_blocks(model: Any, classes: tuple[str, ...]) -> list[Any]:
+        """The modules of `model` sharded one by one before it (shard_units; a caller may give its own rule)."""
+        return shard_units(model, classes)
 
     def prepare(self, models, slots, make_optimizer, compute_dtype):
         from torch.distributed.device_mesh import init_device_mesh
@@ -176,7 +182,7 @@ class ShardedSteps(Steps):
             model = models[slot]
             kept_tensors(model)  # a model built without weights (models/shards.py): its few real tensors
             autocast_forward(model, compute_dtype, device)
-            blocks = shard_units(model, self.engine.layer_classes)
+            blocks = self.find_blocks(model, self.engine.layer_classes)
             if not blocks and self.engine.layer_classes:
                 raise BackendError(f"fsdp_transformer_layer_cls_to_wrap names {', '.join(self.engine.layer_classes)}, "
                                    f"and {slot} ({type(model).__name__}) has no module of those classes",
