@@ -612,16 +612,20 @@ def test_the_dry_run_under_diffsynths_zero3_config_is_per_process(tmp_path, monk
     monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
     ids = ("Tongyi-MAI/Z-Image:transformer/*.safetensors,Tongyi-MAI/Z-Image-Turbo:text_encoder/*.safetensors,"
            "Tongyi-MAI/Z-Image-Turbo:vae/diffusion_pytorch_model.safetensors")
-    plans = {}
-    for stage in (2, 3):
-        config = tmp_path / f"zero{stage}.yaml"
-        config.write_text(f"distributed_type: DEEPSPEED\nmixed_precision: bf16\nnum_processes: 8\ndeepspeed_config:\n"
-                          f"  zero_stage: {stage}\n  offload_optimizer_device: none\n  offload_param_device: none\n")
+
+    def dry_run(name: str, text: str) -> dict:
+        config = tmp_path / name
+        config.write_text(text)
         code, out, err = cli(capsys, "train", "--pipeline", "diffsynth:z_image", "--dry_run", "--json",
                              "--dataset_base_path", "data", "--trainable_models", "dit", "--model_id_with_origin_paths",
                              ids, "--config_file", str(config))
         assert code == 0, err
-        plans[stage] = json.loads(out[out.index("{"):])
+        return json.loads(out[out.index("{"):])
+
+    plans = {stage: dry_run(f"zero{stage}.yaml", f"distributed_type: DEEPSPEED\nmixed_precision: bf16\nnum_processes: "
+                            f"8\ndeepspeed_config:\n  zero_stage: {stage}\n  offload_optimizer_device: none\n"
+                            "  offload_param_device: none\n")
+             for stage in (2, 3)}
     dit = plans[3]["models"]["dit"]
     n = dit["params"]
     two, three = plans[2]["stages"], plans[3]["stages"]
@@ -639,14 +643,8 @@ def test_the_dry_run_under_diffsynths_zero3_config_is_per_process(tmp_path, monk
     # FSDP2 over 8: the weights, gradients and moments an eighth each, no fp32 masters (it steps the bf16 weights);
     # offloaded, the shards, their gradients and the moments are in CPU memory
     for offload in ("false", "true"):
-        config = tmp_path / f"fsdp2-{offload}.yaml"
-        config.write_text(f"distributed_type: FSDP\nnum_processes: 8\nfsdp_config:\n  fsdp_version: 2\n"
-                          f"  fsdp_offload_params: {offload}\n")
-        code, out, err = cli(capsys, "train", "--pipeline", "diffsynth:z_image", "--dry_run", "--json",
-                             "--dataset_base_path", "data", "--trainable_models", "dit", "--model_id_with_origin_paths",
-                             ids, "--config_file", str(config))
-        assert code == 0, err
-        plans[offload] = json.loads(out[out.index("{"):])["stages"]
+        plans[offload] = dry_run(f"fsdp2-{offload}.yaml", "distributed_type: FSDP\nnum_processes: 8\nfsdp_config:\n"
+                                 f"  fsdp_version: 2\n  fsdp_offload_params: {offload}\n")["stages"]
     fsdp, off = plans["false"]["train"], plans["true"]["train"]
     assert fsdp["weights"] == three["train"]["weights"] and fsdp["master"] == 0
     assert fsdp["gradients"] == -(-2 * n // 8) and fsdp["optimizer"] == -(-8 * n // 8)

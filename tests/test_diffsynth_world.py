@@ -99,6 +99,17 @@ def rows(folder: Path) -> list[str]:
     return (folder / "loss.csv").read_text().splitlines()
 
 
+def close_and_trained(a: Path, b: Path) -> None:
+    """Both checkpoints hold the same tensors within 1e-6, and a LoRA's B matrices moved off zero (it trained)."""
+    x, y = load_file(str(a)), load_file(str(b))
+    assert set(x) == set(y) and all(torch.allclose(x[k], y[k], rtol=0, atol=1e-6) for k in x)
+    assert any(not torch.equal(x[k], torch.zeros_like(x[k])) for k in x if "lora_B" in k)
+
+
+# a training state of two processes: each process's optimizer share in a file of its own
+RANKED_STATE = {"state.json", "trained.safetensors", "optimizer.safetensors", "optimizer-rank1.safetensors"}
+
+
 def same_lora(a: Path, b: Path) -> bool:
     x, y = load_file(str(a)), load_file(str(b))
     return set(x) == set(y) and len(x) > 0 and all(torch.equal(x[k], y[k]) for k in x)
@@ -259,12 +270,8 @@ def test_zero2_over_two_processes_trains_what_data_parallel_trains(world, two, t
     out = launch(root, flags, _config(tmp_path, ZERO2_CONFIG), output_path=str(tmp_path / "zero2"))
     assert "engine:     DeepSpeed ZeRO-2 over 2 processes" in out, out
     assert rows(tmp_path / "zero2") == rows(folder)
-    a, b = load_file(str(folder / "epoch-1.safetensors")), load_file(str(tmp_path / "zero2" / "epoch-1.safetensors"))
-    assert set(a) == set(b) and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
-    assert any(not torch.equal(a[k], torch.zeros_like(a[k])) for k in a if "lora_B" in k)  # it trained
-    state = tmp_path / "zero2" / "state" / "step-6"
-    assert {p.name for p in state.iterdir()} == {"state.json", "trained.safetensors", "optimizer.safetensors",
-                                                  "optimizer-rank1.safetensors"}
+    close_and_trained(folder / "epoch-1.safetensors", tmp_path / "zero2" / "epoch-1.safetensors")
+    assert {p.name for p in (tmp_path / "zero2" / "state" / "step-6").iterdir()} == RANKED_STATE
     offload = _config(tmp_path, ZERO2_OFFLOAD_CONFIG, "offload.yaml")
     out = launch(root, flags, offload, output_path=str(tmp_path / "off"))
     assert "engine:     DeepSpeed ZeRO-2 (optimizer offloaded to CPU) over 2 processes" in out, out
@@ -320,12 +327,9 @@ def test_fsdp2_lora_trains_what_data_parallel_trains_and_resumes_exactly(world, 
     losses = [[float(v) for v in line.split(",")[2:]] for line in rows(tmp_path / "fsdp")[1:]]
     expected = [[float(v) for v in line.split(",")[2:]] for line in rows(folder)[1:]]
     assert torch.allclose(torch.tensor(losses), torch.tensor(expected), rtol=1e-6, atol=0)
-    a, b = load_file(str(folder / "epoch-1.safetensors")), load_file(str(tmp_path / "fsdp" / "epoch-1.safetensors"))
-    assert set(a) == set(b) and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
-    assert any(not torch.equal(a[k], torch.zeros_like(a[k])) for k in a if "lora_B" in k)  # it trained
+    close_and_trained(folder / "epoch-1.safetensors", tmp_path / "fsdp" / "epoch-1.safetensors")
     state = tmp_path / "fsdp" / "state" / "step-2"
-    assert {p.name for p in state.iterdir()} == {"state.json", "trained.safetensors", "optimizer.safetensors",
-                                                  "optimizer-rank1.safetensors"}
+    assert {p.name for p in state.iterdir()} == RANKED_STATE
     mine, theirs = (load_file(str(state / name)) for name in ("optimizer.safetensors", "optimizer-rank1.safetensors"))
     assert set(mine) == set(theirs) and not all(torch.equal(mine[k], theirs[k]) for k in mine)  # two halves
     cut = tmp_path / "cut"

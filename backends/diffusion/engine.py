@@ -34,7 +34,7 @@ from typing import Any, Mapping, Optional
 from .errors import BackendError
 
 __all__ = ["Engine", "ENGINES", "engine_from_env", "engine_from_config_file", "launch_environment",
-           "requested_sharding", "deepspeed_config"]
+           "deepspeed_config"]
 
 ENGINES = ("ddp", "deepspeed", "fsdp2")
 DEEPSPEED_EXTRA = "pip install 'unitgraph[deepspeed]'"
@@ -103,17 +103,6 @@ class Engine:
         return {"kind": self.kind, "name": self.describe(), "zero_stage": self.zero_stage,
                 "offload_optimizer": self.offload_optimizer, "offload_params": self.offload_params,
                 "shards_frozen": self.shards_frozen, "shards_trained": self.shards_trained}
-
-
-def requested_sharding(environ: Optional[Mapping[str, str]] = None) -> str:
-    """The sharding engine the launch asks for, in words ("DeepSpeed ZeRO-2", "FSDP"), or "" for data parallel:
-    read from accelerate's variables alone, before engine_from_env's checks (DeepSpeed installed, its config sound),
-    for a caller that trains data parallel only and refuses the rest."""
-    env = os.environ if environ is None else environ
-    if _flag(env, "ACCELERATE_USE_DEEPSPEED"):
-        stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-        return f"DeepSpeed ZeRO-{stage}" if stage else "DeepSpeed"
-    return "FSDP" if _flag(env, "ACCELERATE_USE_FSDP") else ""
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:

@@ -79,31 +79,24 @@ def memory_plan(setup: Any, engine: Any = None) -> dict[str, Any]:
         weights = sum(table[n]["bytes"] for n in held) + lora
         grads = trained * width if training else 0
         optimizer = trained * 8 if training else 0
-        zero = engine.kind == "deepspeed" and engine.zero_stage >= 1  # a ZeRO optimizer keeps fp32 masters
         fsdp = engine.kind == "fsdp2"
+        zero = engine.kind == "deepspeed" and engine.zero_stage >= 1  # a ZeRO optimizer keeps fp32 masters
         master = trained * 4 if training and glue.dtype != "float32" and zero else 0
         host = 0
-        if training and fsdp:  # weights, gradients and AdamW's state of the trained models: each process a shard
-            n = max(1, engine.processes)
-            sharded = sum(table[m]["bytes"] for m in held if m in wrapped) + lora
-            part, grads, optimizer = -(-sharded // n), -(-grads // n), -(-optimizer // n)
-            weights -= sharded - (0 if engine.offload_params else part)
-            if engine.offload_params:  # CPUOffloadPolicy: shards, gradients and the optimizer step in CPU memory
-                host += part + grads + optimizer
-                grads = optimizer = 0
-        if training and zero:
+        if training and engine.shards_trained:  # FSDP2 or ZeRO: each process 1/N of what the engine shards
             n = max(1, engine.processes)
             optimizer, master = -(-optimizer // n), -(-master // n)
-            if engine.zero_stage >= 2:
+            if fsdp or engine.zero_stage >= 2:
                 grads = -(-grads // n)
-            if engine.zero_stage == 3:
+            if engine.shards_frozen:  # FSDP2, ZeRO-3: the trained models' weights, a LoRA's frozen base included
                 sharded = sum(table[m]["bytes"] for m in held if m in wrapped) + lora
                 part = -(-sharded // n)
                 weights -= sharded - (0 if engine.offload_params else part)
                 host += part if engine.offload_params else 0
-            if engine.offload_optimizer:
-                host += optimizer + master
+            if engine.offload_optimizer:  # FSDP2 offloads with the weights: its gradients are in CPU memory too
+                host += optimizer + master + (grads if fsdp else 0)
                 optimizer = master = 0
+                grads = 0 if fsdp else grads
         return {"models": held, "weights": weights, "trained_params": trained if training else 0,
                 "gradients": grads, "optimizer": optimizer, "master": master, "host": host,
                 "total": weights + grads + optimizer + master}

@@ -223,7 +223,7 @@ def _as_shards(tensors: dict[str, Any], params: list[Any], refused: BackendError
 
     out = {}
     for key, value in tensors.items():
-        index, _, field = key.partition(".")
+        index = key.partition(".")[0]
         like = params[int(index)] if index.isdigit() and int(index) < len(params) else None
         if like is None or not isinstance(like, DTensor) or value.dim() == 0:
             out[key] = value  # AdamW's step count, or a state the optimizer's own check refuses

@@ -10,9 +10,10 @@ steps the uninterrupted run takes. It is written into a temporary folder and ren
 the previous state whole; only the newest --save_total_limit states are kept (all with 0). Never pickle: tensors in
 safetensors, the rest JSON.
 
-Under DeepSpeed ZeRO and FSDP2 (sharding.py) each process keeps its own share of the optimizer state: the main process's is
-optimizer.safetensors, process R's optimizer-rank<R>.safetensors, written by that process into a staging folder
-first (`staging_folder`) and moved into the state by the main process before the state is renamed into place.
+Under DeepSpeed ZeRO and FSDP2 (sharding.py) each process keeps its own share of the optimizer state: the main
+process's is optimizer.safetensors, process R's optimizer-rank<R>.safetensors, written by that process into a
+staging folder first (`staging_folder`) and moved into the state by the main process before the state is renamed
+into place.
 """
 
 from __future__ import annotations

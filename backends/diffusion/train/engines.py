@@ -158,7 +158,6 @@ class ShardedSteps(Steps):
     """FSDP2: torch's fully_shard on every trained model (the module docstring)."""
 
     gathers = True
-    per_rank_state = False  # the optimizer state is gathered whole into a state (resume.py)
 
     @staticmethod
     def find_blocks(model: Any, classes: tuple[str, ...]) -> list[Any]:
