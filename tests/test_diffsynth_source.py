@@ -111,40 +111,43 @@ def diffsynths_step(module, inputs: tuple, seed: int, base_model: str):
     return loss, {n: p.grad for n, p in getattr(pipe, base_model).named_parameters() if p.requires_grad}
 
 
-def test_the_unsplit_step_is_diffsynths_own_training_step(world):
-    """One step of `unitgraph train --pipeline diffsynth:MODULE` against DiffSynth's: the example's train.py glue
-    written out here with DiffSynth's classes (from_pretrained, split_pipeline_units, switch_pipe_to_training_mode,
-    UnifiedDataset with its image operator, unit_runner, FlowMatchSFTLoss), in the dtype the example trains in
-    (fp32 for SD 1.5, bf16 for Ideogram 4)."""
-    from diffsynth.core import ModelConfig, UnifiedDataset
-    from diffsynth.diffusion.training_module import DiffusionTrainingModule
-
-    root, flags = world
-    args = _args(root, flags)
-    base_model, targets, _prefix = PIPELINES[flags["module"]]
-    setup = ds_run.setup(args)  # recognises the tiny files (registers them in DiffSynth's table for this process)
+def our_unsplit_step(setup, args, base_model: str):
+    """unitgraph's unsplit step on the dataset's second sample: (its loss, the gradients of `base_model`'s trained
+    parameters, the sample's step seed)."""
     pipe = setup.load(sorted(set(setup.plan.data_process_models) | set(setup.plan.train_models)), "the run")
     ds_run._lora(setup, pipe)
     dataset = ds_run.dataset_of(setup)
-    ours_state = ds_run.run_units(pipe, setup.stage_units("data_process"),
-                                  ds_run._transfer(ds_run.sample_state(setup, dataset, 1, pipe.device), pipe))
+    state = ds_run.run_units(pipe, setup.stage_units("data_process"),
+                             ds_run._transfer(ds_run.sample_state(setup, dataset, 1, pipe.device), pipe))
     seed = ds_run.step_seed(args.seed, 0, dataset.sample_id(1))
-    ours = ds_run.train_step(pipe, setup.stage_units("train"), ours_state, seed)
-    ours.backward()
-    model = getattr(pipe, base_model)
-    ours_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    loss = ds_run.train_step(pipe, setup.stage_units("train"), state, seed)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in getattr(pipe, base_model).named_parameters() if p.requires_grad}
+    return loss, grads, seed
 
-    # DiffSynth's own: its loader on the same files, its training module, its dataset, its loss
-    configs = [ModelConfig(path=m.path) for m in setup.models]  # the files the command's model ids name
+
+def diffsynths_module(setup, configs, base_model: str, targets: str, seed: int):
+    """DiffSynth's training module as the example's train.py assembles it on `configs` (from_pretrained,
+    split_pipeline_units, switch_pipe_to_training_mode), the LoRA drawn from unitgraph's initialisation stream."""
+    from diffsynth.core import ModelConfig
+    from diffsynth.diffusion.training_module import DiffusionTrainingModule
+
     glue = setup.glue
     module = DiffusionTrainingModule()
     tokenizers = {k: ModelConfig(path=v) for k, v in setup.tokenizers_for([t.encoder for t in glue.tokenizers]).items()}
     module.pipe = setup.pipe_class.from_pretrained(torch_dtype=getattr(torch, glue.dtype), device="cpu",
                                                    model_configs=configs, **tokenizers)
     module.pipe = module.split_pipeline_units("sft", module.pipe, None, base_model)
-    with seeded_global_stream(args.seed, "diffsynth-lora-init"):  # unitgraph's LoRA initialisation stream
+    with seeded_global_stream(seed, "diffsynth-lora-init"):  # unitgraph's LoRA initialisation stream
         module.switch_pipe_to_training_mode(module.pipe, None, base_model, targets, 4, None, None, None, task="sft")
-    pipe2 = module.pipe
+    return module
+
+
+def example_inputs(root: Path, flags: dict, args, glue, device) -> tuple:
+    """The second sample as the example's UnifiedDataset reads it (its image or video operator), as the inputs its
+    get_pipeline_inputs makes of it (shared, positive, negative)."""
+    from diffsynth.core import UnifiedDataset
+
     if _video(flags["module"]):  # examples/wanvideo/model_training/train.py
         data = UnifiedDataset(base_path=str(root / "data"), metadata_path=str(root / "data" / "metadata.csv"),
                               repeat=1, data_file_keys=["video"],
@@ -154,28 +157,105 @@ def test_the_unsplit_step_is_diffsynths_own_training_step(world):
                                   time_division_factor=4, time_division_remainder=1))[1]
         video = data["video"]
         assert len(video) == 5
-        inputs = ({"input_video": video, "height": video[0].size[1], "width": video[0].size[0],
-                   "num_frames": len(video), "cfg_scale": 1, "tiled": False, "rand_device": pipe2.device,
-                   "use_gradient_checkpointing": True,  # its train.py forces it on
-                   "use_gradient_checkpointing_offload": False, "cfg_merge": False, "vace_scale": 1,
-                   "max_timestep_boundary": 1.0, "min_timestep_boundary": 0.0}, {"prompt": data["prompt"]}, {})
-    else:
-        data = UnifiedDataset(base_path=str(root / "data"), metadata_path=str(root / "data" / "metadata.csv"),
-                              repeat=1, data_file_keys=["image"],
-                              main_data_operator=UnifiedDataset.default_image_operator(
-                                  base_path=str(root / "data"), max_pixels=args.max_pixels, height=32, width=32,
-                                  height_division_factor=glue.division, width_division_factor=glue.division))[1]
-        inputs = ({"input_image": data["image"], "height": data["image"].size[1], "width": data["image"].size[0],
-                   "cfg_scale": 1, "rand_device": pipe2.device, "use_gradient_checkpointing": False,
-                   "use_gradient_checkpointing_offload": False, **EXAMPLE_INPUTS.get(flags["module"], {})},
-                  {"prompt": data["prompt"]}, {"negative_prompt": ""})
-    theirs, theirs_grads = diffsynths_step(module, inputs, seed, base_model)
+        return ({"input_video": video, "height": video[0].size[1], "width": video[0].size[0],
+                 "num_frames": len(video), "cfg_scale": 1, "tiled": False, "rand_device": device,
+                 "use_gradient_checkpointing": True,  # its train.py forces it on
+                 "use_gradient_checkpointing_offload": False, "cfg_merge": False, "vace_scale": 1,
+                 "max_timestep_boundary": 1.0, "min_timestep_boundary": 0.0}, {"prompt": data["prompt"]}, {})
+    data = UnifiedDataset(base_path=str(root / "data"), metadata_path=str(root / "data" / "metadata.csv"),
+                          repeat=1, data_file_keys=["image"],
+                          main_data_operator=UnifiedDataset.default_image_operator(
+                              base_path=str(root / "data"), max_pixels=args.max_pixels, height=32, width=32,
+                              height_division_factor=glue.division, width_division_factor=glue.division))[1]
+    return ({"input_image": data["image"], "height": data["image"].size[1], "width": data["image"].size[0],
+             "cfg_scale": 1, "rand_device": device, "use_gradient_checkpointing": False,
+             "use_gradient_checkpointing_offload": False, **EXAMPLE_INPUTS.get(flags["module"], {})},
+            {"prompt": data["prompt"]}, {"negative_prompt": ""})
 
+
+def assert_same_step(ours, ours_grads, theirs, theirs_grads):
     assert ours.item() == theirs.item()
     assert set(ours_grads) == set(theirs_grads) and len(ours_grads) > 0
     for name, grad in ours_grads.items():
         assert torch.equal(grad, theirs_grads[name]), name
     assert any(g.abs().sum() > 0 for g in ours_grads.values())
+
+
+def test_the_unsplit_step_is_diffsynths_own_training_step(world):
+    """One step of `unitgraph train --pipeline diffsynth:MODULE` against DiffSynth's: the example's train.py glue
+    written out here with DiffSynth's classes (from_pretrained, split_pipeline_units, switch_pipe_to_training_mode,
+    UnifiedDataset with its image operator, unit_runner, FlowMatchSFTLoss), in the dtype the example trains in
+    (fp32 for SD 1.5, bf16 for Ideogram 4)."""
+    from diffsynth.core import ModelConfig
+
+    root, flags = world
+    args = _args(root, flags)
+    base_model, targets, _prefix = PIPELINES[flags["module"]]
+    setup = ds_run.setup(args)  # recognises the tiny files (registers them in DiffSynth's table for this process)
+    ours, ours_grads, seed = our_unsplit_step(setup, args, base_model)
+
+    # DiffSynth's own: its loader on the same files, its training module, its dataset, its loss
+    configs = [ModelConfig(path=m.path) for m in setup.models]  # the files the command's model ids name
+    module = diffsynths_module(setup, configs, base_model, targets, args.seed)
+    inputs = example_inputs(root, flags, args, setup.glue, module.pipe.device)
+    theirs, theirs_grads = diffsynths_step(module, inputs, seed, base_model)
+    assert_same_step(ours, ours_grads, theirs, theirs_grads)
+
+
+@pytest.mark.parametrize("world", ["z_image"], indirect=True)
+def test_fp8_models_train_as_diffsynths_fp8_step_and_split_equals_unsplit(world, tmp_path):
+    """--fp8_models as DiffSynth's train.py takes it: its model id of the DiT (the LoRA base) and, in unitgraph's
+    form, the text encoder's attribute. The unsplit step equals DiffSynth's own step on the models its
+    parse_model_configs(fp8_models=...) loads (every weight in float8_e4m3fn) bit for bit; it is not the bf16 step;
+    split == unsplit with the fp8 text encoder in stage 1 and the fp8 DiT in stage 2; the dry run counts the fp8
+    models at a byte a weight."""
+    from diffsynth.diffusion.training_module import DiffusionTrainingModule
+
+    root, flags = world
+    base_model, targets, _prefix = PIPELINES[flags["module"]]
+    plain = ds_run.setup(_args(root, flags))
+    dit_id = next(m.given for m in plain.models if base_model in m.attributes)
+    args = _args(root, flags, fp8_models=f"{dit_id},text_encoder")
+    setup = ds_run.setup(args)
+    assert sorted(a for m in setup.models if m.fp8 for a in m.attributes) == [base_model, "text_encoder"]
+    ours, ours_grads, seed = our_unsplit_step(setup, args, base_model)
+    bf16, _grads, _seed = our_unsplit_step(plain, args, base_model)
+    assert ours.item() != bf16.item()
+
+    their_ids = ",".join(m.given for m in setup.models if m.fp8)  # DiffSynth's --fp8_models names ids only
+    configs = DiffusionTrainingModule().parse_model_configs(None, args.model_id_with_origin_paths,
+                                                            fp8_models=their_ids, device="cpu")
+    module = diffsynths_module(setup, configs, base_model, targets, args.seed)
+    assert {p.dtype for p in module.pipe.text_encoder.parameters()} == {torch.float8_e4m3fn}
+    inputs = example_inputs(root, flags, args, setup.glue, module.pipe.device)
+    theirs, theirs_grads = diffsynths_step(module, inputs, seed, base_model)
+    assert_same_step(ours, ours_grads, theirs, theirs_grads)
+
+    common = dict(fp8_models=args.fp8_models, num_epochs=1)
+    whole = run(_args(root, flags, output_path=str(tmp_path / "whole"), **common))
+    run(_args(root, flags, task="sft:data_process", output_path=str(tmp_path / "cache"), **common))
+    split = run(_args(root, flags, task="sft:train", dataset_base_path=str(tmp_path / "cache"),
+                      dataset_metadata_path=None, output_path=str(tmp_path / "split"), **common))
+    assert whole.losses == split.losses and len(split.losses) == 3
+    a, b = load_file(str(whole.last_checkpoint)), load_file(str(split.last_checkpoint))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+    fp8_plan = run(_args(root, flags, dry_run=True, fp8_models=args.fp8_models)).memory_plan["models"]
+    bf16_plan = run(_args(root, flags, dry_run=True)).memory_plan["models"]
+    for name in (base_model, "text_encoder"):
+        assert fp8_plan[name]["fp8"] and fp8_plan[name]["bytes"] * 2 == bf16_plan[name]["bytes"]
+    others = set(fp8_plan) - {base_model, "text_encoder"}
+    assert others and all(not fp8_plan[n]["fp8"] and fp8_plan[n]["bytes"] == bf16_plan[n]["bytes"] for n in others)
+
+    # refused in one line: a name of no model, a model whose weights train, the DiT's fp8 under an engine
+    with pytest.raises(BackendError, match="--fp8_models 'transformer' names no model of the command"):
+        ds_run.setup(_args(root, flags, fp8_models="transformer"))
+    with pytest.raises(BackendError, match="dit is in --trainable_models; a model whose weights train cannot"):
+        ds_run.setup(_args(root, flags, fp8_models=dit_id, lora_base_model=None, trainable_models="dit"))
+    config = tmp_path / "fsdp2.yaml"
+    config.write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n")
+    with pytest.raises(BackendError, match="--fp8_models with FSDP2: a DiffSynth pipeline's fp8 models are not"):
+        run(_args(root, flags, dry_run=True, fp8_models="dit", config_file=str(config)))
 
 
 def _edit_dataset(folder: Path) -> Path:
@@ -341,6 +421,8 @@ def test_bad_commands_are_one_line(world, tmp_path):
         return
     with pytest.raises(BackendError, match="not trained through DiffSynth's own code yet"):
         run(_args(root, flags, pipeline="diffsynth:ernie_image", output_path=str(tmp_path / "x")))
+    with pytest.raises(BackendError, match="--fp8_models: diffsynth:stable_diffusion trains in float32"):
+        run(_args(root, flags, fp8_models="unet", output_path=str(tmp_path / "x")))
     with pytest.raises(BackendError, match="matches no module|not found"):
         run(_args(root, flags, lora_target_modules="nope", output_path=str(tmp_path / "x")))
     with pytest.raises(BackendError, match="no cache of stage 1 here"):

@@ -2,7 +2,8 @@
 
 Each model of the command is its table entry's class built on the meta device with the entry's sizes (no weights
 are read, and none need to be downloaded: models.planned_models), counted at the dtype the pipeline trains in
-(DiffSynth loads every model in it). A stage holds the models the plan gives it; training adds the trained
+(DiffSynth loads every model in it), a model of `--fp8_models` at one byte a weight (DiffSynth's fp8 storage loads
+every weight of its file in float8_e4m3fn). A stage holds the models the plan gives it; training adds the trained
 parameters' gradients (in that dtype, as DiffSynth upcasts the LoRA to it) and AdamW's two moments in fp32. The
 LoRA is peft's, injected into the skeleton with the command's targets and rank, so its size is the one the run
 trains. Activations are not counted: they depend on the kernels and the sample size, and the run's own
@@ -62,8 +63,8 @@ def memory_plan(setup: Any, engine: Any = None) -> dict[str, Any]:
         for attribute, skeleton in model.skeletons().items():
             n = _count(skeleton)
             skeletons[attribute] = skeleton
-            table[attribute] = {"params": n, "bytes": n * width, "file": model.label,
-                                "class": type(skeleton).__name__}
+            table[attribute] = {"params": n, "bytes": n * (1 if model.fp8 else width), "file": model.label,
+                                "class": type(skeleton).__name__, "fp8": model.fp8}
     trained = 0
     if args.lora_base_model and args.lora_base_model in skeletons:
         skeleton = skeletons[args.lora_base_model]
@@ -115,7 +116,7 @@ def format_plan(plan: dict[str, Any]) -> list[str]:
              f"activations not counted{per})"]
     for name, info in plan["models"].items():
         lines.append(f"  {name:<14} {info['class']}: {info['params'] / 1e9:.3f} B params, {info['bytes'] / GIB:.2f} GiB "
-                     f"({info['file']})")
+                     f"{'in fp8 ' if info.get('fp8') else ''}({info['file']})")
     titles = {"data_process": "stage 1 (data_process)", "train": "stage 2 (train)", "unsplit": "unsplit (sft)"}
     for key, title in titles.items():
         s = plan["stages"][key]

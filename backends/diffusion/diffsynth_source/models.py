@@ -41,8 +41,8 @@ from ..errors import BackendError
 from ..models.hub import Hub, origin_subfolder
 from .glue import Glue
 
-__all__ = ["ModelFile", "examples", "find_models", "load_pipeline", "model_attributes", "planned_models", "recognise",
-           "redirects", "skeleton"]
+__all__ = ["ModelFile", "examples", "find_models", "fp8_storage", "load_pipeline", "model_attributes", "planned_models",
+           "recognise", "redirects", "skeleton", "with_fp8"]
 
 Files = Union[str, list[str]]
 
@@ -55,6 +55,8 @@ class ModelFile:
     path: Files
     loads: tuple[tuple[str, dict], ...]  # (pipeline attribute, its table entry), one per model the pipeline loads
     entries: tuple[dict, ...] = ()  # every table entry of the file (class, converter, sizes), for the cache key
+    given: str = ""  # how the command names it: its --model_paths entry, or MODEL_ID:PATTERN (what --fp8_models matches)
+    fp8: bool = False  # loaded with DiffSynth's fp8 storage (--fp8_models)
 
     @property
     def attributes(self) -> tuple[str, ...]:
@@ -225,12 +227,19 @@ def find_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_pat
     attributes = model_attributes(pipeline_class)
     found: list[ModelFile] = []
     redirected = redirects(pipeline_class)  # a release file DiffSynth fetches from its own copy is looked for there
-    ids = [redirected.get(p, (i, p)) for i, p in _parse_ids(model_id_with_origin_paths)]
-    given = _parse_model_paths(model_paths) + [_id_files(hub, i, p) for i, p in ids]
-    for files in given:
+    named = [(files, _named(files)) for files in _parse_model_paths(model_paths)]
+    for asked in _parse_ids(model_id_with_origin_paths):
+        model_id, pattern = redirected.get(asked[1], asked)
+        named.append((_id_files(hub, model_id, pattern), f"{asked[0]}:{asked[1]}"))
+    for files, as_given in named:
         _check_files(files)
-        found.append(_model_file(files, recognise(files, attributes), attributes))
+        found.append(_model_file(files, recognise(files, attributes), attributes, as_given))
     return found
+
+
+def _named(files: Files) -> str:
+    """A --model_paths entry as the command writes it (a list of shards as its JSON)."""
+    return files if isinstance(files, str) else json.dumps(files)
 
 
 def examples() -> dict[tuple[str, str], str]:
@@ -274,14 +283,14 @@ def planned_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_
     for files in _parse_model_paths(model_paths):
         _check_files(files)
         entries = recognise(files, attributes)
-        found.append(_model_file(files, entries, attributes))
+        found.append(_model_file(files, entries, attributes, _named(files)))
     redirected = redirects(pipeline_class)
     for asked in _parse_ids(model_id_with_origin_paths):
         model_id, pattern = redirected.get(asked[1], asked)
         local = hub.found_locally(model_id, pattern)
         if local is not None:
             files = _id_files(hub, model_id, pattern)
-            found.append(_model_file(files, recognise(files, attributes), attributes))
+            found.append(_model_file(files, recognise(files, attributes), attributes, f"{asked[0]}:{asked[1]}"))
             continue
         model_hash = known.get((model_id, pattern)) or known.get(asked)  # a redirected file: the release's entry
         if model_hash is None and asked != (model_id, pattern):
@@ -306,18 +315,47 @@ def planned_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_
         if not entries:
             raise BackendError(f"{model_id}:{pattern} is not downloaded and DiffSynth's model-config table names no "
                                "entry for it (its '# Example:' comments); download it or pass --model_paths")
-        found.append(_model_file(label, entries, attributes))
+        found.append(_model_file(label, entries, attributes, f"{asked[0]}:{asked[1]}"))
     return found
 
 
-def _model_file(files: Files, entries: tuple[dict, ...], attributes: dict[str, str]) -> ModelFile:
+def _model_file(files: Files, entries: tuple[dict, ...], attributes: dict[str, str], given: str) -> ModelFile:
     """The file's models the pipeline loads: each attribute with the first entry of its model name."""
     loads: dict[str, dict] = {}
     for entry in entries:
         attribute = attributes.get(entry["model_name"])
         if attribute is not None:
             loads.setdefault(attribute, entry)
-    return ModelFile(files, tuple(loads.items()), entries)
+    return ModelFile(files, tuple(loads.items()), entries, given)
+
+
+def with_fp8(models: list[ModelFile], value: Optional[str], trained: Iterable[str]) -> list[ModelFile]:
+    """`models` with those --fp8_models names marked for DiffSynth's fp8 storage. A name is a model's entry as the
+    command gives it (DiffSynth's own matching: the --model_paths entry or MODEL_ID:PATTERN, exactly), or, as
+    unitgraph's families take it, a pipeline attribute it fills (dit, text_encoder). A name that matches no model, or
+    a model whose own weights train (--trainable_models), is one line; a LoRA base may be fp8.
+
+    >>> m = ModelFile("models/dit.safetensors", (("dit", {}),), given="org/x:dit.safetensors")
+    >>> [f.fp8 for f in with_fp8([m], "dit", ())], [f.fp8 for f in with_fp8([m], "org/x:dit.safetensors", ())]
+    ([True], [True])
+    """
+    from dataclasses import replace
+
+    names = [n.strip() for n in (value or "").split(",") if n.strip()]
+    marked = list(models)
+    for name in names:
+        hits = [i for i, m in enumerate(models) if name == m.given or name in m.attributes]
+        if not hits:
+            raise BackendError(f"--fp8_models {name!r} names no model of the command (its models: "
+                               f"{', '.join(a for m in models for a in m.attributes) or 'none'}; or an entry of "
+                               "--model_paths / --model_id_with_origin_paths as written)")
+        for i in hits:
+            busy = sorted(set(models[i].attributes) & set(trained))
+            if busy:
+                raise BackendError(f"--fp8_models {name!r}: {busy[0]} is in --trainable_models; a model whose "
+                                   "weights train cannot be stored in fp8 (its LoRA base may be)")
+            marked[i] = replace(marked[i], fp8=True)
+    return marked
 
 
 def pipeline_class_of(glue: Glue) -> type:
@@ -447,7 +485,8 @@ def load_pipeline(glue: Glue, models: Iterable[ModelFile], attributes: Iterable[
     from diffsynth.core import ModelConfig
 
     wanted = set(attributes)
-    configs = [ModelConfig(path=m.path) for m in models if wanted & set(m.attributes)]
+    chosen = [m for m in models if wanted & set(m.attributes)]
+    configs = [ModelConfig(path=m.path, **(fp8_storage(device) if m.fp8 else {})) for m in chosen]
     kwargs = {keyword: ModelConfig(path=folder) for keyword, folder in tokenizers.items()}
     for tokenizer in glue.tokenizers:
         kwargs.setdefault(tokenizer.keyword, None)
@@ -460,6 +499,20 @@ def load_pipeline(glue: Glue, models: Iterable[ModelFile], attributes: Iterable[
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise BackendError(f"DiffSynth's {cls.__name__}.from_pretrained failed on {files or 'no model'}: "
                            f"{type(exc).__name__}: {detail[:300]}") from None
+
+
+def fp8_storage(device: str) -> dict[str, Any]:
+    """The `ModelConfig` settings DiffSynth's train.py gives a model of --fp8_models (its training module's own
+    `parse_vram_config`): every weight loaded in float8_e4m3fn and cast to bf16 layer by layer as it computes.
+
+    DiffSynth's pipeline, holding such a model, calls `torch.<device>.empty_cache()` whenever a unit loads its models;
+    torch has no `torch.cpu.empty_cache`, so on the CPU a no-op one is added (nothing else is changed)."""
+    import torch
+    from diffsynth.diffusion.training_module import DiffusionTrainingModule
+
+    if not hasattr(torch.cpu, "empty_cache"):
+        torch.cpu.empty_cache = lambda: None  # type: ignore[attr-defined]
+    return DiffusionTrainingModule().parse_vram_config(fp8=True, device=device)
 
 
 class _quiet:

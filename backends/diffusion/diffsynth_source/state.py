@@ -41,16 +41,17 @@ DEFAULTS = {"samples_per_step": 1, "engine": "data parallel"}  # what a state fr
 
 
 def settings_of(args: Any, sample_ids: list[str], samples_per_step: int = 1,
-                engine: str = "data parallel") -> dict[str, Any]:
+                engine: str = "data parallel", fp8: list[str] = ()) -> dict[str, Any]:
     """What a continued run must share with the one that wrote the state (--num_epochs may grow), the samples of an
-    optimizer step (processes x --gradient_accumulation_steps) and the engine (world.World.describe) included."""
+    optimizer step (processes x --gradient_accumulation_steps), the engine (world.World.describe) and the models the
+    step holds in fp8 (`fp8`, --fp8_models) included."""
     import hashlib
 
     names = ("seed", "learning_rate", "weight_decay", "lora_base_model", "lora_target_modules", "lora_rank",
              "lora_alpha", "trainable_models", "dataset_repeat", "remove_prefix_in_ckpt", "save_steps")
     samples = hashlib.sha256("\n".join(sample_ids).encode("utf-8")).hexdigest()
     return {**{name: getattr(args, name) for name in names}, "samples": samples, "samples_per_step": samples_per_step,
-            "engine": engine}
+            "engine": engine, **({"fp8_models": list(fp8)} if fp8 else {})}
 
 
 def rank_file(rank: int) -> str:
