@@ -23,3 +23,20 @@ def diffsynth_models(models: Path) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def add_distill_columns(folder: Path, steps: int = 2, first_seed: int = 40) -> None:
+    """Give each row of `folder`'s metadata.csv the columns of DiffSynth's direct-distill example datasets (its Wan
+    2.1 1.3B direct_distill command passes them as --extra_inputs): a seed of its own (`first_seed` + row), rand_device
+    cpu, `steps` inference steps and cfg_scale 1."""
+    import csv
+
+    path = folder / "metadata.csv"
+    with path.open(newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    for i, row in enumerate(rows):
+        row.update(seed=str(first_seed + i), rand_device="cpu", num_inference_steps=str(steps), cfg_scale="1")
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

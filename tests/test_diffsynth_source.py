@@ -33,7 +33,7 @@ diffsynth = pytest.importorskip("diffsynth", reason="DiffSynth-Studio is not ins
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from diffsynth_env import diffsynth_models  # noqa: E402
+from diffsynth_env import add_distill_columns, diffsynth_models  # noqa: E402
 
 from unitgraph.backends.diffusion.args import make_args  # noqa: E402
 from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
@@ -95,18 +95,19 @@ def _args(root: Path, flags: dict, **over):
     return make_args(**base)
 
 
-def diffsynths_step(module, inputs: tuple, seed: int, base_model: str):
+def diffsynths_step(module, inputs: tuple, seed: int, base_model: str, task: str = "sft"):
     """DiffSynth's own training step on `inputs` (shared, positive, negative), as its training module runs it: the
-    data to the pipeline's device and dtype, torch's stream seeded, every unit through its runner, FlowMatchSFTLoss,
-    backward. Returns the loss and the gradients of `base_model`'s trained parameters."""
-    from diffsynth.diffusion.loss import FlowMatchSFTLoss
+    data to the pipeline's device and dtype, torch's stream seeded, every unit through its runner, the task's loss as
+    the example's task_to_loss maps it (FlowMatchSFTLoss, DirectDistillLoss), backward. Returns the loss and the
+    gradients of `base_model`'s trained parameters."""
+    from diffsynth.diffusion.loss import DirectDistillLoss, FlowMatchSFTLoss
 
     pipe = module.pipe
     inputs = module.transfer_data_to_device(inputs, pipe.device, pipe.torch_dtype)
     torch.manual_seed(seed)
     for unit in pipe.units:
         inputs = pipe.unit_runner(unit, pipe, *inputs)
-    loss = FlowMatchSFTLoss(pipe, **inputs[0], **inputs[1])
+    loss = {"sft": FlowMatchSFTLoss, "direct_distill": DirectDistillLoss}[task](pipe, **inputs[0], **inputs[1])
     loss.backward()
     return loss, {n: p.grad for n, p in getattr(pipe, base_model).named_parameters() if p.requires_grad}
 
@@ -120,7 +121,7 @@ def our_unsplit_step(setup, args, base_model: str):
     state = ds_run.run_units(pipe, setup.stage_units("data_process"),
                              ds_run._transfer(ds_run.sample_state(setup, dataset, 1, pipe.device), pipe))
     seed = ds_run.step_seed(args.seed, 0, dataset.sample_id(1))
-    loss = ds_run.train_step(pipe, setup.stage_units("train"), state, seed)
+    loss = ds_run.train_step(pipe, setup.stage_units("train"), state, seed, args.task)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in getattr(pipe, base_model).named_parameters() if p.requires_grad}
     return loss, grads, seed
@@ -143,16 +144,28 @@ def diffsynths_module(setup, configs, base_model: str, targets: str, seed: int):
     return module
 
 
-def example_inputs(root: Path, flags: dict, args, glue, device) -> tuple:
-    """The second sample as the example's UnifiedDataset reads it (its image or video operator), as the inputs its
-    get_pipeline_inputs makes of it (shared, positive, negative)."""
+def example_inputs(root: Path, flags: dict, args, glue, device, module=None) -> tuple:
+    """The second sample as the example's UnifiedDataset reads it (its image or video operator; the data folder and
+    metadata of `args`), as the inputs its get_pipeline_inputs makes of it (shared, positive, negative), the
+    --extra_inputs columns added by the training `module`'s parse_extra_inputs."""
+    from diffsynth.core import UnifiedDataset
+
+    base, metadata = str(args.dataset_base_path), str(args.dataset_metadata_path)
+    made = _example_inputs(base, metadata, flags, args, glue, device)
+    if args.extra_inputs:
+        data = UnifiedDataset(base_path=base, metadata_path=metadata, repeat=1, data_file_keys=[])[1]
+        module.parse_extra_inputs(data, args.extra_inputs.split(","), made[0])
+    return made
+
+
+def _example_inputs(base: str, metadata: str, flags: dict, args, glue, device) -> tuple:
     from diffsynth.core import UnifiedDataset
 
     if _video(flags["module"]):  # examples/wanvideo/model_training/train.py
-        data = UnifiedDataset(base_path=str(root / "data"), metadata_path=str(root / "data" / "metadata.csv"),
+        data = UnifiedDataset(base_path=base, metadata_path=metadata,
                               repeat=1, data_file_keys=["video"],
                               main_data_operator=UnifiedDataset.default_video_operator(
-                                  base_path=str(root / "data"), max_pixels=args.max_pixels, height=32, width=32,
+                                  base_path=base, max_pixels=args.max_pixels, height=32, width=32,
                                   height_division_factor=16, width_division_factor=16, num_frames=5,
                                   time_division_factor=4, time_division_remainder=1))[1]
         video = data["video"]
@@ -162,10 +175,10 @@ def example_inputs(root: Path, flags: dict, args, glue, device) -> tuple:
                  "use_gradient_checkpointing": True,  # its train.py forces it on
                  "use_gradient_checkpointing_offload": False, "cfg_merge": False, "vace_scale": 1,
                  "max_timestep_boundary": 1.0, "min_timestep_boundary": 0.0}, {"prompt": data["prompt"]}, {})
-    data = UnifiedDataset(base_path=str(root / "data"), metadata_path=str(root / "data" / "metadata.csv"),
+    data = UnifiedDataset(base_path=base, metadata_path=metadata,
                           repeat=1, data_file_keys=["image"],
                           main_data_operator=UnifiedDataset.default_image_operator(
-                              base_path=str(root / "data"), max_pixels=args.max_pixels, height=32, width=32,
+                              base_path=base, max_pixels=args.max_pixels, height=32, width=32,
                               height_division_factor=glue.division, width_division_factor=glue.division))[1]
     return ({"input_image": data["image"], "height": data["image"].size[1], "width": data["image"].size[0],
              "cfg_scale": 1, "rand_device": device, "use_gradient_checkpointing": False,
@@ -200,6 +213,59 @@ def test_the_unsplit_step_is_diffsynths_own_training_step(world):
     inputs = example_inputs(root, flags, args, setup.glue, module.pipe.device)
     theirs, theirs_grads = diffsynths_step(module, inputs, seed, base_model)
     assert_same_step(ours, ours_grads, theirs, theirs_grads)
+
+
+# the columns DiffSynth's direct-distill datasets add, as its Wan 2.1 1.3B direct_distill example passes them
+DISTILL_COLUMNS = "seed,rand_device,num_inference_steps,cfg_scale"
+
+
+def distill_data(root: Path, folder: Path) -> Path:
+    """The world's samples copied to `folder`, with the columns of DiffSynth's direct-distill datasets (seeds 40+)."""
+    shutil.copytree(root / "data", folder)
+    add_distill_columns(folder)
+    return folder
+
+
+@pytest.mark.parametrize("world", ["wan_video", "z_image"], indirect=True)
+def test_direct_distill_is_diffsynths_own_step_and_split_equals_unsplit(world, tmp_path):
+    """--task direct_distill: the example's DirectDistillLoss (the sample's seeded noise denoised in its
+    num_inference_steps by the trained DiT, the result against the target's latents), the columns read as DiffSynth
+    reads them (numbers, not the csv's text). The unsplit step equals DiffSynth's own bit for bit; the noise is
+    made in stage 1 from the row's seed; split (direct_distill:data_process, then :train) == unsplit, losses and
+    LoRA; a pipeline whose example offers no direct_distill (Ideogram 4) is refused in one line."""
+    from diffsynth.core import ModelConfig
+
+    root, flags = world
+    base_model, targets, _prefix = PIPELINES[flags["module"]]
+    data = distill_data(root, tmp_path / "data")
+    common = dict(dataset_base_path=str(data), dataset_metadata_path=str(data / "metadata.csv"),
+                  extra_inputs=DISTILL_COLUMNS, num_epochs=1)
+    args = _args(root, flags, task="direct_distill", **common)
+    setup = ds_run.setup(args)
+    assert any("noise" in u.lower() for u in setup.plan.data_process_units), setup.plan.data_process_units
+    assert set(setup.plan.train_models) & setup.given == {base_model}  # the VAE encodes the target and passes the noise on in stage 1
+    ours, ours_grads, seed = our_unsplit_step(setup, args, base_model)
+    module = diffsynths_module(setup, [ModelConfig(path=m.path) for m in setup.models], base_model, targets,
+                               args.seed)
+    inputs = example_inputs(root, flags, args, setup.glue, module.pipe.device, module)
+    assert inputs[0]["num_inference_steps"] == 2 and inputs[0]["seed"] == 41
+    theirs, theirs_grads = diffsynths_step(module, inputs, seed, base_model, "direct_distill")
+    assert_same_step(ours, ours_grads, theirs, theirs_grads)
+
+    whole = run(_args(root, flags, task="direct_distill", output_path=str(tmp_path / "whole"), **common))
+    run(_args(root, flags, task="direct_distill:data_process", output_path=str(tmp_path / "cache"), **common))
+    split = run(_args(root, flags, task="direct_distill:train", output_path=str(tmp_path / "split"),
+                      **{**common, "dataset_base_path": str(tmp_path / "cache"), "dataset_metadata_path": None}))
+    assert whole.losses == split.losses and len(split.losses) == 3
+    a, b = load_file(str(whole.last_checkpoint)), load_file(str(split.last_checkpoint))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    rows = (data / "metadata.csv").read_text(encoding="utf-8").splitlines()
+    (data / "metadata.csv").write_text("\n".join([rows[0], rows[1], rows[2].replace(",41,", ",,"), *rows[3:]]) + "\n",
+                                       encoding="utf-8")
+    with pytest.raises(BackendError, match="row 2: the seed column is empty, and .*Noise.* the sample's noise"):
+        run(_args(root, flags, task="direct_distill:data_process", output_path=str(tmp_path / "cache2"), **common))
+    with pytest.raises(BackendError, match="diffsynth:ideogram4's example trains no direct_distill task"):
+        ds_run.check_flags(_args(root, flags, task="direct_distill", pipeline="diffsynth:ideogram4"))
 
 
 @pytest.mark.parametrize("world", ["z_image"], indirect=True)
@@ -250,8 +316,16 @@ def test_fp8_models_train_as_diffsynths_fp8_step_and_split_equals_unsplit(world,
     # refused in one line: a name of no model, a model whose weights train, the DiT's fp8 under an engine
     with pytest.raises(BackendError, match="--fp8_models 'transformer' names no model of the command"):
         ds_run.setup(_args(root, flags, fp8_models="transformer"))
-    with pytest.raises(BackendError, match="dit is in --trainable_models; a model whose weights train cannot"):
+    with pytest.raises(BackendError, match="--fp8_models: dit is in --trainable_models; a model whose weights train cannot"):
         ds_run.setup(_args(root, flags, fp8_models=dit_id, lora_base_model=None, trainable_models="dit"))
+    # --offload_models, as DiffSynth's split commands name the models a stage does not compute with: nothing to say
+    # where the stage does not load them; a line where it computes with one
+    te_id = next(m.given for m in setup.models if "text_encoder" in m.attributes)
+    assert ds_run.offload_notes(ds_run.setup(_args(root, flags, task="sft:train", offload_models=te_id))) == []
+    notes = ds_run.offload_notes(ds_run.setup(_args(root, flags, offload_models=te_id)))
+    assert len(notes) == 1 and notes[0].startswith("--offload_models: text_encoder computes in this stage"), notes
+    with pytest.raises(BackendError, match="--offload_models 'nope' names no model of the command"):
+        ds_run.offload_notes(ds_run.setup(_args(root, flags, offload_models="nope")))
     config = tmp_path / "fsdp2.yaml"
     config.write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n")
     with pytest.raises(BackendError, match="--fp8_models with FSDP2: a DiffSynth pipeline's fp8 models are not"):

@@ -12,6 +12,8 @@ Two CPU processes over gloo, on Stable Diffusion 1.5's test-size models in fp32 
 - DiffSynth's DeepSpeed configs as shipped (diffsynth_source/sharding.py): ZeRO-2 (and ZeRO-2 with offload) trains SD
   1.5's LoRA as data parallel does; under ZeRO-3, Z-Image's DiT trained whole in bf16 trains split == unsplit and
   resumes exactly; DiffSynth's full Z-Image command runs under its ZeRO-2 config;
+- DiffSynth's Wan 2.1 commands under their accelerate_config_14B.yaml (ZeRO-2, offloaded): the 14B full fine-tune
+  and the 1.3B direct distillation run as they are;
 - DiffSynth's full fine-tuning of FLUX.2 [klein] 4B on edits (examples/flux2/model_training/full/FLUX.2-klein-4B.sh,
   its edit command) runs as it is under a two-process launch and writes the whole DiT once.
 
@@ -35,7 +37,7 @@ pytest.importorskip("diffsynth", reason="DiffSynth-Studio is not installed (scri
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from diffsynth_env import diffsynth_models  # noqa: E402
+from diffsynth_env import add_distill_columns, diffsynth_models  # noqa: E402
 
 from unitgraph.backends.diffusion.args import make_args  # noqa: E402
 from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
@@ -470,16 +472,16 @@ WAN_14B_CONFIG = ZERO2_CONFIG.replace("offload_optimizer_device: none\n  offload
                                       "offload_optimizer_device: cpu\n  offload_param_device: cpu")
 
 
-@needs_deepspeed
-def test_diffsynths_wan_14b_full_command_runs_under_its_offloading_config(tmp_path):
-    """The command with `unitgraph train` for DiffSynth's train.py, `--pipeline diffsynth:wan_video` and
+def run_wan_port(tmp_path: Path, command: str, repository: str, distill: bool = False) -> tuple[str, Path]:
+    """DiffSynth's Wan `command` with `unitgraph train` for its train.py, `--pipeline diffsynth:wan_video` and
     `--data_file_keys video` (as the Wan LoRA port), lowered sizes (--height/--width 32, --num_epochs 1,
-    --dataset_repeat 1, 5-frame clips) and the launch's `--num_processes 2`. The 14B folder holds a test-size DiT of
-    the same class; the umt5 tokenizer comes from the 1.3B folder, as DiffSynth's train.py defaults it, and the .pth
-    files are read from DiffSynth's converted copies."""
+    --dataset_repeat 1, two 5-frame clips; with `distill` the direct-distill dataset's columns) and the launch's
+    `--num_processes 2`, from `tmp_path`. `repository` (Wan-AI/...) holds a test-size DiT of the class; the umt5
+    tokenizer comes from the 1.3B folder, as DiffSynth's train.py defaults it, and the .pth files are read from
+    DiffSynth's converted copies. Returns the run's output and the DiT's folder."""
     import shlex
 
-    words = shlex.split(WAN_14B_FULL.replace("\\\n", " "))
+    words = shlex.split(command.replace("\\\n", " "))
     script = "examples/wanvideo/model_training/train.py"
     launch_args, argv = words[2:words.index(script)], words[words.index(script) + 1:]
     for flag, value in (("--num_epochs", "1"), ("--dataset_repeat", "1"), ("--height", "32"), ("--width", "32")):
@@ -489,26 +491,77 @@ def test_diffsynths_wan_14b_full_command_runs_under_its_offloading_config(tmp_pa
     config.parent.mkdir(parents=True)
     config.write_text(WAN_14B_CONFIG, encoding="utf-8")
     write_tiny_models(tmp_path / "models", "wan_video")
-    small, big = tmp_path / "models" / "Wan-AI" / "Wan2.1-T2V-1.3B", tmp_path / "models" / "Wan-AI" / "Wan2.1-T2V-14B"
-    big.mkdir()
-    for name in ("diffusion_pytorch_model.safetensors", "config.json"):
-        shutil.copy(small / name, big / name)
-    data = tmp_path / "data" / "diffsynth_example_dataset" / "wanvideo" / "Wan2.1-T2V-14B"
+    small, dit = tmp_path / "models" / "Wan-AI" / "Wan2.1-T2V-1.3B", tmp_path / "models" / repository
+    if dit != small:
+        dit.mkdir()
+        for name in ("diffusion_pytorch_model.safetensors", "config.json"):
+            shutil.copy(small / name, dit / name)
+    data = tmp_path / argv[argv.index("--dataset_base_path") + 1]
     write_synthetic_dataset(data, count=2, size=40, videos=("video",), frames=5)
+    if distill:
+        add_distill_columns(data)
     env = {k: v for k, v in os.environ.items() if k not in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD")}
     env.update(OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *launch_args, "--num_processes", "2",
                            "--main_process_port", "0", str(CLI), "train", *argv], capture_output=True, text=True,
                           env=env, cwd=tmp_path, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert "engine:     DeepSpeed ZeRO-2 (optimizer offloaded to CPU) over 2 processes" in done.stdout, done.stdout
-    assert "training: 1 step in" in done.stdout, done.stdout
+    return done.stdout, dit
+
+
+def assert_whole_dit_trained(checkpoint: Path, dit: Path) -> None:
+    full = load_file(str(checkpoint))
+    original = load_file(str(dit / "diffusion_pytorch_model.safetensors"))
+    assert set(full) == set(original) and any(not torch.equal(full[k], original[k]) for k in full)
+
+
+@needs_deepspeed
+def test_diffsynths_wan_14b_full_command_runs_under_its_offloading_config(tmp_path):
+    """examples/wanvideo/model_training/full/Wan2.1-T2V-14B.sh through `run_wan_port`: the whole DiT trained under
+    ZeRO-2 with the optimizer offloaded, each process's optimizer partition in the state."""
+    stdout, dit = run_wan_port(tmp_path, WAN_14B_FULL, "Wan-AI/Wan2.1-T2V-14B")
+    assert "engine:     DeepSpeed ZeRO-2 (optimizer offloaded to CPU) over 2 processes" in stdout, stdout
+    assert "training: 1 step in" in stdout, stdout
     out = tmp_path / "models" / "train" / "Wan2.1-T2V-14B_full"
-    full = load_file(str(out / "epoch-0.safetensors"))
-    dit = load_file(str(big / "diffusion_pytorch_model.safetensors"))
-    assert set(full) == set(dit) and any(not torch.equal(full[k], dit[k]) for k in full)  # the whole DiT, trained
+    assert_whole_dit_trained(out / "epoch-0.safetensors", dit)
     assert {p.name for p in (out / "state" / "step-1").iterdir()} >= {"optimizer.safetensors",
                                                                      "optimizer-rank1.safetensors"}
+
+
+# examples/wanvideo/model_training/special/direct_distill/Wan2.1-T2V-1.3B.sh, as it is (its dataset's metadata adds
+# seed, rand_device, num_inference_steps and cfg_scale columns, which --extra_inputs passes)
+WAN_DISTILL = r"""
+accelerate launch --config_file examples/wanvideo/model_training/full/accelerate_config_14B.yaml examples/wanvideo/model_training/train.py \
+  --dataset_base_path data/diffsynth_example_dataset/wanvideo/Wan2.1-T2V-1.3B_direct_distill \
+  --dataset_metadata_path data/diffsynth_example_dataset/wanvideo/Wan2.1-T2V-1.3B_direct_distill/metadata.csv \
+  --height 480 \
+  --width 832 \
+  --dataset_repeat 160 \
+  --model_id_with_origin_paths "Wan-AI/Wan2.1-T2V-1.3B:diffusion_pytorch_model*.safetensors,Wan-AI/Wan2.1-T2V-1.3B:models_t5_umt5-xxl-enc-bf16.pth,Wan-AI/Wan2.1-T2V-1.3B:Wan2.1_VAE.pth" \
+  --learning_rate 1e-5 \
+  --num_epochs 2 \
+  --remove_prefix_in_ckpt "pipe.dit." \
+  --output_path "./models/train/Wan2.1-T2V-1.3B_full_distill" \
+  --trainable_models "dit" \
+  --task "direct_distill" \
+  --extra_inputs "seed,rand_device,num_inference_steps,cfg_scale"
+"""
+
+
+@needs_deepspeed
+def test_diffsynths_wan_direct_distill_command_runs_under_its_offloading_config(tmp_path):
+    """DiffSynth's Wan 2.1 1.3B direct distillation through `run_wan_port`: the whole DiT trained on
+    DirectDistillLoss under ZeRO-2 with the optimizer offloaded; the noise made from each row's seed in the plan's
+    stage 1 with the VAE (the run's plan line), so only the DiT computes in training."""
+    stdout, dit = run_wan_port(tmp_path, WAN_DISTILL, "Wan-AI/Wan2.1-T2V-1.3B", distill=True)
+    assert "engine:     DeepSpeed ZeRO-2 (optimizer offloaded to CPU) over 2 processes" in stdout, stdout
+    assert "training: 1 step in" in stdout, stdout
+    plan = next(line for line in stdout.splitlines() if line.startswith("plan:"))
+    assert "NoiseInitializer" in plan.split("stage 2 runs")[0] and plan.endswith("(dit)"), plan
+    out = tmp_path / "models" / "train" / "Wan2.1-T2V-1.3B_full_distill"
+    assert_whole_dit_trained(out / "epoch-0.safetensors", dit)
+    losses = [float(r.split(",")[3]) for r in rows(out)[1:]]
+    assert len(losses) == 2 and all(0 < value < 100 for value in losses), losses
 
 
 # examples/flux2/model_training/full/FLUX.2-klein-4B.sh, its edit command (commented out in the script, as DiffSynth

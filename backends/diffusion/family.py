@@ -549,6 +549,8 @@ class DiffSynthPipeline:
     # release files DiffSynth's table knows only under another repository's example: ("id:pattern" the commands
     # name, "id:pattern" of the example with the same weights' names and shapes), for the dry run without the files
     sized_as: tuple[tuple[str, str], ...] = ()
+    # whether its train.py offers --task direct_distill (DiffSynth's DirectDistillLoss)
+    distill: bool = True
 
     @property
     def name(self) -> str:

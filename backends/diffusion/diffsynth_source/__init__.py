@@ -7,7 +7,8 @@ step its repository's `examples/<family>/model_training/train.py` assembles from
 1. a dataset row becomes three dicts (`inputs_shared`, `inputs_posi`, `inputs_nega`): the image, its size, the
    prompt, the empty negative prompt, `cfg_scale` 1 and the pipeline's device (`glue.py` declares this per pipeline);
 2. float tensors are moved to the pipeline's dtype, then every unit runs in order through `pipe.unit_runner`;
-3. the task's loss (`FlowMatchSFTLoss` for `sft`) draws a timestep and noise from torch's global stream and calls
+3. the task's loss (`FlowMatchSFTLoss` for `sft`: a timestep and noise drawn from torch's global stream;
+   `DirectDistillLoss` for `direct_distill`: the sample's noise denoised in its steps, no draw) calls
    `pipe.model_fn` with every input.
 
 This package runs those parts as they are (the installed `diffsynth` package's own classes and functions) and

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from ..errors import BackendError
 from ..family import DiffSynthPipeline, DiffSynthTokenizer
 
-__all__ = ["Glue", "OWN", "Tokenizer", "glue_for", "glues", "inputs", "provided"]
+__all__ = ["Glue", "OWN", "Tokenizer", "call_types", "glue_for", "glues", "inputs", "provided"]
 
 
 Glue = DiffSynthPipeline
@@ -26,7 +26,7 @@ Tokenizer = DiffSynthTokenizer
 OWN: tuple[Glue, ...] = (
     Glue("ideogram4", "Ideogram4Pipeline", "Ideogram 4 (DiffSynth's pipeline; no other trainer has it)",
          tokenizers=(Tokenizer("tokenizer_config", "tokenizer_path", "ideogram-ai/ideogram-4-fp8", "tokenizer/"),),
-         example="ideogram4"),
+         example="ideogram4", distill=False),
 )
 
 
@@ -103,3 +103,31 @@ def provided(glue: Glue, extra_inputs: tuple[str, ...] = ()) -> frozenset[str]:
     sample = {"video": [picture], "image": picture, "prompt": "", **{n: 0 for n in extra_inputs}}
     given = inputs(glue, sample, "cpu", False, False, extra_inputs)
     return frozenset(k for part in given for k, v in part.items() if v is not None)
+
+
+def call_types(pipeline_class: type) -> dict[str, type]:
+    """{param: int or float} of the pipeline's `__call__` parameters annotated so (`seed: int`,
+    `num_inference_steps: int`, `cfg_scale: float`, an Optional one too): a metadata column of --extra_inputs that
+    names one is read as that number, as DiffSynth's dataset (pandas) reads a numeric column, not as the csv's text.
+
+    >>> class Pipe:
+    ...     def __call__(self, prompt: str, seed: int = None, cfg_scale: float = 5.0, tiled: bool = True): ...
+    >>> call_types(Pipe)
+    {'seed': <class 'int'>, 'cfg_scale': <class 'float'>}
+    """
+    import inspect
+    import typing
+
+    call = pipeline_class.__call__
+    try:
+        hints = typing.get_type_hints(call)  # annotations written as text (postponed) resolved
+    except Exception:  # a name the module does not define: the annotations as they are
+        hints = {}
+    found: dict[str, type] = {}
+    for name, param in inspect.signature(call).parameters.items():
+        annotation = hints.get(name, param.annotation)
+        kinds = typing.get_args(annotation) or (annotation,)
+        numbers = [k for k in kinds if k in (int, float)]
+        if len(numbers) == 1 and all(k in (int, float, type(None)) for k in kinds):
+            found[name] = numbers[0]
+    return found

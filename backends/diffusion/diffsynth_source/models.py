@@ -41,8 +41,8 @@ from ..errors import BackendError
 from ..models.hub import Hub, origin_subfolder
 from .glue import Glue
 
-__all__ = ["ModelFile", "examples", "find_models", "fp8_storage", "load_pipeline", "model_attributes", "planned_models",
-           "recognise", "redirects", "skeleton", "with_fp8"]
+__all__ = ["ModelFile", "examples", "find_models", "fp8_storage", "load_pipeline", "model_attributes", "named_models",
+           "planned_models", "recognise", "redirects", "skeleton", "with_fp8"]
 
 Files = Union[str, list[str]]
 
@@ -329,32 +329,39 @@ def _model_file(files: Files, entries: tuple[dict, ...], attributes: dict[str, s
     return ModelFile(files, tuple(loads.items()), entries, given)
 
 
-def with_fp8(models: list[ModelFile], value: Optional[str], trained: Iterable[str]) -> list[ModelFile]:
-    """`models` with those --fp8_models names marked for DiffSynth's fp8 storage. A name is a model's entry as the
+def named_models(models: list[ModelFile], value: Optional[str], flag: str) -> list[int]:
+    """The indices of `models` a list flag (--fp8_models, --offload_models) names. A name is a model's entry as the
     command gives it (DiffSynth's own matching: the --model_paths entry or MODEL_ID:PATTERN, exactly), or, as
-    unitgraph's families take it, a pipeline attribute it fills (dit, text_encoder). A name that matches no model, or
-    a model whose own weights train (--trainable_models), is one line; a LoRA base may be fp8.
+    unitgraph's families take it, a pipeline attribute it fills (dit, text_encoder); one that matches no model is one
+    line.
 
     >>> m = ModelFile("models/dit.safetensors", (("dit", {}),), given="org/x:dit.safetensors")
-    >>> [f.fp8 for f in with_fp8([m], "dit", ())], [f.fp8 for f in with_fp8([m], "org/x:dit.safetensors", ())]
-    ([True], [True])
+    >>> named_models([m], "dit", "--fp8_models"), named_models([m], "org/x:dit.safetensors", "--fp8_models")
+    ([0], [0])
     """
-    from dataclasses import replace
-
-    names = [n.strip() for n in (value or "").split(",") if n.strip()]
-    marked = list(models)
-    for name in names:
+    found: list[int] = []
+    for name in [n.strip() for n in (value or "").split(",") if n.strip()]:
         hits = [i for i, m in enumerate(models) if name == m.given or name in m.attributes]
         if not hits:
-            raise BackendError(f"--fp8_models {name!r} names no model of the command (its models: "
+            raise BackendError(f"{flag} {name!r} names no model of the command (its models: "
                                f"{', '.join(a for m in models for a in m.attributes) or 'none'}; or an entry of "
                                "--model_paths / --model_id_with_origin_paths as written)")
-        for i in hits:
-            busy = sorted(set(models[i].attributes) & set(trained))
-            if busy:
-                raise BackendError(f"--fp8_models {name!r}: {busy[0]} is in --trainable_models; a model whose "
-                                   "weights train cannot be stored in fp8 (its LoRA base may be)")
-            marked[i] = replace(marked[i], fp8=True)
+        found += [i for i in hits if i not in found]
+    return found
+
+
+def with_fp8(models: list[ModelFile], value: Optional[str], trained: Iterable[str]) -> list[ModelFile]:
+    """`models` with those --fp8_models names (`named_models`) marked for DiffSynth's fp8 storage. A model whose own
+    weights train (--trainable_models) is one line; a LoRA base may be fp8."""
+    from dataclasses import replace
+
+    marked = list(models)
+    for i in named_models(models, value, "--fp8_models"):
+        busy = sorted(set(models[i].attributes) & set(trained))
+        if busy:
+            raise BackendError(f"--fp8_models: {busy[0]} is in --trainable_models; a model whose weights train "
+                               "cannot be stored in fp8 (its LoRA base may be)")
+        marked[i] = replace(marked[i], fp8=True)
     return marked
 
 

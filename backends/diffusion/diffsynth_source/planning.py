@@ -21,6 +21,13 @@ plans the narrowed units as usual: the image unit goes to stage 1 with its VAE; 
 (it draws, and its draw keeps stage 2's stream the unsplit step's). At run time the narrowed unit is DiffSynth's
 unit unchanged: the arguments it no longer reads are absent from its inputs (DiffSynth's runner passes None), which
 by the analysis changes none of the outputs kept, and the outputs dropped are never read.
+
+A third fact makes a drawing unit deterministic: **noise drawn from the sample's own seed.** DiffSynth's noise units
+draw through `pipe.generate_noise(shape, seed=seed, ...)`, which, given a seed, draws from a generator of its own
+seeded with it and leaves torch's global stream alone. When the sample's inputs give `seed` (a direct-distill
+dataset's column), `seeded_units` names the units whose only draws are such calls with their own `seed` argument:
+the noise is then a function of the sample, computed once in stage 1 with the VAE encoding that passes it on. Stage
+1's checks still watch the global stream (hazards.py), and a row without a seed is refused before its units run.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from typing import Any, Callable
 
 from unitgraph.spec import Pipeline, Sink
 
-__all__ = ["live_projection", "loss_overwrites"]
+__all__ = ["live_projection", "loss_overwrites", "seeded_units"]
 
 
 def loss_overwrites(loss: Callable[..., Any], name: str = "inputs") -> frozenset[str]:
@@ -121,3 +128,57 @@ def live_projection(spec: Pipeline, decls: list[Any], dead: frozenset[str]) -> t
         live |= set(unit.inputs)
     sink = Sink(inputs=sink_inputs, models=spec.sink.models) if spec.sink else None
     return Pipeline(spec.name, tuple(reversed(narrowed)), sink, source=spec.source), notes
+
+
+def seeded_units(units: list[Any], given: frozenset[str]) -> list[str]:
+    """Class names of `units` whose class draws only seeded noise (`draws_only_seeded_noise`), when the sample's
+    inputs give `seed` (`given`); none otherwise. A unit whose source cannot be read stays as the adapter reads it."""
+    if "seed" not in given:
+        return []
+    found = []
+    for unit in units:
+        try:
+            source = inspect.getsource(type(unit))
+        except (OSError, TypeError):
+            continue
+        if draws_only_seeded_noise(source):
+            found.append(type(unit).__name__)
+    return found
+
+
+def draws_only_seeded_noise(source: str) -> bool:
+    """Whether a unit class (its source) draws, and every draw anywhere in it is `pipe.generate_noise(...,
+    seed=seed)` with `seed` an argument of its `process`. Any other draw (`torch.randn`, a noise call without that
+    seed) leaves it drawing.
+
+    >>> draws_only_seeded_noise('''
+    ... class Noise:
+    ...     def process(self, pipe, height, seed, rand_device):
+    ...         return {"noise": pipe.generate_noise((1, height), seed=seed, rand_device=rand_device)}
+    ... ''')
+    True
+    >>> draws_only_seeded_noise('''
+    ... class Jitter:
+    ...     def process(self, pipe, seed):
+    ...         return {"x": pipe.generate_noise((1,), seed=seed) + torch.randn(1)}
+    ... ''')
+    False
+    """
+    from unitgraph.adapters.diffsynth import RANDOM_CALLS
+
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return False
+    process = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "process"), None)
+    if process is None or "seed" not in {a.arg for a in process.args.args + process.args.kwonlyargs}:
+        return False
+    draws = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and _called(n) in RANDOM_CALLS]
+    return bool(draws) and all(_called(n) == "generate_noise" and any(
+        k.arg == "seed" and isinstance(k.value, ast.Name) and k.value.id == "seed" for k in n.keywords)
+        for n in draws)
+
+
+def _called(call: ast.Call) -> str:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""

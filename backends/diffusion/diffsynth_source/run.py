@@ -1,10 +1,11 @@
 """`unitgraph train --pipeline diffsynth:MODULE`: DiffSynth's pipeline trained unsplit, or split through a cache.
 
 One step, in every task, is `train_step` on a state: torch's global stream seeded from (--seed, epoch, sample), the
-plan's training units run in the pipeline's order through DiffSynth's `unit_runner`, then DiffSynth's own
-`FlowMatchSFTLoss`. The state comes from running the plan's data_process units (`sft`) or from the sample's cache
-entry (`sft:train`), which `sft:data_process` wrote after running the same units on the same inputs: that is the
-whole argument for split == unsplit (see the package docstring for the draws).
+plan's training units run in the pipeline's order through DiffSynth's `unit_runner`, then the task's own DiffSynth
+loss (`FlowMatchSFTLoss` for `sft`, `DirectDistillLoss` for `direct_distill`). The state comes from running the
+plan's data_process units (`sft`, `direct_distill`) or from the sample's cache entry (`...:train`), which
+`...:data_process` wrote after running the same units on the same inputs: that is the whole argument for split ==
+unsplit (see the package docstring for the draws).
 
 The parts around the step are DiffSynth's runner's: AdamW with --learning_rate and --weight_decay, torch's
 ConstantLR with its defaults, one sample per micro-step (--gradient_accumulation_steps of them a step, on each
@@ -40,23 +41,24 @@ from ..models.hub import Hub
 from ..randomness import derive_seed, permutation, seeded_global_stream
 from ..result import RunResult
 from . import EXTRA_HINT, available
-from .glue import Glue, glue_for, inputs, provided
+from .glue import Glue, call_types, glue_for, inputs, provided
 from .world import World, launched
 from .lora import DIFFSYNTH_REMOVE_PREFIX, helper, target_modules
 from .hazards import UnitHazard, check_unit, install_skeletons, state_identities
-from .planning import live_projection, loss_overwrites
+from .planning import live_projection, loss_overwrites, seeded_units
 from .samples import SAMPLES_DIR, Renderer
 from .state import (load_optimizer, load_state, newest_state, optimizer_tensors, prune_states, save_rank_file,
                     save_state, settings_of, staging_folder)
 from .sharding import ShardedTraining
 from .models import (ModelFile, find_models, load_pipeline, pipeline_class_of, planned_models, skeleton,
-                     tokenizer_folder, with_fp8)
+                     named_models, tokenizer_folder, with_fp8)
 
 __all__ = ["run", "wanted", "MANIFEST"]
 
 MANIFEST = "unitgraph-diffsynth-cache.json"
 FORMAT = "unitgraph.diffsynth-cache/v1"
-TASKS = ("sft", "sft:data_process", "sft:train")
+TASKS = ("sft", "sft:data_process", "sft:train", "direct_distill", "direct_distill:data_process",
+         "direct_distill:train")
 # the flags this source reads; any other flag set away from its default is refused in one line
 READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_file_keys", "extra_inputs", "pipeline",
         "model_paths", "model_id_with_origin_paths", "tokenizer_path", "tokenizer_2_path", "modelscope_cache_dir",
@@ -68,7 +70,7 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
         "optimizer", "loss_weighting", "timestep_sampling", "lora_format", "max_timestep_boundary",
         "min_timestep_boundary", "validation_prompt", "validation_inference_steps", "validation_seed",
         "validation_guidance", "validation_negative_prompt", "num_frames", "gradient_accumulation_steps",
-        "config_file", "num_processes", "fp8_models"}
+        "config_file", "num_processes", "fp8_models", "offload_models"}
 
 
 def wanted(args: TrainArgs) -> bool:
@@ -112,6 +114,10 @@ def check_flags(args: TrainArgs) -> None:
                                f"({args.pipeline}); it works with unitgraph's own families (see 'unitgraph pipelines')")
     if args.task not in TASKS:
         raise BackendError(f"--task {args.task}: a DiffSynth pipeline trains {', '.join(TASKS)} so far")
+    glue = glue_for(str(args.pipeline))
+    if task_kind(args.task) == "direct_distill" and not glue.distill:
+        raise BackendError(f"--task {args.task}: {glue.name}'s example trains no direct_distill task (its train.py "
+                           "offers sft only)")
     checks = {"lr_scheduler": "diffsynth", "optimizer": "adamw", "loss_weighting": "diffsynth",
               "timestep_sampling": "diffsynth"}
     for name, only in checks.items():
@@ -123,8 +129,27 @@ def check_flags(args: TrainArgs) -> None:
     if args.align_to_opensource_format and not glue_for(str(args.pipeline)).opensource_lora:
         raise BackendError(f"--align_to_opensource_format: {args.pipeline}'s example converts no LoRA to an open-source "
                            "layout")
-    if not args.lora_base_model and not args.trainable_models and args.task != "sft:data_process":
+    if not args.lora_base_model and not args.trainable_models and task_stage(args.task) != "data_process":
         raise BackendError("name what to train: --lora_base_model MODEL or --trainable_models MODELS")
+
+
+def task_kind(task: str) -> str:
+    """The loss a --task trains: `sft` or `direct_distill`."""
+    return task.split(":", 1)[0]
+
+
+def task_stage(task: str) -> str:
+    """The stage a --task runs: `data_process` (stage 1), `train` (stage 2) or "" (both, unsplit)."""
+    return task.split(":", 1)[1] if ":" in task else ""
+
+
+def loss_function(task: str) -> Callable[..., Any]:
+    """DiffSynth's own loss of the task, as its examples' train.py map them: FlowMatchSFTLoss for `sft` (a drawn
+    timestep and noise, one prediction), DirectDistillLoss for `direct_distill` (the denoising loop of the sample's
+    num_inference_steps from its initial latents, the last latents against the target's)."""
+    from diffsynth.diffusion.loss import DirectDistillLoss, FlowMatchSFTLoss
+
+    return DirectDistillLoss if task_kind(task) == "direct_distill" else FlowMatchSFTLoss
 
 
 # ------------------------------------------------------------------------------------------------
@@ -145,6 +170,7 @@ class Setup:
     declared: dict[str, tuple[str, ...]]  # each unit's outputs as the adapter reads it, before narrowing
     notes: dict[str, str]  # a line per narrowed unit
     world: World = World()  # the processes of the launch (world.py)
+    seeded: tuple[str, ...] = ()  # units drawing only the sample's seeded noise (planning.seeded_units)
 
     @property
     def given(self) -> set[str]:
@@ -204,25 +230,24 @@ def _dtype(glue: Glue) -> Any:
 def setup(args: TrainArgs) -> Setup:
     import warnings
 
-    from diffsynth.diffusion.loss import FlowMatchSFTLoss
-
     from unitgraph.adapters.diffsynth import declarations, from_object
 
     glue = glue_for(str(args.pipeline))
     dtype = _dtype(glue)
     pipe_class = pipeline_class_of(glue)
     bare = pipe_class(device="cpu", torch_dtype=dtype)
+    given = provided(glue, _extra_inputs(args))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # declaration notes belong to 'unitgraph audit', not to every run
-        whole = from_object(bare, where=glue.name)
+        seeded = tuple(seeded_units(bare.units, given))
+        whole = from_object(bare, where=glue.name, deterministic=seeded)
         decls = declarations(bare)
     if len(whole.units) != len(bare.units):
         raise BackendError(f"{glue.name}: the adapter read {len(whole.units)} units of {len(bare.units)}")
-    given = provided(glue, _extra_inputs(args))
     active, _dropped = prune(whole, given)  # units that would do nothing for these inputs are left out first
     kept = {u.name for u in active.units}
     on = [u.name in kept for u in whole.units]
-    spec, notes = live_projection(active, [d for d, keep in zip(decls, on) if keep], loss_overwrites(FlowMatchSFTLoss))
+    spec, notes = live_projection(active, [d for d, keep in zip(decls, on) if keep], loss_overwrites(loss_function(args.task)))
     backward = [m for m in (args.trainable_models or "").split(",") if m]
     try:
         plan = split(spec, trainable_models=backward, lora_base_model=args.lora_base_model or None, provided=given)
@@ -241,13 +266,30 @@ def setup(args: TrainArgs) -> Setup:
     _refuse_fp8_under(world.engine, models, args.task)
     units = [u for u, keep in zip(bare.units, on) if keep]
     return Setup(glue, args, dtype, pipe_class, units, spec, plan, hub, models,
-                 {u.name: u.outputs for u in whole.units}, notes, world)
+                 {u.name: u.outputs for u in whole.units}, notes, world, seeded)
+
+
+def offload_notes(setup: Setup) -> list[str]:
+    """A line per --offload_models model this stage computes with. DiffSynth's split-training commands name there
+    the models a stage does not compute with, so that its loader keeps them on disk; unitgraph does not load those
+    at all (a stage reads only its models' files), and loads one it computes with whole."""
+    stage = task_stage(setup.args.task)
+    plan = setup.plan
+    loaded = set(plan.data_process_models if stage == "data_process" else plan.train_models if stage == "train"
+                 else {*plan.data_process_models, *plan.train_models})
+    notes = []
+    for i in named_models(setup.models, setup.args.offload_models, "--offload_models"):
+        used = sorted(set(setup.models[i].attributes) & loaded)
+        if used:
+            notes.append(f"--offload_models: {', '.join(used)} computes in this stage and is loaded whole (the stage "
+                         "does not load the models it does not compute with, offloaded or not)")
+    return notes
 
 
 def _refuse_fp8_under(engine: Any, models: list[ModelFile], task: str) -> None:
     """One line for --fp8_models in a training stage under DeepSpeed or FSDP2 (`engine`: engine.Engine or None):
     an engine would cast or gather the fp8 weights of the model it wraps in their storage dtype; not done yet."""
-    if engine is not None and engine.kind != "ddp" and task != "sft:data_process" and any(m.fp8 for m in models):
+    if engine is not None and engine.kind != "ddp" and task_stage(task) != "data_process" and any(m.fp8 for m in models):
         raise BackendError(f"--fp8_models with {engine.name}: a DiffSynth pipeline's fp8 models are not trained under "
                            "an engine yet; drop --fp8_models or train under data parallel", source=engine.source)
 
@@ -289,15 +331,22 @@ def step_seed(seed: int, epoch: int, sample_id: str) -> int:
     return derive_seed(seed, "diffsynth-step", epoch, sample_id)
 
 
-def train_step(pipe: Any, units: list[tuple[str, Any, Any]], state: tuple[dict, dict, dict], seed: int) -> Any:
+def train_step(pipe: Any, units: list[tuple[str, Any, Any]], state: tuple[dict, dict, dict], seed: int,
+               task: str = "sft") -> Any:
     """The loss of one step on `state` (the state after the data_process units): seed the stream, run the
-    training units, then DiffSynth's FlowMatchSFTLoss."""
+    training units, then the task's DiffSynth loss (`loss_function`).
+
+    DirectDistillLoss sets the scheduler to the sample's inference steps; the training schedule (1000 steps, in
+    training mode, as the pipeline is loaded) is set again after it, so the next sample's units run on the schedule
+    stage 1 ran every unit on."""
     import torch
-    from diffsynth.diffusion.loss import FlowMatchSFTLoss
 
     torch.manual_seed(seed)
     shared, posi, nega = run_units(pipe, units, _transfer(state, pipe))
-    return FlowMatchSFTLoss(pipe, **shared, **posi)
+    loss = loss_function(task)(pipe, **shared, **posi)
+    if task_kind(task) == "direct_distill":
+        pipe.scheduler.set_timesteps(1000, training=True)
+    return loss
 
 
 # ------------------------------------------------------------------------------------------------
@@ -318,7 +367,8 @@ def dataset_of(setup: Setup) -> DiffusionDataset:
     columns = tuple(n for n in extra if n not in derived)
     params = ("prompt", *columns) if media == "video" else (media, "prompt", *columns)  # frames: sample_state
     return DiffusionDataset(args.dataset_base_path, args.dataset_metadata_path, params,
-                            data_file_keys=keys, extra_inputs=columns, required=setup.glue.columns)
+                            data_file_keys=keys, extra_inputs=columns, required=setup.glue.columns,
+                            param_types=call_types(setup.pipe_class))
 
 
 def sample_state(setup: Setup, dataset: DiffusionDataset, index: int, device: Any) -> tuple[dict, dict, dict]:
@@ -330,10 +380,14 @@ def sample_state(setup: Setup, dataset: DiffusionDataset, index: int, device: An
     from diffsynth.core.data.operators import ImageCropAndResize
 
     args, glue = setup.args, setup.glue
+    sample = dataset.sample(index)
+    if setup.seeded and sample.get("seed") is None:
+        raise BackendError(f"row {index + 1}: the seed column is empty, and {', '.join(setup.seeded)} draw"
+                           f"{'s' if len(setup.seeded) == 1 else ''} the sample's noise from it (a row of this dataset "
+                           "needs a seed, or none of them one)", source=str(dataset.metadata_path))
     if glue.media == "video":
         from diffsynth.core import UnifiedDataset
 
-        sample = dataset.sample(index)
         path = dataset.files(index)["video"][0]
         read = UnifiedDataset.default_video_operator(
             base_path=str(dataset.base_path), max_pixels=args.max_pixels, height=args.height, width=args.width,
@@ -350,7 +404,6 @@ def sample_state(setup: Setup, dataset: DiffusionDataset, index: int, device: An
     else:
         from PIL import Image
 
-        sample = dataset.sample(index)
         resize = ImageCropAndResize(args.height, args.width, args.max_pixels, glue.division, glue.division)
         for key in dataset.file_keys:  # DiffSynth's image operator sizes every file column (an edit's references
             value = sample.get(key)    # too), each image of a list alike
@@ -455,7 +508,8 @@ def read_manifest(folder: Path, setup: Setup) -> dict[str, Any]:
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise BackendError(f"no cache of stage 1 here ({MANIFEST} is missing); run --task sft:data_process with "
+        raise BackendError(f"no cache of stage 1 here ({MANIFEST} is missing); run --task "
+                           f"{task_kind(setup.args.task)}:data_process with "
                            "--output_path this folder first", source=str(folder)) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BackendError(f"unreadable cache manifest ({exc})", source=str(path)) from None
@@ -601,7 +655,8 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
                 losses = torch.zeros(len(chunk), dtype=torch.float64)
 
                 def loss_of(index: int) -> Any:
-                    return train_step(pipe, units, states(index), step_seed(args.seed, epoch, sample_ids[index]))
+                    return train_step(pipe, units, states(index), step_seed(args.seed, epoch, sample_ids[index]),
+                                      args.task)
 
                 if sharded is not None:  # the engine's backward passes, then its optimizer step
                     for at, value in sharded.step(chunk, loss_of):
@@ -734,10 +789,12 @@ def _run(args: TrainArgs, report: Callable[[str], None], why: Optional[str]) -> 
            f"{', '.join(s.plan.train_units) or 'only the loss'} ({named(s.plan.train_models)})")
     for line in s.notes.values():
         report(f"      {line}")
-    if args.task == "sft:data_process":
+    for line in offload_notes(s):
+        report(line)
+    if task_stage(args.task) == "data_process":
         where = Path(args.cache_path or args.output_path)
         return data_process(s, where, report)
-    if args.task == "sft:train":
+    if task_stage(args.task) == "train":
         folder = Path(args.cache_path or args.dataset_base_path)
         manifest = read_manifest(folder, s)
         entries = manifest["entries"]
