@@ -593,10 +593,6 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
         raise BackendError(f"--validation_prompt draws through the whole pipeline, and the command names no file of "
                            f"{', '.join(lacking)} (stage 1's); name it too: stage 2 loads it only while the samples "
                            "render")
-    if renderer and sharded is not None and world.engine.shards_frozen:
-        raise BackendError(f"--validation_prompt under {world.engine.name}: the samples would render on the main "
-                           "process alone from weights sharded over all; train under ZeRO-2 or data parallel, or "
-                           "render afterwards")
     if renderer and renderer.missing:
         report(f"samples:    {', '.join(renderer.missing)} loaded while the samples render (this stage trains without "
                "them)")
@@ -641,8 +637,11 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
                 _write_rows(output / "loss.csv", rows)
                 save_state(output, step, next_position, trained, state, scheduler, rows, settings,
                            args.save_total_limit, ranks)
-                if renderer:
-                    result.sample_images += renderer.render(output / SAMPLES_DIR / Path(name).stem)
+            folder = output / SAMPLES_DIR / Path(name).stem
+            if renderer and sharded is not None and world.engine.shards_frozen:  # every process draws (samples.py)
+                result.sample_images += sharded.within(lambda: renderer.render(folder, write=world.main))
+            elif renderer and world.main:
+                result.sample_images += renderer.render(folder)
 
         params = [p for _, p in named]
         for epoch in range(position[0], args.num_epochs):

@@ -8,6 +8,9 @@ stage does not train with (stage 2's text encoder, or a VAE whose encoding went 
 renders, from the files the command names, and released after; their files must then be on disk in stage 2 too.
 Rendering does not change what is trained: `__call__` takes its noise from its own seeded generator, every training
 step seeds torch's stream itself, the scheduler is put back into training mode and the models into train mode.
+Under ZeRO-3 and FSDP2, whose processes each hold a shard of the trained weights, every process draws the samples
+inside the engine's forward (sharding.ShardedTraining.within), which gathers the weights as for a step, and the
+main process writes them.
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ class Renderer:
     def __bool__(self) -> bool:
         return bool(self.prompts)
 
-    def render(self, folder: Path) -> list[Path]:
-        """Each prompt's sample under `folder`, with the models the stage lacks loaded for the while."""
+    def render(self, folder: Path, write: bool = True) -> list[Path]:
+        """Each prompt's sample under `folder`, with the models the stage lacks loaded for the while; without
+        `write`, drawn only (a process other than the main one taking part in a sharded engine's forward)."""
         import torch
 
         pipe = self.pipe
@@ -73,8 +77,9 @@ class Renderer:
                     except Exception as exc:  # DiffSynth's own code: one line naming the prompt
                         raise BackendError(f"rendering --validation_prompt {prompt!r} through {type(pipe).__name__} "
                                            f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}") from None
-                    folder.mkdir(parents=True, exist_ok=True)
-                    written.append(_save(image, folder / str(k)))
+                    if write:
+                        folder.mkdir(parents=True, exist_ok=True)
+                        written.append(_save(image, folder / str(k)))
         finally:
             for name, value in saved.items():
                 pipe._modules.pop(name, None)

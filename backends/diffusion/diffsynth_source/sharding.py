@@ -155,6 +155,15 @@ class ShardedTraining:
         self.steps.step(self.optimizer, self.params)  # DeepSpeed stepped at the last backward already
         return out
 
+    def within(self, compute: Callable[[], Any]) -> Any:
+        """`compute()` inside the engine's forward, without gradients: under ZeRO-3 and FSDP2 the trained models'
+        weights are gathered around it as around a step's forward (a validation sample drawn through the whole
+        pipeline). A collective call: every process makes it."""
+        import torch
+
+        with torch.no_grad():
+            return self.module(compute)
+
     def whole(self) -> dict[str, Any]:
         """{pipe.<model>.<name>: whole tensor on the CPU} of the trained parameters, for the main process, which
         writes them (every process calls it: under ZeRO-3 and FSDP2 a gather; the others get {} under ZeRO-1/2)."""
