@@ -60,6 +60,9 @@ def test_dmd2_settings_and_other_tasks_are_named_as_not_trained(tmp_path, capsys
         one_error_line(code, err, f"--task {task}: ", "which unitgraph does not train", "sft and direct_distill")
     code, _, err = cli(capsys, *base, "--task", "trajectory_imitation:data_process")
     one_error_line(code, err, "trajectory imitation (Z-Image's distillation) is DiffSynth's task")
+    code, _, err = cli(capsys, *base, "--tokenizer_t5xxl_path", "x")  # Anima's: read by its DiffSynth pipeline only
+    one_error_line(code, err, "--tokenizer_t5xxl_path: a flag of DiffSynth's Anima, which unitgraph trains through "
+                   "DiffSynth's own pipeline only (--pipeline diffsynth:anima_image")
     code, _, err = cli(capsys, *base, "--frame_rate", "25")
     one_error_line(code, err, "unitgraph trains LTX-2 at 24 fps")
     code, _, err = cli(capsys, *base, "--enable_tensorboard_log", "--report_to", "wandb")

@@ -6,9 +6,10 @@ skipped elsewhere. The models are test-sized, written in DiffSynth's `./models` 
 and loaded by DiffSynth's own loader; a command names them as DiffSynth's example does, by model id and pattern.
 
 Pipelines: Stable Diffusion 1.5, SDXL, Z-Image, Wan 2.1 T2V and FLUX.2 [klein] (families unitgraph also trains
-itself) and Ideogram 4 (DiffSynth's alone). Wan's VAE class fixes its size (127 M parameters, written in bf16: 254 MB
-per module). The text encoder class of Z-Image and FLUX.2 [klein] allows nothing smaller than Qwen3 0.6B (1.2 GB in
-bf16, written once a session and linked into each module's folder).
+itself), Ideogram 4 and Anima (DiffSynth's alone; Anima's classes fix their sizes, so its DiT is the released 2.09 B,
+4.2 GB in bf16, and only the step, split and checkpoint checks run for it). Wan's VAE class fixes its size (127 M
+parameters, written in bf16: 254 MB per module). The text encoder class of Z-Image, FLUX.2 [klein] and Anima allows
+nothing smaller than Qwen3 0.6B (1.2 GB in bf16, written once a session and linked into each module's folder).
 What they show, per pipeline:
 - unitgraph's unsplit step equals DiffSynth's own training step (its loader, its `DiffusionTrainingModule` glue as the
   example's train.py assembles it, its dataset operators and its loss): the loss and every LoRA gradient bit for bit
@@ -55,7 +56,13 @@ PIPELINES = {
     "wan_video": ("dit", "q,k,v,o,ffn.0,ffn.2", "pipe.dit."),
     "flux2_image": ("dit", "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,linear_in,linear_out,"
                            "to_qkv_mlp_proj,single_transformer_blocks.0.attn.to_out", "pipe.dit."),
+    # its example's "" (DiffSynth's auto-detection: every Linear at least 512 wide in the DiT's blocks)
+    "anima_image": ("dit", "", "pipe.dit."),
 }
+# pipelines whose classes fix a large size (Anima's DiT: 2.09 B parameters, 4.2 GB in bf16): only the checks of the
+# step, the split and the checkpoint run for them, not every test the module-wide `world` fixture gives the others
+HEAVY = {"anima_image"}
+LIGHT = sorted(set(PIPELINES) - HEAVY)
 # the inputs an image example's get_pipeline_inputs sets beyond the picture, its size, cfg_scale, rand_device and the
 # checkpointing flags (examples/flux2/model_training/train.py: "embedded_guidance": 1.0)
 EXAMPLE_INPUTS = {"flux2_image": {"embedded_guidance": 1.0}}
@@ -67,7 +74,7 @@ def _video(module: str) -> bool:
     return glue_for(module).media == "video"
 
 
-@pytest.fixture(scope="module", params=sorted(PIPELINES))
+@pytest.fixture(scope="module", params=LIGHT)
 def world(request, tmp_path_factory):
     """The tiny ./models of the pipeline's DiffSynth example, a 3-image dataset, and the environment DiffSynth reads."""
     module = request.param
@@ -194,6 +201,7 @@ def assert_same_step(ours, ours_grads, theirs, theirs_grads):
     assert any(g.abs().sum() > 0 for g in ours_grads.values())
 
 
+@pytest.mark.parametrize("world", sorted(PIPELINES), indirect=True)
 def test_the_unsplit_step_is_diffsynths_own_training_step(world):
     """One step of `unitgraph train --pipeline diffsynth:MODULE` against DiffSynth's: the example's train.py glue
     written out here with DiffSynth's classes (from_pretrained, split_pipeline_units, switch_pipe_to_training_mode,
@@ -399,6 +407,7 @@ def test_an_edit_step_is_diffsynths_own_with_its_references_resized(world, tmp_p
     assert set(ours_grads) == set(theirs_grads) and all(torch.equal(g, theirs_grads[n]) for n, g in ours_grads.items())
 
 
+@pytest.mark.parametrize("world", sorted(PIPELINES), indirect=True)
 def test_split_equals_unsplit_and_stage_2_needs_no_text_encoder(world, tmp_path):
     root, flags = world
     unsplit = run(_args(root, flags, output_path=str(tmp_path / "sft")))
@@ -431,6 +440,7 @@ def test_split_equals_unsplit_and_stage_2_needs_no_text_encoder(world, tmp_path)
     assert again.entries_computed == 0 and again.entries_reused == 3
 
 
+@pytest.mark.parametrize("world", sorted(PIPELINES), indirect=True)
 def test_the_checkpoint_loads_with_diffsynths_load_lora(world, tmp_path):
     root, flags = world
     result = run(_args(root, flags, output_path=str(tmp_path / "out"), num_epochs=1, learning_rate=1e-2))
@@ -607,11 +617,81 @@ def test_the_dry_run_of_the_released_ideogram4_needs_no_file(tmp_path, monkeypat
     assert not (tmp_path / "models").exists()
 
 
+# examples/anima/model_training/lora/anima-preview.sh, as it is
+ANIMA_COMMAND = r"""
+accelerate launch examples/anima/model_training/train.py \
+  --dataset_base_path data/diffsynth_example_dataset/anima/anima-preview \
+  --dataset_metadata_path data/diffsynth_example_dataset/anima/anima-preview/metadata.csv \
+  --max_pixels 1048576 \
+  --dataset_repeat 50 \
+  --model_id_with_origin_paths "circlestone-labs/Anima:split_files/diffusion_models/anima-preview.safetensors,circlestone-labs/Anima:split_files/text_encoders/qwen_3_06b_base.safetensors,circlestone-labs/Anima:split_files/vae/qwen_image_vae.safetensors" \
+  --tokenizer_path "Qwen/Qwen3-0.6B:./" \
+  --tokenizer_t5xxl_path "stabilityai/stable-diffusion-3.5-large:tokenizer_3/" \
+  --learning_rate 1e-4 \
+  --num_epochs 5 \
+  --remove_prefix_in_ckpt "pipe.dit." \
+  --output_path "./models/train/anima-preview_lora" \
+  --lora_base_model "dit" \
+  --lora_target_modules "" \
+  --lora_rank 32 \
+  --use_gradient_checkpointing
+"""
+
+
+def test_diffsynths_anima_lora_command_runs_as_it_is(tmp_path, monkeypatch, capsys):
+    """DiffSynth's examples/anima/model_training/lora/anima-preview.sh with `unitgraph train` for `accelerate launch
+    .../train.py`; only sizes are lowered (--num_epochs 1, --dataset_repeat 1, two 32 px images). The model ids alone
+    choose DiffSynth's own pipeline; its tokenizers are found where its example names them (Qwen3's at the root of
+    Qwen/Qwen3-0.6B, `./`); `--lora_target_modules ""` is DiffSynth's auto-detection, which at the DiT's only size
+    finds the Linear layers of its 28 blocks."""
+    from clitools import cli
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD"):
+        monkeypatch.delenv(name, raising=False)
+    write_tiny_models(tmp_path / "models", "anima_image")
+    write_synthetic_dataset(tmp_path / "data" / "diffsynth_example_dataset" / "anima" / "anima-preview", count=2,
+                            size=32)
+    argv = shlex_argv(ANIMA_COMMAND)
+    argv[argv.index("--num_epochs") + 1] = "1"
+    argv[argv.index("--dataset_repeat") + 1] = "1"
+    code, out, err = cli(capsys, "train", *argv)
+    assert code == 0, err
+    assert "pipeline: diffsynth:anima_image (DiffSynth's AnimaImagePipeline; the model id names Anima)" in out, out
+    lora = load_file(str(tmp_path / "models" / "train" / "anima-preview_lora" / "epoch-0.safetensors"))
+    blocks = {k.split(".")[1] for k in lora if k.startswith("blocks.")}
+    assert len(blocks) == 28 and not any(k.startswith("pipe.") for k in lora)
+    assert {v.shape[0] for k, v in lora.items() if ".lora_A." in k} == {32}
+    assert "training: 2 steps" in out
+
+
+def test_the_dry_run_of_the_released_anima_needs_no_file(tmp_path, monkeypatch, capsys):
+    """DiffSynth's Anima LoRA command, --dry_run, nothing downloaded: each file sized as DiffSynth's table knows it
+    (the DiT 2.09 B, the Qwen3 0.6 B text encoder, the Wan 2.1 VAE); stage 2 holds the DiT alone."""
+    import json
+
+    from clitools import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DIFFSYNTH_SKIP_DOWNLOAD", "True")
+    monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
+    code, out, err = cli(capsys, "train", *shlex_argv(ANIMA_COMMAND), "--dry_run", "--json")
+    assert code == 0, err
+    plan = json.loads(out[out.index("{"):])
+    models = plan["models"]
+    assert models["dit"]["class"] == "AnimaDiT" and 2.0e9 < models["dit"]["params"] < 2.2e9
+    assert models["text_encoder"]["class"] == "ZImageTextEncoder" and 0.5e9 < models["text_encoder"]["params"] < 0.7e9
+    assert models["vae"]["class"] == "WanVideoVAE"
+    assert plan["stages"]["train"]["models"] == ["dit"]
+    assert not (tmp_path / "models").exists()
+
+
 def shlex_argv(command: str) -> list[str]:
+    """The flags of a DiffSynth example's `accelerate launch examples/<family>/model_training/train.py ...`."""
     import shlex
 
     argv = shlex.split(command.replace("\\\n", " "))
-    return argv[argv.index("examples/ideogram4/model_training/train.py") + 1:]
+    return argv[next(i for i, word in enumerate(argv) if word.endswith("/model_training/train.py")) + 1:]
 
 
 def test_what_a_file_is_does_not_depend_on_entries_another_pipeline_registered(world):

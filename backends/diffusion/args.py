@@ -70,8 +70,10 @@ REFUSED_DIFFSYNTH_FLAGS = {
     "silent_on_missing_audio": NOT_TRAINED.format(what="MiniMax-H3"),
     "noise_scale": NOT_TRAINED.format(what="HiDream-O1-Image"),
     "processor_config": NOT_TRAINED.format(what="HiDream-O1-Image"),
-    "tokenizer_t5xxl_path": NOT_TRAINED.format(what="Anima"),
 }
+# DiffSynth's flags of a pipeline unitgraph trains only through DiffSynth's own code (--pipeline diffsynth:MODULE):
+# refused by unitgraph's own pipelines (config.py), read by diffsynth_source
+DIFFSYNTH_PIPELINE_FLAGS = {"tokenizer_t5xxl_path": ("Anima", "diffsynth:anima_image")}
 REPORT_TO = ("none", "tensorboard", "wandb")
 # --lr_scheduler: DiffSynth's (torch's ConstantLR with its defaults) and diffusers' get_scheduler names (train/lr.py)
 LR_SCHEDULERS = ("diffsynth", "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
@@ -197,7 +199,7 @@ class TrainArgs:
     silent_on_missing_audio: bool = _f(False, "DiffSynth's MiniMax-H3 flag: refused (not trained by unitgraph).", "diffsynth")
     noise_scale: Optional[str] = _f(None, "DiffSynth's HiDream-O1-Image flag: refused (not trained by unitgraph).", "diffsynth")
     processor_config: Optional[str] = _f(None, "DiffSynth's HiDream-O1-Image flag: refused (not trained by unitgraph).", "diffsynth")
-    tokenizer_t5xxl_path: Optional[str] = _f(None, "DiffSynth's Anima flag: refused (not trained by unitgraph).", "diffsynth")
+    tokenizer_t5xxl_path: Optional[str] = _f(None, "DiffSynth's Anima flag: the T5 tokenizer of --pipeline diffsynth:anima_image (a folder, or MODEL_ID:PATTERN as its example gives it; default: stabilityai/stable-diffusion-3.5-large:tokenizer_3/).", "diffsynth")
     dmd2_student_update_freq: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
     dmd2_student_sample_steps: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
     dmd2_student_sample_type: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")

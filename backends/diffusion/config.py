@@ -14,7 +14,7 @@ import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from .args import MIXED_PRECISION, TrainArgs, split_list
+from .args import DIFFSYNTH_PIPELINE_FLAGS, MIXED_PRECISION, TrainArgs, split_list
 from .caption_dropout import with_caption_dropout
 from .data.masks import with_masked_loss
 from .context import CACHE_DTYPES, DTYPE, ImageSize, UnitSettings
@@ -312,6 +312,10 @@ class RunConfig:
     @classmethod
     def from_args(cls, args: TrainArgs, environ: Any = None) -> "RunConfig":
         args.validate()
+        for name, (family, pipeline) in DIFFSYNTH_PIPELINE_FLAGS.items():
+            if getattr(args, name) is not None:
+                raise BackendError(f"--{name}: a flag of DiffSynth's {family}, which unitgraph trains through "
+                                   f"DiffSynth's own pipeline only (--pipeline {pipeline}, docs/diffsynth.md)")
         check_environment(environ)
         datasets = dataset_specs(args)
         held_out = held_out_spec(args)

@@ -547,7 +547,8 @@ class DiffSynthPipeline:
     negative: Optional[str] = ""
     checkpointing: bool = False
     # release files DiffSynth's table knows only under another repository's example: ("id:pattern" the commands
-    # name, "id:pattern" of the example with the same weights' names and shapes), for the dry run without the files
+    # name, "id:pattern" of the example with the same weights' names and shapes, or "md5:HASH" of the table entry
+    # the file is), for the dry run without the files; they take precedence over the table's example comments
     sized_as: tuple[tuple[str, str], ...] = ()
     # whether its train.py offers --task direct_distill (DiffSynth's DirectDistillLoss)
     distill: bool = True

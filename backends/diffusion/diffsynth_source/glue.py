@@ -27,6 +27,19 @@ OWN: tuple[Glue, ...] = (
     Glue("ideogram4", "Ideogram4Pipeline", "Ideogram 4 (DiffSynth's pipeline; no other trainer has it)",
          tokenizers=(Tokenizer("tokenizer_config", "tokenizer_path", "ideogram-ai/ideogram-4-fp8", "tokenizer/"),),
          example="ideogram4", distill=False),
+    # its prompt unit reads a Qwen3 encoder's hidden states and T5's token ids of the same prompt (the DiT's adapter
+    # embeds them)
+    Glue("anima_image", "AnimaImagePipeline", "Anima (DiffSynth's pipeline)",
+         tokenizers=(Tokenizer("tokenizer_config", "tokenizer_path", "Qwen/Qwen3-0.6B", "./"),
+                     Tokenizer("tokenizer_t5xxl_config", "tokenizer_t5xxl_path", "stabilityai/stable-diffusion-3.5-large",
+                               "tokenizer_3/")),
+         example="anima",
+         # DiffSynth 2.1.12's table comments its Anima text encoder's entry with the VAE's file name, and names no
+         # example of the VAE: the dry run sizes each by the entry its file is (the VAE's by its entry's hash)
+         sized_as=(("circlestone-labs/Anima:split_files/text_encoders/qwen_3_06b_base.safetensors",
+                    "circlestone-labs/Anima:split_files/vae/qwen_image_vae.safetensors"),
+                   ("circlestone-labs/Anima:split_files/vae/qwen_image_vae.safetensors",
+                    "md5:ccc42284ea13e1ad04693284c7a09be6"))),
 )
 
 

@@ -279,7 +279,7 @@ def planned_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_
     attributes = model_attributes(pipeline_class)
     found: list[ModelFile] = []
     known = examples()
-    aliases = {asked: tuple(twin.rsplit(":", 1)) for asked, twin in glue.sized_as}
+    aliases = dict(glue.sized_as)
     for files in _parse_model_paths(model_paths):
         _check_files(files)
         entries = recognise(files, attributes)
@@ -296,9 +296,11 @@ def planned_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_
         if model_hash is None and asked != (model_id, pattern):
             model_id, pattern = asked  # sized from the release file the command names
         label = f"{model_id}:{pattern}"
-        twin = aliases.get(label)
-        if model_hash is None and twin is not None and known.get(twin):  # the glue names the example it is
-            model_hash, label = known[twin], f"{label} (sized as {twin[0]}:{twin[1]})"
+        twin = aliases.get(label)  # the glue names the example it is, or its entry's hash (over the table's comments)
+        if twin is not None and twin.startswith("md5:"):
+            model_hash, label = twin[4:], f"{label} (sized as DiffSynth's table entry {twin[4:12]})"
+        elif twin is not None and known.get(tuple(twin.rsplit(":", 1))):
+            model_hash, label = known[tuple(twin.rsplit(":", 1))], f"{label} (sized as {twin})"
         if model_hash is None:  # the same file in the same repository, else another release's file of the same
             by_hash = {c["model_hash"]: c for c in MODEL_CONFIGS}  # pattern, of a model this pipeline loads
             usable = [(key, h) for key, h in known.items() if h in by_hash and by_hash[h]["model_name"] in attributes]

@@ -70,7 +70,8 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
         "optimizer", "loss_weighting", "timestep_sampling", "lora_format", "max_timestep_boundary",
         "min_timestep_boundary", "validation_prompt", "validation_inference_steps", "validation_seed",
         "validation_guidance", "validation_negative_prompt", "num_frames", "gradient_accumulation_steps",
-        "config_file", "num_processes", "fp8_models", "offload_models"}
+        "config_file", "num_processes", "fp8_models", "offload_models", "tokenizer_t5xxl_path"}
+TOKENIZER_FLAGS = ("tokenizer_path", "tokenizer_2_path", "tokenizer_t5xxl_path")
 
 
 def wanted(args: TrainArgs) -> bool:
@@ -115,6 +116,10 @@ def check_flags(args: TrainArgs) -> None:
     if args.task not in TASKS:
         raise BackendError(f"--task {args.task}: a DiffSynth pipeline trains {', '.join(TASKS)} so far")
     glue = glue_for(str(args.pipeline))
+    for flag in TOKENIZER_FLAGS:
+        if getattr(args, flag) and flag not in {t.flag for t in glue.tokenizers}:
+            raise BackendError(f"--{flag}: {glue.name} takes no such tokenizer (it takes "
+                               f"{', '.join('--' + t.flag for t in glue.tokenizers) or 'none'})")
     if task_kind(args.task) == "direct_distill" and not glue.distill:
         raise BackendError(f"--task {args.task}: {glue.name}'s example trains no direct_distill task (its train.py "
                            "offers sft only)")

@@ -93,39 +93,44 @@ def _ideogram4(outdir: Path, seed: int) -> dict[str, Any]:
             "tokenizer_path": str(tokenizer_folder)}
 
 
-def smallest_entry(module: str, attribute: str) -> dict[str, Any]:
+def smallest_entry(module: str, attribute: str, converted: bool = False) -> dict[str, Any]:
     """The entry of DiffSynth's model-config table that builds the pipeline's model `attribute` smallest, of those
-    that load a file in the class's own layout (no state-dict converter, not prequantized): how a test writes a model
-    whose class fixes its width (a text encoder offered at a few released sizes only)."""
+    that load a file in the class's own layout (no state-dict converter, not prequantized; with `converted`, those
+    with a converter too): how a test writes a model whose class fixes its width (a text encoder offered at a few
+    released sizes only)."""
     from diffsynth.configs import MODEL_CONFIGS
 
     from .glue import glue_for
     from .models import model_attributes, pipeline_class_of, skeleton
 
     names = {n for n, a in model_attributes(pipeline_class_of(glue_for(module))).items() if a == attribute}
-    entries = [c for c in MODEL_CONFIGS
-               if c["model_name"] in names and not c.get("state_dict_converter") and not c.get("quant_config")]
+    entries = [c for c in MODEL_CONFIGS if c["model_name"] in names and not c.get("quant_config")
+               and (converted or not c.get("state_dict_converter"))]
     if not entries:
         raise BackendError(f"DiffSynth's table has no entry of diffsynth:{module}'s {attribute} in its own layout")
     return min(entries, key=lambda c: sum(p.numel() for p in skeleton(c).parameters()))
 
 
-def write_smallest_model(folder: Path, module: str, attribute: str, seed: int) -> Path:
+def write_smallest_model(folder: Path, module: str, attribute: str, seed: int, name: str = "model.safetensors") -> Path:
     """The pipeline's model `attribute` at the smallest size DiffSynth's table builds it (`smallest_entry`), with
-    random N(0, 0.02) weights (norm scales 1) in bf16, as `folder/model.safetensors`; DiffSynth knows the file by its
-    key hash. The weights depend only on the entry and `seed`, so a process writes them once and links (or copies)
-    the same file to every further folder: a Qwen3 0.6B encoder, the smallest some pipelines take, is 1.2 GB."""
-    import shutil
-
-    import torch
+    random N(0, 0.02) weights (norm scales 1) in bf16, as `folder/name`; DiffSynth knows the file by its key hash.
+    The weights depend only on the entry and `seed`, so a process writes them once and links (or copies) the same
+    file to every further folder (`_once`): a Qwen3 0.6B encoder, the smallest some pipelines take, is 1.2 GB."""
     from safetensors.torch import save_file
 
     from .models import skeleton
 
     entry = smallest_entry(module, attribute)
     memo = (entry["model_class"], json.dumps(entry.get("extra_kwargs", {}), sort_keys=True), seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / "model.safetensors"
+    return _once(folder / name, memo, lambda target: save_file(_random_weights(skeleton(entry), seed), str(target)))
+
+
+def _once(target: Path, memo: tuple, write: Any) -> Path:
+    """`target` written by `write(target)`, or linked to (else copied from) the file this process already wrote for
+    `memo`: the large fixed-size models are written once a session."""
+    import shutil
+
+    target.parent.mkdir(parents=True, exist_ok=True)
     earlier = _WRITTEN.get(memo)
     if earlier is not None and earlier.is_file():
         try:
@@ -133,20 +138,62 @@ def write_smallest_model(folder: Path, module: str, attribute: str, seed: int) -
         except OSError:
             shutil.copyfile(earlier, target)
         return target
-    model = skeleton(entry).to_empty(device="cpu")
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.fill_(1.0) if "norm" in name else param.normal_(0.0, 0.02, generator=generator)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}, str(target))
+    write(target)
     _WRITTEN[memo] = target
     return target
 
 
-_WRITTEN: dict[tuple[str, str, int], Path] = {}  # (class, sizes, seed) -> the file this process wrote
+_WRITTEN: dict[tuple, Path] = {}  # memo -> the file this process wrote
 
 
-OWN = {"ideogram4": _ideogram4}  # writers of DiffSynth's pipelines of no family; a family's are in its folder
+def _random_weights(model: Any, seed: int, prefix: str = "") -> dict[str, Any]:
+    """{prefix + name: tensor} of a meta-device `model` filled with N(0, 0.02) (norm scales 1) in bf16, parameter by
+    parameter, so a 2 B-parameter model never holds more than its bf16 copy and one fp32 tensor."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, param in model.state_dict().items():
+        value = torch.empty(param.shape, dtype=torch.float32)
+        value.fill_(1.0) if "norm" in name else value.normal_(0.0, 0.02, generator=generator)
+        out[prefix + name] = value.to(torch.bfloat16)
+    return out
+
+
+def _anima(outdir: Path, seed: int) -> dict[str, Any]:
+    """Anima as its LoRA example downloads it (circlestone-labs/Anima's split_files), each file in the release's own
+    layout, which DiffSynth's table knows by its key hash. Every class of it fixes its size, so each is its table
+    entry's with random N(0, 0.02) weights in bf16: the DiT AnimaDiT's only configuration (2.09 B parameters, 4.2 GB,
+    its keys under `net.` as released), the text encoder the 0.6 B Qwen3 one (shared with the other pipelines that
+    take it), the VAE the 16-channel video VAE its table entry names (127 M, its keys without its class's `model.`).
+    The tokenizers are test-size ones where its train.py looks by default: a Qwen tokenizer at the root of
+    Qwen/Qwen3-0.6B/ and a T5 one in stabilityai/stable-diffusion-3.5-large/tokenizer_3/."""
+    from safetensors.torch import save_file
+
+    from ..models.tiny_tokenizers import t5_tokenizer
+    from .models import skeleton
+
+    model_id = "circlestone-labs/Anima"
+    root = outdir / model_id / "split_files"
+    _family_with_slot("AutoencoderKLFlux2").tiny_module().build_tokenizer().save_pretrained(
+        str(outdir / "Qwen" / "Qwen3-0.6B"))
+    t5_tokenizer().save_pretrained(str(outdir / "stabilityai" / "stable-diffusion-3.5-large" / "tokenizer_3"))
+    write_smallest_model(root / "text_encoders", "anima_image", "text_encoder", seed + 2, "qwen_3_06b_base.safetensors")
+    dit = smallest_entry("anima_image", "dit", converted=True)
+    _once(root / "diffusion_models" / "anima-preview.safetensors", (dit["model_hash"], seed),
+          lambda target: save_file(_random_weights(skeleton(dit), seed, prefix="net."), str(target)))
+    vae = smallest_entry("anima_image", "vae", converted=True)
+    (root / "vae").mkdir(parents=True, exist_ok=True)
+    save_file({k.removeprefix("model."): v for k, v in _random_weights(skeleton(vae), seed + 1).items()},
+              str(root / "vae" / "qwen_image_vae.safetensors"))
+    files = ["split_files/diffusion_models/anima-preview.safetensors",
+             "split_files/text_encoders/qwen_3_06b_base.safetensors", "split_files/vae/qwen_image_vae.safetensors"]
+    return {"model_id_with_origin_paths": ",".join(f"{model_id}:{f}" for f in files),
+            "tokenizer_path": "Qwen/Qwen3-0.6B:./",
+            "tokenizer_t5xxl_path": "stabilityai/stable-diffusion-3.5-large:tokenizer_3/"}
+
+
+OWN = {"ideogram4": _ideogram4, "anima_image": _anima}  # writers of DiffSynth's pipelines of no family
 
 
 def writers() -> dict[str, Any]:

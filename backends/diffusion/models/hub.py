@@ -81,7 +81,7 @@ class Hub:
             return found
         label = f"{model_id}:{pattern}"
         sub = origin_subfolder(pattern)
-        file_pattern = pattern + "*" if pattern.endswith("/") else pattern
+        file_pattern = _from_root(pattern) + "*" if pattern.endswith("/") else _from_root(pattern)
         allow = [file_pattern, f"{sub}/*.json" if sub else "*.json"]
         looked = f"{self.base_path / model_id} ({BASE_PATH_VARIABLE})"
         cache = f"the modelscope cache {self.cache_dir}" if self.cache_dir else "the default modelscope cache"
@@ -149,13 +149,26 @@ def _unreachable(host: str, port: int) -> str:
 
 
 def origin_subfolder(pattern: str) -> str:
-    """'transformer/diffusion_pytorch_model*.safetensors' -> 'transformer'; 'x.safetensors' -> ''."""
+    """'transformer/diffusion_pytorch_model*.safetensors' -> 'transformer'; 'x.safetensors' -> ''; a leading './'
+    is the repository itself ('./': the whole repository, as DiffSynth's examples name a tokenizer kept at its root).
+
+    >>> origin_subfolder("tokenizer/"), origin_subfolder("./"), origin_subfolder("./tokenizer/")
+    ('tokenizer', '', 'tokenizer')
+    """
+    pattern = _from_root(pattern)
     head, sep, _ = pattern.partition("/")
     return head if sep else ""
 
 
+def _from_root(pattern: str) -> str:
+    while pattern.startswith("./"):
+        pattern = pattern[2:]
+    return pattern
+
+
 def matches(root: Path, folder: Path, pattern: str) -> bool:
-    file_pattern = pattern + "*" if pattern.endswith("/") else pattern
+    pattern = _from_root(pattern)
+    file_pattern = pattern + "*" if pattern.endswith("/") or not pattern else pattern
     return any(fnmatch.fnmatch(str(f.relative_to(root)), file_pattern) for f in folder.rglob("*") if f.is_file())
 
 
