@@ -223,6 +223,114 @@ def test_the_unsplit_step_is_diffsynths_own_training_step(world):
     assert_same_step(ours, ours_grads, theirs, theirs_grads)
 
 
+@pytest.mark.parametrize("world", ["stable_diffusion"], indirect=True)
+def test_the_training_recipe_trains_split_as_unsplit_and_resumes_exactly(world, tmp_path):
+    """unitgraph's recipe on a DiffSynth pipeline: --optimizer adafactor (transformers'), --lr_scheduler cosine with
+    --lr_warmup_steps 2, --ema_decay 0.9 and --max_grad_norm. Split == unsplit (losses, LoRA and its average bit for
+    bit); a run resumed from the state after epoch 0 ends on the same LoRA and average (Adafactor's per-parameter
+    step counts come back as the numbers they were); the average is diffusers' EMAModel over the LoRA after each
+    step; the schedule warms up over 2 steps; clipping changes what is trained; schedule-free and the recipe under
+    an engine are refused in one line."""
+    import json
+
+    from diffusers.training_utils import EMAModel
+
+    root, flags = world
+    recipe = dict(optimizer="adafactor", lr_scheduler="cosine", lr_warmup_steps=2, ema_decay=0.9, max_grad_norm=0.05,
+                  learning_rate=1e-2, save_steps=1, save_total_limit=0)
+    whole = run(_args(root, flags, output_path=str(tmp_path / "whole"), **recipe))
+    run(_args(root, flags, task="sft:data_process", output_path=str(tmp_path / "cache"), **recipe))
+    split = run(_args(root, flags, task="sft:train", dataset_base_path=str(tmp_path / "cache"),
+                      dataset_metadata_path=None, output_path=str(tmp_path / "split"), **recipe))
+    assert whole.losses == split.losses and len(whole.losses) == 6
+    out = tmp_path / "whole"
+    for name in ("epoch-1.safetensors", "epoch-1-ema.safetensors"):
+        a, b = load_file(str(out / name)), load_file(str(tmp_path / "split" / name))
+        assert set(a) == set(b) and a and all(torch.equal(a[k], b[k]) for k in a), name
+
+    # the average: diffusers' EMAModel stepped on the LoRA after each of the 6 steps
+    after = ["step-1", "step-2", "epoch-0", "step-4", "step-5", "epoch-1"]
+    loras = [load_file(str(out / f"{name}.safetensors")) for name in after]
+    keys = sorted(loras[0])
+    params = [torch.nn.Parameter(loras[0][k].clone()) for k in keys]
+    reference = EMAModel(params, decay=0.9)
+    for lora in loras:
+        with torch.no_grad():
+            for p, k in zip(params, keys):
+                p.copy_(lora[k])
+        reference.step(params)
+    average = load_file(str(out / "epoch-1-ema.safetensors"))
+    assert all(torch.equal(average[k], s) for k, s in zip(keys, reference.shadow_params))
+    assert not all(torch.equal(average[k], loras[-1][k]) for k in keys)
+    state = json.loads((out / "state" / "step-1" / "state.json").read_text())
+    assert state["param_groups"][0]["relative_step"] is False  # Adafactor's, as unitgraph builds it
+    assert state["param_groups"][0]["lr"] == pytest.approx(5e-3)  # half way through the warm-up
+    assert json.loads((out / "state" / "step-2" / "state.json").read_text())["param_groups"][0]["lr"] == \
+        pytest.approx(1e-2)
+    assert any(k.endswith("#int") for k in load_file(str(out / "state" / "step-1" / "optimizer.safetensors")))
+
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut, ignore=shutil.ignore_patterns("step-4*", "step-5*", "step-6", "epoch-1*"))
+    resumed = run(_args(root, flags, output_path=str(cut), resume="latest", **recipe))
+    assert resumed.losses == whole.losses[3:]
+    for name in ("epoch-1.safetensors", "epoch-1-ema.safetensors"):
+        a, b = load_file(str(out / name)), load_file(str(cut / name))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+    unclipped = run(_args(root, flags, output_path=str(tmp_path / "unclipped"), **{**recipe, "max_grad_norm": None}))
+    assert unclipped.losses[0] == whole.losses[0] and unclipped.losses != whole.losses
+
+    from dataclasses import replace
+
+    with pytest.raises(BackendError, match="--optimizer schedulefree: a DiffSynth pipeline does not switch"):
+        ds_run.check_flags(replace(_args(root, flags), optimizer="schedulefree"))  # (with its package installed)
+    config = tmp_path / "fsdp2.yaml"
+    config.write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n")
+    with pytest.raises(BackendError, match="--ema_decay with FSDP2: not available yet for a DiffSynth pipeline"):
+        run(_args(root, flags, dry_run=True, ema_decay=0.9, config_file=str(config)))
+
+
+@pytest.mark.parametrize("world", ["stable_diffusion"], indirect=True)
+def test_the_held_out_loss_comes_from_the_cache_and_changes_no_step(world, tmp_path):
+    """--validation_dataset: stage 1 caches the held-out samples apart; stage 2 logs their mean loss (seeded draws,
+    no gradient) every --validation_steps optimizer steps, else at each epoch's end, to validation_loss.csv, and
+    trains exactly what it trains without them; a resumed run keeps the rows before its state and adds the same ones
+    after it; a cache without held-out samples is refused in one line."""
+    from unitgraph.backends.diffusion.train.held_out import read_held_out_csv
+
+    root, flags = world
+    held = tmp_path / "held"
+    write_synthetic_dataset(held, count=2, size=40, seed=5)
+    metadata = str(held / "metadata.csv")
+    run(_args(root, flags, task="sft:data_process", output_path=str(tmp_path / "cache"), validation_dataset=metadata))
+    run(_args(root, flags, task="sft:data_process", output_path=str(tmp_path / "plain")))
+    stage_2 = dict(task="sft:train", dataset_metadata_path=None, save_steps=2, save_total_limit=0)
+    out = tmp_path / "out"
+    logged = run(_args(root, flags, dataset_base_path=str(tmp_path / "cache"), output_path=str(out),
+                       validation_steps=2, **stage_2))
+    plain = run(_args(root, flags, dataset_base_path=str(tmp_path / "plain"), output_path=str(tmp_path / "p"),
+                      **stage_2))
+    assert logged.losses == plain.losses
+    a, b = load_file(str(logged.last_checkpoint)), load_file(str(plain.last_checkpoint))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = read_held_out_csv(out / "validation_loss.csv")
+    assert [r["step"] for r in rows] == [2, 4, 6] and {r["samples"] for r in rows} == {2}
+    assert len({r["loss"] for r in rows}) == 3  # the weights changed between evaluations, the draws did not
+
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut, ignore=shutil.ignore_patterns("step-4*", "step-5*", "step-6", "epoch-1*"))
+    run(_args(root, flags, dataset_base_path=str(tmp_path / "cache"), output_path=str(cut), validation_steps=2,
+              resume="latest", **stage_2))
+    assert read_held_out_csv(cut / "validation_loss.csv") == rows
+
+    epochs = run(_args(root, flags, dataset_base_path=str(tmp_path / "cache"), output_path=str(tmp_path / "e"),
+                       **stage_2))
+    assert [r["step"] for r in read_held_out_csv(Path(epochs.output_path) / "validation_loss.csv")] == [3, 6]
+    with pytest.raises(BackendError, match="--validation_dataset: this cache holds no held-out samples"):
+        run(_args(root, flags, dataset_base_path=str(tmp_path / "plain"), output_path=str(tmp_path / "x"),
+                  validation_dataset=metadata, **stage_2))
+
+
 # the columns DiffSynth's direct-distill datasets add, as its Wan 2.1 1.3B direct_distill example passes them
 DISTILL_COLUMNS = "seed,rand_device,num_inference_steps,cfg_scale"
 
@@ -499,8 +607,8 @@ def test_a_unit_doing_more_than_it_declares_stops_stage_1(world, tmp_path, monke
 
 def test_bad_commands_are_one_line(world, tmp_path):
     root, flags = world
-    with pytest.raises(BackendError, match="--ema_decay is not available yet"):
-        run(_args(root, flags, ema_decay=0.9, output_path=str(tmp_path / "x")))
+    with pytest.raises(BackendError, match="--caption_dropout is not available yet"):
+        run(_args(root, flags, caption_dropout=0.1, output_path=str(tmp_path / "x")))
     if flags["module"] != "stable_diffusion":
         return
     with pytest.raises(BackendError, match="not trained through DiffSynth's own code yet"):

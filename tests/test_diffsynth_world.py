@@ -348,14 +348,19 @@ def test_fsdp2_full_training_in_bf16_split_is_data_parallels_unsplit_run_bit_for
     loss rows and the DiT of the unsplit data-parallel run bit for bit (split == unsplit, and FSDP2 == data
     parallel, in one comparison). The validation sample, drawn under FSDP2 by both processes inside the engine's
     forward (the DiT's shards gathered) with the text encoder loaded for the while, is the data-parallel run's,
-    byte for byte."""
+    byte for byte. The held-out loss of two cached samples, computed by both processes inside the engine's forward,
+    is logged at the epoch's end and changes no step."""
+    from unitgraph.backends.diffusion.train.held_out import read_held_out_csv
+
     root, flags = z_image
     config = _config(tmp_path, FSDP2_CONFIG)
     common = dict(module="z_image", trainable_models="dit", learning_rate=1e-3, num_epochs=1)
     drawn = dict(validation_prompt="a red square", validation_inference_steps=2)
+    write_synthetic_dataset(tmp_path / "held", count=2, size=32, seed=7)
     with diffsynth_models(root / "models"):
         launch(root, flags, None, output_path=str(tmp_path / "dp"), **common, **drawn)
-        launch(root, flags, config, task="sft:data_process", output_path=str(tmp_path / "cache"), **common)
+        launch(root, flags, config, task="sft:data_process", output_path=str(tmp_path / "cache"),
+               validation_dataset=str(tmp_path / "held" / "metadata.csv"), **common)
         out = launch(root, flags, config, task="sft:train", dataset_base_path=str(tmp_path / "cache"),
                      dataset_metadata_path=None, output_path=str(tmp_path / "split"), **common, **drawn)
         assert "FSDP2 over 2 processes: dit in " in out and ": 3 steps in" in out, out
@@ -366,6 +371,8 @@ def test_fsdp2_full_training_in_bf16_split_is_data_parallels_unsplit_run_bit_for
         assert {v.dtype for v in load_file(str(unsplit / "epoch-0.safetensors")).values()} == {torch.bfloat16}
         sample = Path("samples") / "epoch-0" / "0.png"
         assert (tmp_path / "split" / sample).read_bytes() == (unsplit / sample).read_bytes()
+        held = read_held_out_csv(tmp_path / "split" / "validation_loss.csv")
+        assert [(r["step"], r["samples"]) for r in held] == [(3, 2)] and 0 < held[0]["loss"] < 100
 
 
 @needs_deepspeed

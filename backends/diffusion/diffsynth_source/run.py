@@ -50,12 +50,17 @@ from .samples import SAMPLES_DIR, Renderer
 from .state import (load_optimizer, load_state, newest_state, optimizer_tensors, prune_states, save_rank_file,
                     save_state, settings_of, staging_folder)
 from .sharding import ShardedTraining
+from ..train.ema import TrainedEMA, ema_name, optional_swap
+from ..train.held_out import FILE as HELD_OUT_FILE, HeldOutLog
+from ..train.lr import make_lr_schedule, step as lr_step
+from ..train.optimizers import OPTIMIZERS, build_optimizer, check_optimizer
 from .models import (ModelFile, find_models, load_pipeline, pipeline_class_of, planned_models, skeleton,
                      named_models, tokenizer_folder, with_fp8)
 
 __all__ = ["run", "wanted", "MANIFEST"]
 
 MANIFEST = "unitgraph-diffsynth-cache.json"
+HELD_OUT = "held_out"  # the held-out samples' part of the cache (--validation_dataset)
 FORMAT = "unitgraph.diffsynth-cache/v1"
 TASKS = ("sft", "sft:data_process", "sft:train", "direct_distill", "direct_distill:data_process",
          "direct_distill:train")
@@ -70,7 +75,9 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
         "optimizer", "loss_weighting", "timestep_sampling", "lora_format", "max_timestep_boundary",
         "min_timestep_boundary", "validation_prompt", "validation_inference_steps", "validation_seed",
         "validation_guidance", "validation_negative_prompt", "num_frames", "gradient_accumulation_steps",
-        "config_file", "num_processes", "fp8_models", "offload_models", "tokenizer_t5xxl_path"}
+        "config_file", "num_processes", "fp8_models", "offload_models", "tokenizer_t5xxl_path", "optimizer_args",
+        "lr_warmup_steps", "ema_decay", "ema_device", "validation_use_ema", "max_grad_norm", "validation_dataset",
+        "validation_steps"}
 TOKENIZER_FLAGS = ("tokenizer_path", "tokenizer_2_path", "tokenizer_t5xxl_path")
 
 
@@ -123,12 +130,16 @@ def check_flags(args: TrainArgs) -> None:
     if task_kind(args.task) == "direct_distill" and not glue.distill:
         raise BackendError(f"--task {args.task}: {glue.name}'s example trains no direct_distill task (its train.py "
                            "offers sft only)")
-    checks = {"lr_scheduler": "diffsynth", "optimizer": "adamw", "loss_weighting": "diffsynth",
-              "timestep_sampling": "diffsynth"}
+    checks = {"loss_weighting": "diffsynth", "timestep_sampling": "diffsynth"}
     for name, only in checks.items():
         if getattr(args, name) != only:
             raise BackendError(f"--{name} {getattr(args, name)}: a DiffSynth pipeline trains with DiffSynth's own "
                                f"({only}) so far")
+    if args.optimizer in OPTIMIZERS and OPTIMIZERS[args.optimizer].schedule_free:
+        raise BackendError(f"--optimizer {args.optimizer}: a DiffSynth pipeline does not switch a schedule-free "
+                           "optimizer's two weight sequences yet; it trains with adamw, adamw8bit, adafactor, prodigy "
+                           "or came")
+    check_optimizer(args.optimizer, args.optimizer_args)  # the name and its arguments (the library where it trains)
     if args.lora_format not in ("diffusers", "diffsynth"):
         raise BackendError(f"--lora_format {args.lora_format}: a DiffSynth pipeline writes DiffSynth's layout")
     if args.align_to_opensource_format and not glue_for(str(args.pipeline)).opensource_lora:
@@ -268,7 +279,7 @@ def setup(args: TrainArgs) -> Setup:
         raise BackendError(f"--fp8_models: {glue.name} trains in {glue.dtype}, and DiffSynth's fp8 storage computes "
                            "each layer in bfloat16 (its example's inputs would not match); train it without --fp8_models")
     world = World() if args.dry_run else launched()
-    _refuse_fp8_under(world.engine, models, args.task)
+    _refuse_under(world.engine, models, args)
     units = [u for u, keep in zip(bare.units, on) if keep]
     return Setup(glue, args, dtype, pipe_class, units, spec, plan, hub, models,
                  {u.name: u.outputs for u in whole.units}, notes, world, seeded)
@@ -291,12 +302,20 @@ def offload_notes(setup: Setup) -> list[str]:
     return notes
 
 
-def _refuse_fp8_under(engine: Any, models: list[ModelFile], task: str) -> None:
-    """One line for --fp8_models in a training stage under DeepSpeed or FSDP2 (`engine`: engine.Engine or None):
-    an engine would cast or gather the fp8 weights of the model it wraps in their storage dtype; not done yet."""
-    if engine is not None and engine.kind != "ddp" and task_stage(task) != "data_process" and any(m.fp8 for m in models):
-        raise BackendError(f"--fp8_models with {engine.name}: a DiffSynth pipeline's fp8 models are not trained under "
-                           "an engine yet; drop --fp8_models or train under data parallel", source=engine.source)
+def _refuse_under(engine: Any, models: list[ModelFile], args: TrainArgs) -> None:
+    """One line for what a training stage under DeepSpeed or FSDP2 (`engine`: engine.Engine or None) does not do
+    for a DiffSynth pipeline yet: fp8 models (an engine would cast or gather the fp8 weights of the model it wraps in
+    their storage dtype), an optimizer other than AdamW (the engines' states keep AdamW's moments per shard), a
+    moving average and gradient clipping (of weights and gradients the engine holds in shards)."""
+    if engine is None or engine.kind == "ddp" or task_stage(args.task) == "data_process":
+        return
+    asked = [flag for flag, on in (("--fp8_models", any(m.fp8 for m in models)),
+                                   (f"--optimizer {args.optimizer}", args.optimizer != "adamw"),
+                                   ("--ema_decay", args.ema_decay is not None),
+                                   ("--max_grad_norm", args.max_grad_norm is not None)) if on]
+    if asked:
+        raise BackendError(f"{asked[0]} with {engine.name}: not available yet for a DiffSynth pipeline trained under "
+                           "an engine; drop it or train under data parallel", source=engine.source)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -354,6 +373,20 @@ def train_step(pipe: Any, units: list[tuple[str, Any, Any]], state: tuple[dict, 
     return loss
 
 
+def held_out_loss(pipe: Any, units: list[tuple[str, Any, Any]], held_out: list[tuple[str, Callable[[], Any]]],
+                  seed: int, task: str) -> float:
+    """The mean loss over the held-out samples with the weights as they are: each sample's step as a training step
+    runs it, without gradients, its draws seeded from (--seed, "held-out", sample), the same at every evaluation and
+    in every run of the seed; torch's stream as it was afterwards, so training draws what it draws without it."""
+    import torch
+
+    total = 0.0
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        for sample_id, state in held_out:
+            total += float(train_step(pipe, units, state(), derive_seed(seed, "diffsynth-held-out", sample_id), task))
+    return total / max(1, len(held_out))
+
+
 # ------------------------------------------------------------------------------------------------
 # samples
 
@@ -362,8 +395,9 @@ def _extra_inputs(args: TrainArgs) -> tuple[str, ...]:
     return tuple(n for n in (args.extra_inputs or "").split(",") if n)
 
 
-def dataset_of(setup: Setup) -> DiffusionDataset:
-    """The command's dataset; the glue's picture column (`image` or `video`) is always a file column."""
+def dataset_of(setup: Setup, base: Optional[str] = None, metadata: Optional[str] = None) -> DiffusionDataset:
+    """The command's dataset (or the one of `base` and `metadata`: the held-out samples); the glue's picture column
+    (`image` or `video`) is always a file column."""
     args = setup.args
     extra = _extra_inputs(args)
     media = setup.glue.media
@@ -371,7 +405,7 @@ def dataset_of(setup: Setup) -> DiffusionDataset:
     derived = ("input_image", "end_image") if media == "video" else ()  # taken from the clip, not from a column
     columns = tuple(n for n in extra if n not in derived)
     params = ("prompt", *columns) if media == "video" else (media, "prompt", *columns)  # frames: sample_state
-    return DiffusionDataset(args.dataset_base_path, args.dataset_metadata_path, params,
+    return DiffusionDataset(base or args.dataset_base_path, metadata or args.dataset_metadata_path, params,
                             data_file_keys=keys, extra_inputs=columns, required=setup.glue.columns,
                             param_types=call_types(setup.pipe_class))
 
@@ -469,13 +503,46 @@ def data_process(setup: Setup, cache_dir: Path, report: Callable[[str], None]) -
         memo.save()
     static = canonical_hash(key_inputs)
     result = RunResult(task=setup.args.task, output_path=cache_dir, plan=setup.plan, cache_path=cache_dir)
-    entries = []
     start = time.perf_counter()
     world.barrier()  # the folders exist
+    entries = _cache_entries(setup, pipe, units, dataset, cache_dir, static, result)
+    held_out = None
+    if setup.args.validation_dataset:  # the held-out samples: entries of their own, never trained
+        from ..data.dataset_config import held_out_dataset
+
+        spec = held_out_dataset(setup.args.validation_dataset)
+        held_out = _cache_entries(setup, pipe, units, dataset_of(setup, spec.base_path, spec.metadata), cache_dir,
+                                  static, result, HELD_OUT)
+    counts = world.sum_(torch.tensor([result.entries_computed, result.entries_reused]))
+    result.entries_computed, result.entries_reused = (int(c) for c in counts.tolist())
+    world.barrier()  # every process's entries are in place
+    records = {a: r for m in setup.models for a, r in m.records().items()}
+    manifest = {"format": FORMAT, "pipeline": setup.glue.name, "plan": setup.plan.to_dict(),
+                "key": key_inputs, "entries": entries, "models": records,
+                **({"held_out": held_out} if held_out is not None else {})}
+    if world.main:
+        write_bytes_atomic(cache_dir / MANIFEST,
+                           (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+    world.barrier()
+    result.samples = len(dataset)
+    result.cache_reused = result.entries_computed == 0
+    result.stage_times["data_process"] = time.perf_counter() - start
+    return result
+
+
+def _cache_entries(setup: Setup, pipe: Any, units: list[tuple[str, Any, Any]], dataset: DiffusionDataset,
+                   cache_dir: Path, static: str, result: RunResult, part: str = "sample") -> list[dict[str, Any]]:
+    """Run stage 1's units on each sample of `dataset` this process owns (entry i on process i mod N) and write its
+    entry, unless the cache has it; the manifest's list of every entry. `part` keeps the held-out samples' keys
+    apart from the training samples'."""
+    import torch
+
+    world = setup.world
+    entries = []
     with torch.no_grad():
         for index in range(len(dataset)):
             sample_id = dataset.sample_id(index)
-            key = canonical_hash({"static": static, "sample": sample_id})
+            key = canonical_hash({"static": static, part: sample_id})
             path = cache_dir / "entries" / f"{key}.safetensors"
             entries.append({"row": index, "sample": sample_id, "file": f"entries/{key}.safetensors"})
             if index % world.size != world.rank:  # another process's entry (world.py)
@@ -491,21 +558,9 @@ def data_process(setup: Setup, cache_dir: Path, report: Callable[[str], None]) -
                 except TypeError as exc:
                     raise BackendError(f"stage 1 cannot store a value of {setup.glue.name}'s state ({exc})") from None
                 result.entries_computed += 1
-                result.computed_indices.append(index)
-    counts = world.sum_(torch.tensor([result.entries_computed, result.entries_reused]))
-    result.entries_computed, result.entries_reused = (int(c) for c in counts.tolist())
-    world.barrier()  # every process's entries are in place
-    records = {a: r for m in setup.models for a, r in m.records().items()}
-    manifest = {"format": FORMAT, "pipeline": setup.glue.name, "plan": setup.plan.to_dict(),
-                "key": key_inputs, "entries": entries, "models": records}
-    if world.main:
-        write_bytes_atomic(cache_dir / MANIFEST,
-                           (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode("utf-8"))
-    world.barrier()
-    result.samples = len(dataset)
-    result.cache_reused = result.entries_computed == 0
-    result.stage_times["data_process"] = time.perf_counter() - start
-    return result
+                if part == "sample":
+                    result.computed_indices.append(index)
+    return entries
 
 
 def read_manifest(folder: Path, setup: Setup) -> dict[str, Any]:
@@ -525,6 +580,12 @@ def read_manifest(folder: Path, setup: Setup) -> dict[str, Any]:
     recorded = manifest.get("models", {})
     if not isinstance(recorded, dict) or not all(isinstance(v, dict) and "model_class" in v for v in recorded.values()):
         raise BackendError("the cache's manifest has a damaged models record", source=str(path))
+    for part in ("entries", HELD_OUT):
+        listed = manifest.get(part, [])
+        if not isinstance(listed, list) or not all(isinstance(e, dict) and isinstance(e.get("file"), str)
+                                                   and isinstance(e.get("sample"), str) for e in listed):
+            raise BackendError(f"the cache's manifest has a damaged list of {part.replace('_', '-')} entries",
+                               source=str(path))
     planned = manifest.get("plan", {}).get("fingerprint")
     if planned != setup.plan.fingerprint:
         raise BackendError("the cache was made for another plan (other models to train); run stage 1 again",
@@ -557,14 +618,16 @@ def _lora(setup: Setup, pipe: Any) -> None:
 
 def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample_ids: list[str], pipe: Any,
           report: Callable[[str], None], result: RunResult, stage_models: list[str],
-          stage_1: tuple[str, ...] = ()) -> RunResult:
+          stage_1: tuple[str, ...] = (), held_out: list[tuple[str, Callable[[], Any]]] = ()) -> RunResult:
     """The loop (DiffSynth's runner: a step of `processes x --gradient_accumulation_steps` samples, world.py):
     `states(i)` gives sample i's state after stage 1's units.
 
     The output folder is claimed as unitgraph's own first (train/outputs.RunFolder: a folder holding someone else's
     files is refused, an earlier run is moved aside only with --overwrite); a checkpoint and a training state
     (state.py) are written at each epoch's end and every --save_steps; --resume continues from the newest state.
-    `stage_1`: the models stage 1 loaded (its cache's record), which a validation render borrows."""
+    `stage_1`: the models stage 1 loaded (its cache's record), which a validation render borrows. `held_out`: (sample,
+    its state) of the cache's held-out samples, whose mean loss (`held_out_loss`) is logged every --validation_steps
+    optimizer steps, else at each epoch's end, to OUTPUT/validation_loss.csv."""
     import torch
     from diffsynth.diffusion.training_module import DiffusionTrainingModule
 
@@ -577,21 +640,26 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
         raise BackendError("nothing to train: the LoRA and --trainable_models left no parameter needing gradients")
     world = setup.world
 
+    optimizer_args = check_optimizer(args.optimizer, args.optimizer_args, cuda=torch.cuda.is_available)
+
     def make_optimizer(params: list[Any]) -> Any:
-        return torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+        return build_optimizer(args.optimizer, optimizer_args, params, args.learning_rate, args.weight_decay)
 
     sharded = ShardedTraining(world, pipe, named, make_optimizer, max(1, args.gradient_accumulation_steps)) \
         if world.sharded else None
     optimizer = sharded.base if sharded is not None else make_optimizer([p for _, p in named])
-    scheduler = torch.optim.lr_scheduler.ConstantLR(optimizer)
     units = setup.stage_units("train")
     output = Path(args.output_path)
     prefix = DIFFSYNTH_REMOVE_PREFIX if args.remove_prefix_in_ckpt is None else args.remove_prefix_in_ckpt
     per = world.size * max(1, args.gradient_accumulation_steps)  # the samples of one optimizer step (world.py)
+    n = len(sample_ids)
+    total = args.num_epochs * -(-n * max(1, args.dataset_repeat) // per)  # the run's optimizer steps
+    scheduler = make_lr_schedule(args.lr_scheduler, optimizer, args.lr_warmup_steps, total)
+    ema = TrainedEMA(dict(named), args.ema_decay, args.ema_device or world.device) \
+        if args.ema_decay is not None else None
     settings = settings_of(args, sample_ids, per, world.describe(),
                            sorted(a for m in setup.models if m.fp8 for a in m.attributes if a in stage_models))
     record = {"task": args.task, "pipeline": setup.glue.name, "plan_fingerprint": setup.plan.fingerprint}
-    n = len(sample_ids)
     renderer = Renderer(setup, pipe, stage_models, setup.load_plain)
     lacking = [m for m in setup.plan.data_process_models if m in stage_1 and m not in setup.given]
     if renderer and lacking:
@@ -617,12 +685,23 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
                         param.copy_(loaded.trained[name])
                 load_optimizer(optimizer, loaded.optimizer, loaded.groups, str(found))
             scheduler.load_state_dict(loaded.scheduler)
+            if ema is not None and loaded.ema is not None:
+                ema.restore(*loaded.ema)
             step, position, rows = loaded.step, loaded.position, loaded.rows
             result.resumed_from = found
             report(f"resumed:    {found} (epoch {position[0]}, step {step})")
             if world.main:
                 prune_states(output, args.save_total_limit, resumed=found)
         start = time.perf_counter()
+        log = HeldOutLog(output / HELD_OUT_FILE, world.main, step if args.resume is not None else None) \
+            if held_out else None
+
+        def evaluate(epoch: int) -> None:  # every process computes it (inside the engine's forward when sharded)
+            def mean() -> float:
+                return held_out_loss(pipe, units, held_out, args.seed, args.task)
+
+            value = sharded.within(mean) if sharded is not None and world.engine.shards_frozen else mean()
+            log.add(step, epoch, value, len(held_out))
 
         convert = _opensource(setup.glue) if args.align_to_opensource_format else None
 
@@ -639,14 +718,17 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
                 world.barrier()
             if world.main:  # every process holds the same weights: the main one writes them
                 _save(holder, trained, prefix, path, convert)
+                if ema is not None:  # the average beside it, in the checkpoint's own layout
+                    _save(holder, ema.tensors(), prefix, output / ema_name(name), convert)
                 _write_rows(output / "loss.csv", rows)
                 save_state(output, step, next_position, trained, state, scheduler, rows, settings,
-                           args.save_total_limit, ranks)
+                           args.save_total_limit, ranks, (ema.tensors(), ema.step) if ema is not None else None)
             folder = output / SAMPLES_DIR / Path(name).stem
-            if renderer and sharded is not None and world.engine.shards_frozen:  # every process draws (samples.py)
-                result.sample_images += sharded.within(lambda: renderer.render(folder, write=world.main))
-            elif renderer and world.main:
-                result.sample_images += renderer.render(folder)
+            with optional_swap(ema, dict(named), args.validation_use_ema):
+                if renderer and sharded is not None and world.engine.shards_frozen:  # every process draws
+                    result.sample_images += sharded.within(lambda: renderer.render(folder, write=world.main))
+                elif renderer and world.main:
+                    result.sample_images += renderer.render(folder)
 
         params = [p for _, p in named]
         for epoch in range(position[0], args.num_epochs):
@@ -671,19 +753,29 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
                         (loss / len(chunk)).backward()  # the step's mean gradient, summed over its samples
                         losses[at] = float(loss.detach())
                     world.sum_gradients(params)
+                    if args.max_grad_norm is not None:  # the step's mean gradient, clipped as a whole
+                        torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
                     optimizer.step()
                     optimizer.zero_grad()
+                    if ema is not None:
+                        ema.update(dict(named))
                 world.sum_(losses)
-                scheduler.step()
+                lr_step(scheduler)
                 step += 1
                 result.steps += 1
                 result.step_times.append(time.perf_counter() - began)
                 for index, value in zip(chunk, losses.tolist()):
                     result.losses.append(value)
                     rows.append({"step": step, "epoch": epoch, "row": index, "loss": repr(value)})
+                if log is not None and args.validation_steps and step % args.validation_steps == 0:
+                    evaluate(epoch)
                 if args.save_steps and step % args.save_steps == 0 and begin + per < len(order):
                     checkpoint(f"step-{step}.safetensors", (epoch, begin + per))
+            if log is not None and not args.validation_steps:
+                evaluate(epoch)
             checkpoint(f"epoch-{epoch}.safetensors", (epoch + 1, 0))
+        if log is not None:
+            log.close()
         result.stage_times["train"] = time.perf_counter() - start
         result.loss_csv = output / "loss.csv"  # written with every checkpoint
     return result
@@ -781,7 +873,7 @@ def _run(args: TrainArgs, report: Callable[[str], None], why: Optional[str]) -> 
 
         engine = engine_from_config_file(args.config_file, args.num_processes) if args.config_file else \
             Engine(processes=args.num_processes or 1)
-        _refuse_fp8_under(engine, s.models, args.task)
+        _refuse_under(engine, s.models, args)
         return RunResult(task=args.task, output_path=Path(args.output_path), plan=s.plan,
                          memory_plan=memory_plan(s, engine))
     report(f"pipeline: {s.glue.name} (DiffSynth's {s.glue.class_name}; {why or '--pipeline'})")
@@ -807,12 +899,18 @@ def _run(args: TrainArgs, report: Callable[[str], None], why: Optional[str]) -> 
         result = RunResult(task=args.task, output_path=Path(args.output_path), plan=s.plan, cache_path=folder)
         result.samples = len(entries)
 
-        def cached(index: int) -> tuple[dict, dict, dict]:
-            values, _meta = read_entry(folder / entries[index]["file"])
+        def cached(entry: dict[str, Any]) -> tuple[dict, dict, dict]:
+            values, _meta = read_entry(folder / entry["file"])
             return values["inputs_shared"], values["inputs_posi"], values["inputs_nega"]
 
-        return train(s, cached, [e["sample"] for e in entries], pipe, report, result, s.plan.train_models,
-                     tuple(recorded) if recorded else tuple(s.plan.data_process_models))
+        held = manifest.get(HELD_OUT) or []
+        if args.validation_dataset and not held:
+            raise BackendError("--validation_dataset: this cache holds no held-out samples; make it with "
+                               f"--validation_dataset (--task {task_kind(args.task)}:data_process)",
+                               source=str(folder / MANIFEST))
+        return train(s, lambda index: cached(entries[index]), [e["sample"] for e in entries], pipe, report, result,
+                     s.plan.train_models, tuple(recorded) if recorded else tuple(s.plan.data_process_models),
+                     [(str(e["sample"]), lambda e=e: cached(e)) for e in held])
     # sft: the data_process units run fresh in every step, on every model
     import torch
 

@@ -1,8 +1,9 @@
 """Training states of a DiffSynth pipeline's run: what `--resume` needs to continue it exactly.
 
 A state is a folder `OUTPUT/state/step-N/` written at every checkpoint (each epoch's end, and every --save_steps):
-the trained parameters by their names (`trained.safetensors`), AdamW's moments and step counts
-(`optimizer.safetensors`), and in `state.json` the position (the epoch and the index in its order of the next step,
+the trained parameters by their names (`trained.safetensors`), the optimizer's state (`optimizer.safetensors`:
+AdamW's moments and step counts, or another --optimizer's), with --ema_decay the moving average (`ema.safetensors`),
+and in `state.json` the position (the epoch and the index in its order of the next step,
 the global step), the learning-rate schedule's state, the optimizer's groups, the loss rows so far and the settings
 that decide what the next steps compute. A step's draws are seeded from (--seed, epoch, sample) and an epoch's order
 from (--seed, epoch), so nothing of torch's random state needs keeping: a run continued from a state takes the very
@@ -32,12 +33,16 @@ __all__ = ["STATE_DIR", "Loaded", "load_optimizer", "load_state", "newest_state"
            "rank_file", "save_rank_file", "save_state", "settings_of", "staging_folder"]
 
 STATE_DIR = "state"
+EMA_FILE = "ema.safetensors"
 FORMAT = "unitgraph.diffsynth-state/v1"
 
 
 SETTING_NAMES = {"samples_per_step": "samples a step (processes x --gradient_accumulation_steps)",
                  "engine": "the engine"}
-DEFAULTS = {"samples_per_step": 1, "engine": "data parallel"}  # what a state from before a setting was recorded had
+# the training recipe's settings (a state written before they were recorded had their defaults)
+RECIPE = ("optimizer", "optimizer_args", "lr_scheduler", "lr_warmup_steps", "ema_decay", "max_grad_norm")
+DEFAULTS = {"samples_per_step": 1, "engine": "data parallel", "optimizer": "adamw", "optimizer_args": None,
+            "lr_scheduler": "diffsynth", "lr_warmup_steps": 0, "ema_decay": None, "max_grad_norm": None}
 
 
 def settings_of(args: Any, sample_ids: list[str], samples_per_step: int = 1,
@@ -48,7 +53,7 @@ def settings_of(args: Any, sample_ids: list[str], samples_per_step: int = 1,
     import hashlib
 
     names = ("seed", "learning_rate", "weight_decay", "lora_base_model", "lora_target_modules", "lora_rank",
-             "lora_alpha", "trainable_models", "dataset_repeat", "remove_prefix_in_ckpt", "save_steps")
+             "lora_alpha", "trainable_models", "dataset_repeat", "remove_prefix_in_ckpt", "save_steps", *RECIPE)
     samples = hashlib.sha256("\n".join(sample_ids).encode("utf-8")).hexdigest()
     return {**{name: getattr(args, name) for name in names}, "samples": samples, "samples_per_step": samples_per_step,
             "engine": engine, **({"fp8_models": list(fp8)} if fp8 else {})}
@@ -76,11 +81,23 @@ def save_rank_file(folder: Path, rank: int, tensors: dict[str, Any]) -> None:
 
 
 def optimizer_tensors(optimizer: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(tensors "<param index>.<key>", param groups) of a torch optimizer's state, on the CPU."""
+    """(tensors "<param index>.<key>", param groups) of a torch optimizer's state, on the CPU. A Python number an
+    optimizer keeps per parameter (Adafactor's and CAME's step counts) is a 0-dim tensor named "<i>.<key>#int" (or
+    #float, #bool), and comes back from `load_optimizer` as the number it was."""
+    import torch
+
+    dtypes = {"bool": torch.bool, "int": torch.int64, "float": torch.float64}
     saved = optimizer.state_dict()
-    tensors = {f"{i}.{key}": _local(value).detach().to("cpu").contiguous()
-               for i, state in saved["state"].items() for key, value in state.items()}
+    tensors = {}
+    for i, state in saved["state"].items():
+        for key, value in state.items():
+            if isinstance(value, (bool, int, float)):
+                kind = type(value).__name__
+                tensors[f"{i}.{key}#{kind}"] = torch.tensor(value, dtype=dtypes[kind])
+            else:
+                tensors[f"{i}.{key}"] = _local(value).detach().to("cpu").contiguous()
     return tensors, saved["param_groups"]
+
 
 
 def _local(value: Any) -> Any:
@@ -94,7 +111,9 @@ def load_optimizer(optimizer: Any, tensors: dict[str, Any], groups: list[dict[st
     try:
         for key, value in tensors.items():
             index, _, field = key.partition(".")
-            state.setdefault(int(index), {})[field] = value
+            field, _, kind = field.partition("#")
+            number = {"bool": bool, "int": int, "float": float}.get(kind)
+            state.setdefault(int(index), {})[field] = number(value.item()) if number is not None else value
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError, TypeError) as exc:
         raise BackendError(f"--resume: the state's optimizer state does not fit this run's ({exc})",
@@ -103,10 +122,12 @@ def load_optimizer(optimizer: Any, tensors: dict[str, Any], groups: list[dict[st
 
 def save_state(output: Path, step: int, position: tuple[int, int], trained: dict[str, Any],
                optimizer: tuple[dict[str, Any], list[dict[str, Any]]], scheduler: Any, rows: list[dict[str, Any]],
-               settings: dict[str, Any], keep: Optional[int], ranks: Optional[Path] = None) -> Path:
+               settings: dict[str, Any], keep: Optional[int], ranks: Optional[Path] = None,
+               ema: Optional[tuple[dict[str, Any], int]] = None) -> Path:
     """Write the state after global step `step` (next: epoch, index = `position`): the `trained` tensors by name,
     the main process's `optimizer` (`optimizer_tensors`' pair) and, from the `ranks` staging folder, the other
-    processes' optimizer files; drop all but the newest `keep`."""
+    processes' optimizer files, and the moving average (`ema`: its tensors by name and the steps it has averaged);
+    drop all but the newest `keep`."""
     from safetensors.torch import save_file
 
     root = output / STATE_DIR
@@ -118,11 +139,15 @@ def save_state(output: Path, step: int, position: tuple[int, int], trained: dict
         save_file({name: p.detach().to("cpu").contiguous() for name, p in trained.items()},
                   str(scratch / "trained.safetensors"))
         save_file(moments, str(scratch / rank_file(0)))
+        if ema is not None:
+            save_file({name: t.detach().to("cpu").contiguous() for name, t in ema[0].items()},
+                      str(scratch / EMA_FILE))
         if ranks is not None:
             for file in sorted(ranks.iterdir()):
                 os.rename(file, scratch / file.name)
         data = {"format": FORMAT, "step": step, "epoch": position[0], "index": position[1], "names": list(trained),
-                "param_groups": groups, "scheduler": scheduler.state_dict(), "rows": rows, "settings": settings}
+                "param_groups": groups, "scheduler": scheduler.state_dict(), "rows": rows, "settings": settings,
+                **({"ema_step": ema[1]} if ema is not None else {})}
         (scratch / "state.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
         if final.exists():
             shutil.rmtree(final)  # a state of this very step, written by an earlier attempt: ours
@@ -181,6 +206,7 @@ class Loaded:
     optimizer: dict[str, Any]  # this process's optimizer tensors (`optimizer_tensors`' layout)
     groups: list[dict[str, Any]]
     scheduler: dict[str, Any]
+    ema: Optional[tuple[dict[str, Any], int]] = None  # the moving average's tensors by name, and its step count
 
 
 def load_state(folder: Path, names: list[str], settings: dict[str, Any], rank: int = 0) -> Loaded:
@@ -208,5 +234,18 @@ def load_state(folder: Path, names: list[str], settings: dict[str, Any], rank: i
                                f"{value!r}; a continued run must compute what the first would have", source=str(folder))
     if data.get("names") != names or set(trained) != set(names):
         raise BackendError("--resume: the state holds other trained parameters than this run's", source=str(folder))
+    ema = None
+    if settings.get("ema_decay") is not None:
+        try:
+            shadows = load_file(str(folder / EMA_FILE))
+        except FileNotFoundError:
+            raise BackendError(f"--resume: the training state has no {EMA_FILE}", source=str(folder)) from None
+        except Exception as exc:  # safetensors' own errors for a damaged file
+            raise BackendError(f"--resume: unreadable training state ({type(exc).__name__}: {exc})",
+                               source=str(folder)) from None
+        if set(shadows) != set(names):
+            raise BackendError("--resume: the state's moving average holds other parameters than this run's",
+                               source=str(folder))
+        ema = (shadows, int(data.get("ema_step", 0)))
     return Loaded(int(data["step"]), (int(data["epoch"]), int(data["index"])), list(data["rows"]), trained, moments,
-                  data["param_groups"], data["scheduler"])
+                  data["param_groups"], data["scheduler"], ema)
