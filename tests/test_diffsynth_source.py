@@ -884,7 +884,8 @@ def test_a_folder_of_someone_elses_files_is_refused_and_left_alone(world, tmp_pa
 def test_validation_samples_are_diffsynths_own_drawing_and_change_no_step(world, tmp_path):
     """--validation_prompt at each checkpoint through the pipeline's own __call__: the unsplit run's sample equals
     DiffSynth's drawing with the checkpoint loaded by its load_lora (bit for bit at fp32); the losses equal a run
-    without samples; stage 2, which trains without the text encoder, loads it only to render and draws the same."""
+    without samples; stage 2, which trains without the text encoder, loads it only to render and draws the same;
+    samples.html shows them; with --validation_steps they are drawn every N optimizer steps instead."""
     import numpy as np
     from diffsynth.core import ModelConfig
     from PIL import Image
@@ -912,6 +913,14 @@ def test_validation_samples_are_diffsynths_own_drawing_and_change_no_step(world,
                       output_path=str(tmp_path / "split"), **extra))
     assert split.losses == drawn.losses
     assert np.array_equal(np.asarray(Image.open(split.sample_images[0])), np.asarray(Image.open(sample)))
+    page = (tmp_path / "split" / "samples.html").read_text(encoding="utf-8")
+    assert 'src="samples/epoch-0/0.png"' in page and "a red circle" in page
+    # every --validation_steps optimizer steps instead of at the checkpoints; the page shows each, oldest first
+    steps = run(_args(root, flags, output_path=str(tmp_path / "steps"), **{**extra, "num_epochs": 2},
+                      validation_steps=2))
+    assert [p.parent.name for p in steps.sample_images] == ["step-2", "step-4", "step-6"]
+    page = (tmp_path / "steps" / "samples.html").read_text(encoding="utf-8")
+    assert page.index("samples/step-2/0.png") < page.index("samples/step-4/0.png") < page.index("samples/step-6/0.png")
     ids = ",".join(p for p in flags["model_id_with_origin_paths"].split(",") if "text_encoder" not in p)
     with pytest.raises(BackendError, match="names no file of text_encoder"):
         run(_args(root, flags, task="sft:train", dataset_base_path=str(cache), dataset_metadata_path=None,

@@ -705,6 +705,18 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
 
         convert = _opensource(setup.glue) if args.align_to_opensource_format else None
 
+        def render(name: str) -> None:  # the validation samples as OUTPUT/samples/<name>/, and samples.html
+            if not renderer:
+                return
+            folder = output / SAMPLES_DIR / name
+            with optional_swap(ema, dict(named), args.validation_use_ema):
+                if sharded is not None and world.engine.shards_frozen:  # every process draws (samples.py)
+                    result.sample_images += sharded.within(lambda: renderer.render(folder, write=world.main))
+                elif world.main:
+                    result.sample_images += renderer.render(folder)
+            if world.main:
+                renderer.page(output)
+
         def checkpoint(name: str, next_position: tuple[int, int]) -> None:
             path = output / name
             result.checkpoints.append(path)
@@ -723,12 +735,8 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
                 _write_rows(output / "loss.csv", rows)
                 save_state(output, step, next_position, trained, state, scheduler, rows, settings,
                            args.save_total_limit, ranks, (ema.tensors(), ema.step) if ema is not None else None)
-            folder = output / SAMPLES_DIR / Path(name).stem
-            with optional_swap(ema, dict(named), args.validation_use_ema):
-                if renderer and sharded is not None and world.engine.shards_frozen:  # every process draws
-                    result.sample_images += sharded.within(lambda: renderer.render(folder, write=world.main))
-                elif renderer and world.main:
-                    result.sample_images += renderer.render(folder)
+            if not args.validation_steps:
+                render(Path(name).stem)
 
         params = [p for _, p in named]
         for epoch in range(position[0], args.num_epochs):
@@ -767,8 +775,10 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
                 for index, value in zip(chunk, losses.tolist()):
                     result.losses.append(value)
                     rows.append({"step": step, "epoch": epoch, "row": index, "loss": repr(value)})
-                if log is not None and args.validation_steps and step % args.validation_steps == 0:
-                    evaluate(epoch)
+                if args.validation_steps and step % args.validation_steps == 0:
+                    if log is not None:
+                        evaluate(epoch)
+                    render(f"step-{step}")
                 if args.save_steps and step % args.save_steps == 0 and begin + per < len(order):
                     checkpoint(f"step-{step}.safetensors", (epoch, begin + per))
             if log is not None and not args.validation_steps:

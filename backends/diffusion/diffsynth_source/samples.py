@@ -1,11 +1,13 @@
 """Validation samples of a DiffSynth pipeline's run, drawn by the pipeline's own `__call__`.
 
-At each checkpoint, each `--validation_prompt` is rendered with the weights being trained: DiffSynth's `__call__`
-with the prompt, `--validation_negative_prompt`, `--validation_guidance` as its `cfg_scale` (its own default without
-it), `--validation_inference_steps`, `--validation_seed` (else `--seed`) and the run's `--height`/`--width` (else
-DiffSynth's defaults), as `OUTPUT/samples/<checkpoint>/<k>.png`. The whole pipeline draws a sample, so models the
-stage does not train with (stage 2's text encoder, or a VAE whose encoding went to stage 1) are loaded while it
-renders, from the files the command names, and released after; their files must then be on disk in stage 2 too.
+At each checkpoint (or every `--validation_steps` optimizer steps), each `--validation_prompt` is rendered with the
+weights being trained: DiffSynth's `__call__` with the prompt, `--validation_negative_prompt`,
+`--validation_guidance` as its `cfg_scale` (its own default without it), `--validation_inference_steps`,
+`--validation_seed` (else `--seed`) and the run's `--height`/`--width` (else DiffSynth's defaults), as
+`OUTPUT/samples/<checkpoint or step-N>/<k>.png` (a clip as `<k>.mp4`); OUTPUT/samples.html shows every rendering side
+by side. The whole pipeline draws a sample, so models the stage does not train with (stage 2's text encoder, or a
+VAE whose encoding went to stage 1) are loaded while it renders, from the files the command names, and released
+after; their files must then be on disk in stage 2 too.
 Rendering does not change what is trained: `__call__` takes its noise from its own seeded generator, every training
 step seeds torch's stream itself, the scheduler is put back into training mode and the models into train mode.
 Under ZeRO-3 and FSDP2, whose processes each hold a shard of the trained weights, every process draws the samples
@@ -34,6 +36,7 @@ class Renderer:
 
     def __init__(self, setup: Any, pipe: Any, stage_models: list[str], load: Callable[[list[str]], Any]):
         args = setup.args
+        self.title = setup.glue.name
         self.prompts = list(args.validation_prompt or [])
         self.pipe = pipe
         self.missing = sorted(setup.given - set(stage_models))
@@ -50,6 +53,16 @@ class Renderer:
 
     def __bool__(self) -> bool:
         return bool(self.prompts)
+
+    def page(self, output: Path) -> None:
+        """OUTPUT/samples.html over every rendering under OUTPUT/samples/, in the order they were drawn (a resumed
+        run's earlier ones included)."""
+        from ..train.validation import samples_page
+
+        root = output / SAMPLES_DIR
+        names = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: (p.stat().st_mtime_ns, p.name)) \
+            if root.is_dir() else []
+        samples_page(output, self.title, self.prompts, [p.name for p in names])
 
     def render(self, folder: Path, write: bool = True) -> list[Path]:
         """Each prompt's sample under `folder`, with the models the stage lacks loaded for the while; without

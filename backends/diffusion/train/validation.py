@@ -55,7 +55,7 @@ from ..tensorfile import finite, header_of_bytes, load_tensors
 
 __all__ = ["VALIDATION_FILE", "SAMPLES_DIR", "Guidance", "ValidationTexts", "prompt_units", "sample_prompt_units",
            "encode_prompts", "encode_validation", "store_encoded", "load_encoded", "guidance_of", "validation_texts",
-           "Validator"]
+           "Validator", "samples_page"]
 
 SAMPLES_DIR = "samples"
 SAMPLES_PAGE = "samples.html"
@@ -424,23 +424,7 @@ class Validator:
         if name in self.pages:
             self.pages.remove(name)
         self.pages.append(name)
-        inputs = self._inputs()
-        head = ("<th>input</th>" if inputs else "") + "".join(f"<th>{html.escape(n)}</th>" for n in self.pages)
-        rows = []
-        folder = self.output / SAMPLES_DIR
-        for k, prompt in enumerate(self.prompts):
-            given = f'<td><img src="{SAMPLES_DIR}/{INPUTS_DIR}/{k}.png" alt="input"></td>' if inputs else ""
-            cells = "".join(f'<td><img src="{SAMPLES_DIR}/{html.escape(n)}/{k}.png" alt="{html.escape(n)}">'
-                            + (f'<br><audio controls src="{SAMPLES_DIR}/{html.escape(n)}/{k}.wav"></audio>'
-                               if (folder / n / f"{k}.wav").is_file() else "") + "</td>"
-                            for n in self.pages)
-            rows.append(f"<tr><th class=p>{html.escape(prompt)}</th>{given}{cells}</tr>")
-        page = ("<!doctype html><meta charset=utf-8><title>unitgraph samples</title>"
-                "<style>body{font-family:sans-serif}td,th{padding:4px;vertical-align:top}th.p{text-align:left;"
-                "max-width:16em}img{image-rendering:pixelated;width:160px}</style>"
-                f"<h1>{html.escape(self.plan.pipeline)}: validation samples</h1>"
-                f"<table><tr><th>prompt</th>{head}</tr>{''.join(rows)}</table>\n")
-        write_text_atomic(self.output / SAMPLES_PAGE, page)
+        samples_page(self.output, self.plan.pipeline, self.prompts, self.pages, self._inputs())
 
     def _inputs(self) -> bool:
         """The --validation_image of each prompt as samples/inputs/k.png, beside the samples it gave (the page's first
@@ -454,6 +438,31 @@ class Validator:
                 _save_png(image, path)
             self.inputs_written = True
         return True
+
+
+def samples_page(output: Path, title: str, prompts: list[str], names: list[str], inputs: bool = False) -> None:
+    """OUTPUT/samples.html: a row per prompt, a column per rendering (`names`: the folders under OUTPUT/samples/,
+    oldest first), each cell the prompt's sample there (`k.png`, a clip `k.mp4`, and its sound `k.wav`), with the
+    --validation_image inputs as the first column when `inputs`."""
+    folder = output / SAMPLES_DIR
+    head = ("<th>input</th>" if inputs else "") + "".join(f"<th>{html.escape(n)}</th>" for n in names)
+    rows = []
+    for k, prompt in enumerate(prompts):
+        given = f'<td><img src="{SAMPLES_DIR}/{INPUTS_DIR}/{k}.png" alt="input"></td>' if inputs else ""
+        cells = []
+        for n in names:
+            where = f"{SAMPLES_DIR}/{html.escape(n)}/{k}"
+            shown = (f'<video controls src="{where}.mp4"></video>' if (folder / n / f"{k}.mp4").is_file()
+                     else f'<img src="{where}.png" alt="{html.escape(n)}">')
+            sound = f'<br><audio controls src="{where}.wav"></audio>' if (folder / n / f"{k}.wav").is_file() else ""
+            cells.append(f"<td>{shown}{sound}</td>")
+        rows.append(f"<tr><th class=p>{html.escape(prompt)}</th>{given}{''.join(cells)}</tr>")
+    page = ("<!doctype html><meta charset=utf-8><title>unitgraph samples</title>"
+            "<style>body{font-family:sans-serif}td,th{padding:4px;vertical-align:top}th.p{text-align:left;"
+            "max-width:16em}img,video{image-rendering:pixelated;width:160px}</style>"
+            f"<h1>{html.escape(title)}: validation samples</h1>"
+            f"<table><tr><th>prompt</th>{head}</tr>{''.join(rows)}</table>\n")
+    write_text_atomic(output / SAMPLES_PAGE, page)
 
 
 def _save_png(image: Any, path: Path) -> None:
