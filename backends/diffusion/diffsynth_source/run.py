@@ -7,8 +7,9 @@ plan's data_process units (`sft`, `direct_distill`) or from the sample's cache e
 `...:data_process` wrote after running the same units on the same inputs: that is the whole argument for split ==
 unsplit (see the package docstring for the draws).
 
-The parts around the step are DiffSynth's runner's: AdamW with --learning_rate and --weight_decay, torch's
-ConstantLR with its defaults, one sample per micro-step (--gradient_accumulation_steps of them a step, on each
+The parts around the step are DiffSynth's runner's by default: AdamW with --learning_rate and --weight_decay,
+torch's ConstantLR with its defaults (unitgraph's --optimizer, --lr_scheduler, --ema_decay and --max_grad_norm
+change them as for its own families), one sample per micro-step (--gradient_accumulation_steps of them a step, on each
 process of a launch: world.py; sharded under DeepSpeed ZeRO or FSDP2: sharding.py), the LoRA injected by DiffSynth's
 `add_lora_to_model` (peft) and written each epoch as `epoch-N.safetensors` by DiffSynth's
 `export_trainable_state_dict` (keys without --remove_prefix_in_ckpt, DiffSynth's default `pipe.dit.`), which its
@@ -519,7 +520,7 @@ def data_process(setup: Setup, cache_dir: Path, report: Callable[[str], None]) -
     records = {a: r for m in setup.models for a, r in m.records().items()}
     manifest = {"format": FORMAT, "pipeline": setup.glue.name, "plan": setup.plan.to_dict(),
                 "key": key_inputs, "entries": entries, "models": records,
-                **({"held_out": held_out} if held_out is not None else {})}
+                **({HELD_OUT: held_out} if held_out is not None else {})}
     if world.main:
         write_bytes_atomic(cache_dir / MANIFEST,
                            (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode("utf-8"))
