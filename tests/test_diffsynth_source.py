@@ -286,8 +286,9 @@ def test_the_training_recipe_trains_split_as_unsplit_and_resumes_exactly(world, 
         ds_run.check_flags(replace(_args(root, flags), optimizer="schedulefree"))  # (with its package installed)
     config = tmp_path / "fsdp2.yaml"
     config.write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n")
-    with pytest.raises(BackendError, match="--ema_decay with FSDP2: not available yet for a DiffSynth pipeline"):
-        run(_args(root, flags, dry_run=True, ema_decay=0.9, config_file=str(config)))
+    with pytest.raises(BackendError, match="--optimizer adafactor with FSDP2: the engine's training states keep "
+                                           "AdamW's moments per shard"):
+        run(_args(root, flags, dry_run=True, config_file=str(config), **recipe))
 
 
 @pytest.mark.parametrize("world", ["stable_diffusion"], indirect=True)
@@ -444,7 +445,7 @@ def test_fp8_models_train_as_diffsynths_fp8_step_and_split_equals_unsplit(world,
         ds_run.offload_notes(ds_run.setup(_args(root, flags, offload_models="nope")))
     config = tmp_path / "fsdp2.yaml"
     config.write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n")
-    with pytest.raises(BackendError, match="--fp8_models with FSDP2: not available yet for a DiffSynth pipeline"):
+    with pytest.raises(BackendError, match="--fp8_models with FSDP2: dit trains under the engine, which shards"):
         run(_args(root, flags, dry_run=True, fp8_models="dit", config_file=str(config)))
 
 

@@ -12,6 +12,8 @@ Two CPU processes over gloo, on Stable Diffusion 1.5's test-size models in fp32 
 - DiffSynth's DeepSpeed configs as shipped (diffsynth_source/sharding.py): ZeRO-2 (and ZeRO-2 with offload) trains SD
   1.5's LoRA as data parallel does; under ZeRO-3, Z-Image's DiT trained whole in bf16 trains split == unsplit and
   resumes exactly; DiffSynth's full Z-Image command runs under its ZeRO-2 config;
+- --max_grad_norm and --ema_decay under ZeRO-2 and FSDP2 train data parallel's numbers (SD 1.5's LoRA in fp32) and
+  resume exactly; under ZeRO-2 an fp8 LoRA base (Z-Image's DiT) and fp8 text encoder train split == unsplit;
 - DiffSynth's Wan 2.1 commands under their accelerate_config_14B.yaml (ZeRO-2, offloaded): the 14B full fine-tune
   and the 1.3B direct distillation run as they are;
 - DiffSynth's full fine-tuning of FLUX.2 [klein] 4B on edits (examples/flux2/model_training/full/FLUX.2-klein-4B.sh,
@@ -341,6 +343,50 @@ def test_fsdp2_lora_trains_what_data_parallel_trains_and_resumes_exactly(world, 
     assert same_lora(cut / "epoch-1.safetensors", tmp_path / "fsdp" / "epoch-1.safetensors")
 
 
+def _close(a: Path, b: Path, atol: float) -> bool:
+    x, y = load_file(str(a)), load_file(str(b))
+    return set(x) == set(y) and len(x) > 0 and all(torch.allclose(x[k], y[k], rtol=0, atol=atol) for k in x)
+
+
+@needs_deepspeed
+def test_clipping_and_the_moving_average_under_zero2_and_fsdp2_train_data_parallels_numbers(world, two, tmp_path):
+    """--max_grad_norm and --ema_decay under DiffSynth's ZeRO-2 config and under FSDP2, SD 1.5's LoRA in fp32: the loss
+    rows, the LoRA and its moving average of the data-parallel run (one process accumulating two samples a step:
+    the two-process run's numbers, test above) to a rounding (DeepSpeed scales by the inverse of norm / max, torch by
+    max / norm; FSDP2's sums run over shards); clipping bites (the rows differ from the run without it after the
+    first step). Under FSDP2 each process averages its shards; a run resumed from a state mid-epoch ends on the same
+    LoRA and average, bit for bit. Under ZeRO-3 the average is refused in one line."""
+    root, flags = world
+    folder, _out = two
+    recipe = dict(max_grad_norm=0.05, ema_decay=0.9)
+    dp = tmp_path / "dp"
+    run(make_args(**_flags(root, flags, gradient_accumulation_steps=2, output_path=str(dp), **recipe)))
+    assert rows(dp)[:2] == rows(folder)[:2] and rows(dp) != rows(folder)  # the first step's losses, then clipped
+    zero2 = tmp_path / "zero2"
+    out = launch(root, flags, _config(tmp_path, ZERO2_CONFIG), output_path=str(zero2), **recipe)
+    assert "engine:     DeepSpeed ZeRO-2 over 2 processes" in out, out
+    fsdp = tmp_path / "fsdp"
+    config = _config(tmp_path, FSDP2_CONFIG, "fsdp2.yaml")
+    common = dict(save_steps=2, save_total_limit=0, **recipe)
+    launch(root, flags, config, output_path=str(fsdp), **common)
+    expected = torch.tensor([[float(v) for v in line.split(",")[2:]] for line in rows(dp)[1:]])
+    for got in (zero2, fsdp):
+        losses = torch.tensor([[float(v) for v in line.split(",")[2:]] for line in rows(got)[1:]])
+        assert torch.allclose(losses, expected, rtol=1e-6, atol=0), got.name
+        for name in ("epoch-1.safetensors", "epoch-1-ema.safetensors"):
+            assert _close(dp / name, got / name, 1e-6), (got.name, name)
+    assert not _close(dp / "epoch-1.safetensors", dp / "epoch-1-ema.safetensors", 1e-6)  # the average lags
+    cut = tmp_path / "cut"
+    shutil.copytree(fsdp, cut, ignore=shutil.ignore_patterns("step-4*", "step-6", "epoch-*"))
+    launch(root, flags, config, output_path=str(cut), resume="latest", **common)
+    assert rows(cut) == rows(fsdp)
+    for name in ("epoch-1.safetensors", "epoch-1-ema.safetensors"):
+        assert same_lora(cut / name, fsdp / name), name
+    with pytest.raises(BackendError, match="z3.yaml: --ema_decay with DeepSpeed ZeRO-3: ZeRO-3 partitions"):
+        run(make_args(**_flags(root, flags, dry_run=True, config_file=str(_config(tmp_path, ZERO3_CONFIG, "z3.yaml")),
+                               num_processes=2, **recipe)))
+
+
 def test_fsdp2_full_training_in_bf16_split_is_data_parallels_unsplit_run_bit_for_bit(z_image, tmp_path):
     """FSDP2 over two processes, Z-Image's DiT trained whole in bf16 (an epoch: steps of 2, 2 and 1 samples, the
     last with a pass weighted 0): AdamW steps each process's shard in bf16, elementwise as data parallel steps the
@@ -413,6 +459,30 @@ def test_zero3_full_training_split_equals_unsplit_and_resumes_exactly(z_image, t
                                                r"'data parallel'"):
             run(make_args(**_flags(root, flags, output_path=str(cut), resume=str(cut / "state" / "step-2"),
                                    gradient_accumulation_steps=2, **common)))  # the same samples a step
+
+
+@needs_deepspeed
+def test_fp8_models_train_under_zero2_split_as_unsplit(z_image, tmp_path):
+    """--fp8_models under an engine, Z-Image's LoRA on its DiT: under DiffSynth's ZeRO-2 config (which leaves frozen
+    weights as they are) the fp8 DiT base and the fp8 text encoder (outside the engine, as under any) train split ==
+    unsplit, bit for bit. An fp8 base under an engine that shards frozen weights (ZeRO-3, FSDP2) is refused in one
+    line."""
+    root, flags = z_image
+    both = dict(module="z_image", lora_base_model="dit", lora_target_modules="to_q,to_k,to_v,to_out.0", lora_rank=4,
+                num_epochs=1, fp8_models="dit,text_encoder")
+    with diffsynth_models(root / "models"):
+        zero2 = _config(tmp_path, ZERO2_CONFIG)
+        out = launch(root, flags, zero2, output_path=str(tmp_path / "unsplit"), **both)
+        assert "engine:     DeepSpeed ZeRO-2 over 2 processes" in out, out
+        launch(root, flags, zero2, task="sft:data_process", output_path=str(tmp_path / "cache"), **both)
+        launch(root, flags, zero2, task="sft:train", dataset_base_path=str(tmp_path / "cache"),
+               dataset_metadata_path=None, output_path=str(tmp_path / "split"), **both)
+        assert rows(tmp_path / "split") == rows(tmp_path / "unsplit")
+        assert same_lora(tmp_path / "split" / "epoch-0.safetensors", tmp_path / "unsplit" / "epoch-0.safetensors")
+        with pytest.raises(BackendError, match="--fp8_models with DeepSpeed ZeRO-3: dit trains under the engine"):
+            run(make_args(**_flags(root, flags, "z_image", dry_run=True, num_processes=2,
+                                   config_file=str(_config(tmp_path, ZERO3_CONFIG, "z3.yaml")),
+                                   **{k: v for k, v in both.items() if k != "module"})))
 
 
 # examples/z_image/model_training/full/Z-Image.sh, as it is

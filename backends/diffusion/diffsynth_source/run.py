@@ -304,19 +304,28 @@ def offload_notes(setup: Setup) -> list[str]:
 
 
 def _refuse_under(engine: Any, models: list[ModelFile], args: TrainArgs) -> None:
-    """One line for what a training stage under DeepSpeed or FSDP2 (`engine`: engine.Engine or None) does not do
-    for a DiffSynth pipeline yet: fp8 models (an engine would cast or gather the fp8 weights of the model it wraps in
-    their storage dtype), an optimizer other than AdamW (the engines' states keep AdamW's moments per shard), a
-    moving average and gradient clipping (of weights and gradients the engine holds in shards)."""
+    """One line for what a training stage under DeepSpeed or FSDP2 (`engine`: engine.Engine or None) does not do for
+    a DiffSynth pipeline: an fp8 model inside an engine that shards frozen weights (the LoRA's base under ZeRO-3 or
+    FSDP2, which would gather its fp8 weights in their storage dtype; ZeRO-1/2 leaves frozen weights as they are, and
+    fp8 models outside the engine, the frozen encoders, stay as DiffSynth loads them under any), an optimizer
+    other than AdamW (the engines' states keep AdamW's moments per shard), a moving average under ZeRO-3 (its weights
+    are empty between forwards). Clipping and the average elsewhere: sharding.py."""
     if engine is None or engine.kind == "ddp" or task_stage(args.task) == "data_process":
         return
-    asked = [flag for flag, on in (("--fp8_models", any(m.fp8 for m in models)),
-                                   (f"--optimizer {args.optimizer}", args.optimizer != "adamw"),
-                                   ("--ema_decay", args.ema_decay is not None),
-                                   ("--max_grad_norm", args.max_grad_norm is not None)) if on]
-    if asked:
-        raise BackendError(f"{asked[0]} with {engine.name}: not available yet for a DiffSynth pipeline trained under "
-                           "an engine; drop it or train under data parallel", source=engine.source)
+    inside = {args.lora_base_model, *(m for m in (args.trainable_models or "").split(",") if m)} - {None, ""}
+    fp8 = sorted(a for m in models if m.fp8 for a in m.attributes if a in inside)
+    if fp8 and engine.shards_frozen:
+        raise BackendError(f"--fp8_models with {engine.name}: {fp8[0]} trains under the engine, which shards its "
+                           "frozen weights too (in their storage dtype); keep it in bf16 (fp8 for the models outside "
+                           "the engine is fine), or train under ZeRO-1/2 or data parallel", source=engine.source)
+    if args.optimizer != "adamw":
+        raise BackendError(f"--optimizer {args.optimizer} with {engine.name}: the engine's training states keep "
+                           "AdamW's moments per shard; train with adamw under an engine, or under data parallel",
+                           source=engine.source)
+    if args.ema_decay is not None and engine.kind == "deepspeed" and engine.zero_stage == 3:
+        raise BackendError(f"--ema_decay with {engine.name}: ZeRO-3 partitions the trained weights outside the steps "
+                           "(their data is empty between forwards), so no average can be taken of them; train under "
+                           "FSDP2, ZeRO-1/2 or data parallel, or without --ema_decay", source=engine.source)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -646,8 +655,9 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
     def make_optimizer(params: list[Any]) -> Any:
         return build_optimizer(args.optimizer, optimizer_args, params, args.learning_rate, args.weight_decay)
 
-    sharded = ShardedTraining(world, pipe, named, make_optimizer, max(1, args.gradient_accumulation_steps)) \
-        if world.sharded else None
+    sharded = ShardedTraining(world, pipe, named, make_optimizer, max(1, args.gradient_accumulation_steps),
+                              args.max_grad_norm) if world.sharded else None
+    followed = sharded.named() if sharded is not None else dict(named)  # what the moving average follows
     optimizer = sharded.base if sharded is not None else make_optimizer([p for _, p in named])
     units = setup.stage_units("train")
     output = Path(args.output_path)
@@ -656,7 +666,7 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
     n = len(sample_ids)
     total = args.num_epochs * -(-n * max(1, args.dataset_repeat) // per)  # the run's optimizer steps
     scheduler = make_lr_schedule(args.lr_scheduler, optimizer, args.lr_warmup_steps, total)
-    ema = TrainedEMA(dict(named), args.ema_decay, args.ema_device or world.device) \
+    ema = TrainedEMA(followed, args.ema_decay, args.ema_device or world.device) \
         if args.ema_decay is not None else None
     settings = settings_of(args, sample_ids, per, world.describe(),
                            sorted(a for m in setup.models if m.fp8 for a in m.attributes if a in stage_models))
@@ -710,7 +720,7 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
             if not renderer:
                 return
             folder = output / SAMPLES_DIR / name
-            with optional_swap(ema, dict(named), args.validation_use_ema):
+            with optional_swap(ema, followed, args.validation_use_ema):
                 if sharded is not None and world.engine.shards_frozen:  # every process draws (samples.py)
                     result.sample_images += sharded.within(lambda: renderer.render(folder, write=world.main))
                 elif world.main:
@@ -724,6 +734,7 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
             # every process: under ZeRO-3 and FSDP2 the weights are gathered, and each keeps its own optimizer share
             trained = sharded.whole() if sharded is not None else dict(named)
             state = sharded.optimizer_state() if sharded is not None else optimizer_tensors(optimizer)
+            averaged = ema.tensors(sharded.full() if sharded is not None else None) if ema is not None else None
             ranks = staging_folder(output, step) if sharded is not None and world.size > 1 else None
             if ranks is not None:
                 if not world.main:
@@ -731,11 +742,11 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
                 world.barrier()
             if world.main:  # every process holds the same weights: the main one writes them
                 _save(holder, trained, prefix, path, convert)
-                if ema is not None:  # the average beside it, in the checkpoint's own layout
-                    _save(holder, ema.tensors(), prefix, output / ema_name(name), convert)
+                if averaged is not None:  # the average beside it, in the checkpoint's own layout
+                    _save(holder, averaged, prefix, output / ema_name(name), convert)
                 _write_rows(output / "loss.csv", rows)
                 save_state(output, step, next_position, trained, state, scheduler, rows, settings,
-                           args.save_total_limit, ranks, (ema.tensors(), ema.step) if ema is not None else None)
+                           args.save_total_limit, ranks, (averaged, ema.step) if ema is not None else None)
             if not args.validation_steps:
                 render(Path(name).stem)
 
@@ -756,6 +767,8 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
                 if sharded is not None:  # the engine's backward passes, then its optimizer step
                     for at, value in sharded.step(chunk, loss_of):
                         losses[at] = value
+                    if ema is not None:
+                        ema.update(followed)
                 else:
                     for at in range(world.rank, len(chunk), world.size):  # this process's share of the step
                         loss = loss_of(chunk[at])
@@ -767,7 +780,7 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
                     optimizer.step()
                     optimizer.zero_grad()
                     if ema is not None:
-                        ema.update(dict(named))
+                        ema.update(followed)
                 world.sum_(losses)
                 lr_step(scheduler)
                 step += 1

@@ -34,6 +34,12 @@ steps AdamW on the bf16 weights, while under ZeRO the updates accumulate in fp32
 runs. FSDP2 steps AdamW elementwise on each process's shard of the weights in their own dtype: the data-parallel
 step, in fp32 and in bf16.
 
+**Clipping and the moving average.** --max_grad_norm clips the step's mean gradient as a whole: DeepSpeed at its
+accumulation boundary over its partitions (its gradient_clipping), FSDP2 by torch's clip_grad_norm_ over the sharded
+gradients (one global norm over every shard). --ema_decay follows the trained weights after each step: under ZeRO-1/2
+every process holds them whole again after the step, under FSDP2 each process averages its own shards (gathered whole
+for a checkpoint and a training state); ZeRO-3 leaves the weights empty between forwards and is refused (run.py).
+
 **Training states** hold the trained weights whole and, per process, its share of AdamW's moments (and under ZeRO
 of the fp32 masters) (state.py: optimizer.safetensors, optimizer-rank<R>.safetensors), so a resumed run continues
 from the very same numbers: exact.
@@ -41,7 +47,7 @@ from the very same numbers: exact.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from ..errors import BackendError
 from .world import World
@@ -104,7 +110,7 @@ class ShardedTraining:
     restored."""
 
     def __init__(self, world: World, pipe: Any, named: list[tuple[str, Any]],
-                 make_optimizer: Callable[[list[Any]], Any], accumulation: int):
+                 make_optimizer: Callable[[list[Any]], Any], accumulation: int, max_grad_norm: Optional[float] = None):
         from ..engine import check_batches
         from ..train.engines import DeepSpeedSteps, ShardedSteps
 
@@ -115,9 +121,9 @@ class ShardedTraining:
         self.models = ", ".join(models)
         if self.deepspeed:
             check_batches(world.engine, 1, accumulation)
-            self.steps: Any = DeepSpeedSteps(world.accelerator, world.engine, None)
+            self.steps: Any = DeepSpeedSteps(world.accelerator, world.engine, max_grad_norm)
         else:
-            self.steps = ShardedSteps(world.accelerator, world.engine, None)
+            self.steps = ShardedSteps(world.accelerator, world.engine, max_grad_norm)
             self.steps.find_blocks = pipeline_blocks
         wrapped, self.optimizer = self.steps.prepare({self.models: trained}, [self.models], make_optimizer, None)
         self.module = wrapped[self.models]  # DeepSpeed's engine, or `Trained` sharded in place
@@ -163,6 +169,17 @@ class ShardedTraining:
 
         with torch.no_grad():
             return self.module(compute)
+
+    def named(self) -> dict[str, Any]:
+        """{pipe.<model>.<name>: parameter} of the trained parameters as the engine holds them (FSDP2 replaced them by
+        its shards, DTensors; DeepSpeed keeps them, whole under ZeRO-1/2): what a moving average follows."""
+        module = self.steps.unwrap(self.module)
+        return {f"pipe.{name}": p for name, p in module.named_parameters() if p.requires_grad}
+
+    def full(self) -> Optional[Callable[[Any], Any]]:
+        """What makes a tensor laid out as `named`'s whole on the CPU where they are shards (FSDP2's gather: a
+        collective call every process makes in the same order), else None (every process holds them whole)."""
+        return self.steps.full if not self.deepspeed else None
 
     def whole(self) -> dict[str, Any]:
         """{pipe.<model>.<name>: whole tensor on the CPU} of the trained parameters, for the main process, which
