@@ -151,21 +151,21 @@ def diffsynths_module(setup, configs, base_model: str, targets: str, seed: int):
     return module
 
 
-def example_inputs(root: Path, flags: dict, args, glue, device, module=None) -> tuple:
-    """The second sample as the example's UnifiedDataset reads it (its image or video operator; the data folder and
+def example_inputs(root: Path, flags: dict, args, glue, device, module=None, index: int = 1) -> tuple:
+    """The second sample (or row `index`) as the example's UnifiedDataset reads it (its image or video operator; the data folder and
     metadata of `args`), as the inputs its get_pipeline_inputs makes of it (shared, positive, negative), the
     --extra_inputs columns added by the training `module`'s parse_extra_inputs."""
     from diffsynth.core import UnifiedDataset
 
     base, metadata = str(args.dataset_base_path), str(args.dataset_metadata_path)
-    made = _example_inputs(base, metadata, flags, args, glue, device)
+    made = _example_inputs(base, metadata, flags, args, glue, device, index)
     if args.extra_inputs:
-        data = UnifiedDataset(base_path=base, metadata_path=metadata, repeat=1, data_file_keys=[])[1]
+        data = UnifiedDataset(base_path=base, metadata_path=metadata, repeat=1, data_file_keys=[])[index]
         module.parse_extra_inputs(data, args.extra_inputs.split(","), made[0])
     return made
 
 
-def _example_inputs(base: str, metadata: str, flags: dict, args, glue, device) -> tuple:
+def _example_inputs(base: str, metadata: str, flags: dict, args, glue, device, index: int = 1) -> tuple:
     from diffsynth.core import UnifiedDataset
 
     if _video(flags["module"]):  # examples/wanvideo/model_training/train.py
@@ -174,7 +174,7 @@ def _example_inputs(base: str, metadata: str, flags: dict, args, glue, device) -
                               main_data_operator=UnifiedDataset.default_video_operator(
                                   base_path=base, max_pixels=args.max_pixels, height=32, width=32,
                                   height_division_factor=16, width_division_factor=16, num_frames=5,
-                                  time_division_factor=4, time_division_remainder=1))[1]
+                                  time_division_factor=4, time_division_remainder=1))[index]
         video = data["video"]
         assert len(video) == 5
         return ({"input_video": video, "height": video[0].size[1], "width": video[0].size[0],
@@ -186,7 +186,7 @@ def _example_inputs(base: str, metadata: str, flags: dict, args, glue, device) -
                           repeat=1, data_file_keys=["image"],
                           main_data_operator=UnifiedDataset.default_image_operator(
                               base_path=base, max_pixels=args.max_pixels, height=32, width=32,
-                              height_division_factor=glue.division, width_division_factor=glue.division))[1]
+                              height_division_factor=glue.division, width_division_factor=glue.division))[index]
     return ({"input_image": data["image"], "height": data["image"].size[1], "width": data["image"].size[0],
              "cfg_scale": 1, "rand_device": device, "use_gradient_checkpointing": False,
              "use_gradient_checkpointing_offload": False, **EXAMPLE_INPUTS.get(flags["module"], {})},
@@ -289,6 +289,60 @@ def test_the_training_recipe_trains_split_as_unsplit_and_resumes_exactly(world, 
     with pytest.raises(BackendError, match="--optimizer adafactor with FSDP2: the engine's training states keep "
                                            "AdamW's moments per shard"):
         run(_args(root, flags, dry_run=True, config_file=str(config), **recipe))
+
+
+@pytest.mark.parametrize("world", ["stable_diffusion", "z_image"], indirect=True)
+def test_caption_dropout_trains_split_as_unsplit_on_the_empty_caption(world, tmp_path):
+    """--caption_dropout on a DiffSynth pipeline (captions.py): at 1.0 the first step is DiffSynth's own training step
+    on its sample with the caption "" (the dataset refuses an empty caption, so DiffSynth's inputs are edited); at
+    0.5 split == unsplit bit for bit, stage 1 storing per entry only what the empty caption changes (the prompt
+    embedder's outputs, so stage 2 needs no text encoder), some steps dropped and some not, and the run trains
+    otherwise than without dropout; stage 2 from a cache made without it, and a resumed run with another
+    probability, are refused in one line."""
+    from unitgraph.backends.diffusion.cache.entries import read_entry
+    from unitgraph.backends.diffusion.diffsynth_source.captions import EMPTY_CAPTION, dropped
+
+    from diffsynth.core import ModelConfig
+
+    root, flags = world
+    common = dict(num_epochs=2)
+    always = run(_args(root, flags, caption_dropout=1.0, output_path=str(tmp_path / "always"), **common))
+    first = int((tmp_path / "always" / "loss.csv").read_text().splitlines()[1].split(",")[2])  # step 1's row
+    args = _args(root, flags)
+    base_model, targets, _prefix = PIPELINES[flags["module"]]
+    setup = ds_run.setup(args)
+    module = diffsynths_module(setup, [ModelConfig(path=m.path) for m in setup.models], base_model, targets, args.seed)
+    shared, posi, nega = example_inputs(root, flags, args, setup.glue, module.pipe.device, index=first)
+    assert posi["prompt"]  # the row's own caption, which the step replaces by ""
+    seed = ds_run.step_seed(args.seed, 0, ds_run.dataset_of(setup).sample_id(first))
+    theirs, _grads = diffsynths_step(module, (shared, {**posi, "prompt": ""}, nega), seed, base_model)
+    assert always.losses[0] == theirs.item()
+
+    half = dict(common, caption_dropout=0.5)
+    whole = run(_args(root, flags, output_path=str(tmp_path / "whole"), **half))
+    plain = run(_args(root, flags, output_path=str(tmp_path / "plain"), **common))
+    assert whole.losses != plain.losses
+    cache = tmp_path / "cache"
+    run(_args(root, flags, task="sft:data_process", output_path=str(cache), **half))
+    entry, _meta = read_entry(next((cache / "entries").iterdir()))
+    changed = {part: sorted(values) for part, values in entry[EMPTY_CAPTION].items() if values}
+    assert changed and "inputs_posi" in changed and not changed.get("inputs_shared"), changed  # the prompt's outputs
+    split = run(_args(root, flags, task="sft:train", dataset_base_path=str(cache), dataset_metadata_path=None,
+                      output_path=str(tmp_path / "split"), **half))
+    assert split.losses == whole.losses
+    a, b = load_file(str(split.last_checkpoint)), load_file(str(whole.last_checkpoint))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    dataset = ds_run.dataset_of(ds_run.setup(_args(root, flags)))
+    draws = [dropped(3, epoch, dataset.sample_id(i), 0.5) for epoch in range(2) for i in range(len(dataset))]
+    assert any(draws) and not all(draws)  # both kinds of step were trained
+
+    plain_cache = tmp_path / "plain-cache"
+    run(_args(root, flags, task="sft:data_process", output_path=str(plain_cache), **common))
+    with pytest.raises(BackendError, match="--caption_dropout: this cache holds no empty-caption states"):
+        run(_args(root, flags, task="sft:train", dataset_base_path=str(plain_cache), dataset_metadata_path=None,
+                  output_path=str(tmp_path / "x"), **half))
+    with pytest.raises(BackendError, match="caption_dropout"):
+        run(_args(root, flags, output_path=str(tmp_path / "whole"), resume="latest", **dict(half, caption_dropout=0.2)))
 
 
 @pytest.mark.parametrize("world", ["stable_diffusion"], indirect=True)
@@ -608,8 +662,10 @@ def test_a_unit_doing_more_than_it_declares_stops_stage_1(world, tmp_path, monke
 
 def test_bad_commands_are_one_line(world, tmp_path):
     root, flags = world
-    with pytest.raises(BackendError, match="--caption_dropout is not available yet"):
-        run(_args(root, flags, caption_dropout=0.1, output_path=str(tmp_path / "x")))
+    with pytest.raises(BackendError, match="--masked_loss is not available yet"):
+        run(_args(root, flags, masked_loss=True, output_path=str(tmp_path / "x")))
+    with pytest.raises(BackendError, match="--caption_dropout must be a probability between 0 and 1, got 1.5"):
+        run(_args(root, flags, caption_dropout=1.5, output_path=str(tmp_path / "x")))
     if flags["module"] != "stable_diffusion":
         return
     with pytest.raises(BackendError, match="not trained through DiffSynth's own code yet"):

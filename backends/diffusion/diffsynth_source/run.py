@@ -32,6 +32,7 @@ from unitgraph.plan import split
 from unitgraph.prune import prune
 
 from ..args import TrainArgs
+from ..caption_dropout import check_caption_dropout
 from ..cache.entries import read_entry, write_entry
 from ..cache.keys import HASHES, HashMemo, canonical_hash
 from ..cache.store import LocalStore
@@ -42,6 +43,7 @@ from ..models.hub import Hub
 from ..randomness import derive_seed, permutation, seeded_global_stream
 from ..result import RunResult
 from . import EXTRA_HINT, available
+from .captions import EMPTY_CAPTION, applied, difference, dropped, emptied
 from .glue import Glue, call_types, glue_for, inputs, provided
 from .world import World, launched
 from .lora import DIFFSYNTH_REMOVE_PREFIX, helper, target_modules
@@ -78,7 +80,7 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
         "validation_guidance", "validation_negative_prompt", "num_frames", "gradient_accumulation_steps",
         "config_file", "num_processes", "fp8_models", "offload_models", "tokenizer_t5xxl_path", "optimizer_args",
         "lr_warmup_steps", "ema_decay", "ema_device", "validation_use_ema", "max_grad_norm", "validation_dataset",
-        "validation_steps"}
+        "validation_steps", "caption_dropout"}
 TOKENIZER_FLAGS = ("tokenizer_path", "tokenizer_2_path", "tokenizer_t5xxl_path")
 
 
@@ -141,6 +143,7 @@ def check_flags(args: TrainArgs) -> None:
                            "optimizer's two weight sequences yet; it trains with adamw, adamw8bit, adafactor, prodigy "
                            "or came")
     check_optimizer(args.optimizer, args.optimizer_args)  # the name and its arguments (the library where it trains)
+    check_caption_dropout(args.caption_dropout)
     if args.lora_format not in ("diffusers", "diffsynth"):
         raise BackendError(f"--lora_format {args.lora_format}: a DiffSynth pipeline writes DiffSynth's layout")
     if args.align_to_opensource_format and not glue_for(str(args.pipeline)).opensource_lora:
@@ -488,7 +491,9 @@ def _key_inputs(setup: Setup, memo: HashMemo) -> dict[str, Any]:
             "size": ImageSize(args.height, args.width, args.max_pixels).key(),
             "frames": args.num_frames if setup.glue.media == "video" else None,
             "gradient_checkpointing": [bool(args.use_gradient_checkpointing),
-                                       bool(args.use_gradient_checkpointing_offload)]}
+                                       bool(args.use_gradient_checkpointing_offload)],
+            # each entry also holds what the empty caption changes (captions.py): asked for by --caption_dropout
+            **({EMPTY_CAPTION: True} if args.caption_dropout else {})}
 
 
 def data_process(setup: Setup, cache_dir: Path, report: Callable[[str], None]) -> RunResult:
@@ -560,9 +565,13 @@ def _cache_entries(setup: Setup, pipe: Any, units: list[tuple[str, Any, Any]], d
             if path.is_file():
                 result.entries_reused += 1
             else:
-                state = run_units(pipe, units, _transfer(sample_state(setup, dataset, index, pipe.device), pipe),
-                                  watch=True)
+                given = sample_state(setup, dataset, index, pipe.device)
+                blank = emptied(given) if setup.args.caption_dropout and part == "sample" else None
+                state = run_units(pipe, units, _transfer(given, pipe), watch=True)
                 values = {"inputs_shared": state[0], "inputs_posi": state[1], "inputs_nega": state[2]}
+                if blank is not None:  # what a dropped step's state changes (captions.py)
+                    empty = run_units(pipe, units, _transfer(blank, pipe), watch=True)
+                    values[EMPTY_CAPTION] = difference(state, empty, ", ".join(n for n, _u, _o in units) or "none")
                 try:
                     write_entry(path, values, {"sample": sample_id, "row": index}, keep_layout=True)
                 except TypeError as exc:
@@ -626,11 +635,12 @@ def _lora(setup: Setup, pipe: Any) -> None:
     setattr(pipe, args.lora_base_model, model)
 
 
-def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample_ids: list[str], pipe: Any,
+def train(setup: Setup, states: Callable[[int, bool], tuple[dict, dict, dict]], sample_ids: list[str], pipe: Any,
           report: Callable[[str], None], result: RunResult, stage_models: list[str],
           stage_1: tuple[str, ...] = (), held_out: list[tuple[str, Callable[[], Any]]] = ()) -> RunResult:
     """The loop (DiffSynth's runner: a step of `processes x --gradient_accumulation_steps` samples, world.py):
-    `states(i)` gives sample i's state after stage 1's units.
+    `states(i, empty)` gives sample i's state after stage 1's units, with the empty caption when `empty`
+    (--caption_dropout draws it per sample and epoch: captions.py).
 
     The output folder is claimed as unitgraph's own first (train/outputs.RunFolder: a folder holding someone else's
     files is refused, an earlier run is moved aside only with --overwrite); a checkpoint and a training state
@@ -761,8 +771,9 @@ def train(setup: Setup, states: Callable[[int], tuple[dict, dict, dict]], sample
                 losses = torch.zeros(len(chunk), dtype=torch.float64)
 
                 def loss_of(index: int) -> Any:
-                    return train_step(pipe, units, states(index), step_seed(args.seed, epoch, sample_ids[index]),
-                                      args.task)
+                    empty = dropped(args.seed, epoch, sample_ids[index], args.caption_dropout)
+                    return train_step(pipe, units, states(index, empty), step_seed(args.seed, epoch,
+                                                                                   sample_ids[index]), args.task)
 
                 if sharded is not None:  # the engine's backward passes, then its optimizer step
                     for at, value in sharded.step(chunk, loss_of):
@@ -923,17 +934,27 @@ def _run(args: TrainArgs, report: Callable[[str], None], why: Optional[str]) -> 
         result = RunResult(task=args.task, output_path=Path(args.output_path), plan=s.plan, cache_path=folder)
         result.samples = len(entries)
 
-        def cached(entry: dict[str, Any]) -> tuple[dict, dict, dict]:
+        if args.caption_dropout and not manifest.get("key", {}).get(EMPTY_CAPTION):
+            raise BackendError("--caption_dropout: this cache holds no empty-caption states; make it with "
+                               f"--caption_dropout too (--task {task_kind(args.task)}:data_process)",
+                               source=str(folder / MANIFEST))
+
+        def cached(entry: dict[str, Any], empty: bool = False) -> tuple[dict, dict, dict]:
             values, _meta = read_entry(folder / entry["file"])
-            return values["inputs_shared"], values["inputs_posi"], values["inputs_nega"]
+            state = values["inputs_shared"], values["inputs_posi"], values["inputs_nega"]
+            if empty and not isinstance(values.get(EMPTY_CAPTION), dict):
+                raise BackendError("the entry holds no empty-caption state (a damaged cache: run stage 1 again)",
+                                   source=str(folder / entry["file"]))
+            return applied(state, values[EMPTY_CAPTION]) if empty else state
 
         held = manifest.get(HELD_OUT) or []
         if args.validation_dataset and not held:
             raise BackendError("--validation_dataset: this cache holds no held-out samples; make it with "
                                f"--validation_dataset (--task {task_kind(args.task)}:data_process)",
                                source=str(folder / MANIFEST))
-        return train(s, lambda index: cached(entries[index]), [e["sample"] for e in entries], pipe, report, result,
-                     s.plan.train_models, tuple(recorded) if recorded else tuple(s.plan.data_process_models),
+        return train(s, lambda index, empty: cached(entries[index], empty), [e["sample"] for e in entries], pipe,
+                     report, result, s.plan.train_models,
+                     tuple(recorded) if recorded else tuple(s.plan.data_process_models),
                      [(str(e["sample"]), lambda e=e: cached(e)) for e in held])
     # sft: the data_process units run fresh in every step, on every model
     import torch
@@ -945,8 +966,9 @@ def _run(args: TrainArgs, report: Callable[[str], None], why: Optional[str]) -> 
     result = RunResult(task=args.task, output_path=Path(args.output_path), plan=s.plan)
     result.samples = len(dataset)
 
-    def fresh(index: int) -> tuple[dict, dict, dict]:
+    def fresh(index: int, empty: bool) -> tuple[dict, dict, dict]:
+        given = sample_state(s, dataset, index, pipe.device)
         with torch.no_grad():
-            return run_units(pipe, first, _transfer(sample_state(s, dataset, index, pipe.device), pipe))
+            return run_units(pipe, first, _transfer(emptied(given) if empty else given, pipe))
 
     return train(s, fresh, [dataset.sample_id(i) for i in range(len(dataset))], pipe, report, result, everything)

@@ -40,9 +40,11 @@ FORMAT = "unitgraph.diffsynth-state/v1"
 SETTING_NAMES = {"samples_per_step": "samples a step (processes x --gradient_accumulation_steps)",
                  "engine": "the engine"}
 # the training recipe's settings (a state written before they were recorded had their defaults)
-RECIPE = ("optimizer", "optimizer_args", "lr_scheduler", "lr_warmup_steps", "ema_decay", "max_grad_norm")
+RECIPE = ("optimizer", "optimizer_args", "lr_scheduler", "lr_warmup_steps", "ema_decay", "max_grad_norm",
+          "caption_dropout")
 DEFAULTS = {"samples_per_step": 1, "engine": "data parallel", "optimizer": "adamw", "optimizer_args": None,
-            "lr_scheduler": "diffsynth", "lr_warmup_steps": 0, "ema_decay": None, "max_grad_norm": None}
+            "lr_scheduler": "diffsynth", "lr_warmup_steps": 0, "ema_decay": None, "max_grad_norm": None,
+            "caption_dropout": 0.0}
 
 
 def settings_of(args: Any, sample_ids: list[str], samples_per_step: int = 1,
