@@ -345,6 +345,163 @@ def test_caption_dropout_trains_split_as_unsplit_on_the_empty_caption(world, tmp
         run(_args(root, flags, output_path=str(tmp_path / "whole"), resume="latest", **dict(half, caption_dropout=0.2)))
 
 
+@pytest.mark.parametrize("world", ["stable_diffusion", "z_image"], indirect=True)
+def test_timestep_samplings_and_weightings_train_split_as_unsplit(world, tmp_path):
+    """--timestep_sampling and --weighting_scheme on a DiffSynth pipeline (objective.py): at the defaults unitgraph's
+    loss is DiffSynth's FlowMatchSFTLoss bit for bit, and overwrites the same params (the plan is the same); at the
+    same drawn timestep a weighting is the unweighted loss times its weight (DiffSynth's training weight; diffusers'
+    SD3 weight at the scheduler's sigma), bit for bit; logit_normal (with cosmap on Z-Image's flow-matching
+    schedule, none on SD 1.5's DDIM) trains split == unsplit bit for bit, and otherwise than the defaults; an SD3
+    weighting on a DDIM pipeline, a sampling with direct_distill and a resumed run with another sampling are refused
+    in one line."""
+    from diffsynth.core import ModelConfig
+    from diffsynth.diffusion.loss import FlowMatchSFTLoss
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    from unitgraph.backends.diffusion.diffsynth_source.objective import flow_match_sft
+    from unitgraph.backends.diffusion.diffsynth_source.planning import loss_overwrites
+    from unitgraph.backends.diffusion.flowmatch import TimestepSampling
+
+    root, flags = world
+    flow = flags["module"] == "z_image"
+    args = _args(root, flags)
+    base_model, targets, _prefix = PIPELINES[flags["module"]]
+    setup = ds_run.setup(args)
+    module = diffsynths_module(setup, [ModelConfig(path=m.path) for m in setup.models], base_model, targets, args.seed)
+    pipe = module.pipe
+    inputs = example_inputs(root, flags, args, setup.glue, pipe.device)
+    drawn = []
+    model_fn = pipe.model_fn
+
+    def recording(*a, **kw):
+        drawn.append(kw["timestep"])
+        return model_fn(*a, **kw)
+
+    pipe.model_fn = recording
+
+    def loss_with(loss) -> torch.Tensor:
+        state = module.transfer_data_to_device(inputs, pipe.device, pipe.torch_dtype)
+        torch.manual_seed(11)
+        for unit in pipe.units:
+            state = pipe.unit_runner(unit, pipe, *state)
+        with torch.no_grad():
+            return loss(pipe, **state[0], **state[1])
+
+    def ours(scheme: str = "diffsynth", weighting: str = "diffsynth"):
+        return lambda p, **i: flow_match_sft(p, TimestepSampling(scheme), weighting, **i)
+
+    assert loss_overwrites(flow_match_sft) == loss_overwrites(FlowMatchSFTLoss) == {"latents"}
+    theirs = loss_with(FlowMatchSFTLoss)
+    assert torch.equal(loss_with(ours()), theirs)
+    plain = loss_with(ours(weighting="none"))
+    timestep = drawn[-1]
+    assert torch.equal(drawn[0], timestep)  # the same position each time: the same stream
+    assert torch.equal(theirs, plain * pipe.scheduler.training_weight(timestep))
+    if flow:
+        sigma = pipe.scheduler.sigmas[torch.argmin((pipe.scheduler.timesteps - timestep.cpu()).abs())]
+        weight = compute_loss_weighting_for_sd3("sigma_sqrt", sigma.reshape(1)).float()[0]
+        assert torch.equal(loss_with(ours(weighting="sigma_sqrt")), plain * weight) and weight != 1
+
+    chosen = dict(timestep_sampling="logit_normal", weighting_scheme="cosmap" if flow else "none", num_epochs=1)
+    whole = run(_args(root, flags, output_path=str(tmp_path / "whole"), **chosen))
+    default = run(_args(root, flags, output_path=str(tmp_path / "default"), num_epochs=1))
+    assert whole.losses != default.losses and whole.losses[0] != default.losses[0]
+    run(_args(root, flags, task="sft:data_process", output_path=str(tmp_path / "cache"), num_epochs=1))
+    split = run(_args(root, flags, task="sft:train", dataset_base_path=str(tmp_path / "cache"),
+                      dataset_metadata_path=None, output_path=str(tmp_path / "split"), **chosen))
+    assert split.losses == whole.losses
+    a, b = load_file(str(split.last_checkpoint)), load_file(str(whole.last_checkpoint))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(BackendError, match="the state was made with timestep_sampling"):
+        run(_args(root, flags, output_path=str(tmp_path / "whole"), resume="latest",
+                  **dict(chosen, timestep_sampling="mode")))
+    with pytest.raises(BackendError, match="--timestep_sampling logit_normal: --task direct_distill trains "
+                                           "DiffSynth's own direct_distill loss"):
+        ds_run.check_flags(_args(root, flags, task="direct_distill", timestep_sampling="logit_normal"))
+    if not flow:
+        with pytest.raises(BackendError, match="--weighting_scheme sigma_sqrt: StableDiffusionPipeline trains with "
+                                               "DDIMScheduler, which has no sigma"):
+            run(_args(root, flags, output_path=str(tmp_path / "x"), weighting_scheme="sigma_sqrt"))
+
+
+@pytest.mark.parametrize("world", ["stable_diffusion", "z_image"], indirect=True)
+def test_masked_loss_weighs_each_latent_cell_and_trains_split_as_unsplit(world, tmp_path):
+    """--masked_loss on a DiffSynth pipeline (objective.py): at the same draws the losses of two complementary masks
+    (left and right halves, W 0) add up to the unmasked mean squared error, and W 1 is that error; stage 1 caches
+    each sample's coverage of the latent cells (the left-half mask: the left cells covered, the right ones not);
+    split == unsplit bit for bit, and otherwise than unmasked; a video pipeline, a cache without masks and a mask of
+    another size than its image are refused in one line."""
+    import json
+    from dataclasses import replace
+
+    from diffsynth.core import ModelConfig
+    from PIL import Image
+
+    from unitgraph.backends.diffusion.cache.entries import read_entry
+    from unitgraph.backends.diffusion.data.dataset import add_synthetic_masks
+    from unitgraph.backends.diffusion.diffsynth_source.objective import LOSS_MASK, flow_match_sft, loss_mask_of
+    from unitgraph.backends.diffusion.flowmatch import TimestepSampling
+
+    root, flags = world
+    args = _args(root, flags)
+    base_model, targets, _prefix = PIPELINES[flags["module"]]
+    setup = ds_run.setup(args)
+    module = diffsynths_module(setup, [ModelConfig(path=m.path) for m in setup.models], base_model, targets, args.seed)
+    pipe = module.pipe
+    inputs = example_inputs(root, flags, args, setup.glue, pipe.device)
+    left = Image.new("L", (32, 32), 0)
+    left.paste(255, (0, 0, 16, 32))
+    right = Image.eval(left, lambda v: 255 - v)
+
+    def loss_with(mask=None, unmasked=None) -> torch.Tensor:
+        state = module.transfer_data_to_device(inputs, pipe.device, pipe.torch_dtype)
+        torch.manual_seed(11)
+        for unit in pipe.units:
+            state = pipe.unit_runner(unit, pipe, *state)
+        shared = dict(state[0])
+        if mask is not None:
+            shared[LOSS_MASK] = loss_mask_of(mask, shared["input_latents"])
+        with torch.no_grad():
+            return flow_match_sft(pipe, TimestepSampling(), "none", unmasked, **shared, **state[1])
+
+    plain = loss_with()
+    halves = loss_with(left, 0.0) + loss_with(right, 0.0)
+    assert torch.allclose(halves, plain, rtol=1e-5, atol=0) and 0 < loss_with(left, 0.0) < plain
+    assert torch.allclose(loss_with(left, 1.0), plain, rtol=1e-6, atol=0)
+
+    data = tmp_path / "masked"
+    shutil.copytree(root / "data", data)
+    add_synthetic_masks(data)  # row 0: the left half white, row 1: a ramp, row 2: all white
+    masked = dict(dataset_base_path=str(data), dataset_metadata_path=str(data / "metadata.csv"), num_epochs=1,
+                  masked_loss=True)
+    whole = run(_args(root, flags, output_path=str(tmp_path / "whole"), **masked))
+    plain_run = run(_args(root, flags, output_path=str(tmp_path / "plain"),
+                          **{k: v for k, v in masked.items() if k != "masked_loss"}))
+    assert whole.losses != plain_run.losses
+    cache = tmp_path / "cache"
+    run(_args(root, flags, task="sft:data_process", output_path=str(cache), **masked))
+    manifest = json.loads((cache / ds_run.MANIFEST).read_text())
+    first = next(e for e in manifest["entries"] if e["row"] == 0)
+    cells = read_entry(cache / first["file"])[0]["inputs_shared"][LOSS_MASK]
+    assert cells.shape[:2] == (1, 1) and cells[..., 0].min() > 0.99 and cells[..., -1].max() < 0.01
+    split = run(_args(root, flags, task="sft:train", dataset_base_path=str(cache), dataset_metadata_path=None,
+                      output_path=str(tmp_path / "split"), masked_loss=True, num_epochs=1))
+    assert split.losses == whole.losses
+    a, b = load_file(str(split.last_checkpoint)), load_file(str(whole.last_checkpoint))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+    plain_cache = tmp_path / "plain-cache"
+    run(_args(root, flags, task="sft:data_process", output_path=str(plain_cache), num_epochs=1))
+    with pytest.raises(BackendError, match="--masked_loss: this cache holds no loss masks"):
+        run(_args(root, flags, task="sft:train", dataset_base_path=str(plain_cache), dataset_metadata_path=None,
+                  output_path=str(tmp_path / "x"), masked_loss=True))
+    with pytest.raises(BackendError, match="--masked_loss: diffsynth:wan_video trains on clips"):
+        ds_run.check_flags(replace(args, pipeline="diffsynth:wan_video", masked_loss=True))
+    Image.new("L", (24, 24), 255).save(data / "mask-1.png")
+    with pytest.raises(BackendError, match="row 2: the mask 'mask-1.png' is 24x24 px, its image"):
+        run(_args(root, flags, output_path=str(tmp_path / "y"), **masked))
+
+
 @pytest.mark.parametrize("world", ["stable_diffusion"], indirect=True)
 def test_the_held_out_loss_comes_from_the_cache_and_changes_no_step(world, tmp_path):
     """--validation_dataset: stage 1 caches the held-out samples apart; stage 2 logs their mean loss (seeded draws,

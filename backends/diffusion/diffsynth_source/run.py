@@ -39,12 +39,14 @@ from ..cache.store import LocalStore
 from ..data.dataset import DiffusionDataset
 from ..context import ImageSize
 from ..errors import BackendError
+from ..masked_loss import MASK
 from ..models.hub import Hub
 from ..randomness import derive_seed, permutation, seeded_global_stream
 from ..result import RunResult
 from . import EXTRA_HINT, available
 from .captions import EMPTY_CAPTION, applied, difference, dropped, emptied
 from .glue import Glue, call_types, glue_for, inputs, provided
+from .objective import LOSS_MASK, check_objective, loss_mask_of, sft_loss
 from .world import World, launched
 from .lora import DIFFSYNTH_REMOVE_PREFIX, helper, target_modules
 from .hazards import UnitHazard, check_unit, install_skeletons, state_identities
@@ -80,7 +82,8 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
         "validation_guidance", "validation_negative_prompt", "num_frames", "gradient_accumulation_steps",
         "config_file", "num_processes", "fp8_models", "offload_models", "tokenizer_t5xxl_path", "optimizer_args",
         "lr_warmup_steps", "ema_decay", "ema_device", "validation_use_ema", "max_grad_norm", "validation_dataset",
-        "validation_steps", "caption_dropout"}
+        "validation_steps", "caption_dropout", "weighting_scheme", "logit_mean", "logit_std", "mode_scale",
+        "masked_loss", "masked_loss_unmasked_weight"}
 TOKENIZER_FLAGS = ("tokenizer_path", "tokenizer_2_path", "tokenizer_t5xxl_path")
 
 
@@ -133,11 +136,16 @@ def check_flags(args: TrainArgs) -> None:
     if task_kind(args.task) == "direct_distill" and not glue.distill:
         raise BackendError(f"--task {args.task}: {glue.name}'s example trains no direct_distill task (its train.py "
                            "offers sft only)")
-    checks = {"loss_weighting": "diffsynth", "timestep_sampling": "diffsynth"}
-    for name, only in checks.items():
-        if getattr(args, name) != only:
-            raise BackendError(f"--{name} {getattr(args, name)}: a DiffSynth pipeline trains with DiffSynth's own "
-                               f"({only}) so far")
+    chosen = [f"--{flag} {value}" for flag, value in (("timestep_sampling", args.timestep_sampling),
+                                                        ("weighting_scheme", args.loss_weighting)) if value != "diffsynth"]
+    if args.masked_loss:
+        chosen.insert(0, "--masked_loss")
+        if glue.media == "video":
+            raise BackendError(f"--masked_loss: {glue.name} trains on clips; a mask weighs an image's latent cells "
+                               "(image pipelines only)")
+    if chosen and task_kind(args.task) != "sft":
+        raise BackendError(f"{chosen[0]}: --task {args.task} trains DiffSynth's own {task_kind(args.task)} loss (a "
+                           "denoising loop, no drawn timestep); the samplings, weightings and masked loss apply to sft")
     if args.optimizer in OPTIMIZERS and OPTIMIZERS[args.optimizer].schedule_free:
         raise BackendError(f"--optimizer {args.optimizer}: a DiffSynth pipeline does not switch a schedule-free "
                            "optimizer's two weight sequences yet; it trains with adamw, adamw8bit, adafactor, prodigy "
@@ -161,6 +169,15 @@ def task_kind(task: str) -> str:
 def task_stage(task: str) -> str:
     """The stage a --task runs: `data_process` (stage 1), `train` (stage 2) or "" (both, unsplit)."""
     return task.split(":", 1)[1] if ":" in task else ""
+
+
+def step_loss(args: TrainArgs) -> Callable[..., Any]:
+    """The loss a step trains: the task's own (`loss_function`), `sft`'s with --timestep_sampling and
+    --weighting_scheme (objective.py: DiffSynth's FlowMatchSFTLoss itself at their defaults)."""
+    if task_kind(args.task) == "sft":
+        return sft_loss(args.sampling(), args.loss_weighting,
+                        args.masked_loss_unmasked_weight if args.masked_loss else None)
+    return loss_function(args.task)
 
 
 def loss_function(task: str) -> Callable[..., Any]:
@@ -369,9 +386,9 @@ def step_seed(seed: int, epoch: int, sample_id: str) -> int:
 
 
 def train_step(pipe: Any, units: list[tuple[str, Any, Any]], state: tuple[dict, dict, dict], seed: int,
-               task: str = "sft") -> Any:
+               task: str = "sft", loss: Optional[Callable[..., Any]] = None) -> Any:
     """The loss of one step on `state` (the state after the data_process units): seed the stream, run the
-    training units, then the task's DiffSynth loss (`loss_function`).
+    training units, then `loss` (`step_loss`; else the task's DiffSynth loss, `loss_function`).
 
     DirectDistillLoss sets the scheduler to the sample's inference steps; the training schedule (1000 steps, in
     training mode, as the pipeline is loaded) is set again after it, so the next sample's units run on the schedule
@@ -380,14 +397,14 @@ def train_step(pipe: Any, units: list[tuple[str, Any, Any]], state: tuple[dict, 
 
     torch.manual_seed(seed)
     shared, posi, nega = run_units(pipe, units, _transfer(state, pipe))
-    loss = loss_function(task)(pipe, **shared, **posi)
+    value = (loss or loss_function(task))(pipe, **shared, **posi)
     if task_kind(task) == "direct_distill":
         pipe.scheduler.set_timesteps(1000, training=True)
-    return loss
+    return value
 
 
 def held_out_loss(pipe: Any, units: list[tuple[str, Any, Any]], held_out: list[tuple[str, Callable[[], Any]]],
-                  seed: int, task: str) -> float:
+                  seed: int, task: str, loss: Optional[Callable[..., Any]] = None) -> float:
     """The mean loss over the held-out samples with the weights as they are: each sample's step as a training step
     runs it, without gradients, its draws seeded from (--seed, "held-out", sample), the same at every evaluation and
     in every run of the seed; torch's stream as it was afterwards, so training draws what it draws without it."""
@@ -396,7 +413,8 @@ def held_out_loss(pipe: Any, units: list[tuple[str, Any, Any]], held_out: list[t
     total = 0.0
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         for sample_id, state in held_out:
-            total += float(train_step(pipe, units, state(), derive_seed(seed, "diffsynth-held-out", sample_id), task))
+            total += float(train_step(pipe, units, state(), derive_seed(seed, "diffsynth-held-out", sample_id), task,
+                                      loss))
     return total / max(1, len(held_out))
 
 
@@ -414,13 +432,14 @@ def dataset_of(setup: Setup, base: Optional[str] = None, metadata: Optional[str]
     args = setup.args
     extra = _extra_inputs(args)
     media = setup.glue.media
-    keys = tuple(dict.fromkeys([*(k for k in (args.data_file_keys or "image").split(",") if k), media]))
+    mask = (MASK,) if args.masked_loss else ()  # --masked_loss: a required image column, of its image's size
+    keys = tuple(dict.fromkeys([*(k for k in (args.data_file_keys or "image").split(",") if k), media, *mask]))
     derived = ("input_image", "end_image") if media == "video" else ()  # taken from the clip, not from a column
     columns = tuple(n for n in extra if n not in derived)
-    params = ("prompt", *columns) if media == "video" else (media, "prompt", *columns)  # frames: sample_state
+    params = ("prompt", *columns) if media == "video" else (media, "prompt", *columns, *mask)  # frames: sample_state
     return DiffusionDataset(base or args.dataset_base_path, metadata or args.dataset_metadata_path, params,
-                            data_file_keys=keys, extra_inputs=columns, required=setup.glue.columns,
-                            param_types=call_types(setup.pipe_class))
+                            data_file_keys=keys, extra_inputs=columns, required=(*setup.glue.columns, *mask),
+                            param_types=call_types(setup.pipe_class), image_params=(media, *mask), strict=mask)
 
 
 def sample_state(setup: Setup, dataset: DiffusionDataset, index: int, device: Any) -> tuple[dict, dict, dict]:
@@ -463,9 +482,23 @@ def sample_state(setup: Setup, dataset: DiffusionDataset, index: int, device: An
                 sample[key] = resize(value)
             elif isinstance(value, list) and value and all(isinstance(v, Image.Image) for v in value):
                 sample[key] = [resize(v) for v in value]
-    return inputs(glue, sample, device, bool(args.use_gradient_checkpointing),
-                  bool(args.use_gradient_checkpointing_offload), _extra_inputs(args),
-                  (args.max_timestep_boundary, args.min_timestep_boundary))
+    state = inputs(glue, sample, device, bool(args.use_gradient_checkpointing),
+                   bool(args.use_gradient_checkpointing_offload), _extra_inputs(args),
+                   (args.max_timestep_boundary, args.min_timestep_boundary))
+    if args.masked_loss:  # the resized mask, which `with_mask` makes a loss mask once stage 1's units have run
+        state[0][LOSS_MASK] = sample[MASK]
+    return state
+
+
+def with_mask(state: tuple[dict, dict, dict], glue: Glue) -> tuple[dict, dict, dict]:
+    """Stage 1's state of a sample with its resized mask (`sample_state`, --masked_loss) made its coverage of the
+    latent cells the loss scores (objective.loss_mask_of); the state as it is without one."""
+    shared = state[0]
+    if LOSS_MASK not in shared:
+        return state
+    if "input_latents" not in shared:
+        raise BackendError(f"--masked_loss: {glue.name}'s stage 1 makes no input_latents for the mask to cover")
+    return {**shared, LOSS_MASK: loss_mask_of(shared[LOSS_MASK], shared["input_latents"])}, state[1], state[2]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -493,7 +526,8 @@ def _key_inputs(setup: Setup, memo: HashMemo) -> dict[str, Any]:
             "gradient_checkpointing": [bool(args.use_gradient_checkpointing),
                                        bool(args.use_gradient_checkpointing_offload)],
             # each entry also holds what the empty caption changes (captions.py): asked for by --caption_dropout
-            **({EMPTY_CAPTION: True} if args.caption_dropout else {})}
+            **({EMPTY_CAPTION: True} if args.caption_dropout else {}),
+            **({"masked_loss": True} if args.masked_loss else {})}  # each entry holds its loss mask
 
 
 def data_process(setup: Setup, cache_dir: Path, report: Callable[[str], None]) -> RunResult:
@@ -568,10 +602,13 @@ def _cache_entries(setup: Setup, pipe: Any, units: list[tuple[str, Any, Any]], d
                 given = sample_state(setup, dataset, index, pipe.device)
                 blank = emptied(given) if setup.args.caption_dropout and part == "sample" else None
                 state = run_units(pipe, units, _transfer(given, pipe), watch=True)
-                values = {"inputs_shared": state[0], "inputs_posi": state[1], "inputs_nega": state[2]}
+                changes = None
                 if blank is not None:  # what a dropped step's state changes (captions.py)
                     empty = run_units(pipe, units, _transfer(blank, pipe), watch=True)
-                    values[EMPTY_CAPTION] = difference(state, empty, ", ".join(n for n, _u, _o in units) or "none")
+                    changes = difference(state, empty, ", ".join(n for n, _u, _o in units) or "none")
+                state = with_mask(state, setup.glue)
+                values = {"inputs_shared": state[0], "inputs_posi": state[1], "inputs_nega": state[2],
+                          **({EMPTY_CAPTION: changes} if changes is not None else {})}
                 try:
                     write_entry(path, values, {"sample": sample_id, "row": index}, keep_layout=True)
                 except TypeError as exc:
@@ -652,6 +689,8 @@ def train(setup: Setup, states: Callable[[int, bool], tuple[dict, dict, dict]], 
     from diffsynth.diffusion.training_module import DiffusionTrainingModule
 
     args = setup.args
+    objective = step_loss(args)
+    check_objective(pipe, args.loss_weighting)
     _lora(setup, pipe)
     holder = DiffusionTrainingModule()
     holder.pipe = pipe  # parameter names "pipe.<model>.<module>...", as DiffSynth's training module has them
@@ -719,7 +758,7 @@ def train(setup: Setup, states: Callable[[int, bool], tuple[dict, dict, dict]], 
 
         def evaluate(epoch: int) -> None:  # every process computes it (inside the engine's forward when sharded)
             def mean() -> float:
-                return held_out_loss(pipe, units, held_out, args.seed, args.task)
+                return held_out_loss(pipe, units, held_out, args.seed, args.task, objective)
 
             value = sharded.within(mean) if sharded is not None and world.engine.shards_frozen else mean()
             log.add(step, epoch, value, len(held_out))
@@ -772,8 +811,8 @@ def train(setup: Setup, states: Callable[[int, bool], tuple[dict, dict, dict]], 
 
                 def loss_of(index: int) -> Any:
                     empty = dropped(args.seed, epoch, sample_ids[index], args.caption_dropout)
-                    return train_step(pipe, units, states(index, empty), step_seed(args.seed, epoch,
-                                                                                   sample_ids[index]), args.task)
+                    return train_step(pipe, units, states(index, empty),
+                                      step_seed(args.seed, epoch, sample_ids[index]), args.task, objective)
 
                 if sharded is not None:  # the engine's backward passes, then its optimizer step
                     for at, value in sharded.step(chunk, loss_of):
@@ -934,6 +973,9 @@ def _run(args: TrainArgs, report: Callable[[str], None], why: Optional[str]) -> 
         result = RunResult(task=args.task, output_path=Path(args.output_path), plan=s.plan, cache_path=folder)
         result.samples = len(entries)
 
+        if args.masked_loss and not manifest.get("key", {}).get("masked_loss"):
+            raise BackendError("--masked_loss: this cache holds no loss masks; make it with --masked_loss too (--task "
+                               f"{task_kind(args.task)}:data_process)", source=str(folder / MANIFEST))
         if args.caption_dropout and not manifest.get("key", {}).get(EMPTY_CAPTION):
             raise BackendError("--caption_dropout: this cache holds no empty-caption states; make it with "
                                f"--caption_dropout too (--task {task_kind(args.task)}:data_process)",
@@ -969,6 +1011,6 @@ def _run(args: TrainArgs, report: Callable[[str], None], why: Optional[str]) -> 
     def fresh(index: int, empty: bool) -> tuple[dict, dict, dict]:
         given = sample_state(s, dataset, index, pipe.device)
         with torch.no_grad():
-            return run_units(pipe, first, _transfer(emptied(given) if empty else given, pipe))
+            return with_mask(run_units(pipe, first, _transfer(emptied(given) if empty else given, pipe)), s.glue)
 
     return train(s, fresh, [dataset.sample_id(i) for i in range(len(dataset))], pipe, report, result, everything)

@@ -41,10 +41,11 @@ SETTING_NAMES = {"samples_per_step": "samples a step (processes x --gradient_acc
                  "engine": "the engine"}
 # the training recipe's settings (a state written before they were recorded had their defaults)
 RECIPE = ("optimizer", "optimizer_args", "lr_scheduler", "lr_warmup_steps", "ema_decay", "max_grad_norm",
-          "caption_dropout")
+          "caption_dropout", "loss_weighting", "masked_loss", "masked_loss_unmasked_weight")
 DEFAULTS = {"samples_per_step": 1, "engine": "data parallel", "optimizer": "adamw", "optimizer_args": None,
             "lr_scheduler": "diffsynth", "lr_warmup_steps": 0, "ema_decay": None, "max_grad_norm": None,
-            "caption_dropout": 0.0}
+            "caption_dropout": 0.0, "loss_weighting": "diffsynth", "timestep_sampling": {"scheme": "diffsynth"},
+            "masked_loss": False, "masked_loss_unmasked_weight": 0.0}
 
 
 def settings_of(args: Any, sample_ids: list[str], samples_per_step: int = 1,
@@ -57,7 +58,8 @@ def settings_of(args: Any, sample_ids: list[str], samples_per_step: int = 1,
     names = ("seed", "learning_rate", "weight_decay", "lora_base_model", "lora_target_modules", "lora_rank",
              "lora_alpha", "trainable_models", "dataset_repeat", "remove_prefix_in_ckpt", "save_steps", *RECIPE)
     samples = hashlib.sha256("\n".join(sample_ids).encode("utf-8")).hexdigest()
-    return {**{name: getattr(args, name) for name in names}, "samples": samples, "samples_per_step": samples_per_step,
+    return {**{name: getattr(args, name) for name in names}, "timestep_sampling": args.sampling().key(),
+            "samples": samples, "samples_per_step": samples_per_step,
             "engine": engine, **({"fp8_models": list(fp8)} if fp8 else {})}
 
 
