@@ -428,7 +428,8 @@ def test_timestep_samplings_and_weightings_train_split_as_unsplit(world, tmp_pat
 def test_masked_loss_weighs_each_latent_cell_and_trains_split_as_unsplit(world, tmp_path):
     """--masked_loss on a DiffSynth pipeline (objective.py): at the same draws the losses of two complementary masks
     (left and right halves, W 0) add up to the unmasked mean squared error, and W 1 is that error; stage 1 caches
-    each sample's coverage of the latent cells (the left-half mask: the left cells covered, the right ones not);
+    each sample's mask resized as its image (the loss averages it over the latent's cells, which SD 1.5 makes in
+    stage 2);
     split == unsplit bit for bit, and otherwise than unmasked; a video pipeline, a cache without masks and a mask of
     another size than its image are refused in one line."""
     import json
@@ -439,7 +440,7 @@ def test_masked_loss_weighs_each_latent_cell_and_trains_split_as_unsplit(world, 
 
     from unitgraph.backends.diffusion.cache.entries import read_entry
     from unitgraph.backends.diffusion.data.dataset import add_synthetic_masks
-    from unitgraph.backends.diffusion.diffsynth_source.objective import LOSS_MASK, flow_match_sft, loss_mask_of
+    from unitgraph.backends.diffusion.diffsynth_source.objective import LOSS_MASK, flow_match_sft, mask_pixels
     from unitgraph.backends.diffusion.flowmatch import TimestepSampling
 
     root, flags = world
@@ -460,7 +461,7 @@ def test_masked_loss_weighs_each_latent_cell_and_trains_split_as_unsplit(world, 
             state = pipe.unit_runner(unit, pipe, *state)
         shared = dict(state[0])
         if mask is not None:
-            shared[LOSS_MASK] = loss_mask_of(mask, shared["input_latents"])
+            shared[LOSS_MASK] = mask_pixels(mask)
         with torch.no_grad():
             return flow_match_sft(pipe, TimestepSampling(), "none", unmasked, **shared, **state[1])
 
@@ -482,8 +483,9 @@ def test_masked_loss_weighs_each_latent_cell_and_trains_split_as_unsplit(world, 
     run(_args(root, flags, task="sft:data_process", output_path=str(cache), **masked))
     manifest = json.loads((cache / ds_run.MANIFEST).read_text())
     first = next(e for e in manifest["entries"] if e["row"] == 0)
-    cells = read_entry(cache / first["file"])[0]["inputs_shared"][LOSS_MASK]
-    assert cells.shape[:2] == (1, 1) and cells[..., 0].min() > 0.99 and cells[..., -1].max() < 0.01
+    pixels = read_entry(cache / first["file"])[0]["inputs_shared"][LOSS_MASK]  # resized as the image, 40 -> 32 px
+    assert pixels.shape == (32, 32, 3) and pixels.dtype == torch.uint8
+    assert pixels[:, :15].min() == 255 and pixels[:, 17:].max() == 0
     split = run(_args(root, flags, task="sft:train", dataset_base_path=str(cache), dataset_metadata_path=None,
                       output_path=str(tmp_path / "split"), masked_loss=True, num_epochs=1))
     assert split.losses == whole.losses
@@ -819,8 +821,8 @@ def test_a_unit_doing_more_than_it_declares_stops_stage_1(world, tmp_path, monke
 
 def test_bad_commands_are_one_line(world, tmp_path):
     root, flags = world
-    with pytest.raises(BackendError, match="--masked_loss is not available yet"):
-        run(_args(root, flags, masked_loss=True, output_path=str(tmp_path / "x")))
+    with pytest.raises(BackendError, match="--blocks_to_swap is not available yet"):
+        run(_args(root, flags, blocks_to_swap=2, output_path=str(tmp_path / "x")))
     with pytest.raises(BackendError, match="--caption_dropout must be a probability between 0 and 1, got 1.5"):
         run(_args(root, flags, caption_dropout=1.5, output_path=str(tmp_path / "x")))
     if flags["module"] != "stable_diffusion":

@@ -14,9 +14,11 @@ first-frame latents a video pipeline pins), in the same order and dtypes, with t
 * **the weight**: DiffSynth's `training_weight` at the timestep (`diffsynth`), none (`none`: the plain MSE), or
   diffusers' `compute_loss_weighting_for_sd3` (`sigma_sqrt`, `cosmap`) at the sigma the noise was mixed with (the
   scheduler's own lookup of the timestep; a flow-matching scheduler only: the DDIM pipelines have no sigma);
-* **the mask** (`loss_mask` in the state: each latent cell's coverage by the sample's mask, which stage 1 adds
-  after its units, `loss_mask_of`): the mean of the squared errors each weighted by m + W (1 - m)
-  (--masked_loss_unmasked_weight W), as unitgraph's own families weigh them (masked_loss.py), instead of the MSE.
+* **the mask** (`loss_mask` in the state: the sample's mask resized as its image, its pixels as uint8 RGB, which
+  every stage carries as it is; `mask_pixels`): averaged over each cell of the latent the loss reads
+  (`loss_mask_of`; the latent may be made in stage 2, as SD's posterior sample is), the mean of the squared errors
+  each weighted by m + W (1 - m) (--masked_loss_unmasked_weight W), as unitgraph's own families weigh them
+  (masked_loss.py), instead of the MSE.
 
 Why this is right: at the defaults `flow_match_sft` makes the very calls of `FlowMatchSFTLoss` on the same stream,
 so its loss is DiffSynth's bit for bit (tests/test_diffsynth_source.py compares them), and a flag changes only its
@@ -31,9 +33,9 @@ from typing import Any, Callable, Optional
 from ..errors import BackendError
 from ..flowmatch import SD3_WEIGHTINGS, TimestepSampling
 
-__all__ = ["LOSS_MASK", "check_objective", "flow_match_sft", "loss_mask_of", "sft_loss"]
+__all__ = ["LOSS_MASK", "check_objective", "flow_match_sft", "loss_mask_of", "mask_pixels", "sft_loss"]
 
-LOSS_MASK = "loss_mask"  # the state's param holding a sample's mask over the latent cells (1, 1, h, w)
+LOSS_MASK = "loss_mask"  # the state's param holding a sample's resized mask, (H, W, 3) uint8
 
 
 def sft_loss(sampling: TimestepSampling, weighting: str, unmasked: Optional[float] = None) -> Callable[..., Any]:
@@ -50,15 +52,22 @@ def sft_loss(sampling: TimestepSampling, weighting: str, unmasked: Optional[floa
     return loss
 
 
-def loss_mask_of(mask: Any, latents: Any) -> Any:
-    """A sample's mask (a PIL image already resized as its target image was) as its coverage of each latent cell of
-    `latents` (..., h, w): the mean brightness over the cell, 0 to 1, shape (1, 1, h, w), float32."""
+def mask_pixels(mask: Any) -> Any:
+    """A sample's mask (a PIL image already resized as its target image was) as the state carries it: its RGB
+    pixels, (H, W, 3) uint8 (an integer tensor: no stage casts it to the pipeline's dtype)."""
     import numpy as np
     import torch
+
+    return torch.from_numpy(np.asarray(mask.convert("RGB"), dtype=np.uint8).copy())
+
+
+def loss_mask_of(pixels: Any, latents: Any) -> Any:
+    """The mask's coverage of each latent cell of `latents` (..., h, w): the mean brightness (of the three channels,
+    over 255) over the cell, 0 to 1, shape (1, 1, h, w), float32."""
     import torch.nn.functional as F
 
-    pixels = torch.from_numpy(np.asarray(mask.convert("RGB"), dtype=np.float32).mean(axis=2) / 255.0)
-    return F.adaptive_avg_pool2d(pixels[None, None], tuple(int(d) for d in latents.shape[-2:]))
+    brightness = pixels.to("cpu").float().mean(dim=-1) / 255.0
+    return F.adaptive_avg_pool2d(brightness[None, None], tuple(int(d) for d in latents.shape[-2:]))
 
 
 def check_objective(pipe: Any, weighting: str) -> None:
@@ -68,13 +77,13 @@ def check_objective(pipe: Any, weighting: str) -> None:
                            f"{type(pipe.scheduler).__name__}, which has no sigma to weigh by; use diffsynth or none")
 
 
-def _position(pipe: Any, sampling: TimestepSampling, inputs: dict[str, Any]) -> Any:
-    """The drawn index into the scheduler's timesteps, shape (1,), within the boundaries as DiffSynth reads them."""
+def _position(pipe: Any, sampling: TimestepSampling, bounds: tuple[float, float]) -> Any:
+    """The drawn index into the scheduler's timesteps, shape (1,), within the boundaries (max, min) as DiffSynth
+    reads them."""
     import torch
 
     count = len(pipe.scheduler.timesteps)
-    last = int(inputs.get("max_timestep_boundary", 1) * count)
-    first = int(inputs.get("min_timestep_boundary", 0) * count)
+    last, first = int(bounds[0] * count), int(bounds[1] * count)
     if sampling.scheme == "diffsynth":
         return torch.randint(first, last, (1,))
     from diffusers.training_utils import compute_density_for_timestep_sampling
@@ -109,14 +118,16 @@ def flow_match_sft(pipe: Any, sampling: TimestepSampling, weighting: str, unmask
 
     from ..masked_loss import mask_like, weights_of
 
-    mask = inputs.pop(LOSS_MASK, None)
+    # (the dict `inputs` is read key by key before `latents` is set: planning.loss_overwrites reads this function
+    # as it reads DiffSynth's, and both overwrite the same param)
+    mask = inputs.get(LOSS_MASK)
     if unmasked is not None and mask is None:
         raise BackendError("--masked_loss: the sample's state holds no loss mask")
 
     if "lora" in inputs:
         raise BackendError(f"--timestep_sampling/--weighting_scheme: {type(pipe).__name__} loads a LoRA per sample "
                            "inside DiffSynth's loss; train it with DiffSynth's own (diffsynth for both)")
-    index = _position(pipe, sampling, inputs)
+    index = _position(pipe, sampling, (inputs.get("max_timestep_boundary", 1), inputs.get("min_timestep_boundary", 0)))
     timestep = pipe.scheduler.timesteps[index].to(dtype=pipe.torch_dtype, device=pipe.device)
     clean = inputs["input_latents"]
     noise = torch.randn_like(clean) * inputs.get("noise_scale", 1.0)
@@ -125,14 +136,16 @@ def flow_match_sft(pipe: Any, sampling: TimestepSampling, weighting: str, unmask
     pinned = "first_frame_latents" in inputs  # a video pipeline's given first frame: not predicted, not scored
     if pinned:
         inputs["latents"][:, :, 0:1] = inputs["first_frame_latents"]
-    prediction = pipe.model_fn(**{name: getattr(pipe, name) for name in pipe.in_iteration_models}, **inputs,
+    given = {name: value for name, value in inputs.items() if name != LOSS_MASK}
+    prediction = pipe.model_fn(**{name: getattr(pipe, name) for name in pipe.in_iteration_models}, **given,
                                timestep=timestep)
     if pinned:
         prediction, target = prediction[:, :, 1:], target[:, :, 1:]
     if unmasked is None:
         loss = torch.nn.functional.mse_loss(prediction.float(), target.float())
     else:
-        cells = mask_like(weights_of(mask, unmasked).to(prediction.device), prediction)
+        coverage = loss_mask_of(mask, clean)
+        cells = mask_like(weights_of(coverage, unmasked).to(prediction.device), prediction)
         loss = ((prediction.float() - target.float()).pow(2) * cells).mean()
     weight = _weight(pipe, weighting, timestep)
     return loss if weight is None else loss * weight

@@ -46,7 +46,7 @@ from ..result import RunResult
 from . import EXTRA_HINT, available
 from .captions import EMPTY_CAPTION, applied, difference, dropped, emptied
 from .glue import Glue, call_types, glue_for, inputs, provided
-from .objective import LOSS_MASK, check_objective, loss_mask_of, sft_loss
+from .objective import LOSS_MASK, check_objective, mask_pixels, sft_loss
 from .world import World, launched
 from .lora import DIFFSYNTH_REMOVE_PREFIX, helper, target_modules
 from .hazards import UnitHazard, check_unit, install_skeletons, state_identities
@@ -437,9 +437,12 @@ def dataset_of(setup: Setup, base: Optional[str] = None, metadata: Optional[str]
     derived = ("input_image", "end_image") if media == "video" else ()  # taken from the clip, not from a column
     columns = tuple(n for n in extra if n not in derived)
     params = ("prompt", *columns) if media == "video" else (media, "prompt", *columns, *mask)  # frames: sample_state
-    return DiffusionDataset(base or args.dataset_base_path, metadata or args.dataset_metadata_path, params,
-                            data_file_keys=keys, extra_inputs=columns, required=(*setup.glue.columns, *mask),
-                            param_types=call_types(setup.pipe_class), image_params=(media, *mask), strict=mask)
+    dataset = DiffusionDataset(base or args.dataset_base_path, metadata or args.dataset_metadata_path, params,
+                               data_file_keys=keys, extra_inputs=columns, required=(*setup.glue.columns, *mask),
+                               param_types=call_types(setup.pipe_class), image_params=(media, *mask), strict=mask)
+    for index in range(len(dataset) if mask else 0):  # every mask, before any work: present, an image, its image's size
+        dataset.check(index)
+    return dataset
 
 
 def sample_state(setup: Setup, dataset: DiffusionDataset, index: int, device: Any) -> tuple[dict, dict, dict]:
@@ -485,20 +488,9 @@ def sample_state(setup: Setup, dataset: DiffusionDataset, index: int, device: An
     state = inputs(glue, sample, device, bool(args.use_gradient_checkpointing),
                    bool(args.use_gradient_checkpointing_offload), _extra_inputs(args),
                    (args.max_timestep_boundary, args.min_timestep_boundary))
-    if args.masked_loss:  # the resized mask, which `with_mask` makes a loss mask once stage 1's units have run
-        state[0][LOSS_MASK] = sample[MASK]
+    if args.masked_loss:  # the resized mask's pixels, which the loss reads (objective.py); no unit reads them
+        state[0][LOSS_MASK] = mask_pixels(sample[MASK])
     return state
-
-
-def with_mask(state: tuple[dict, dict, dict], glue: Glue) -> tuple[dict, dict, dict]:
-    """Stage 1's state of a sample with its resized mask (`sample_state`, --masked_loss) made its coverage of the
-    latent cells the loss scores (objective.loss_mask_of); the state as it is without one."""
-    shared = state[0]
-    if LOSS_MASK not in shared:
-        return state
-    if "input_latents" not in shared:
-        raise BackendError(f"--masked_loss: {glue.name}'s stage 1 makes no input_latents for the mask to cover")
-    return {**shared, LOSS_MASK: loss_mask_of(shared[LOSS_MASK], shared["input_latents"])}, state[1], state[2]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -527,7 +519,7 @@ def _key_inputs(setup: Setup, memo: HashMemo) -> dict[str, Any]:
                                        bool(args.use_gradient_checkpointing_offload)],
             # each entry also holds what the empty caption changes (captions.py): asked for by --caption_dropout
             **({EMPTY_CAPTION: True} if args.caption_dropout else {}),
-            **({"masked_loss": True} if args.masked_loss else {})}  # each entry holds its loss mask
+            **({"masked_loss": True} if args.masked_loss else {})}  # each entry holds its mask
 
 
 def data_process(setup: Setup, cache_dir: Path, report: Callable[[str], None]) -> RunResult:
@@ -606,7 +598,6 @@ def _cache_entries(setup: Setup, pipe: Any, units: list[tuple[str, Any, Any]], d
                 if blank is not None:  # what a dropped step's state changes (captions.py)
                     empty = run_units(pipe, units, _transfer(blank, pipe), watch=True)
                     changes = difference(state, empty, ", ".join(n for n, _u, _o in units) or "none")
-                state = with_mask(state, setup.glue)
                 values = {"inputs_shared": state[0], "inputs_posi": state[1], "inputs_nega": state[2],
                           **({EMPTY_CAPTION: changes} if changes is not None else {})}
                 try:
@@ -1011,6 +1002,6 @@ def _run(args: TrainArgs, report: Callable[[str], None], why: Optional[str]) -> 
     def fresh(index: int, empty: bool) -> tuple[dict, dict, dict]:
         given = sample_state(s, dataset, index, pipe.device)
         with torch.no_grad():
-            return with_mask(run_units(pipe, first, _transfer(emptied(given) if empty else given, pipe)), s.glue)
+            return run_units(pipe, first, _transfer(emptied(given) if empty else given, pipe))
 
     return train(s, fresh, [dataset.sample_id(i) for i in range(len(dataset))], pipe, report, result, everything)
