@@ -23,6 +23,8 @@ if [ "$(cat .venv-diffsynth/.setup-stamp 2>/dev/null || true)" != "$stamp" ]; th
   # shellcheck disable=SC2086
   .venv-diffsynth/bin/python -m pip install -q --disable-pip-version-check $PINS
   # shellcheck disable=SC2086
-  .venv-diffsynth/bin/python -m pip install -q --disable-pip-version-check $PINS -e ".[diffusion,dev,diffsynth,deepspeed]"
+  # (the optimizers extra at scripts/setup.sh's pins: --optimizer schedulefree/prodigy/came on DiffSynth's pipelines)
+  .venv-diffsynth/bin/python -m pip install -q --disable-pip-version-check $PINS -e ".[diffusion,dev,diffsynth,deepspeed,optimizers]" \
+    prodigyopt==1.1.2 came-pytorch==0.1.3 schedulefree==1.4.1
   echo "$stamp" > .venv-diffsynth/.setup-stamp
 fi

@@ -229,8 +229,8 @@ def test_the_training_recipe_trains_split_as_unsplit_and_resumes_exactly(world, 
     --lr_warmup_steps 2, --ema_decay 0.9 and --max_grad_norm. Split == unsplit (losses, LoRA and its average bit for
     bit); a run resumed from the state after epoch 0 ends on the same LoRA and average (Adafactor's per-parameter
     step counts come back as the numbers they were); the average is diffusers' EMAModel over the LoRA after each
-    step; the schedule warms up over 2 steps; clipping changes what is trained; schedule-free and the recipe under
-    an engine are refused in one line."""
+    step; the schedule warms up over 2 steps; clipping changes what is trained; an optimizer other than AdamW under
+    an engine is refused in one line."""
     import json
 
     from diffusers.training_utils import EMAModel
@@ -280,10 +280,6 @@ def test_the_training_recipe_trains_split_as_unsplit_and_resumes_exactly(world, 
     unclipped = run(_args(root, flags, output_path=str(tmp_path / "unclipped"), **{**recipe, "max_grad_norm": None}))
     assert unclipped.losses[0] == whole.losses[0] and unclipped.losses != whole.losses
 
-    from dataclasses import replace
-
-    with pytest.raises(BackendError, match="--optimizer schedulefree: a DiffSynth pipeline does not switch"):
-        ds_run.check_flags(replace(_args(root, flags), optimizer="schedulefree"))  # (with its package installed)
     config = tmp_path / "fsdp2.yaml"
     config.write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n")
     with pytest.raises(BackendError, match="--optimizer adafactor with FSDP2: the engine's training states keep "
@@ -502,6 +498,48 @@ def test_masked_loss_weighs_each_latent_cell_and_trains_split_as_unsplit(world, 
     Image.new("L", (24, 24), 255).save(data / "mask-1.png")
     with pytest.raises(BackendError, match="row 2: the mask 'mask-1.png' is 24x24 px, its image"):
         run(_args(root, flags, output_path=str(tmp_path / "y"), **masked))
+
+
+@pytest.mark.parametrize("world", ["stable_diffusion"], indirect=True)
+def test_schedule_free_checkpoints_its_averaged_weights_and_resumes_exactly(world, tmp_path):
+    """--optimizer schedulefree on a DiffSynth pipeline (its two weight sequences): a checkpoint holds the averaged
+    weights schedulefree's eval() makes (x = y + (1 - 1/beta1)(z - y) of the training weights y and z of the state
+    written with it, to float rounding: the state holds y after train() switched back, which is not eval()'s exact
+    inverse), and a state the training weights, which the run continues: split == unsplit and a run resumed from a
+    state mid-run ends on the same checkpoint, bit for bit."""
+    import json
+
+    root, flags = world
+    common = dict(optimizer="schedulefree", learning_rate=1e-2, save_steps=2, save_total_limit=0)
+    whole = run(_args(root, flags, output_path=str(tmp_path / "whole"), **common))
+    out = tmp_path / "whole"
+    state = out / "state" / "step-4"
+    names = json.loads((state / "state.json").read_text())["names"]
+    y, z = load_file(str(state / "trained.safetensors")), load_file(str(state / "optimizer.safetensors"))
+    checkpoint = load_file(str(out / "step-4.safetensors"))
+    _base, _targets, prefix = PIPELINES[flags["module"]]
+    assert len(names) == len(checkpoint) > 0
+    for i, name in enumerate(names):
+        averaged = y[name].lerp(z[f"{i}.z"], 1 - 1 / 0.9)
+        written = checkpoint[name[len(prefix):]]
+        assert torch.allclose(written, averaged, rtol=1e-5, atol=1e-9), name
+        assert not torch.allclose(written, y[name], rtol=1e-3, atol=0), name
+
+    run(_args(root, flags, task="sft:data_process", output_path=str(tmp_path / "cache")))
+    split = run(_args(root, flags, task="sft:train", dataset_base_path=str(tmp_path / "cache"),
+                      dataset_metadata_path=None, output_path=str(tmp_path / "split"), **common))
+    assert split.losses == whole.losses
+    assert same_file_tensors(tmp_path / "split" / "epoch-1.safetensors", out / "epoch-1.safetensors")
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut, ignore=shutil.ignore_patterns("step-4*", "step-5*", "step-6", "epoch-1*"))
+    resumed = run(_args(root, flags, output_path=str(cut), resume="latest", **common))
+    assert resumed.losses == whole.losses[3:]
+    assert same_file_tensors(cut / "epoch-1.safetensors", out / "epoch-1.safetensors")
+
+
+def same_file_tensors(a: Path, b: Path) -> bool:
+    x, y = load_file(str(a)), load_file(str(b))
+    return set(x) == set(y) and len(x) > 0 and all(torch.equal(x[k], y[k]) for k in x)
 
 
 @pytest.mark.parametrize("world", ["stable_diffusion"], indirect=True)

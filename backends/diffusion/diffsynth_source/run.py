@@ -58,7 +58,7 @@ from .sharding import ShardedTraining
 from ..train.ema import TrainedEMA, ema_name, optional_swap
 from ..train.held_out import FILE as HELD_OUT_FILE, HeldOutLog
 from ..train.lr import make_lr_schedule, step as lr_step
-from ..train.optimizers import OPTIMIZERS, build_optimizer, check_optimizer
+from ..train.optimizers import build_optimizer, check_optimizer, eval_weights
 from .models import (ModelFile, find_models, load_pipeline, pipeline_class_of, planned_models, skeleton,
                      named_models, tokenizer_folder, with_fp8)
 
@@ -146,10 +146,6 @@ def check_flags(args: TrainArgs) -> None:
     if chosen and task_kind(args.task) != "sft":
         raise BackendError(f"{chosen[0]}: --task {args.task} trains DiffSynth's own {task_kind(args.task)} loss (a "
                            "denoising loop, no drawn timestep); the samplings, weightings and masked loss apply to sft")
-    if args.optimizer in OPTIMIZERS and OPTIMIZERS[args.optimizer].schedule_free:
-        raise BackendError(f"--optimizer {args.optimizer}: a DiffSynth pipeline does not switch a schedule-free "
-                           "optimizer's two weight sequences yet; it trains with adamw, adamw8bit, adafactor, prodigy "
-                           "or came")
     check_optimizer(args.optimizer, args.optimizer_args)  # the name and its arguments (the library where it trains)
     check_caption_dropout(args.caption_dropout)
     if args.lora_format not in ("diffusers", "diffsynth"):
@@ -760,7 +756,7 @@ def train(setup: Setup, states: Callable[[int, bool], tuple[dict, dict, dict]], 
             if not renderer:
                 return
             folder = output / SAMPLES_DIR / name
-            with optional_swap(ema, followed, args.validation_use_ema):
+            with eval_weights(optimizer), optional_swap(ema, followed, args.validation_use_ema):
                 if sharded is not None and world.engine.shards_frozen:  # every process draws (samples.py)
                     result.sample_images += sharded.within(lambda: renderer.render(folder, write=world.main))
                 elif world.main:
@@ -781,7 +777,8 @@ def train(setup: Setup, states: Callable[[int, bool], tuple[dict, dict, dict]], 
                     save_rank_file(ranks, world.rank, state[0])
                 world.barrier()
             if world.main:  # every process holds the same weights: the main one writes them
-                _save(holder, trained, prefix, path, convert)
+                with eval_weights(optimizer):  # a schedule-free optimizer's averaged weights (the state: its own)
+                    _save(holder, trained, prefix, path, convert)
                 if averaged is not None:  # the average beside it, in the checkpoint's own layout
                     _save(holder, averaged, prefix, output / ema_name(name), convert)
                 _write_rows(output / "loss.csv", rows)
