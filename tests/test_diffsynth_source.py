@@ -1027,6 +1027,69 @@ def test_diffsynths_anima_lora_command_runs_as_it_is(tmp_path, monkeypatch, caps
     assert "training: 2 steps" in out
 
 
+# examples/stable_diffusion/model_training/full/stable-diffusion-v1-5.sh and
+# examples/stable_diffusion_xl/model_training/full/stable-diffusion-xl-base-1.0.sh, as they are
+SD_FULL_COMMANDS = {
+    "stable_diffusion": r"""
+accelerate launch examples/stable_diffusion/model_training/train.py \
+  --dataset_base_path data/diffsynth_example_dataset/stable_diffusion/stable-diffusion-v1-5 \
+  --dataset_metadata_path data/diffsynth_example_dataset/stable_diffusion/stable-diffusion-v1-5/metadata.csv \
+  --height 512 \
+  --width 512 \
+  --dataset_repeat 50 \
+  --model_id_with_origin_paths "AI-ModelScope/stable-diffusion-v1-5:text_encoder/model.safetensors,AI-ModelScope/stable-diffusion-v1-5:unet/diffusion_pytorch_model.safetensors,AI-ModelScope/stable-diffusion-v1-5:vae/diffusion_pytorch_model.safetensors" \
+  --learning_rate 1e-5 \
+  --num_epochs 2 \
+  --trainable_models "unet" \
+  --remove_prefix_in_ckpt "pipe.unet." \
+  --output_path "./models/train/stable-diffusion-v1-5_full" \
+  --use_gradient_checkpointing
+""",
+    "stable_diffusion_xl": r"""
+accelerate launch examples/stable_diffusion_xl/model_training/train.py \
+  --dataset_base_path data/diffsynth_example_dataset/stable_diffusion_xl/stable-diffusion-xl-base-1.0 \
+  --dataset_metadata_path data/diffsynth_example_dataset/stable_diffusion_xl/stable-diffusion-xl-base-1.0/metadata.csv \
+  --height 1024 \
+  --width 1024 \
+  --dataset_repeat 10 \
+  --model_id_with_origin_paths "stabilityai/stable-diffusion-xl-base-1.0:text_encoder/model.safetensors,stabilityai/stable-diffusion-xl-base-1.0:text_encoder_2/model.safetensors,stabilityai/stable-diffusion-xl-base-1.0:unet/diffusion_pytorch_model.safetensors,stabilityai/stable-diffusion-xl-base-1.0:vae/diffusion_pytorch_model.safetensors" \
+  --learning_rate 1e-5 \
+  --num_epochs 2 \
+  --trainable_models "unet" \
+  --remove_prefix_in_ckpt "pipe.unet." \
+  --output_path "./models/train/stable-diffusion-xl-base-1.0_full" \
+  --use_gradient_checkpointing
+""",
+}
+
+
+@pytest.mark.parametrize("module", sorted(SD_FULL_COMMANDS))
+def test_diffsynths_sd_full_commands_run_as_they_are(module, tmp_path, monkeypatch, capsys):
+    """DiffSynth's full fine-tuning of SD 1.5 and SDXL with `unitgraph train` for `accelerate launch .../train.py`,
+    `--pipeline diffsynth:MODULE` added (the model ids alone choose unitgraph's own family), sizes lowered (--height and
+    --width 32, --num_epochs 1, --dataset_repeat 1): the whole UNet trains in fp32 and is written once, without the
+    prefix the command removes, keyed as the UNet's own parameters."""
+    from clitools import cli
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD"):
+        monkeypatch.delenv(name, raising=False)
+    write_tiny_models(tmp_path / "models", module)
+    argv = shlex_argv(SD_FULL_COMMANDS[module])
+    write_synthetic_dataset(tmp_path / argv[argv.index("--dataset_base_path") + 1], count=2, size=32)
+    for flag, value in (("--height", "32"), ("--width", "32"), ("--num_epochs", "1"), ("--dataset_repeat", "1")):
+        argv[argv.index(flag) + 1] = value
+    code, out, err = cli(capsys, "train", *argv, "--pipeline", f"diffsynth:{module}")
+    assert code == 0, err
+    assert "training: 2 steps" in out, out
+    output = tmp_path / argv[argv.index("--output_path") + 1]
+    weights = load_file(str(output / "epoch-0.safetensors"))
+    unet = load_file(str(next((tmp_path / "models").glob("*/*/unet/diffusion_pytorch_model.safetensors"))))
+    assert weights and not any(k.startswith("pipe.") for k in weights)
+    assert {v.dtype for v in weights.values()} == {torch.float32}
+    assert len(weights) == len(unet) and any(not torch.equal(weights[k], unet[k]) for k in weights if k in unet)
+
+
 def test_the_dry_run_of_the_released_anima_needs_no_file(tmp_path, monkeypatch, capsys):
     """DiffSynth's Anima LoRA command, --dry_run, nothing downloaded: each file sized as DiffSynth's table knows it
     (the DiT 2.09 B, the Qwen3 0.6 B text encoder, the Wan 2.1 VAE); stage 2 holds the DiT alone."""
