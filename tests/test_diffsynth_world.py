@@ -12,8 +12,8 @@ Two CPU processes over gloo, on Stable Diffusion 1.5's test-size models in fp32 
 - DiffSynth's DeepSpeed configs as shipped (diffsynth_source/sharding.py): ZeRO-2 (and ZeRO-2 with offload) trains SD
   1.5's LoRA as data parallel does; under ZeRO-3, Z-Image's DiT trained whole in bf16 trains split == unsplit and
   resumes exactly; DiffSynth's full Z-Image command runs under its ZeRO-2 config;
-- --max_grad_norm and --ema_decay under ZeRO-2 and FSDP2 train data parallel's numbers (SD 1.5's LoRA in fp32) and
-  resume exactly; under ZeRO-2 an fp8 LoRA base (Z-Image's DiT) and fp8 text encoder train split == unsplit;
+- --max_grad_norm and --ema_decay under ZeRO-2 and FSDP2, and --optimizer schedulefree under FSDP2, train data
+  parallel's numbers (SD 1.5's LoRA in fp32) and resume exactly; under ZeRO-2 an fp8 LoRA base (Z-Image's DiT) and fp8 text encoder train split == unsplit;
 - DiffSynth's Wan 2.1 commands under their accelerate_config_14B.yaml (ZeRO-2, offloaded): the 14B full fine-tune
   and the 1.3B direct distillation run as they are;
 - DiffSynth's full fine-tuning of FLUX.2 [klein] 4B on edits (examples/flux2/model_training/full/FLUX.2-klein-4B.sh,
@@ -459,6 +459,33 @@ def test_zero3_full_training_split_equals_unsplit_and_resumes_exactly(z_image, t
                                                r"'data parallel'"):
             run(make_args(**_flags(root, flags, output_path=str(cut), resume=str(cut / "state" / "step-2"),
                                    gradient_accumulation_steps=2, **common)))  # the same samples a step
+
+
+def test_schedule_free_under_fsdp2_trains_data_parallels_numbers_and_resumes_exactly(world, tmp_path):
+    """--optimizer schedulefree under FSDP2, SD 1.5's LoRA in fp32: each process steps its shards elementwise and
+    takes the averaged weights of its shards for a checkpoint (a gather); the loss rows and the checkpoints (averaged
+    LoRA) of the data-parallel run (one process accumulating two samples a step) within 1e-6; a run resumed from a
+    state mid-epoch ends on the same checkpoint, bit for bit."""
+    root, flags = world
+    # at DiffSynth's rate, 1e-4 (at 1e-2 the order of the sums moved some weights by 2e-5 within two steps: Adam's
+    # division by the root of the second moment magnifies a rounding of a small gradient)
+    recipe = dict(optimizer="schedulefree")
+    dp = tmp_path / "dp"
+    run(make_args(**_flags(root, flags, gradient_accumulation_steps=2, output_path=str(dp), **recipe)))
+    fsdp = tmp_path / "fsdp"
+    config = _config(tmp_path, FSDP2_CONFIG)
+    common = dict(save_steps=2, save_total_limit=0, **recipe)
+    launch(root, flags, config, output_path=str(fsdp), **common)
+    expected = torch.tensor([[float(v) for v in line.split(",")[2:]] for line in rows(dp)[1:]])
+    losses = torch.tensor([[float(v) for v in line.split(",")[2:]] for line in rows(fsdp)[1:]])
+    assert torch.allclose(losses, expected, rtol=1e-6, atol=0)
+    for name in ("epoch-0.safetensors", "epoch-1.safetensors"):
+        assert _close(dp / name, fsdp / name, 1e-6), name
+    cut = tmp_path / "cut"
+    shutil.copytree(fsdp, cut, ignore=shutil.ignore_patterns("step-4*", "step-6", "epoch-*"))
+    launch(root, flags, config, output_path=str(cut), resume="latest", **common)
+    assert rows(cut) == rows(fsdp)
+    assert same_lora(cut / "epoch-1.safetensors", fsdp / "epoch-1.safetensors")
 
 
 @needs_deepspeed

@@ -324,7 +324,8 @@ def _refuse_under(engine: Any, models: list[ModelFile], args: TrainArgs) -> None
     a DiffSynth pipeline: an fp8 model inside an engine that shards frozen weights (the LoRA's base under ZeRO-3 or
     FSDP2, which would gather its fp8 weights in their storage dtype; ZeRO-1/2 leaves frozen weights as they are, and
     fp8 models outside the engine, the frozen encoders, stay as DiffSynth loads them under any), an optimizer
-    other than AdamW (the engines' states keep AdamW's moments per shard), a moving average under ZeRO-3 (its weights
+    other than AdamW (the engines' states keep AdamW's moments per shard; schedulefree's state is elementwise and
+    trains under FSDP2), a moving average under ZeRO-3 (its weights
     are empty between forwards). Clipping and the average elsewhere: sharding.py."""
     if engine is None or engine.kind == "ddp" or task_stage(args.task) == "data_process":
         return
@@ -334,10 +335,10 @@ def _refuse_under(engine: Any, models: list[ModelFile], args: TrainArgs) -> None
         raise BackendError(f"--fp8_models with {engine.name}: {fp8[0]} trains under the engine, which shards its "
                            "frozen weights too (in their storage dtype); keep it in bf16 (fp8 for the models outside "
                            "the engine is fine), or train under ZeRO-1/2 or data parallel", source=engine.source)
-    if args.optimizer != "adamw":
+    if args.optimizer != "adamw" and not (args.optimizer == "schedulefree" and engine.kind == "fsdp2"):
         raise BackendError(f"--optimizer {args.optimizer} with {engine.name}: the engine's training states keep "
-                           "AdamW's moments per shard; train with adamw under an engine, or under data parallel",
-                           source=engine.source)
+                           "AdamW's moments per shard; train with adamw (or under FSDP2 schedulefree, whose state is "
+                           "elementwise), or under data parallel", source=engine.source)
     if args.ema_decay is not None and engine.kind == "deepspeed" and engine.zero_stage == 3:
         raise BackendError(f"--ema_decay with {engine.name}: ZeRO-3 partitions the trained weights outside the steps "
                            "(their data is empty between forwards), so no average can be taken of them; train under "
@@ -769,6 +770,10 @@ def train(setup: Setup, states: Callable[[int, bool], tuple[dict, dict, dict]], 
             result.checkpoints.append(path)
             # every process: under ZeRO-3 and FSDP2 the weights are gathered, and each keeps its own optimizer share
             trained = sharded.whole() if sharded is not None else dict(named)
+            shown = trained  # what the checkpoint holds: a schedule-free optimizer's averaged weights, taken by
+            if args.optimizer == "schedulefree":  # every process (the same switches keep the replicas equal)
+                with eval_weights(optimizer):
+                    shown = sharded.whole() if sharded is not None else {n: p.detach().clone() for n, p in named}
             state = sharded.optimizer_state() if sharded is not None else optimizer_tensors(optimizer)
             averaged = ema.tensors(sharded.full() if sharded is not None else None) if ema is not None else None
             ranks = staging_folder(output, step) if sharded is not None and world.size > 1 else None
@@ -777,8 +782,7 @@ def train(setup: Setup, states: Callable[[int, bool], tuple[dict, dict, dict]], 
                     save_rank_file(ranks, world.rank, state[0])
                 world.barrier()
             if world.main:  # every process holds the same weights: the main one writes them
-                with eval_weights(optimizer):  # a schedule-free optimizer's averaged weights (the state: its own)
-                    _save(holder, trained, prefix, path, convert)
+                _save(holder, shown, prefix, path, convert)
                 if averaged is not None:  # the average beside it, in the checkpoint's own layout
                     _save(holder, averaged, prefix, output / ema_name(name), convert)
                 _write_rows(output / "loss.csv", rows)
