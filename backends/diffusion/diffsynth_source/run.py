@@ -325,8 +325,8 @@ def _refuse_under(engine: Any, models: list[ModelFile], args: TrainArgs) -> None
     FSDP2, which would gather its fp8 weights in their storage dtype; ZeRO-1/2 leaves frozen weights as they are, and
     fp8 models outside the engine, the frozen encoders, stay as DiffSynth loads them under any), an optimizer
     other than AdamW (the engines' states keep AdamW's moments per shard; schedulefree's state is elementwise and
-    trains under FSDP2), a moving average under ZeRO-3 (its weights
-    are empty between forwards). Clipping and the average elsewhere: sharding.py."""
+    trains under FSDP2), a moving average under ZeRO-3 (its weights are empty between forwards). Clipping and the
+    average elsewhere: sharding.py."""
     if engine is None or engine.kind == "ddp" or task_stage(args.task) == "data_process":
         return
     inside = {args.lora_base_model, *(m for m in (args.trainable_models or "").split(",") if m)} - {None, ""}
