@@ -947,6 +947,21 @@ def test_the_dry_run_counts_what_the_run_loads_and_trains(world, tmp_path):
     stages = plan["stages"]
     assert stages["unsplit"]["weights"] == stages["data_process"]["weights"] + stages["train"]["weights"]
     assert not (tmp_path / "dry").exists()
+    n = stages["train"]["trained_params"]
+    assert stages["train"]["optimizer"] == 8 * n and stages["train"]["ema"] == 0  # AdamW's two fp32 moments
+    if flags["module"] != "stable_diffusion":
+        return
+    # the recipe: Adafactor's own state (its factored second moment) as a run keeps it, the average's fp32 copy
+    recipe = dict(optimizer="adafactor", ema_decay=0.9, num_epochs=1)
+    planned = run(_args(root, flags, dry_run=True, output_path=str(tmp_path / "dry"), **recipe)).memory_plan
+    run(_args(root, flags, output_path=str(tmp_path / "recipe"), **recipe))
+    kept = load_file(str(next((tmp_path / "recipe" / "state").iterdir()) / "optimizer.safetensors"))
+    held = sum(t.numel() * t.element_size() for t in kept.values() if t.dim() > 0)  # (step counts: numbers)
+    train = planned["stages"]["train"]
+    assert train["optimizer"] == held < 8 * n and train["ema"] == 4 * n
+    assert train["total"] == stages["train"]["total"] - 8 * n + held + 4 * n
+    offloaded = run(_args(root, flags, dry_run=True, ema_device="cpu", **recipe)).memory_plan["stages"]["train"]
+    assert offloaded["ema"] == 0 and offloaded["host"] == train["host"] + 4 * n
 
 
 def setup_dtype(flags: dict) -> str:

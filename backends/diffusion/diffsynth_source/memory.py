@@ -4,9 +4,11 @@ Each model of the command is its table entry's class built on the meta device wi
 are read, and none need to be downloaded: models.planned_models), counted at the dtype the pipeline trains in
 (DiffSynth loads every model in it), a model of `--fp8_models` at one byte a weight (DiffSynth's fp8 storage loads
 every weight of its file in float8_e4m3fn). A stage holds the models the plan gives it; training adds the trained
-parameters' gradients (in that dtype, as DiffSynth upcasts the LoRA to it) and AdamW's two moments in fp32. The
-LoRA is peft's, injected into the skeleton with the command's targets and rank, so its size is the one the run
-trains. Activations are not counted: they depend on the kernels and the sample size, and the run's own
+parameters' gradients (in that dtype, as DiffSynth upcasts the LoRA to it), the optimizer's state (AdamW's two
+moments in fp32 by default; --optimizer's own per parameter shape, train/optimizers.state_bytes: Adafactor's
+factored rows and columns, ...) and with --ema_decay the moving average's fp32 copy (on the device, or in host
+memory with --ema_device cpu). The LoRA is peft's, injected into the skeleton with the command's targets and rank,
+so its size is the one the run trains. Activations are not counted: they depend on the kernels and the sample size, and the run's own
 `--dry_run` of unitgraph's families measures them; this plan says what the weights and the optimizer need.
 
 With `--config_file X [--num_processes N]` (the accelerate config the run will be launched with) the training
@@ -14,12 +16,14 @@ stages are counted per process under its engine, as sharding.py trains: data par
 process; DeepSpeed ZeRO-1 splits AdamW's moments and, for models not in fp32, the fp32 master copy of the trained
 weights over the N processes, ZeRO-2 the gradients too, ZeRO-3 the trained models' weights too (the frozen
 base under a LoRA included; one gathered layer at a time is not counted); FSDP2 splits the trained models'
-weights, gradients and AdamW's moments (no masters: it steps the weights' own dtype). What the config offloads
+weights, gradients, the optimizer's state and the moving average (no masters: it steps the weights' own dtype).
+What the config offloads
 is counted as host memory, not on the device. Stage 1 trains nothing and is the same under every engine.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .lora import target_modules
@@ -39,13 +43,27 @@ def _count(module: Any) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _lora_count(skeleton: Any, targets: list[str], rank: int) -> int:
-    """Parameters of the LoRA DiffSynth's add_lora_to_model would inject (peft's matching of the target names)."""
+def _lora_shapes(skeleton: Any, targets: list[str], rank: int) -> list[tuple[int, ...]]:
+    """The shapes of the LoRA's parameters DiffSynth's add_lora_to_model would inject (peft's matching of the target
+    names)."""
     from peft import LoraConfig, inject_adapter_in_model
 
     config = LoraConfig(r=rank, lora_alpha=rank, target_modules=targets[0] if len(targets) == 1 else targets)
     model = inject_adapter_in_model(config, skeleton)
-    return sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    return [tuple(p.shape) for n, p in model.named_parameters() if "lora_" in n]
+
+
+def _optimizer_bytes(args: Any, shapes: list[tuple[int, ...]]) -> int:
+    """What --optimizer keeps for the trained parameters of `shapes` (train/optimizers.state_bytes)."""
+    import math
+
+    from ..train.optimizers import parse_optimizer_args, state_bytes
+
+    try:
+        settings = parse_optimizer_args(args.optimizer_args)
+        return sum(state_bytes(args.optimizer, settings, shape) for shape in shapes)
+    except KeyError:  # an optimizer the table does not size: AdamW's two fp32 moments
+        return 8 * sum(math.prod(shape) for shape in shapes)
 
 
 def memory_plan(setup: Any, engine: Any = None) -> dict[str, Any]:
@@ -65,12 +83,18 @@ def memory_plan(setup: Any, engine: Any = None) -> dict[str, Any]:
             skeletons[attribute] = skeleton
             table[attribute] = {"params": n, "bytes": n * (1 if model.fp8 else width), "file": model.label,
                                 "class": type(skeleton).__name__, "fp8": model.fp8}
-    trained = 0
+    shapes: list[tuple[int, ...]] = []  # of the trained parameters
     if args.lora_base_model and args.lora_base_model in skeletons:
         skeleton = skeletons[args.lora_base_model]
-        trained += _lora_count(skeleton, target_modules(skeleton, args.lora_target_modules), args.lora_rank)
+        shapes += _lora_shapes(skeleton, target_modules(skeleton, args.lora_target_modules), args.lora_rank)
     for name in [m for m in (args.trainable_models or "").split(",") if m]:
-        trained += table.get(name, {}).get("params", 0)
+        if name in skeletons:
+            shapes += [tuple(p.shape) for p in skeletons[name].parameters()]
+    trained = sum(math.prod(shape) for shape in shapes)
+    state = _optimizer_bytes(args, shapes)
+    from ..memory_plan import EMA_BYTES_PER_PARAM
+
+    averaged = EMA_BYTES_PER_PARAM * trained if args.ema_decay is not None else 0
 
     wrapped = {m for m in [args.lora_base_model, *(args.trainable_models or "").split(",")] if m}
 
@@ -79,7 +103,8 @@ def memory_plan(setup: Any, engine: Any = None) -> dict[str, Any]:
         lora = trained * width if training and args.lora_base_model else 0
         weights = sum(table[n]["bytes"] for n in held) + lora
         grads = trained * width if training else 0
-        optimizer = trained * 8 if training else 0
+        optimizer = state if training else 0
+        ema = averaged if training else 0
         fsdp = engine.kind == "fsdp2"
         zero = engine.kind == "deepspeed" and engine.zero_stage >= 1  # a ZeRO optimizer keeps fp32 masters
         master = trained * 4 if training and glue.dtype != "float32" and zero else 0
@@ -87,6 +112,8 @@ def memory_plan(setup: Any, engine: Any = None) -> dict[str, Any]:
         if training and engine.shards_trained:  # FSDP2 or ZeRO: each process 1/N of what the engine shards
             n = max(1, engine.processes)
             optimizer, master = -(-optimizer // n), -(-master // n)
+            if fsdp:  # each process averages its shards
+                ema = -(-ema // n)
             if fsdp or engine.zero_stage >= 2:
                 grads = -(-grads // n)
             if engine.shards_frozen:  # FSDP2, ZeRO-3: the trained models' weights, a LoRA's frozen base included
@@ -98,13 +125,18 @@ def memory_plan(setup: Any, engine: Any = None) -> dict[str, Any]:
                 host += optimizer + master + (grads if fsdp else 0)
                 optimizer = master = 0
                 grads = 0 if fsdp else grads
+        if args.ema_device == "cpu":
+            host, ema = host + ema, 0
         return {"models": held, "weights": weights, "trained_params": trained if training else 0,
-                "gradients": grads, "optimizer": optimizer, "master": master, "host": host,
-                "total": weights + grads + optimizer + master}
+                "gradients": grads, "optimizer": optimizer, "master": master, "ema": ema, "host": host,
+                "total": weights + grads + optimizer + master + ema}
 
     stages = {"data_process": stage(plan.data_process_models, False), "train": stage(plan.train_models, True),
               "unsplit": stage(sorted(set(plan.data_process_models) | set(plan.train_models)), True)}
+    from ..train.optimizers import optimizer_label
+
     return {"pipeline": glue.name, "dtype": glue.dtype, "models": table, "stages": stages,
+            "optimizer": optimizer_label(args.optimizer),
             "engine": {**engine.to_json(), "processes": engine.processes}, "activations": "not counted"}
 
 
@@ -123,9 +155,11 @@ def format_plan(plan: dict[str, Any]) -> list[str]:
         extra = ""
         if s["trained_params"]:
             extra = (f"; trains {s['trained_params'] / 1e6:.1f} M params: gradients {s['gradients'] / GIB:.2f} GiB, "
-                     f"AdamW {s['optimizer'] / GIB:.2f} GiB")
+                     f"{plan.get('optimizer', 'AdamW')} {s['optimizer'] / GIB:.2f} GiB")
             if s.get("master"):
                 extra += f", fp32 masters {s['master'] / GIB:.2f} GiB"
+            if s.get("ema"):
+                extra += f", EMA {s['ema'] / GIB:.2f} GiB"
         host = f" (+ {s['host'] / GIB:.2f} GiB offloaded to CPU memory)" if s.get("host") else ""
         lines.append(f"{title:<24} {', '.join(s['models']) or 'no model'}: weights {s['weights'] / GIB:.2f} GiB"
                      f"{extra}; total {s['total'] / GIB:.2f} GiB{host}")
