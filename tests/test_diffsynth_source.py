@@ -420,12 +420,12 @@ def test_timestep_samplings_and_weightings_train_split_as_unsplit(world, tmp_pat
             run(_args(root, flags, output_path=str(tmp_path / "x"), weighting_scheme="sigma_sqrt"))
 
 
-@pytest.mark.parametrize("world", ["stable_diffusion", "z_image"], indirect=True)
+@pytest.mark.parametrize("world", ["stable_diffusion", "z_image", "flux2_image"], indirect=True)
 def test_masked_loss_weighs_each_latent_cell_and_trains_split_as_unsplit(world, tmp_path):
     """--masked_loss on a DiffSynth pipeline (objective.py): at the same draws the losses of two complementary masks
     (left and right halves, W 0) add up to the unmasked mean squared error, and W 1 is that error; stage 1 caches
     each sample's mask resized as its image (the loss averages it over the latent's cells, which SD 1.5 makes in
-    stage 2);
+    stage 2, and FLUX.2 [klein] lays out as tokens);
     split == unsplit bit for bit, and otherwise than unmasked; a video pipeline, a cache without masks and a mask of
     another size than its image are refused in one line."""
     import json

@@ -8,8 +8,9 @@ parameters' gradients (in that dtype, as DiffSynth upcasts the LoRA to it), the 
 moments in fp32 by default; --optimizer's own per parameter shape, train/optimizers.state_bytes: Adafactor's
 factored rows and columns, ...) and with --ema_decay the moving average's fp32 copy (on the device, or in host
 memory with --ema_device cpu). The LoRA is peft's, injected into the skeleton with the command's targets and rank,
-so its size is the one the run trains. Activations are not counted: they depend on the kernels and the sample size, and the run's own
-`--dry_run` of unitgraph's families measures them; this plan says what the weights and the optimizer need.
+so its size is the one the run trains. Activations are not counted: they depend on the kernels and the sample size,
+and the run's own `--dry_run` of unitgraph's families measures them; this plan says what the weights and the
+optimizer need.
 
 With `--config_file X [--num_processes N]` (the accelerate config the run will be launched with) the training
 stages are counted per process under its engine, as sharding.py trains: data parallel holds everything on every
@@ -17,8 +18,8 @@ process; DeepSpeed ZeRO-1 splits AdamW's moments and, for models not in fp32, th
 weights over the N processes, ZeRO-2 the gradients too, ZeRO-3 the trained models' weights too (the frozen
 base under a LoRA included; one gathered layer at a time is not counted); FSDP2 splits the trained models'
 weights, gradients, the optimizer's state and the moving average (no masters: it steps the weights' own dtype).
-What the config offloads
-is counted as host memory, not on the device. Stage 1 trains nothing and is the same under every engine.
+What the config offloads is counted as host memory, not on the device. Stage 1 trains nothing and is the same under
+every engine.
 """
 
 from __future__ import annotations
@@ -55,8 +56,6 @@ def _lora_shapes(skeleton: Any, targets: list[str], rank: int) -> list[tuple[int
 
 def _optimizer_bytes(args: Any, shapes: list[tuple[int, ...]]) -> int:
     """What --optimizer keeps for the trained parameters of `shapes` (train/optimizers.state_bytes)."""
-    import math
-
     from ..train.optimizers import parse_optimizer_args, state_bytes
 
     try:

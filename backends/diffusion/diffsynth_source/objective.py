@@ -61,13 +61,34 @@ def mask_pixels(mask: Any) -> Any:
     return torch.from_numpy(np.asarray(mask.convert("RGB"), dtype=np.uint8).copy())
 
 
+def latent_grid(pixels: Any, latents: Any) -> tuple[int, int]:
+    """The (rows, columns) of latent cells over an image of `pixels` (H, W, ...): the last two sides of a latent grid
+    (..., h, w), or of a pipeline's latent tokens (B, h w, C), one per cell in row order (FLUX.2's), the sides in
+    the image's proportion.
+
+    >>> import torch
+    >>> latent_grid(torch.zeros(64, 32, 3), torch.zeros(1, 16, 4, 8, 4)), latent_grid(torch.zeros(64, 32, 3),
+    ...                                                                            torch.zeros(1, 8, 128))
+    ((8, 4), (4, 2))
+    """
+    import math
+
+    if latents.dim() != 3:
+        return int(latents.shape[-2]), int(latents.shape[-1])
+    height, width, tokens = int(pixels.shape[0]), int(pixels.shape[1]), int(latents.shape[1])
+    factor = round(math.sqrt(height * width / tokens)) if tokens else 0
+    if not factor or height % factor or width % factor or (height // factor) * (width // factor) != tokens:
+        raise BackendError(f"--masked_loss: {tokens} latent tokens do not tile a {width}x{height} px mask")
+    return height // factor, width // factor
+
+
 def loss_mask_of(pixels: Any, latents: Any) -> Any:
-    """The mask's coverage of each latent cell of `latents` (..., h, w): the mean brightness (of the three channels,
-    over 255) over the cell, 0 to 1, shape (1, 1, h, w), float32."""
+    """The mask's coverage of each latent cell of `latents` (`latent_grid`): the mean brightness (of the three
+    channels, over 255) over the cell, 0 to 1, shape (1, 1, h, w), float32."""
     import torch.nn.functional as F
 
     brightness = pixels.to("cpu").float().mean(dim=-1) / 255.0
-    return F.adaptive_avg_pool2d(brightness[None, None], tuple(int(d) for d in latents.shape[-2:]))
+    return F.adaptive_avg_pool2d(brightness[None, None], latent_grid(pixels, latents))
 
 
 def check_objective(pipe: Any, weighting: str) -> None:
@@ -123,10 +144,9 @@ def flow_match_sft(pipe: Any, sampling: TimestepSampling, weighting: str, unmask
     mask = inputs.get(LOSS_MASK)
     if unmasked is not None and mask is None:
         raise BackendError("--masked_loss: the sample's state holds no loss mask")
-
     if "lora" in inputs:
-        raise BackendError(f"--timestep_sampling/--weighting_scheme: {type(pipe).__name__} loads a LoRA per sample "
-                           "inside DiffSynth's loss; train it with DiffSynth's own (diffsynth for both)")
+        raise BackendError(f"--timestep_sampling/--weighting_scheme/--masked_loss: {type(pipe).__name__} loads a LoRA "
+                           "per sample inside DiffSynth's loss; train it with DiffSynth's own loss (their defaults)")
     index = _position(pipe, sampling, (inputs.get("max_timestep_boundary", 1), inputs.get("min_timestep_boundary", 0)))
     timestep = pipe.scheduler.timesteps[index].to(dtype=pipe.torch_dtype, device=pipe.device)
     clean = inputs["input_latents"]
