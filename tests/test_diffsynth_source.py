@@ -193,6 +193,18 @@ def _example_inputs(base: str, metadata: str, flags: dict, args, glue, device, i
             {"prompt": data["prompt"]}, {"negative_prompt": ""})
 
 
+def diffsynths_own(root: Path, flags: dict, index: int = 1) -> tuple:
+    """DiffSynth's training module on the world's files as its example builds it, and row `index`'s inputs as its
+    dataset makes them: (the command's args, unitgraph's set-up, the module, the inputs)."""
+    from diffsynth.core import ModelConfig
+
+    args = _args(root, flags)
+    base_model, targets, _prefix = PIPELINES[flags["module"]]
+    setup = ds_run.setup(args)
+    module = diffsynths_module(setup, [ModelConfig(path=m.path) for m in setup.models], base_model, targets, args.seed)
+    return args, setup, module, example_inputs(root, flags, args, setup.glue, module.pipe.device, index=index)
+
+
 def assert_same_step(ours, ours_grads, theirs, theirs_grads):
     assert ours.item() == theirs.item()
     assert set(ours_grads) == set(theirs_grads) and len(ours_grads) > 0
@@ -298,17 +310,12 @@ def test_caption_dropout_trains_split_as_unsplit_on_the_empty_caption(world, tmp
     from unitgraph.backends.diffusion.cache.entries import read_entry
     from unitgraph.backends.diffusion.diffsynth_source.captions import EMPTY_CAPTION, dropped
 
-    from diffsynth.core import ModelConfig
-
     root, flags = world
     common = dict(num_epochs=2)
     always = run(_args(root, flags, caption_dropout=1.0, output_path=str(tmp_path / "always"), **common))
     first = int((tmp_path / "always" / "loss.csv").read_text().splitlines()[1].split(",")[2])  # step 1's row
-    args = _args(root, flags)
-    base_model, targets, _prefix = PIPELINES[flags["module"]]
-    setup = ds_run.setup(args)
-    module = diffsynths_module(setup, [ModelConfig(path=m.path) for m in setup.models], base_model, targets, args.seed)
-    shared, posi, nega = example_inputs(root, flags, args, setup.glue, module.pipe.device, index=first)
+    args, setup, module, (shared, posi, nega) = diffsynths_own(root, flags, index=first)
+    base_model = PIPELINES[flags["module"]][0]
     assert posi["prompt"]  # the row's own caption, which the step replaces by ""
     seed = ds_run.step_seed(args.seed, 0, ds_run.dataset_of(setup).sample_id(first))
     theirs, _grads = diffsynths_step(module, (shared, {**posi, "prompt": ""}, nega), seed, base_model)
@@ -350,7 +357,6 @@ def test_timestep_samplings_and_weightings_train_split_as_unsplit(world, tmp_pat
     schedule, none on SD 1.5's DDIM) trains split == unsplit bit for bit, and otherwise than the defaults; an SD3
     weighting on a DDIM pipeline, a sampling with direct_distill and a resumed run with another sampling are refused
     in one line."""
-    from diffsynth.core import ModelConfig
     from diffsynth.diffusion.loss import FlowMatchSFTLoss
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
@@ -360,12 +366,8 @@ def test_timestep_samplings_and_weightings_train_split_as_unsplit(world, tmp_pat
 
     root, flags = world
     flow = flags["module"] == "z_image"
-    args = _args(root, flags)
-    base_model, targets, _prefix = PIPELINES[flags["module"]]
-    setup = ds_run.setup(args)
-    module = diffsynths_module(setup, [ModelConfig(path=m.path) for m in setup.models], base_model, targets, args.seed)
+    _given, _setup, module, inputs = diffsynths_own(root, flags)
     pipe = module.pipe
-    inputs = example_inputs(root, flags, args, setup.glue, pipe.device)
     drawn = []
     model_fn = pipe.model_fn
 
@@ -431,7 +433,6 @@ def test_masked_loss_weighs_each_latent_cell_and_trains_split_as_unsplit(world, 
     import json
     from dataclasses import replace
 
-    from diffsynth.core import ModelConfig
     from PIL import Image
 
     from unitgraph.backends.diffusion.cache.entries import read_entry
@@ -440,12 +441,8 @@ def test_masked_loss_weighs_each_latent_cell_and_trains_split_as_unsplit(world, 
     from unitgraph.backends.diffusion.flowmatch import TimestepSampling
 
     root, flags = world
-    args = _args(root, flags)
-    base_model, targets, _prefix = PIPELINES[flags["module"]]
-    setup = ds_run.setup(args)
-    module = diffsynths_module(setup, [ModelConfig(path=m.path) for m in setup.models], base_model, targets, args.seed)
+    args, _setup, module, inputs = diffsynths_own(root, flags)
     pipe = module.pipe
-    inputs = example_inputs(root, flags, args, setup.glue, pipe.device)
     left = Image.new("L", (32, 32), 0)
     left.paste(255, (0, 0, 16, 32))
     right = Image.eval(left, lambda v: 255 - v)
