@@ -9,7 +9,8 @@ unsplit (see the package docstring for the draws).
 
 The parts around the step are DiffSynth's runner's by default: AdamW with --learning_rate and --weight_decay,
 torch's ConstantLR with its defaults (unitgraph's --optimizer, --lr_scheduler, --ema_decay and --max_grad_norm
-change them as for its own families), one sample per micro-step (--gradient_accumulation_steps of them a step, on each
+change them as for its own families; --caption_dropout, --timestep_sampling, --weighting_scheme and --masked_loss
+change the step: captions.py, objective.py), one sample per micro-step (--gradient_accumulation_steps of them a step, on each
 process of a launch: world.py; sharded under DeepSpeed ZeRO or FSDP2: sharding.py), the LoRA injected by DiffSynth's
 `add_lora_to_model` (peft) and written each epoch as `epoch-N.safetensors` by DiffSynth's
 `export_trainable_state_dict` (keys without --remove_prefix_in_ckpt, DiffSynth's default `pipe.dit.`), which its
@@ -168,8 +169,8 @@ def task_stage(task: str) -> str:
 
 
 def step_loss(args: TrainArgs) -> Callable[..., Any]:
-    """The loss a step trains: the task's own (`loss_function`), `sft`'s with --timestep_sampling and
-    --weighting_scheme (objective.py: DiffSynth's FlowMatchSFTLoss itself at their defaults)."""
+    """The loss a step trains: the task's own (`loss_function`), `sft`'s with --timestep_sampling, --weighting_scheme
+    and --masked_loss (objective.py: DiffSynth's FlowMatchSFTLoss itself at their defaults)."""
     if task_kind(args.task) == "sft":
         return sft_loss(args.sampling(), args.loss_weighting,
                         args.masked_loss_unmasked_weight if args.masked_loss else None)
