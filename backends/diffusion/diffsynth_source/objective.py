@@ -16,7 +16,7 @@ first-frame latents a video pipeline pins), in the same order and dtypes, with t
   scheduler's own lookup of the timestep; a flow-matching scheduler only: the DDIM pipelines have no sigma);
 * **the mask** (`loss_mask` in the state: the sample's mask resized as its image, its pixels as uint8 RGB, which
   every stage carries as it is; `mask_pixels`): averaged over each cell of the latent the loss reads
-  (`loss_mask_of`; the latent may be made in stage 2, as SD's posterior sample is), the mean of the squared errors
+  (`loss_mask_of`; the latent may be made in stage 2, from a VAE's posterior sample), the mean of the squared errors
   each weighted by m + W (1 - m) (--masked_loss_unmasked_weight W), as unitgraph's own families weigh them
   (masked_loss.py), instead of the MSE.
 
@@ -63,8 +63,8 @@ def mask_pixels(mask: Any) -> Any:
 
 def latent_grid(pixels: Any, latents: Any) -> tuple[int, int]:
     """The (rows, columns) of latent cells over an image of `pixels` (H, W, ...): the last two sides of a latent grid
-    (..., h, w), or of a pipeline's latent tokens (B, h w, C), one per cell in row order (FLUX.2's), the sides in
-    the image's proportion.
+    (..., h, w), or of a pipeline's latent tokens (B, h w, C), one per cell in row order (a DiT that reads tokens),
+    the sides in the image's proportion.
 
     >>> import torch
     >>> latent_grid(torch.zeros(64, 32, 3), torch.zeros(1, 16, 4, 8, 4)), latent_grid(torch.zeros(64, 32, 3),
