@@ -205,6 +205,12 @@ def diffsynths_own(root: Path, flags: dict, index: int = 1) -> tuple:
     return args, setup, module, example_inputs(root, flags, args, setup.glue, module.pipe.device, index=index)
 
 
+def same_file_tensors(a: Path, b: Path) -> bool:
+    """Both safetensors files hold the same tensors, bit for bit (and some)."""
+    x, y = load_file(str(a)), load_file(str(b))
+    return set(x) == set(y) and len(x) > 0 and all(torch.equal(x[k], y[k]) for k in x)
+
+
 def assert_same_step(ours, ours_grads, theirs, theirs_grads):
     assert ours.item() == theirs.item()
     assert set(ours_grads) == set(theirs_grads) and len(ours_grads) > 0
@@ -333,8 +339,7 @@ def test_caption_dropout_trains_split_as_unsplit_on_the_empty_caption(world, tmp
     split = run(_args(root, flags, task="sft:train", dataset_base_path=str(cache), dataset_metadata_path=None,
                       output_path=str(tmp_path / "split"), **half))
     assert split.losses == whole.losses
-    a, b = load_file(str(split.last_checkpoint)), load_file(str(whole.last_checkpoint))
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert same_file_tensors(split.last_checkpoint, whole.last_checkpoint)
     dataset = ds_run.dataset_of(ds_run.setup(_args(root, flags)))
     draws = [dropped(3, epoch, dataset.sample_id(i), 0.5) for epoch in range(2) for i in range(len(dataset))]
     assert any(draws) and not all(draws)  # both kinds of step were trained
@@ -408,8 +413,7 @@ def test_timestep_samplings_and_weightings_train_split_as_unsplit(world, tmp_pat
     split = run(_args(root, flags, task="sft:train", dataset_base_path=str(tmp_path / "cache"),
                       dataset_metadata_path=None, output_path=str(tmp_path / "split"), **chosen))
     assert split.losses == whole.losses
-    a, b = load_file(str(split.last_checkpoint)), load_file(str(whole.last_checkpoint))
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert same_file_tensors(split.last_checkpoint, whole.last_checkpoint)
     with pytest.raises(BackendError, match="the state was made with timestep_sampling"):
         run(_args(root, flags, output_path=str(tmp_path / "whole"), resume="latest",
                   **dict(chosen, timestep_sampling="mode")))
@@ -482,8 +486,7 @@ def test_masked_loss_weighs_each_latent_cell_and_trains_split_as_unsplit(world, 
     split = run(_args(root, flags, task="sft:train", dataset_base_path=str(cache), dataset_metadata_path=None,
                       output_path=str(tmp_path / "split"), masked_loss=True, num_epochs=1))
     assert split.losses == whole.losses
-    a, b = load_file(str(split.last_checkpoint)), load_file(str(whole.last_checkpoint))
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert same_file_tensors(split.last_checkpoint, whole.last_checkpoint)
 
     plain_cache = tmp_path / "plain-cache"
     run(_args(root, flags, task="sft:data_process", output_path=str(plain_cache), num_epochs=1))
@@ -532,11 +535,6 @@ def test_schedule_free_checkpoints_its_averaged_weights_and_resumes_exactly(worl
     resumed = run(_args(root, flags, output_path=str(cut), resume="latest", **common))
     assert resumed.losses == whole.losses[3:]
     assert same_file_tensors(cut / "epoch-1.safetensors", out / "epoch-1.safetensors")
-
-
-def same_file_tensors(a: Path, b: Path) -> bool:
-    x, y = load_file(str(a)), load_file(str(b))
-    return set(x) == set(y) and len(x) > 0 and all(torch.equal(x[k], y[k]) for k in x)
 
 
 @pytest.mark.parametrize("world", ["stable_diffusion"], indirect=True)
@@ -622,8 +620,7 @@ def test_direct_distill_is_diffsynths_own_step_and_split_equals_unsplit(world, t
     split = run(_args(root, flags, task="direct_distill:train", output_path=str(tmp_path / "split"),
                       **{**common, "dataset_base_path": str(tmp_path / "cache"), "dataset_metadata_path": None}))
     assert whole.losses == split.losses and len(split.losses) == 3
-    a, b = load_file(str(whole.last_checkpoint)), load_file(str(split.last_checkpoint))
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert same_file_tensors(whole.last_checkpoint, split.last_checkpoint)
     rows = (data / "metadata.csv").read_text(encoding="utf-8").splitlines()
     (data / "metadata.csv").write_text("\n".join([rows[0], rows[1], rows[2].replace(",41,", ",,"), *rows[3:]]) + "\n",
                                        encoding="utf-8")
@@ -668,8 +665,7 @@ def test_fp8_models_train_as_diffsynths_fp8_step_and_split_equals_unsplit(world,
     split = run(_args(root, flags, task="sft:train", dataset_base_path=str(tmp_path / "cache"),
                       dataset_metadata_path=None, output_path=str(tmp_path / "split"), **common))
     assert whole.losses == split.losses and len(split.losses) == 3
-    a, b = load_file(str(whole.last_checkpoint)), load_file(str(split.last_checkpoint))
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert same_file_tensors(whole.last_checkpoint, split.last_checkpoint)
 
     fp8_plan = run(_args(root, flags, dry_run=True, fp8_models=args.fp8_models)).memory_plan["models"]
     bf16_plan = run(_args(root, flags, dry_run=True)).memory_plan["models"]
@@ -789,8 +785,7 @@ def test_split_equals_unsplit_and_stage_2_needs_no_text_encoder(world, tmp_path)
         for folder, where in hidden.items():
             shutil.move(str(where), str(folder))
     assert unsplit.losses == split.losses and len(split.losses) == 6
-    a, b = load_file(str(unsplit.last_checkpoint)), load_file(str(split.last_checkpoint))
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert same_file_tensors(unsplit.last_checkpoint, split.last_checkpoint)
     assert unsplit.last_checkpoint.name == "epoch-1.safetensors"
     # a second stage 1 reuses every entry
     again = run(_args(root, flags, task="sft:data_process", output_path=str(cache)))

@@ -58,11 +58,8 @@ def _optimizer_bytes(args: Any, shapes: list[tuple[int, ...]]) -> int:
     """What --optimizer keeps for the trained parameters of `shapes` (train/optimizers.state_bytes)."""
     from ..train.optimizers import parse_optimizer_args, state_bytes
 
-    try:
-        settings = parse_optimizer_args(args.optimizer_args)
-        return sum(state_bytes(args.optimizer, settings, shape) for shape in shapes)
-    except KeyError:  # an optimizer the table does not size: AdamW's two fp32 moments
-        return 8 * sum(math.prod(shape) for shape in shapes)
+    settings = parse_optimizer_args(args.optimizer_args)
+    return sum(state_bytes(args.optimizer, settings, shape) for shape in shapes)
 
 
 def memory_plan(setup: Any, engine: Any = None) -> dict[str, Any]:
@@ -70,6 +67,8 @@ def memory_plan(setup: Any, engine: Any = None) -> dict[str, Any]:
     optimizer, master, host, total}}, engine} in bytes, per process under `engine` (engine.Engine; data parallel
     when None): `total` on the device, `host` what the engine offloads to CPU memory."""
     from ..engine import Engine
+    from ..memory_plan import EMA_BYTES_PER_PARAM
+    from ..train.optimizers import optimizer_label
 
     engine = engine or Engine()
     args, plan, glue = setup.args, setup.plan, setup.glue
@@ -86,16 +85,14 @@ def memory_plan(setup: Any, engine: Any = None) -> dict[str, Any]:
     if args.lora_base_model and args.lora_base_model in skeletons:
         skeleton = skeletons[args.lora_base_model]
         shapes += _lora_shapes(skeleton, target_modules(skeleton, args.lora_target_modules), args.lora_rank)
-    for name in [m for m in (args.trainable_models or "").split(",") if m]:
+    for name in args.trainable():
         if name in skeletons:
             shapes += [tuple(p.shape) for p in skeletons[name].parameters()]
     trained = sum(math.prod(shape) for shape in shapes)
     state = _optimizer_bytes(args, shapes)
-    from ..memory_plan import EMA_BYTES_PER_PARAM
-
     averaged = EMA_BYTES_PER_PARAM * trained if args.ema_decay is not None else 0
 
-    wrapped = {m for m in [args.lora_base_model, *(args.trainable_models or "").split(",")] if m}
+    wrapped = {m for m in [args.lora_base_model, *args.trainable()] if m}
 
     def stage(names: list[str], training: bool) -> dict[str, Any]:
         held = [n for n in names if n in table]
@@ -132,8 +129,6 @@ def memory_plan(setup: Any, engine: Any = None) -> dict[str, Any]:
 
     stages = {"data_process": stage(plan.data_process_models, False), "train": stage(plan.train_models, True),
               "unsplit": stage(sorted(set(plan.data_process_models) | set(plan.train_models)), True)}
-    from ..train.optimizers import optimizer_label
-
     return {"pipeline": glue.name, "dtype": glue.dtype, "models": table, "stages": stages,
             "optimizer": optimizer_label(args.optimizer),
             "engine": {**engine.to_json(), "processes": engine.processes}, "activations": "not counted"}

@@ -330,7 +330,7 @@ def _refuse_under(engine: Any, models: list[ModelFile], args: TrainArgs) -> None
     average elsewhere: sharding.py."""
     if engine is None or engine.kind == "ddp" or task_stage(args.task) == "data_process":
         return
-    inside = {args.lora_base_model, *(m for m in (args.trainable_models or "").split(",") if m)} - {None, ""}
+    inside = {args.lora_base_model, *args.trainable()} - {None, ""}
     fp8 = sorted(a for m in models if m.fp8 for a in m.attributes if a in inside)
     if fp8 and engine.shards_frozen:
         raise BackendError(f"--fp8_models with {engine.name}: {fp8[0]} trains under the engine, which shards its "
@@ -771,12 +771,18 @@ def train(setup: Setup, states: Callable[[int, bool], tuple[dict, dict, dict]], 
             result.checkpoints.append(path)
             # every process: under ZeRO-3 and FSDP2 the weights are gathered, and each keeps its own optimizer share
             trained = sharded.whole() if sharded is not None else dict(named)
-            shown = trained  # what the checkpoint holds: a schedule-free optimizer's averaged weights, taken by
-            if args.optimizer == "schedulefree":  # every process (the same switches keep the replicas equal)
+            shown = trained  # what the checkpoint holds: a schedule-free optimizer's averaged weights, switched to
+            if args.optimizer == "schedulefree":  # by every process (the same switches keep the replicas equal)
                 with eval_weights(optimizer):
-                    shown = sharded.whole() if sharded is not None else {n: p.detach().clone() for n, p in named}
-            state = sharded.optimizer_state() if sharded is not None else optimizer_tensors(optimizer)
-            averaged = ema.tensors(sharded.full() if sharded is not None else None) if ema is not None else None
+                    if sharded is not None:  # a gather, every process
+                        shown = sharded.whole()
+                    elif world.main:  # the writer's copy
+                        shown = {n: p.detach().clone() for n, p in named}
+            # each process's optimizer share under an engine; else the main process's, which writes the state
+            state = sharded.optimizer_state() if sharded is not None else \
+                (optimizer_tensors(optimizer) if world.main else None)
+            full = sharded.full() if sharded is not None else None  # FSDP2's gather of the average's shards
+            averaged = ema.tensors(full) if ema is not None and (world.main or full is not None) else None
             ranks = staging_folder(output, step) if sharded is not None and world.size > 1 else None
             if ranks is not None:
                 if not world.main:

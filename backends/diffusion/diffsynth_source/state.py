@@ -34,6 +34,8 @@ __all__ = ["STATE_DIR", "Loaded", "load_optimizer", "load_state", "newest_state"
 
 STATE_DIR = "state"
 EMA_FILE = "ema.safetensors"
+# a Python number an optimizer keeps per parameter, by its type's name: (the type, the 0-dim tensor's torch dtype)
+NUMBERS = {"bool": (bool, "bool"), "int": (int, "int64"), "float": (float, "float64")}
 FORMAT = "unitgraph.diffsynth-state/v1"
 
 
@@ -90,18 +92,16 @@ def optimizer_tensors(optimizer: Any) -> tuple[dict[str, Any], list[dict[str, An
     #float, #bool), and comes back from `load_optimizer` as the number it was."""
     import torch
 
-    dtypes = {"bool": torch.bool, "int": torch.int64, "float": torch.float64}
     saved = optimizer.state_dict()
     tensors = {}
     for i, state in saved["state"].items():
         for key, value in state.items():
             if isinstance(value, (bool, int, float)):
                 kind = type(value).__name__
-                tensors[f"{i}.{key}#{kind}"] = torch.tensor(value, dtype=dtypes[kind])
+                tensors[f"{i}.{key}#{kind}"] = torch.tensor(value, dtype=getattr(torch, NUMBERS[kind][1]))
             else:
                 tensors[f"{i}.{key}"] = _local(value).detach().to("cpu").contiguous()
     return tensors, saved["param_groups"]
-
 
 
 def _local(value: Any) -> Any:
@@ -116,8 +116,7 @@ def load_optimizer(optimizer: Any, tensors: dict[str, Any], groups: list[dict[st
         for key, value in tensors.items():
             index, _, field = key.partition(".")
             field, _, kind = field.partition("#")
-            number = {"bool": bool, "int": int, "float": float}.get(kind)
-            state.setdefault(int(index), {})[field] = number(value.item()) if number is not None else value
+            state.setdefault(int(index), {})[field] = NUMBERS[kind][0](value.item()) if kind in NUMBERS else value
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError, TypeError) as exc:
         raise BackendError(f"--resume: the state's optimizer state does not fit this run's ({exc})",
