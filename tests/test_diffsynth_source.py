@@ -6,8 +6,9 @@ skipped elsewhere. The models are test-sized, written in DiffSynth's `./models` 
 and loaded by DiffSynth's own loader; a command names them as DiffSynth's example does, by model id and pattern.
 
 Pipelines: Stable Diffusion 1.5, SDXL, Z-Image, Wan 2.1 T2V and FLUX.2 [klein] (families unitgraph also trains
-itself), Ideogram 4 and Anima (DiffSynth's alone; Anima's classes fix their sizes, so its DiT is the released 2.09 B,
-4.2 GB in bf16, and only the step, split and checkpoint checks run for it). Wan's VAE class fixes its size (127 M
+itself), Ideogram 4, Anima and ERNIE-Image (DiffSynth's alone; Anima's classes fix their sizes, so its DiT is the
+released 2.09 B, 4.2 GB in bf16, and ERNIE-Image's text encoder class fixes Ministral 3's 3.43 B, 6.9 GB in bf16:
+only the step, split and checkpoint checks run for them). Wan's VAE class fixes its size (127 M
 parameters, written in bf16: 254 MB per module). The text encoder class of Z-Image, FLUX.2 [klein] and Anima allows
 nothing smaller than Qwen3 0.6B (1.2 GB in bf16, written once a session and linked into each module's folder).
 What they show, per pipeline:
@@ -58,10 +59,12 @@ PIPELINES = {
                            "to_qkv_mlp_proj,single_transformer_blocks.0.attn.to_out", "pipe.dit."),
     # its example's "" (DiffSynth's auto-detection: every Linear at least 512 wide in the DiT's blocks)
     "anima_image": ("dit", "", "pipe.dit."),
+    "ernie_image": ("dit", "to_q,to_k,to_v,to_out.0", "pipe.dit."),
 }
-# pipelines whose classes fix a large size (Anima's DiT: 2.09 B parameters, 4.2 GB in bf16): only the checks of the
-# step, the split and the checkpoint run for them, not every test the module-wide `world` fixture gives the others
-HEAVY = {"anima_image"}
+# pipelines whose classes fix a large size (Anima's DiT: 2.09 B parameters, 4.2 GB in bf16; ERNIE-Image's text
+# encoder: 3.43 B, 6.9 GB): only the checks of the step, the split and the checkpoint run for them, not every test
+# the module-wide `world` fixture gives the others
+HEAVY = {"anima_image", "ernie_image"}
 LIGHT = sorted(set(PIPELINES) - HEAVY)
 # the inputs an image example's get_pipeline_inputs sets beyond the picture, its size, cfg_scale, rand_device and the
 # checkpointing flags (examples/flux2/model_training/train.py: "embedded_guidance": 1.0)
@@ -1032,6 +1035,76 @@ def test_diffsynths_anima_lora_command_runs_as_it_is(tmp_path, monkeypatch, caps
     assert len(blocks) == 28 and not any(k.startswith("pipe.") for k in lora)
     assert {v.shape[0] for k, v in lora.items() if ".lora_A." in k} == {32}
     assert "training: 2 steps" in out
+
+
+# examples/ernie_image/model_training/lora/ERNIE-Image.sh, as it is
+ERNIE_IMAGE_COMMAND = r"""
+accelerate launch examples/ernie_image/model_training/train.py \
+  --dataset_base_path data/diffsynth_example_dataset/ernie_image/Ernie-Image-T2I \
+  --dataset_metadata_path data/diffsynth_example_dataset/ernie_image/Ernie-Image-T2I/metadata.csv \
+  --max_pixels 1048576 \
+  --dataset_repeat 50 \
+  --model_id_with_origin_paths "PaddlePaddle/ERNIE-Image:transformer/diffusion_pytorch_model*.safetensors,PaddlePaddle/ERNIE-Image:text_encoder/model.safetensors,PaddlePaddle/ERNIE-Image:vae/diffusion_pytorch_model.safetensors" \
+  --learning_rate 1e-4 \
+  --num_epochs 5 \
+  --remove_prefix_in_ckpt "pipe.dit." \
+  --output_path "./models/train/Ernie-Image-T2I_lora" \
+  --lora_base_model "dit" \
+  --lora_target_modules "to_q,to_k,to_v,to_out.0" \
+  --lora_rank 32 \
+  --use_gradient_checkpointing \
+  --dataset_num_workers 8 \
+  --find_unused_parameters
+"""
+
+
+def test_diffsynths_ernie_image_lora_command_runs_as_it_is(tmp_path, monkeypatch, capsys):
+    """DiffSynth's examples/ernie_image/model_training/lora/ERNIE-Image.sh with `unitgraph train` for `accelerate
+    launch .../train.py`; only sizes are lowered (--num_epochs 1, --dataset_repeat 1, two 32 px images). The model ids
+    alone choose DiffSynth's own pipeline; the DiT's shards are found by the command's glob, the tokenizer where its
+    train.py looks by default (PaddlePaddle/ERNIE-Image/tokenizer); the released-size text encoder runs in stage 1."""
+    from clitools import cli
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD"):
+        monkeypatch.delenv(name, raising=False)
+    write_tiny_models(tmp_path / "models", "ernie_image")
+    argv = shlex_argv(ERNIE_IMAGE_COMMAND)
+    write_synthetic_dataset(tmp_path / argv[argv.index("--dataset_base_path") + 1], count=2, size=32)
+    argv[argv.index("--num_epochs") + 1] = "1"
+    argv[argv.index("--dataset_repeat") + 1] = "1"
+    code, out, err = cli(capsys, "train", *argv)
+    assert code == 0, err
+    assert "pipeline: diffsynth:ernie_image (DiffSynth's ErnieImagePipeline; the model id names ERNIE-Image)" in out, out
+    assert "training: 2 steps" in out
+    lora = load_file(str(tmp_path / "models" / "train" / "Ernie-Image-T2I_lora" / "epoch-0.safetensors"))
+    assert lora and not any(k.startswith("pipe.") for k in lora)
+    assert {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in lora} == {"to_q", "to_k", "to_v", "0"}
+    assert {v.shape[0] for k, v in lora.items() if ".lora_A." in k} == {32}
+
+
+def test_the_dry_run_of_the_released_ernie_image_needs_no_file(tmp_path, monkeypatch, capsys):
+    """DiffSynth's ERNIE-Image LoRA command, --dry_run, nothing downloaded: the DiT at the class's released 8.0 B, the
+    Ministral 3 text encoder at 3.43 B, the VAE sized as FLUX.2's (DiffSynth's table knows it under FLUX.2-dev's
+    example); stage 2 holds the DiT alone, well under the unsplit run."""
+    import json
+
+    from clitools import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DIFFSYNTH_SKIP_DOWNLOAD", "True")
+    monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
+    code, out, err = cli(capsys, "train", *shlex_argv(ERNIE_IMAGE_COMMAND), "--dry_run", "--json")
+    assert code == 0, err
+    plan = json.loads(out[out.index("{"):])
+    models = plan["models"]
+    assert models["dit"]["class"] == "ErnieImageDiT" and 7.9e9 < models["dit"]["params"] < 8.1e9
+    assert models["text_encoder"]["class"] == "ErnieImageTextEncoder"
+    assert 3.4e9 < models["text_encoder"]["params"] < 3.5e9
+    assert models["vae"]["class"] == "Flux2VAE"
+    assert plan["stages"]["train"]["models"] == ["dit"]
+    assert plan["stages"]["train"]["total"] < plan["stages"]["unsplit"]["total"] - 6 * 2**30
+    assert not (tmp_path / "models").exists()
 
 
 # examples/stable_diffusion/model_training/full/stable-diffusion-v1-5.sh and

@@ -40,6 +40,10 @@ OWN: tuple[Glue, ...] = (
                     "circlestone-labs/Anima:split_files/vae/qwen_image_vae.safetensors"),
                    ("circlestone-labs/Anima:split_files/vae/qwen_image_vae.safetensors",
                     "md5:ccc42284ea13e1ad04693284c7a09be6"))),
+    # its prompt unit reads the second-to-last hidden states of a Ministral 3 encoder, one prompt at a time
+    Glue("ernie_image", "ErnieImagePipeline", "ERNIE-Image (DiffSynth's pipeline)",
+         tokenizers=(Tokenizer("tokenizer_config", "tokenizer_path", "PaddlePaddle/ERNIE-Image", "tokenizer/"),),
+         example="ernie_image", distill=False),
 )
 
 

@@ -50,7 +50,6 @@ IDEOGRAM4_VAE = {"block_out_channels": [32, 32, 32, 32], "latent_channels": 32, 
 
 def _ideogram4(outdir: Path, seed: int) -> dict[str, Any]:
     import torch
-    from diffusers import AutoencoderKLFlux2
     from diffsynth.models.ideogram4_dit import Ideogram4DiT
     from diffsynth.models.ideogram4_text_encoder import QWEN3_VL_ACTIVATION_LAYERS
     from safetensors.torch import save_file
@@ -84,9 +83,7 @@ def _ideogram4(outdir: Path, seed: int) -> dict[str, Any]:
     save_file({k: v.contiguous() for k, v in dit.state_dict().items()},
               str(root / "transformer" / "diffusion_pytorch_model.safetensors"))
     (root / "transformer" / "config.json").write_text(json.dumps(dit_config, indent=1) + "\n", encoding="utf-8")
-    torch.manual_seed(seed + 1)
-    vae = AutoencoderKLFlux2(**IDEOGRAM4_VAE)
-    vae.save_pretrained(str(root / "vae"))
+    _seeded_vae(seed + 1).save_pretrained(str(root / "vae"))
     files = ["transformer/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors",
              "vae/diffusion_pytorch_model.safetensors"]
     return {"model_id_with_origin_paths": ",".join(f"{model_id}:{f}" for f in files),
@@ -193,7 +190,61 @@ def _anima(outdir: Path, seed: int) -> dict[str, Any]:
             "tokenizer_t5xxl_path": "stabilityai/stable-diffusion-3.5-large:tokenizer_3/"}
 
 
-OWN = {"ideogram4": _ideogram4, "anima_image": _anima}  # writers of DiffSynth's pipelines of no family
+# ERNIE-Image's DiT at test size (the class takes every size; its text projection takes the fixed encoder's 3072
+# features); its rotary axes add up to the head's 16 channels, as the release's (32, 48, 48) add up to its 128
+ERNIE_IMAGE_DIT = {"hidden_size": 32, "num_attention_heads": 2, "num_layers": 2, "ffn_hidden_size": 64,
+                   "in_channels": 128, "out_channels": 128, "patch_size": 1, "text_in_dim": 3072,
+                   "rope_axes_dim": [4, 6, 6]}
+# the text encoder's folder as released: a Mistral 3 checkpoint whose language model DiffSynth's class keeps
+ERNIE_IMAGE_TEXT_CONFIG = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3",
+                           "text_config": {"model_type": "ministral3", "hidden_size": 3072, "num_hidden_layers": 26,
+                                           "vocab_size": 131072}}
+
+
+def _ernie_image(outdir: Path, seed: int) -> dict[str, Any]:
+    """ERNIE-Image as its LoRA example downloads it (PaddlePaddle/ERNIE-Image's transformer, text_encoder and vae).
+    Its text encoder class fixes Ministral 3's 3.43 B parameters: the file is that model with random N(0, 0.02)
+    weights in bf16 (6.9 GB, written once a session and linked into each folder), its keys under the release's
+    `language_model.model.` (DiffSynth's converter keeps those); its `config.json` is the release's kind, so the
+    file, whose key hash is not the release's (no vision tower), is recognised by its class. The DiT is test-sized
+    (`ERNIE_IMAGE_DIT`), the VAE the one Ideogram 4's test uses (32 latent channels, a 2x2 patch of them the
+    DiT's 128 inputs), the tokenizer a test-size one where its train.py looks by default."""
+    from safetensors.torch import save_file
+
+    from .models import skeleton
+
+    model_id = "PaddlePaddle/ERNIE-Image"
+    root = outdir / model_id
+    _family_with_slot("AutoencoderKLFlux2").tiny_module().build_tokenizer().save_pretrained(str(root / "tokenizer"))
+    text = smallest_entry("ernie_image", "text_encoder", converted=True)
+    (root / "text_encoder").mkdir(parents=True, exist_ok=True)
+    (root / "text_encoder" / "config.json").write_text(json.dumps(ERNIE_IMAGE_TEXT_CONFIG, indent=1) + "\n",
+                                                       encoding="utf-8")
+    _once(root / "text_encoder" / "model.safetensors", (text["model_hash"], seed + 2),
+          lambda target: save_file(_random_weights(skeleton(text), seed + 2, prefix="language_model."), str(target)))
+    dit = smallest_entry("ernie_image", "dit")
+    (root / "transformer").mkdir(parents=True, exist_ok=True)
+    (root / "transformer" / "config.json").write_text(json.dumps(ERNIE_IMAGE_DIT, indent=1) + "\n", encoding="utf-8")
+    save_file(_random_weights(skeleton(dict(dit, extra_kwargs=dict(ERNIE_IMAGE_DIT))), seed),
+              str(root / "transformer" / "diffusion_pytorch_model.safetensors"))
+    _seeded_vae(seed + 1).save_pretrained(str(root / "vae"))
+    files = ["transformer/diffusion_pytorch_model*.safetensors", "text_encoder/model.safetensors",
+             "vae/diffusion_pytorch_model.safetensors"]
+    return {"model_id_with_origin_paths": ",".join(f"{model_id}:{f}" for f in files),
+            "tokenizer_path": str(root / "tokenizer")}
+
+
+def _seeded_vae(seed: int) -> Any:
+    """The VAE (diffusers' AutoencoderKLFlux2) of the tests' Ideogram 4 and ERNIE-Image (`IDEOGRAM4_VAE`), its
+    weights drawn from `seed`."""
+    import torch
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(seed)
+    return AutoencoderKLFlux2(**IDEOGRAM4_VAE)
+
+
+OWN = {"ideogram4": _ideogram4, "anima_image": _anima, "ernie_image": _ernie_image}  # DiffSynth's of no family
 
 
 def writers() -> dict[str, Any]:
