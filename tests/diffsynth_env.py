@@ -25,6 +25,29 @@ def diffsynth_models(models: Path) -> Iterator[None]:
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def any_attention_kernel(module: str) -> Iterator[None]:
+    """For DiffSynth's pipeline `module`, whose DiT allows torch only some attention kernels (glue.attention: Krea 2's
+    asks for cuDNN's alone, which no CPU has), its module's `sdpa_kernel` made to leave torch's choice as it is, for
+    as long as the context lasts: the math kernel computes the same attention, and DiffSynth's own step and
+    unitgraph's both run with it. Nothing changes for a pipeline that declares no such function."""
+    import importlib
+
+    from unitgraph.backends.diffusion.diffsynth_source.glue import glue_for
+
+    declared = glue_for(module).attention
+    if not declared:
+        yield
+        return
+    owner = importlib.import_module(declared.partition(":")[0])
+    saved = owner.sdpa_kernel
+    owner.sdpa_kernel = lambda *backends, **kwargs: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        owner.sdpa_kernel = saved
+
+
 def add_distill_columns(folder: Path, steps: int = 2, first_seed: int = 40) -> None:
     """Give each row of `folder`'s metadata.csv the columns of DiffSynth's direct-distill example datasets (its Wan
     2.1 1.3B direct_distill command passes them as --extra_inputs): a seed of its own (`first_seed` + row), rand_device

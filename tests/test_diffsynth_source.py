@@ -6,9 +6,11 @@ skipped elsewhere. The models are test-sized, written in DiffSynth's `./models` 
 and loaded by DiffSynth's own loader; a command names them as DiffSynth's example does, by model id and pattern.
 
 Pipelines: Stable Diffusion 1.5, SDXL, Z-Image, Wan 2.1 T2V and FLUX.2 [klein] (families unitgraph also trains
-itself), Ideogram 4, Anima and ERNIE-Image (DiffSynth's alone; Anima's classes fix their sizes, so its DiT is the
-released 2.09 B, 4.2 GB in bf16, and ERNIE-Image's text encoder class fixes Ministral 3's 3.43 B, 6.9 GB in bf16:
-only the step, split and checkpoint checks run for them). Wan's VAE class fixes its size (127 M
+itself), Ideogram 4, Anima, ERNIE-Image and Krea 2 (DiffSynth's alone; Anima's classes fix their sizes, so its DiT
+is the released 2.09 B, 4.2 GB in bf16, and the text encoder classes of ERNIE-Image and Krea 2 fix Ministral 3's
+3.43 B and Qwen3-VL's 4.44 B, 6.9 and 8.9 GB in bf16: only the step, split and checkpoint checks run for them; Krea
+2's DiT asks torch for cuDNN's attention kernel alone, which no CPU has, so its tests let torch choose its math
+kernel, for DiffSynth's own step and unitgraph's alike: any_attention_kernel). Wan's VAE class fixes its size (127 M
 parameters, written in bf16: 254 MB per module). The text encoder class of Z-Image, FLUX.2 [klein] and Anima allows
 nothing smaller than Qwen3 0.6B (1.2 GB in bf16, written once a session and linked into each module's folder).
 What they show, per pipeline:
@@ -35,7 +37,7 @@ diffsynth = pytest.importorskip("diffsynth", reason="DiffSynth-Studio is not ins
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from diffsynth_env import add_distill_columns, diffsynth_models  # noqa: E402
+from diffsynth_env import add_distill_columns, any_attention_kernel, diffsynth_models  # noqa: E402
 
 from unitgraph.backends.diffusion.args import make_args  # noqa: E402
 from unitgraph.backends.diffusion.data.dataset import write_synthetic_dataset  # noqa: E402
@@ -60,11 +62,13 @@ PIPELINES = {
     # its example's "" (DiffSynth's auto-detection: every Linear at least 512 wide in the DiT's blocks)
     "anima_image": ("dit", "", "pipe.dit."),
     "ernie_image": ("dit", "to_q,to_k,to_v,to_out.0", "pipe.dit."),
+    "krea2": ("dit", "wq,wk,wv,gate,wo,gate,up,down,first,tmlp.0,tmlp.2,projector,txtmlp.1,txtmlp.3,last.linear,tproj.1",
+              "pipe.dit."),
 }
 # pipelines whose classes fix a large size (Anima's DiT: 2.09 B parameters, 4.2 GB in bf16; ERNIE-Image's text
-# encoder: 3.43 B, 6.9 GB): only the checks of the step, the split and the checkpoint run for them, not every test
-# the module-wide `world` fixture gives the others
-HEAVY = {"anima_image", "ernie_image"}
+# encoder: 3.43 B, 6.9 GB; Krea 2's: 4.44 B, 8.9 GB): only the checks of the step, the split and the checkpoint run
+# for them, not every test the module-wide `world` fixture gives the others
+HEAVY = {"anima_image", "ernie_image", "krea2"}
 LIGHT = sorted(set(PIPELINES) - HEAVY)
 # the inputs an image example's get_pipeline_inputs sets beyond the picture, its size, cfg_scale, rand_device and the
 # checkpointing flags (examples/flux2/model_training/train.py: "embedded_guidance": 1.0)
@@ -87,7 +91,7 @@ def world(request, tmp_path_factory):
         write_synthetic_dataset(root / "data", count=3, size=40, videos=("video",), frames=5)
     else:
         write_synthetic_dataset(root / "data", count=3, size=40)
-    with diffsynth_models(root / "models"):
+    with diffsynth_models(root / "models"), any_attention_kernel(module):  # Krea 2's DiT: cuDNN's kernel alone
         yield root, flags
 
 
@@ -1104,6 +1108,86 @@ def test_the_dry_run_of_the_released_ernie_image_needs_no_file(tmp_path, monkeyp
     assert models["vae"]["class"] == "Flux2VAE"
     assert plan["stages"]["train"]["models"] == ["dit"]
     assert plan["stages"]["train"]["total"] < plan["stages"]["unsplit"]["total"] - 6 * 2**30
+    assert not (tmp_path / "models").exists()
+
+
+# examples/krea2/model_training/lora/Krea-2-Raw.sh, as it is
+KREA2_COMMAND = r"""
+accelerate launch examples/krea2/model_training/train.py \
+  --dataset_base_path data/diffsynth_example_dataset/krea2/Krea-2-Raw \
+  --dataset_metadata_path data/diffsynth_example_dataset/krea2/Krea-2-Raw/metadata.csv \
+  --max_pixels 1048576 \
+  --dataset_repeat 50 \
+  --model_id_with_origin_paths "krea/Krea-2-Raw:raw.safetensors,Qwen/Qwen3-VL-4B-Instruct:*.safetensors,Qwen/Qwen-Image:vae/diffusion_pytorch_model.safetensors" \
+  --tokenizer_path "Qwen/Qwen3-VL-4B-Instruct:" \
+  --learning_rate 1e-4 \
+  --num_epochs 5 \
+  --remove_prefix_in_ckpt "pipe.dit." \
+  --output_path "./models/train/Krea-2-Raw_lora" \
+  --lora_base_model "dit" \
+  --lora_target_modules "wq,wk,wv,gate,wo,gate,up,down,first,tmlp.0,tmlp.2,projector,txtmlp.1,txtmlp.3,last.linear,tproj.1" \
+  --lora_rank 32 \
+  --use_gradient_checkpointing \
+  --find_unused_parameters \
+  --align_to_opensource_format
+"""
+
+
+def test_diffsynths_krea2_lora_command_runs_as_it_is(tmp_path, monkeypatch, capsys):
+    """DiffSynth's examples/krea2/model_training/lora/Krea-2-Raw.sh with `unitgraph train` for `accelerate launch
+    .../train.py`; only sizes are lowered (--num_epochs 1, --dataset_repeat 1, two 32 px images). The model ids alone
+    choose DiffSynth's own pipeline (Krea 2's id comes first; Qwen-Image's VAE does not make it Qwen-Image); the
+    tokenizer is the root of Qwen3-VL's folder (`Qwen/Qwen3-VL-4B-Instruct:`); the LoRA is written in the open-source
+    layout (--align_to_opensource_format: DiffSynth's Krea2LoRAConverter). Here on a CPU its DiT's attention runs
+    torch's math kernel (any_attention_kernel); without that the run stops before loading anything, in one line."""
+    from clitools import cli, one_error_line
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD"):
+        monkeypatch.delenv(name, raising=False)
+    write_tiny_models(tmp_path / "models", "krea2")
+    argv = shlex_argv(KREA2_COMMAND)
+    write_synthetic_dataset(tmp_path / argv[argv.index("--dataset_base_path") + 1], count=2, size=32)
+    argv[argv.index("--num_epochs") + 1] = "1"
+    argv[argv.index("--dataset_repeat") + 1] = "1"
+    import diffsynth.models.krea2_dit as krea2_dit
+    from torch.nn.attention import sdpa_kernel
+
+    monkeypatch.setattr(krea2_dit, "sdpa_kernel", sdpa_kernel)  # DiffSynth's own choice, whatever fixture is alive
+    code, _, err = cli(capsys, "train", *argv)
+    one_error_line(code, err, "diffsynth:krea2", "krea2_dit.attention", "(cpu)", "it trains on a CUDA GPU")
+    assert not (tmp_path / "models" / "train").exists()
+    with any_attention_kernel("krea2"):
+        code, out, err = cli(capsys, "train", *argv)
+    assert code == 0, err
+    assert "pipeline: diffsynth:krea2 (DiffSynth's Krea2Pipeline; the model id names Krea 2)" in out, out
+    assert "training: 2 steps" in out
+    lora = load_file(str(tmp_path / "models" / "train" / "Krea-2-Raw_lora" / "epoch-0.safetensors"))
+    assert lora and all(k.startswith("transformer.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in lora)
+    assert any(".text_fusion." in k for k in lora) and any(k.startswith("transformer.img_in.") for k in lora)
+    assert {v.shape[0] for k, v in lora.items() if ".lora_A." in k} == {32}
+
+
+def test_the_dry_run_of_the_released_krea2_needs_no_file(tmp_path, monkeypatch, capsys):
+    """DiffSynth's Krea 2 LoRA command, --dry_run, nothing downloaded (and no CUDA asked for: nothing runs): the DiT at
+    its released 12.8 B, the Qwen3-VL text encoder at 4.44 B, Qwen-Image's VAE; stage 2 holds the DiT alone."""
+    import json
+
+    from clitools import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DIFFSYNTH_SKIP_DOWNLOAD", "True")
+    monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
+    code, out, err = cli(capsys, "train", *shlex_argv(KREA2_COMMAND), "--dry_run", "--json")
+    assert code == 0, err
+    plan = json.loads(out[out.index("{"):])
+    models = plan["models"]
+    assert models["dit"]["class"] == "SingleStreamDiT" and 12.7e9 < models["dit"]["params"] < 12.9e9
+    assert models["text_encoder"]["class"] == "Krea2TextEncoder"
+    assert 4.4e9 < models["text_encoder"]["params"] < 4.5e9
+    assert models["vae"]["class"] == "QwenImageVAE"
+    assert plan["stages"]["train"]["models"] == ["dit"]
+    assert plan["stages"]["train"]["total"] < plan["stages"]["unsplit"]["total"] - 8 * 2**30
     assert not (tmp_path / "models").exists()
 
 

@@ -12,24 +12,24 @@ from clitools import cli, one_error_line
 from unitgraph.backends.diffusion.registry import families
 from unitgraph.backends.diffusion.untrained import UNTRAINED, untrained_by_model_id
 
-# DiffSynth's examples/krea2/model_training/lora/Krea-2-Raw.sh, the program name swapped
-KREA2_LORA = """unitgraph train \
-  --dataset_base_path data/diffsynth_example_dataset/krea2/Krea-2-Raw \
-  --dataset_metadata_path data/diffsynth_example_dataset/krea2/Krea-2-Raw/metadata.csv \
+# DiffSynth's examples/boogu_image/model_training/lora/Boogu-Image-0.1-Base.sh, the program name swapped
+BOOGU_LORA = """unitgraph train \
+  --dataset_base_path "./data/diffsynth_example_dataset/boogu_image/Boogu-Image-0.1-Base" \
+  --dataset_metadata_path "./data/diffsynth_example_dataset/boogu_image/Boogu-Image-0.1-Base/metadata.csv" \
   --max_pixels 1048576 \
   --dataset_repeat 50 \
-  --model_id_with_origin_paths "krea/Krea-2-Raw:raw.safetensors,Qwen/Qwen3-VL-4B-Instruct:*.safetensors,Qwen/Qwen-Image:vae/diffusion_pytorch_model.safetensors" \
-  --tokenizer_path "Qwen/Qwen3-VL-4B-Instruct:" \
+  --model_id_with_origin_paths "Boogu/Boogu-Image-0.1-Base:transformer/*.safetensors,Boogu/Boogu-Image-0.1-Base:mllm/*.safetensors,Boogu/Boogu-Image-0.1-Base:vae/*.safetensors" \
   --learning_rate 1e-4 \
   --num_epochs 5 \
   --remove_prefix_in_ckpt "pipe.dit." \
-  --output_path "./models/train/Krea-2-Raw_lora" \
+  --output_path "./models/train/Boogu-Image-0.1-Base_lora" \
   --lora_base_model "dit" \
-  --lora_target_modules "wq,wk,wv,gate,wo,gate,up,down,first,tmlp.0,tmlp.2,projector,txtmlp.1,txtmlp.3,last.linear,tproj.1" \
+  --lora_target_modules "to_q,to_k,to_v,to_out.0,img_to_q,img_to_k,img_to_v,img_out,instruct_to_q,instruct_to_k,instruct_to_v,instruct_out" \
   --lora_rank 32 \
   --use_gradient_checkpointing \
+  --dataset_num_workers 8 \
   --find_unused_parameters \
-  --align_to_opensource_format"""
+  --data_file_keys "image" """
 
 
 @pytest.fixture
@@ -42,17 +42,16 @@ def no_download(monkeypatch):
     return calls
 
 
-def test_diffsynths_krea2_command_is_named_as_untrained_before_any_download(tmp_path, monkeypatch, capsys,
+def test_diffsynths_boogu_command_is_named_as_untrained_before_any_download(tmp_path, monkeypatch, capsys,
                                                                            no_download):
-    """Krea 2's model id comes first in its command (Qwen-Image's VAE, a family unitgraph trains, comes after it)."""
     monkeypatch.chdir(tmp_path)
-    data = tmp_path / "data" / "diffsynth_example_dataset" / "krea2" / "Krea-2-Raw"
+    data = tmp_path / "data" / "diffsynth_example_dataset" / "boogu_image" / "Boogu-Image-0.1-Base"
     data.mkdir(parents=True)
     (data / "metadata.csv").write_text("image,prompt\n0.jpg,a cat\n")
-    argv = shlex.split(KREA2_LORA)[1:]
+    argv = shlex.split(BOOGU_LORA)[1:]
     for extra in ([], ["--dry_run"]):
         code, _, err = cli(capsys, *argv, *extra)
-        line = one_error_line(code, err, "krea/Krea-2-Raw", "Krea 2 (DiffSynth's examples/krea2)",
+        line = one_error_line(code, err, "Boogu/Boogu-Image-0.1-Base", "Boogu-Image (DiffSynth's examples/boogu_image)",
                               "a family unitgraph does not train", "Qwen-Image")
         assert "unitgraph pipelines" in line
     assert no_download == [] and not (tmp_path / "models").exists()
@@ -90,9 +89,9 @@ IDEOGRAM4_IDS = ("DiffSynth-Studio/ideogram-4-bf16-repackage:transformer/diffusi
 
 
 def test_a_family_trained_through_diffsynth_names_the_extra_where_diffsynth_is_missing(tmp_path, capsys, no_download):
-    """Ideogram 4 and ERNIE-Image train through DiffSynth's own pipeline (docs/diffsynth.md); in an environment
-    without the `diffsynth` package their model ids, or --pipeline diffsynth:ideogram4, are one line saying what to
-    install."""
+    """Ideogram 4, ERNIE-Image and Krea 2 train through DiffSynth's own pipeline (docs/diffsynth.md); in an
+    environment without the `diffsynth` package their model ids, or --pipeline diffsynth:ideogram4, are one line
+    saying what to install."""
     import importlib.util
 
     if importlib.util.find_spec("diffsynth") is not None:
@@ -102,11 +101,12 @@ def test_a_family_trained_through_diffsynth_names_the_extra_where_diffsynth_is_m
     code, _, err = cli(capsys, *base, "--model_id_with_origin_paths", IDEOGRAM4_IDS)
     one_error_line(code, err, "is Ideogram 4, which unitgraph trains through DiffSynth's own pipeline",
                    "--pipeline diffsynth:ideogram4", "scripts/setup_diffsynth.sh")
-    ernie = ("PaddlePaddle/ERNIE-Image:transformer/diffusion_pytorch_model*.safetensors,"
-             "PaddlePaddle/ERNIE-Image:text_encoder/model.safetensors")
-    code, _, err = cli(capsys, *base, "--model_id_with_origin_paths", ernie)
-    one_error_line(code, err, "is ERNIE-Image, which unitgraph trains through DiffSynth's own pipeline",
-                   "--pipeline diffsynth:ernie_image", "scripts/setup_diffsynth.sh")
+    for ids, name, module in (("PaddlePaddle/ERNIE-Image:text_encoder/model.safetensors", "ERNIE-Image", "ernie_image"),
+                              ("krea/Krea-2-Raw:raw.safetensors,Qwen/Qwen-Image:vae/diffusion_pytorch_model.safetensors",
+                               "Krea 2", "krea2")):
+        code, _, err = cli(capsys, *base, "--model_id_with_origin_paths", ids)
+        one_error_line(code, err, f"is {name}, which unitgraph trains through DiffSynth's own pipeline",
+                       f"--pipeline diffsynth:{module}", "scripts/setup_diffsynth.sh")
     code, _, err = cli(capsys, *base, "--pipeline", "diffsynth:ideogram4")
     one_error_line(code, err, "--pipeline diffsynth:ideogram4 runs DiffSynth-Studio's own pipeline",
                    "DiffSynth-Studio is not installed here")

@@ -552,6 +552,9 @@ class DiffSynthPipeline:
     sized_as: tuple[tuple[str, str], ...] = ()
     # whether its train.py offers --task direct_distill (DiffSynth's DirectDistillLoss)
     distill: bool = True
+    # "module:function" of a DiffSynth attention function that allows torch only some kernels (one DiT asks for cuDNN's
+    # alone): tried on the run's device before a training stage loads anything ("": none)
+    attention: str = ""
 
     @property
     def name(self) -> str:

@@ -44,6 +44,13 @@ OWN: tuple[Glue, ...] = (
     Glue("ernie_image", "ErnieImagePipeline", "ERNIE-Image (DiffSynth's pipeline)",
          tokenizers=(Tokenizer("tokenizer_config", "tokenizer_path", "PaddlePaddle/ERNIE-Image", "tokenizer/"),),
          example="ernie_image", distill=False),
+    # its prompt unit reads 12 hidden layers of a Qwen3-VL encoder over a fixed 541 tokens; its DiT's attention asks
+    # torch for cuDNN's kernel alone (CUDA only)
+    Glue("krea2", "Krea2Pipeline", "Krea 2 (DiffSynth's pipeline)",
+         tokenizers=(Tokenizer("tokenizer_config", "tokenizer_path", "Qwen/Qwen3-VL-4B-Instruct", ""),),
+         example="krea2", distill=False,
+         opensource_lora="diffsynth.utils.lora.krea2:Krea2LoRAConverter.align_to_opensource_format",
+         attention="diffsynth.models.krea2_dit:attention"),
 )
 
 

@@ -417,7 +417,6 @@ def recognise(files: Files, attributes: dict[str, str]) -> tuple[dict, ...]:
 
 
 def _from_config(files: Files, attributes: dict[str, str]) -> Optional[dict[str, Any]]:
-    import torch
     from diffsynth.configs import MODEL_CONFIGS
 
     first = Path(files if isinstance(files, str) else files[0])
@@ -444,24 +443,34 @@ def _from_config(files: Files, attributes: dict[str, str]) -> Optional[dict[str,
         seen.add(ident)
         cls = _import(entry["model_class"])
         taken = inspect.signature(cls.__init__).parameters
-        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in taken and k != "self"}
+        given = {k: v for k, v in config.items() if k in taken and k != "self"}
         if "config" in taken and "config" not in config:  # a class taking its whole configuration as one dict
-            kwargs["config"] = {k: v for k, v in config.items() if not k.startswith("_")}
+            given["config"] = {k: v for k, v in config.items() if not k.startswith("_")}
         if "config_path" in taken:  # a class reading its configuration's folder itself
-            kwargs["config_path"] = str(config_file.parent)
-        try:
-            with torch.device("meta"):
-                model = cls(**{**entry.get("extra_kwargs", {}), **kwargs})
-            state = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
-            if entry.get("state_dict_converter"):
-                state = _import(entry["state_dict_converter"])(state)
-        except Exception:  # a class these values do not build, a converter these names do not fit: not this entry
-            continue
-        want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        if want == {k: tuple(v.shape) for k, v in state.items()}:
-            extra = {**entry.get("extra_kwargs", {}), **kwargs}
-            return {k: v for k, v in entry.items() if k != "model_hash"} | {"extra_kwargs": extra}
+            given["config_path"] = str(config_file.parent)
+        # a JSON list as a tuple (what most classes' defaults are), else as the list it is (a class that adds
+        # lists to it: Qwen-Image's VAE, `[1] + dim_mult`)
+        for kwargs in ({k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}, given):
+            if _fits(cls, entry, kwargs, shapes):
+                extra = {**entry.get("extra_kwargs", {}), **kwargs}
+                return {k: v for k, v in entry.items() if k != "model_hash"} | {"extra_kwargs": extra}
     return None
+
+
+def _fits(cls: type, entry: dict[str, Any], kwargs: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> bool:
+    """Whether the table entry's class built with `kwargs` (on the meta device) has exactly the weights `shapes`
+    names, read through the entry's state-dict converter."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model = cls(**{**entry.get("extra_kwargs", {}), **kwargs})
+        state = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+        if entry.get("state_dict_converter"):
+            state = _import(entry["state_dict_converter"])(state)
+    except Exception:  # a class these values do not build, a converter these names do not fit: not this entry
+        return False
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()} == {k: tuple(v.shape) for k, v in state.items()}
 
 
 # ------------------------------------------------------------------------------------------------

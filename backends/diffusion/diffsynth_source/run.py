@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import importlib
 import json
 import time
 from dataclasses import MISSING, dataclass, fields
@@ -115,6 +116,25 @@ def route(args: TrainArgs) -> tuple[TrainArgs, Optional[str]]:
                                f"through DiffSynth's own pipeline (--pipeline {glue.name}); {EXTRA_HINT}")
         return replace(args, pipeline=glue.name), f"the model id names {family.name}"
     return args, None
+
+
+def check_attention(glue: Glue, device: Any, dtype: Any) -> None:
+    """One line when the pipeline's DiT computes attention with kernels this device lacks (`glue.attention`: Krea 2's
+    asks torch for cuDNN's alone, so on a CPU its first step would end in torch's "No viable backend" traceback):
+    the function runs once on a tiny query here, before anything is loaded."""
+    if not glue.attention:
+        return
+    import torch
+
+    module, _, name = glue.attention.partition(":")
+    attention = getattr(importlib.import_module(module), name)
+    query = torch.zeros(1, 1, 2, 8, device=device, dtype=dtype)
+    try:
+        attention(query, query, query)
+    except RuntimeError as exc:
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0].rstrip(".")
+        raise BackendError(f"{glue.name}: DiffSynth's {module.rsplit('.', 1)[-1]}.{name} allows torch only attention "
+                           f"kernels this device ({device}) does not have ({said}); it trains on a CUDA GPU") from None
 
 
 def check_flags(args: TrainArgs) -> None:
@@ -298,6 +318,8 @@ def setup(args: TrainArgs) -> Setup:
                            "each layer in bfloat16 (its example's inputs would not match); train it without --fp8_models")
     world = World() if args.dry_run else launched()
     _refuse_under(world.engine, models, args)
+    if not args.dry_run and task_stage(args.task) != "data_process":
+        check_attention(glue, world.device, dtype)
     units = [u for u, keep in zip(bare.units, on) if keep]
     return Setup(glue, args, dtype, pipe_class, units, spec, plan, hub, models,
                  {u.name: u.outputs for u in whole.units}, notes, world, seeded)

@@ -234,6 +234,55 @@ def _ernie_image(outdir: Path, seed: int) -> dict[str, Any]:
             "tokenizer_path": str(root / "tokenizer")}
 
 
+# Krea 2's DiT at test size (the class takes its whole configuration as one dict); its text side takes the fixed
+# encoder's 2560 features, its 16 latent channels are the VAE's; a head of 16 gives rotary axes of 4, 6 and 6
+KREA2_DIT = {"features": 32, "tdim": 16, "txtdim": 2560, "heads": 2, "kvheads": 1, "multiplier": 1, "layers": 2,
+             "patch": 2, "channels": 16, "txtheads": 2, "txtkvheads": 1, "txtlayers": 12}
+# the Qwen-Image VAE (diffusers' AutoencoderKLQwenImage, whose keys and sizes DiffSynth's QwenImageVAE takes as they
+# are) at test size: 16 latent channels, 8x down
+QWEN_IMAGE_VAE = {"base_dim": 32, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1, "attn_scales": [],
+                  "temperal_downsample": [False, True, True], "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16}
+
+
+def _krea2(outdir: Path, seed: int) -> dict[str, Any]:
+    """Krea 2 as its LoRA example downloads it: krea/Krea-2-Raw's raw.safetensors (the DiT, test-sized,
+    `KREA2_DIT`, with its configuration beside it), Qwen/Qwen3-VL-4B-Instruct's weights and tokenizer, Qwen-Image's
+    VAE (test-sized). Its text encoder class fixes Qwen3-VL 4B (4.44 B parameters, its vision tower included): the
+    file is that model with random N(0, 0.02) weights in bf16 (8.9 GB, written once a session), its keys as released
+    (`model.language_model.`, `model.visual.`; no `lm_head`, tied to the embeddings, which DiffSynth's converter
+    copies); its `config.json` is the release's kind, so the file is recognised by its class."""
+    import torch
+    from diffusers import AutoencoderKLQwenImage
+    from safetensors.torch import save_file
+
+    from .models import skeleton
+
+    encoder = outdir / "Qwen" / "Qwen3-VL-4B-Instruct"
+    encoder.mkdir(parents=True, exist_ok=True)
+    _family_with_slot("AutoencoderKLFlux2").tiny_module().build_tokenizer().save_pretrained(str(encoder))
+    (encoder / "config.json").write_text(json.dumps({"architectures": ["Qwen3VLForConditionalGeneration"],
+                                                     "model_type": "qwen3_vl"}, indent=1) + "\n", encoding="utf-8")
+    text = smallest_entry("krea2", "text_encoder", converted=True)
+
+    def released(target: Path) -> None:  # the class's keys back to the release's: its converter's inverse
+        weights = _random_weights(skeleton(text), seed + 2)
+        save_file({k.replace("model.model.", "model.", 1): v for k, v in weights.items()
+                   if k != "model.lm_head.weight"}, str(target))
+
+    _once(encoder / "model.safetensors", (text["model_hash"], seed + 2), released)
+    root = outdir / "krea" / "Krea-2-Raw"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(KREA2_DIT, indent=1) + "\n", encoding="utf-8")
+    dit = smallest_entry("krea2", "dit")
+    save_file(_random_weights(skeleton(dict(dit, extra_kwargs={"config": dict(KREA2_DIT)})), seed),
+              str(root / "raw.safetensors"))
+    torch.manual_seed(seed + 1)
+    AutoencoderKLQwenImage(**QWEN_IMAGE_VAE).save_pretrained(str(outdir / "Qwen" / "Qwen-Image" / "vae"))
+    files = ["krea/Krea-2-Raw:raw.safetensors", "Qwen/Qwen3-VL-4B-Instruct:*.safetensors",
+             "Qwen/Qwen-Image:vae/diffusion_pytorch_model.safetensors"]
+    return {"model_id_with_origin_paths": ",".join(files), "tokenizer_path": "Qwen/Qwen3-VL-4B-Instruct:"}
+
+
 def _seeded_vae(seed: int) -> Any:
     """The VAE (diffusers' AutoencoderKLFlux2) of the tests' Ideogram 4 and ERNIE-Image (`IDEOGRAM4_VAE`), its
     weights drawn from `seed`."""
@@ -244,7 +293,8 @@ def _seeded_vae(seed: int) -> Any:
     return AutoencoderKLFlux2(**IDEOGRAM4_VAE)
 
 
-OWN = {"ideogram4": _ideogram4, "anima_image": _anima, "ernie_image": _ernie_image}  # DiffSynth's of no family
+OWN = {"ideogram4": _ideogram4, "anima_image": _anima, "ernie_image": _ernie_image,
+       "krea2": _krea2}  # writers of DiffSynth's pipelines of no family
 
 
 def writers() -> dict[str, Any]:
