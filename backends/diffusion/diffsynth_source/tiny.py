@@ -238,10 +238,10 @@ def _ernie_image(outdir: Path, seed: int) -> dict[str, Any]:
 # encoder's 2560 features, its 16 latent channels are the VAE's; a head of 16 gives rotary axes of 4, 6 and 6
 KREA2_DIT = {"features": 32, "tdim": 16, "txtdim": 2560, "heads": 2, "kvheads": 1, "multiplier": 1, "layers": 2,
              "patch": 2, "channels": 16, "txtheads": 2, "txtkvheads": 1, "txtlayers": 12}
-# the Qwen-Image VAE (diffusers' AutoencoderKLQwenImage, whose keys and sizes DiffSynth's QwenImageVAE takes as they
-# are) at test size: 16 latent channels, 8x down
-QWEN_IMAGE_VAE = {"base_dim": 32, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1, "attn_scales": [],
-                  "temperal_downsample": [False, True, True], "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16}
+# Krea 2's VAE (diffusers' AutoencoderKLQwenImage, whose keys and sizes DiffSynth's own VAE class takes as they are)
+# at test size: 16 latent channels, 8x down
+KREA2_VAE = {"base_dim": 32, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1, "attn_scales": [],
+             "temperal_downsample": [False, True, True], "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16}
 
 
 def _krea2(outdir: Path, seed: int) -> dict[str, Any]:
@@ -277,7 +277,7 @@ def _krea2(outdir: Path, seed: int) -> dict[str, Any]:
     save_file(_random_weights(skeleton(dict(dit, extra_kwargs={"config": dict(KREA2_DIT)})), seed),
               str(root / "raw.safetensors"))
     torch.manual_seed(seed + 1)
-    AutoencoderKLQwenImage(**QWEN_IMAGE_VAE).save_pretrained(str(outdir / "Qwen" / "Qwen-Image" / "vae"))
+    AutoencoderKLQwenImage(**KREA2_VAE).save_pretrained(str(outdir / "Qwen" / "Qwen-Image" / "vae"))
     files = ["krea/Krea-2-Raw:raw.safetensors", "Qwen/Qwen3-VL-4B-Instruct:*.safetensors",
              "Qwen/Qwen-Image:vae/diffusion_pytorch_model.safetensors"]
     return {"model_id_with_origin_paths": ",".join(files), "tokenizer_path": "Qwen/Qwen3-VL-4B-Instruct:"}
