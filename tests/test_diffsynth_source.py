@@ -6,11 +6,12 @@ skipped elsewhere. The models are test-sized, written in DiffSynth's `./models` 
 and loaded by DiffSynth's own loader; a command names them as DiffSynth's example does, by model id and pattern.
 
 Pipelines: Stable Diffusion 1.5, SDXL, Z-Image, Wan 2.1 T2V and FLUX.2 [klein] (families unitgraph also trains
-itself), Ideogram 4, Anima, ERNIE-Image and Krea 2 (DiffSynth's alone; Anima's classes fix their sizes, so its DiT
+itself), Ideogram 4, Anima, ERNIE-Image, Krea 2 (DiffSynth's alone; Anima's classes fix their sizes, so its DiT
 is the released 2.09 B, 4.2 GB in bf16, and the text encoder classes of ERNIE-Image and Krea 2 fix Ministral 3's
 3.43 B and Qwen3-VL's 4.44 B, 6.9 and 8.9 GB in bf16: only the step, split and checkpoint checks run for them; Krea
 2's DiT asks torch for cuDNN's attention kernel alone, which no CPU has, so its tests let torch choose its math
-kernel, for DiffSynth's own step and unitgraph's alike: any_attention_kernel). Wan's VAE class fixes its size (127 M
+kernel, for DiffSynth's own step and unitgraph's alike: any_attention_kernel), and LingBot-Video (its dense text to
+video DiT test-sized, Krea 2's text encoder read through a Qwen3-VL processor). Wan's VAE class fixes its size (127 M
 parameters, written in bf16: 254 MB per module). The text encoder class of Z-Image, FLUX.2 [klein] and Anima allows
 nothing smaller than Qwen3 0.6B (1.2 GB in bf16, written once a session and linked into each module's folder).
 What they show, per pipeline:
@@ -64,11 +65,12 @@ PIPELINES = {
     "ernie_image": ("dit", "to_q,to_k,to_v,to_out.0", "pipe.dit."),
     "krea2": ("dit", "wq,wk,wv,gate,wo,gate,up,down,first,tmlp.0,tmlp.2,projector,txtmlp.1,txtmlp.3,last.linear,tproj.1",
               "pipe.dit."),
+    "lingbot_video": ("dit", "to_q,to_k,to_v,to_out", "pipe.dit."),
 }
 # pipelines whose classes fix a large size (Anima's DiT: 2.09 B parameters, 4.2 GB in bf16; ERNIE-Image's text
-# encoder: 3.43 B, 6.9 GB; Krea 2's: 4.44 B, 8.9 GB): only the checks of the step, the split and the checkpoint run
-# for them, not every test the module-wide `world` fixture gives the others
-HEAVY = {"anima_image", "ernie_image", "krea2"}
+# encoder: 3.43 B, 6.9 GB; Krea 2's and LingBot-Video's: 4.44 B, 8.9 GB): only the checks of the step, the split and
+# the checkpoint run for them, not every test the module-wide `world` fixture gives the others
+HEAVY = {"anima_image", "ernie_image", "krea2", "lingbot_video"}
 LIGHT = sorted(set(PIPELINES) - HEAVY)
 # the inputs an image example's get_pipeline_inputs sets beyond the picture, its size, cfg_scale, rand_device and the
 # checkpointing flags (examples/flux2/model_training/train.py: "embedded_guidance": 1.0)
@@ -175,6 +177,17 @@ def example_inputs(root: Path, flags: dict, args, glue, device, module=None, ind
 def _example_inputs(base: str, metadata: str, flags: dict, args, glue, device, index: int = 1) -> tuple:
     from diffsynth.core import UnifiedDataset
 
+    if flags["module"] == "lingbot_video":  # examples/lingbot_video/model_training/train.py
+        video = UnifiedDataset(base_path=base, metadata_path=metadata, repeat=1, data_file_keys=["video"],
+                               main_data_operator=UnifiedDataset.default_video_operator(
+                                   base_path=base, max_pixels=args.max_pixels, height=32, width=32,
+                                   height_division_factor=16, width_division_factor=16, num_frames=5,
+                                   time_division_factor=4, time_division_remainder=1))[index]
+        return ({"input_video": video["video"], "height": video["video"][0].size[1],
+                 "width": video["video"][0].size[0], "num_frames": len(video["video"]), "cfg_scale": 1, "seed": None,
+                 "rand_device": device, "use_gradient_checkpointing": False,
+                 "use_gradient_checkpointing_offload": False, "max_timestep_boundary": 1.0,
+                 "min_timestep_boundary": 0.0}, {"prompt": video["prompt"]}, {})
     if _video(flags["module"]):  # examples/wanvideo/model_training/train.py
         data = UnifiedDataset(base_path=base, metadata_path=metadata,
                               repeat=1, data_file_keys=["video"],
@@ -1188,6 +1201,87 @@ def test_the_dry_run_of_the_released_krea2_needs_no_file(tmp_path, monkeypatch, 
     assert models["vae"]["class"] == "QwenImageVAE"
     assert plan["stages"]["train"]["models"] == ["dit"]
     assert plan["stages"]["train"]["total"] < plan["stages"]["unsplit"]["total"] - 8 * 2**30
+    assert not (tmp_path / "models").exists()
+
+
+# examples/lingbot_video/model_training/lora/lingbot-video-dense-1.3b_t2v.sh, as it is
+LINGBOT_VIDEO_COMMAND = r"""
+accelerate launch examples/lingbot_video/model_training/train.py \
+  --dataset_base_path data/diffsynth_example_dataset/lingbot_video/lingbot-video-dense-1.3b_t2v \
+  --dataset_metadata_path data/diffsynth_example_dataset/lingbot_video/lingbot-video-dense-1.3b_t2v/metadata.json \
+  --data_file_keys "video" \
+  --height 480 \
+  --width 832 \
+  --num_frames 81 \
+  --dataset_repeat 50 \
+  --model_id_with_origin_paths "Robbyant/lingbot-video-dense-1.3b:transformer/diffusion_pytorch_model.safetensors,Qwen/Qwen3-VL-4B-Instruct:*.safetensors,Robbyant/lingbot-video-dense-1.3b:vae/diffusion_pytorch_model.safetensors" \
+  --processor_path "Qwen/Qwen3-VL-4B-Instruct:" \
+  --learning_rate 1e-4 \
+  --num_epochs 5 \
+  --remove_prefix_in_ckpt "pipe.dit." \
+  --output_path "./models/train/lingbot-video-dense-1.3b_t2v_lora" \
+  --lora_base_model "dit" \
+  --lora_target_modules "to_q,to_k,to_v,to_out" \
+  --lora_rank 32 \
+  --use_gradient_checkpointing
+"""
+
+
+def test_diffsynths_lingbot_video_lora_command_runs_as_it_is(tmp_path, monkeypatch, capsys):
+    """DiffSynth's examples/lingbot_video/model_training/lora/lingbot-video-dense-1.3b_t2v.sh with `unitgraph train`
+    for `accelerate launch .../train.py`; only sizes are lowered (--height and --width 32, --num_frames 5, --num_epochs
+    1, --dataset_repeat 1, two clips). Its metadata is a JSON list, as the example's dataset has it; the model ids
+    alone choose DiffSynth's own pipeline; `--processor_path` names Qwen3-VL's folder, whose processor reads the
+    caption for the text encoder; the clips are read by DiffSynth's video operator."""
+    import csv
+    import json
+
+    from clitools import cli
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD"):
+        monkeypatch.delenv(name, raising=False)
+    write_tiny_models(tmp_path / "models", "lingbot_video")
+    argv = shlex_argv(LINGBOT_VIDEO_COMMAND)
+    data = tmp_path / argv[argv.index("--dataset_base_path") + 1]
+    write_synthetic_dataset(data, count=2, size=32, videos=("video",), frames=5)
+    with open(data / "metadata.csv", newline="", encoding="utf-8") as f:
+        rows = [{"video": r["video"], "prompt": r["prompt"]} for r in csv.DictReader(f)]
+    (data / "metadata.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    for flag, value in (("--height", "32"), ("--width", "32"), ("--num_frames", "5"), ("--num_epochs", "1"),
+                        ("--dataset_repeat", "1")):
+        argv[argv.index(flag) + 1] = value
+    code, out, err = cli(capsys, "train", *argv)
+    assert code == 0, err
+    assert ("pipeline: diffsynth:lingbot_video (DiffSynth's LingBotVideoPipeline; the model id names LingBot-Video)"
+            in out), out
+    assert "training: 2 steps" in out
+    lora = load_file(str(tmp_path / "models" / "train" / "lingbot-video-dense-1.3b_t2v_lora" / "epoch-0.safetensors"))
+    assert lora and not any(k.startswith("pipe.") for k in lora)
+    assert {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in lora} == {"to_q", "to_k", "to_v", "to_out"}
+    assert {v.shape[0] for k, v in lora.items() if ".lora_A." in k} == {32}
+
+
+def test_the_dry_run_of_the_released_lingbot_video_needs_no_file(tmp_path, monkeypatch, capsys):
+    """DiffSynth's LingBot-Video LoRA command, --dry_run, nothing downloaded: the dense DiT at its released 1.36 B, Krea
+    2's 4.44 B text encoder, the VAE sized as Qwen-Image's (DiffSynth's table knows it under Qwen-Image's example);
+    stage 2 holds the DiT alone, a quarter of the unsplit run."""
+    import json
+
+    from clitools import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DIFFSYNTH_SKIP_DOWNLOAD", "True")
+    monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
+    code, out, err = cli(capsys, "train", *shlex_argv(LINGBOT_VIDEO_COMMAND), "--dry_run", "--json")
+    assert code == 0, err
+    plan = json.loads(out[out.index("{"):])
+    models = plan["models"]
+    assert models["dit"]["class"] == "LingBotVideoDiT" and 1.3e9 < models["dit"]["params"] < 1.4e9
+    assert models["text_encoder"]["class"] == "Krea2TextEncoder"
+    assert models["vae"]["class"] == "QwenImageVAE"
+    assert plan["stages"]["train"]["models"] == ["dit"]
+    assert plan["stages"]["train"]["total"] < plan["stages"]["unsplit"]["total"] / 3
     assert not (tmp_path / "models").exists()
 
 

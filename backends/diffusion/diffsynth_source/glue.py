@@ -51,6 +51,13 @@ OWN: tuple[Glue, ...] = (
          example="krea2", distill=False,
          opensource_lora="diffsynth.utils.lora.krea2:Krea2LoRAConverter.align_to_opensource_format",
          attention="diffsynth.models.krea2_dit:attention"),
+    # its prompt unit reads Qwen3-VL's last hidden states of a chat-framed caption through a processor (--processor_path,
+    # which its train.py has no default for; Krea 2's encoder folder here); its get_pipeline_inputs sets `seed` None
+    # and no negative side, and passes the timestep boundaries
+    Glue("lingbot_video", "LingBotVideoPipeline", "LingBot-Video (DiffSynth's pipeline)",
+         tokenizers=(Tokenizer("processor_config", "processor_path", "Qwen/Qwen3-VL-4B-Instruct", ""),),
+         columns=("video", "prompt"), example="lingbot_video", media="video", constants=(("seed", None),),
+         boundaries=True, negative=None, distill=False),
 )
 
 

@@ -85,8 +85,9 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
         "config_file", "num_processes", "fp8_models", "offload_models", "tokenizer_t5xxl_path", "optimizer_args",
         "lr_warmup_steps", "ema_decay", "ema_device", "validation_use_ema", "max_grad_norm", "validation_dataset",
         "validation_steps", "caption_dropout", "weighting_scheme", "logit_mean", "logit_std", "mode_scale",
-        "masked_loss", "masked_loss_unmasked_weight"}
-TOKENIZER_FLAGS = ("tokenizer_path", "tokenizer_2_path", "tokenizer_t5xxl_path")
+        "masked_loss", "masked_loss_unmasked_weight", "processor_path"}
+# the flags naming a tokenizer (or processor) folder: each only for a pipeline that takes one by it
+TOKENIZER_FLAGS = ("tokenizer_path", "tokenizer_2_path", "tokenizer_t5xxl_path", "processor_path")
 
 
 def wanted(args: TrainArgs) -> bool:

@@ -244,43 +244,97 @@ KREA2_VAE = {"base_dim": 32, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blo
              "temperal_downsample": [False, True, True], "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16}
 
 
-def _krea2(outdir: Path, seed: int) -> dict[str, Any]:
-    """Krea 2 as its LoRA example downloads it: krea/Krea-2-Raw's raw.safetensors (the DiT, test-sized,
-    `KREA2_DIT`, with its configuration beside it), Qwen/Qwen3-VL-4B-Instruct's weights and tokenizer, Qwen-Image's
-    VAE (test-sized). Its text encoder class fixes Qwen3-VL 4B (4.44 B parameters, its vision tower included): the
-    file is that model with random N(0, 0.02) weights in bf16 (8.9 GB, written once a session), its keys as released
+def _qwen3_vl_4b(outdir: Path, seed: int) -> None:
+    """Qwen/Qwen3-VL-4B-Instruct as Krea 2's and LingBot-Video's examples download it: its weights, whose class
+    (DiffSynth's Krea2TextEncoder) fixes 4.44 B parameters, its vision tower included: that model with random
+    N(0, 0.02) weights in bf16 (8.9 GB, written once a session and linked into each folder), its keys as released
     (`model.language_model.`, `model.visual.`; no `lm_head`, tied to the embeddings, which DiffSynth's converter
-    copies); its `config.json` is the release's kind, so the file is recognised by its class."""
+    copies); its `config.json` of the release's kind, so the file is recognised by its class; and a test-size Qwen3-VL
+    processor (its tokenizer, which Krea 2 reads alone, and image and video processors of the release's patch sizes)
+    at the folder's root."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    from .models import skeleton
+
+    folder = outdir / "Qwen" / "Qwen3-VL-4B-Instruct"
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = _family_with_slot("AutoencoderKLFlux2").tiny_module().build_tokenizer()
+    Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2),
+                     tokenizer=tokenizer, video_processor=Qwen3VLVideoProcessor(),
+                     chat_template=tokenizer.chat_template).save_pretrained(str(folder))
+    (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen3VLForConditionalGeneration"],
+                                                    "model_type": "qwen3_vl"}, indent=1) + "\n", encoding="utf-8")
+    text = smallest_entry("krea2", "text_encoder", converted=True)
+
+    def released(target: Path) -> None:  # the class's keys back to the release's: its converter's inverse
+        weights = _random_weights(skeleton(text), seed)
+        save_file({k.replace("model.model.", "model.", 1): v for k, v in weights.items()
+                   if k != "model.lm_head.weight"}, str(target))
+
+    _once(folder / "model.safetensors", (text["model_hash"], seed), released)
+
+
+def _krea2_vae(folder: Path, seed: int) -> None:
+    """Krea 2's VAE at test size (`KREA2_VAE`; LingBot-Video's is the same class) as a diffusers folder, its weights
+    drawn from `seed`."""
     import torch
     from diffusers import AutoencoderKLQwenImage
+
+    torch.manual_seed(seed)
+    AutoencoderKLQwenImage(**KREA2_VAE).save_pretrained(str(folder))
+
+
+def _krea2(outdir: Path, seed: int) -> dict[str, Any]:
+    """Krea 2 as its LoRA example downloads it: krea/Krea-2-Raw's raw.safetensors (the DiT, test-sized,
+    `KREA2_DIT`, with its configuration beside it), Qwen/Qwen3-VL-4B-Instruct (`_qwen3_vl_4b`), Qwen-Image's VAE
+    (test-sized)."""
     from safetensors.torch import save_file
 
     from .models import skeleton
 
-    encoder = outdir / "Qwen" / "Qwen3-VL-4B-Instruct"
-    encoder.mkdir(parents=True, exist_ok=True)
-    _family_with_slot("AutoencoderKLFlux2").tiny_module().build_tokenizer().save_pretrained(str(encoder))
-    (encoder / "config.json").write_text(json.dumps({"architectures": ["Qwen3VLForConditionalGeneration"],
-                                                     "model_type": "qwen3_vl"}, indent=1) + "\n", encoding="utf-8")
-    text = smallest_entry("krea2", "text_encoder", converted=True)
-
-    def released(target: Path) -> None:  # the class's keys back to the release's: its converter's inverse
-        weights = _random_weights(skeleton(text), seed + 2)
-        save_file({k.replace("model.model.", "model.", 1): v for k, v in weights.items()
-                   if k != "model.lm_head.weight"}, str(target))
-
-    _once(encoder / "model.safetensors", (text["model_hash"], seed + 2), released)
+    _qwen3_vl_4b(outdir, seed + 2)
     root = outdir / "krea" / "Krea-2-Raw"
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(KREA2_DIT, indent=1) + "\n", encoding="utf-8")
     dit = smallest_entry("krea2", "dit")
     save_file(_random_weights(skeleton(dict(dit, extra_kwargs={"config": dict(KREA2_DIT)})), seed),
               str(root / "raw.safetensors"))
-    torch.manual_seed(seed + 1)
-    AutoencoderKLQwenImage(**KREA2_VAE).save_pretrained(str(outdir / "Qwen" / "Qwen-Image" / "vae"))
+    _krea2_vae(outdir / "Qwen" / "Qwen-Image" / "vae", seed + 1)
     files = ["krea/Krea-2-Raw:raw.safetensors", "Qwen/Qwen3-VL-4B-Instruct:*.safetensors",
              "Qwen/Qwen-Image:vae/diffusion_pytorch_model.safetensors"]
     return {"model_id_with_origin_paths": ",".join(files), "tokenizer_path": "Qwen/Qwen3-VL-4B-Instruct:"}
+
+
+# LingBot-Video's dense DiT at test size (the class takes every size; its text side takes the fixed encoder's 2560
+# features, its 16 latent channels are the VAE's); a head of 16 gives rotary axes of 4, 6 and 6
+LINGBOT_VIDEO_DIT = {"hidden_size": 32, "num_attention_heads": 2, "depth": 2, "intermediate_size": 64,
+                     "text_dim": 2560, "in_channels": 16, "out_channels": 16, "axes_dims": [4, 6, 6]}
+
+
+def _lingbot_video(outdir: Path, seed: int) -> dict[str, Any]:
+    """LingBot-Video (dense 1.3B, text to video) as its LoRA example downloads it: Robbyant/lingbot-video-dense-1.3b's
+    transformer (test-sized, `LINGBOT_VIDEO_DIT`, its configuration beside it) and vae (the Qwen-Image VAE at test
+    size, as Krea 2's), and Krea 2's text encoder folder, Qwen/Qwen3-VL-4B-Instruct, whose processor its
+    `--processor_path` names (`_qwen3_vl_4b`)."""
+    from safetensors.torch import save_file
+
+    from .models import skeleton
+
+    _qwen3_vl_4b(outdir, seed + 2)
+    root = outdir / "Robbyant" / "lingbot-video-dense-1.3b"
+    (root / "transformer").mkdir(parents=True, exist_ok=True)
+    (root / "transformer" / "config.json").write_text(json.dumps(LINGBOT_VIDEO_DIT, indent=1) + "\n",
+                                                      encoding="utf-8")
+    dit = smallest_entry("lingbot_video", "dit", converted=True)
+    save_file(_random_weights(skeleton(dict(dit, extra_kwargs=dict(LINGBOT_VIDEO_DIT))), seed),
+              str(root / "transformer" / "diffusion_pytorch_model.safetensors"))
+    _krea2_vae(root / "vae", seed + 1)
+    model_id = "Robbyant/lingbot-video-dense-1.3b"
+    files = [f"{model_id}:transformer/diffusion_pytorch_model.safetensors", "Qwen/Qwen3-VL-4B-Instruct:*.safetensors",
+             f"{model_id}:vae/diffusion_pytorch_model.safetensors"]
+    return {"model_id_with_origin_paths": ",".join(files), "processor_path": "Qwen/Qwen3-VL-4B-Instruct:"}
 
 
 def _seeded_vae(seed: int) -> Any:
@@ -294,7 +348,7 @@ def _seeded_vae(seed: int) -> Any:
 
 
 OWN = {"ideogram4": _ideogram4, "anima_image": _anima, "ernie_image": _ernie_image,
-       "krea2": _krea2}  # writers of DiffSynth's pipelines of no family
+       "krea2": _krea2, "lingbot_video": _lingbot_video}  # writers of DiffSynth's pipelines of no family
 
 
 def writers() -> dict[str, Any]:
