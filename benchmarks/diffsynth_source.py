@@ -3,7 +3,8 @@ pipeline, at test size; each stage's memory at the released sizes from the dry r
 pipelines train this way.
 
 Runs in `.venv-diffsynth` (scripts/setup_diffsynth.sh). For each pipeline of `diffsynth_source/glue.py`: its tiny
-`./models` (diffsynth_source/tiny.py), 8 images at 32 px (a video pipeline: 8 clips of 5 frames), a LoRA of rank 4 on the denoiser; the unsplit run (`sft`)
+`./models` (diffsynth_source/tiny.py), 8 images at 32 px (a video pipeline: 8 clips of 5 frames; 4 for a pipeline whose
+classes fix a large size), a LoRA of rank 4 on the denoiser; the unsplit run (`sft`)
 and stage 2 (`sft:train`, from a cache stage 1 made once) train the same 16 steps, alternating over `rounds` rounds
 after one uncounted run of each; each figure is the median step over the rounds' medians (a run's first step,
 which pays one-off set-up, left out). One process; nothing else should run on the machine meanwhile.
@@ -24,6 +25,8 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
+from diffsynth_env import any_attention_kernel  # noqa: E402  (Krea 2's DiT on a CPU, as the tests run it)
 from docsection import installed_versions, write_section  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -36,7 +39,14 @@ LORA = {"stable_diffusion": ("unet", "to_q,to_k,to_v,to_out.0"),
         "stable_diffusion_xl": ("unet", "to_q,to_k,to_v,to_out.0"),
         "wan_video": ("dit", "q,k,v,o,ffn.0,ffn.2"),
         "flux2_image": ("dit", "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,linear_in,"
-                               "linear_out,to_qkv_mlp_proj")}
+                               "linear_out,to_qkv_mlp_proj"),
+        "anima_image": ("dit", ""),
+        "ernie_image": ("dit", "to_q,to_k,to_v,to_out.0"),
+        "krea2": ("dit", "wq,wk,wv,gate,wo,up,down,first,tmlp.0,tmlp.2,projector,txtmlp.1,txtmlp.3,last.linear,tproj.1"),
+        "lingbot_video": ("dit", "to_q,to_k,to_v,to_out")}
+# pipelines whose classes fix a large size (Anima's DiT, the text encoders of ERNIE-Image, Krea 2 and LingBot-Video):
+# 4 samples each, so a run is 8 steps
+HEAVY, HEAVY_SAMPLES = ("anima_image", "ernie_image", "krea2", "lingbot_video"), 4
 FRAMES = 5  # a video pipeline's clips: 5 frames (4k+1) of 32 px
 # the released files of each pipeline's DiffSynth example, for the dry run (nothing is downloaded)
 RELEASED = {
@@ -57,6 +67,17 @@ RELEASED = {
     "flux2_image": ("black-forest-labs/FLUX.2-klein-4B:text_encoder/*.safetensors,"
                     "black-forest-labs/FLUX.2-klein-4B:transformer/*.safetensors,"
                     "black-forest-labs/FLUX.2-klein-4B:vae/diffusion_pytorch_model.safetensors", 32),
+    "anima_image": ("circlestone-labs/Anima:split_files/diffusion_models/anima-preview.safetensors,"
+                    "circlestone-labs/Anima:split_files/text_encoders/qwen_3_06b_base.safetensors,"
+                    "circlestone-labs/Anima:split_files/vae/qwen_image_vae.safetensors", 32),
+    "ernie_image": ("PaddlePaddle/ERNIE-Image:transformer/diffusion_pytorch_model*.safetensors,"
+                    "PaddlePaddle/ERNIE-Image:text_encoder/model.safetensors,"
+                    "PaddlePaddle/ERNIE-Image:vae/diffusion_pytorch_model.safetensors", 32),
+    "krea2": ("krea/Krea-2-Raw:raw.safetensors,Qwen/Qwen3-VL-4B-Instruct:*.safetensors,"
+              "Qwen/Qwen-Image:vae/diffusion_pytorch_model.safetensors", 32),
+    "lingbot_video": ("Robbyant/lingbot-video-dense-1.3b:transformer/diffusion_pytorch_model.safetensors,"
+                      "Qwen/Qwen3-VL-4B-Instruct:*.safetensors,"
+                      "Robbyant/lingbot-video-dense-1.3b:vae/diffusion_pytorch_model.safetensors", 32),
 }
 
 
@@ -83,11 +104,12 @@ def measure(module: str, rounds: int, root: Path) -> dict[str, Any]:
     folder = root / module
     flags = write_tiny_models(folder / "models", module)
     video = glue_for(module).media == "video"
-    write_synthetic_dataset(folder / "data", count=SAMPLES, size=40, **({"videos": ("video",), "frames": FRAMES}
-                                                                        if video else {}))
+    write_synthetic_dataset(folder / "data", count=HEAVY_SAMPLES if module in HEAVY else SAMPLES, size=40,
+                            **({"videos": ("video",), "frames": FRAMES} if video else {}))
     os.environ["DIFFSYNTH_MODEL_BASE_PATH"] = str(folder / "models")
     os.environ["DIFFSYNTH_SKIP_DOWNLOAD"] = "True"
-    both = {"tokenizer_path": flags["tokenizer_path"], **({"num_frames": FRAMES, "data_file_keys": "video"} if video else {})}
+    folders = {k: v for k, v in flags.items() if k in ("tokenizer_path", "tokenizer_t5xxl_path", "processor_path")}
+    both = {**folders, **({"num_frames": FRAMES, "data_file_keys": "video"} if video else {})}
     data = {"dataset_base_path": str(folder / "data"), "dataset_metadata_path": str(folder / "data" / "metadata.csv"),
             "model_id_with_origin_paths": flags["model_id_with_origin_paths"], **both}
     quiet = lambda _line: None  # noqa: E731
@@ -143,8 +165,11 @@ def render(found: dict[str, Any], plans: dict[str, Any], rounds: int, started: s
     lines = [f"Measured {started} to {ended} on this machine ({os.cpu_count()} cores; "
              f"{installed_versions(('torch', 'diffsynth', 'peft'))}), in `.venv-diffsynth`, by "
              f"`benchmarks/diffsynth_source.py --rounds {rounds}`: each pipeline's test-size models from DiffSynth's "
-             f"own classes, {SAMPLES} images at {SIDE} px (a video pipeline's: {SAMPLES} clips of {FRAMES} frames), a rank-4 LoRA on the denoiser, {EPOCHS} epochs; the median "
-             "step of the unsplit run and of stage 2, alternating, median over the rounds.", "",
+             f"own classes, {SAMPLES} images at {SIDE} px (a video pipeline's: {SAMPLES} clips of {FRAMES} frames; "
+             f"{HEAVY_SAMPLES} for a pipeline whose classes fix a large size: {', '.join(HEAVY)}), a rank-4 LoRA on "
+             f"the denoiser, {EPOCHS} epochs; the median step of the unsplit run and of stage 2, alternating, median "
+             "over the rounds (Krea 2's DiT, which asks torch for cuDNN's attention kernel alone, with torch's math "
+             "kernel on this CPU).", "",
              "| pipeline | stage 1 runs | stage 2 runs | stage 1 (s) | unsplit step (ms) | stage-2 step (ms) | "
              "stage 2 / unsplit | losses equal |", "|---|---|---|---|---|---|---|---|"]
     for module, f in found.items():
@@ -178,7 +203,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with tempfile.TemporaryDirectory(prefix="unitgraph-bench-ds-") as tmp:
-        found = {module: measure(module, args.rounds, Path(tmp)) for module in LORA}
+        found = {}
+        for module in LORA:
+            with any_attention_kernel(module):
+                found[module] = measure(module, args.rounds, Path(tmp))
     plans = {module: released(module) for module in RELEASED}
     text = render(found, plans, args.rounds, started, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(text)

@@ -525,9 +525,10 @@ class DiffSynthPipeline:
     `vace_scale`). boundaries: whether it passes --max/--min_timestep_boundary to the loss. negative: the
     `inputs_nega` prompt (None: an empty dict). checkpointing: whether its train.py turns gradient checkpointing on
     whatever the flag says. sized_as: release files known to DiffSynth's table by another repository's example
-    (the dry run sizes them from it). A family that trains the same models declares it (`Family.diffsynth`), with
-    a writer of its test-size models in DiffSynth's layout; DiffSynth's pipelines of no family are listed in
-    diffsynth_source/glue.py.
+    (the dry run sizes them from it). attention: a DiffSynth attention function that allows torch only kernels some
+    devices lack, tried before a training stage loads anything. A family that trains the same models declares it
+    (`Family.diffsynth`), with a writer of its test-size models in DiffSynth's layout; DiffSynth's pipelines of no
+    family are listed in diffsynth_source/glue.py.
     """
 
     module: str
