@@ -878,7 +878,9 @@ def test_bad_commands_are_one_line(world, tmp_path):
     if flags["module"] != "stable_diffusion":
         return
     with pytest.raises(BackendError, match="not trained through DiffSynth's own code yet"):
-        run(_args(root, flags, pipeline="diffsynth:ernie_image", output_path=str(tmp_path / "x")))
+        run(_args(root, flags, pipeline="diffsynth:qwen_image", output_path=str(tmp_path / "x")))
+    with pytest.raises(BackendError, match="--processor_path: diffsynth:stable_diffusion takes no such tokenizer"):
+        run(_args(root, flags, processor_path="Qwen/Qwen3-VL-4B-Instruct:", output_path=str(tmp_path / "x")))
     with pytest.raises(BackendError, match="--fp8_models: diffsynth:stable_diffusion trains in float32"):
         run(_args(root, flags, fp8_models="unet", output_path=str(tmp_path / "x")))
     with pytest.raises(BackendError, match="matches no module|not found"):
