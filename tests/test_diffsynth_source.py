@@ -1056,6 +1056,24 @@ def test_diffsynths_anima_lora_command_runs_as_it_is(tmp_path, monkeypatch, caps
     assert "training: 2 steps" in out
 
 
+def ported(command: str, module: str, tmp_path: Path, monkeypatch, videos: tuple = (), frames: int = 5,
+           **lowered: str) -> list[str]:
+    """The flags of a DiffSynth example's command, to run in `tmp_path` as the folder it is launched from: the
+    pipeline's tiny ./models written there, two 32 px samples (clips: `videos`) where its --dataset_base_path points,
+    downloads not turned off (the files are where the command looks), --num_epochs and --dataset_repeat 1 and the
+    `lowered` flags (`{"--height": "32"}`) set."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD"):
+        monkeypatch.delenv(name, raising=False)
+    write_tiny_models(tmp_path / "models", module)
+    argv = shlex_argv(command)
+    write_synthetic_dataset(tmp_path / argv[argv.index("--dataset_base_path") + 1], count=2, size=32,
+                            **({"videos": videos, "frames": frames} if videos else {}))
+    for flag, value in {"--num_epochs": "1", "--dataset_repeat": "1", **lowered}.items():
+        argv[argv.index(flag) + 1] = value
+    return argv
+
+
 # examples/ernie_image/model_training/lora/ERNIE-Image.sh, as it is
 ERNIE_IMAGE_COMMAND = r"""
 accelerate launch examples/ernie_image/model_training/train.py \
@@ -1084,14 +1102,7 @@ def test_diffsynths_ernie_image_lora_command_runs_as_it_is(tmp_path, monkeypatch
     train.py looks by default (PaddlePaddle/ERNIE-Image/tokenizer); the released-size text encoder runs in stage 1."""
     from clitools import cli
 
-    monkeypatch.chdir(tmp_path)
-    for name in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD"):
-        monkeypatch.delenv(name, raising=False)
-    write_tiny_models(tmp_path / "models", "ernie_image")
-    argv = shlex_argv(ERNIE_IMAGE_COMMAND)
-    write_synthetic_dataset(tmp_path / argv[argv.index("--dataset_base_path") + 1], count=2, size=32)
-    argv[argv.index("--num_epochs") + 1] = "1"
-    argv[argv.index("--dataset_repeat") + 1] = "1"
+    argv = ported(ERNIE_IMAGE_COMMAND, "ernie_image", tmp_path, monkeypatch)
     code, out, err = cli(capsys, "train", *argv)
     assert code == 0, err
     assert "pipeline: diffsynth:ernie_image (DiffSynth's ErnieImagePipeline; the model id names ERNIE-Image)" in out, out
@@ -1100,30 +1111,6 @@ def test_diffsynths_ernie_image_lora_command_runs_as_it_is(tmp_path, monkeypatch
     assert lora and not any(k.startswith("pipe.") for k in lora)
     assert {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in lora} == {"to_q", "to_k", "to_v", "0"}
     assert {v.shape[0] for k, v in lora.items() if ".lora_A." in k} == {32}
-
-
-def test_the_dry_run_of_the_released_ernie_image_needs_no_file(tmp_path, monkeypatch, capsys):
-    """DiffSynth's ERNIE-Image LoRA command, --dry_run, nothing downloaded: the DiT at the class's released 8.0 B, the
-    Ministral 3 text encoder at 3.43 B, the VAE sized as FLUX.2's (DiffSynth's table knows it under FLUX.2-dev's
-    example); stage 2 holds the DiT alone, well under the unsplit run."""
-    import json
-
-    from clitools import cli
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("DIFFSYNTH_SKIP_DOWNLOAD", "True")
-    monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
-    code, out, err = cli(capsys, "train", *shlex_argv(ERNIE_IMAGE_COMMAND), "--dry_run", "--json")
-    assert code == 0, err
-    plan = json.loads(out[out.index("{"):])
-    models = plan["models"]
-    assert models["dit"]["class"] == "ErnieImageDiT" and 7.9e9 < models["dit"]["params"] < 8.1e9
-    assert models["text_encoder"]["class"] == "ErnieImageTextEncoder"
-    assert 3.4e9 < models["text_encoder"]["params"] < 3.5e9
-    assert models["vae"]["class"] == "Flux2VAE"
-    assert plan["stages"]["train"]["models"] == ["dit"]
-    assert plan["stages"]["train"]["total"] < plan["stages"]["unsplit"]["total"] - 6 * 2**30
-    assert not (tmp_path / "models").exists()
 
 
 # examples/krea2/model_training/lora/Krea-2-Raw.sh, as it is
@@ -1155,19 +1142,12 @@ def test_diffsynths_krea2_lora_command_runs_as_it_is(tmp_path, monkeypatch, caps
     tokenizer is the root of Qwen3-VL's folder (`Qwen/Qwen3-VL-4B-Instruct:`); the LoRA is written in the open-source
     layout (--align_to_opensource_format: DiffSynth's Krea2LoRAConverter). Here on a CPU its DiT's attention runs
     torch's math kernel (any_attention_kernel); without that the run stops before loading anything, in one line."""
-    from clitools import cli, one_error_line
-
-    monkeypatch.chdir(tmp_path)
-    for name in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD"):
-        monkeypatch.delenv(name, raising=False)
-    write_tiny_models(tmp_path / "models", "krea2")
-    argv = shlex_argv(KREA2_COMMAND)
-    write_synthetic_dataset(tmp_path / argv[argv.index("--dataset_base_path") + 1], count=2, size=32)
-    argv[argv.index("--num_epochs") + 1] = "1"
-    argv[argv.index("--dataset_repeat") + 1] = "1"
     import diffsynth.models.krea2_dit as krea2_dit
     from torch.nn.attention import sdpa_kernel
 
+    from clitools import cli, one_error_line
+
+    argv = ported(KREA2_COMMAND, "krea2", tmp_path, monkeypatch)
     monkeypatch.setattr(krea2_dit, "sdpa_kernel", sdpa_kernel)  # DiffSynth's own choice, whatever fixture is alive
     code, _, err = cli(capsys, "train", *argv)
     one_error_line(code, err, "diffsynth:krea2", "krea2_dit.attention", "(cpu)", "it trains on a CUDA GPU")
@@ -1181,29 +1161,6 @@ def test_diffsynths_krea2_lora_command_runs_as_it_is(tmp_path, monkeypatch, caps
     assert lora and all(k.startswith("transformer.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in lora)
     assert any(".text_fusion." in k for k in lora) and any(k.startswith("transformer.img_in.") for k in lora)
     assert {v.shape[0] for k, v in lora.items() if ".lora_A." in k} == {32}
-
-
-def test_the_dry_run_of_the_released_krea2_needs_no_file(tmp_path, monkeypatch, capsys):
-    """DiffSynth's Krea 2 LoRA command, --dry_run, nothing downloaded (and no CUDA asked for: nothing runs): the DiT at
-    its released 12.8 B, the Qwen3-VL text encoder at 4.44 B, Qwen-Image's VAE; stage 2 holds the DiT alone."""
-    import json
-
-    from clitools import cli
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("DIFFSYNTH_SKIP_DOWNLOAD", "True")
-    monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
-    code, out, err = cli(capsys, "train", *shlex_argv(KREA2_COMMAND), "--dry_run", "--json")
-    assert code == 0, err
-    plan = json.loads(out[out.index("{"):])
-    models = plan["models"]
-    assert models["dit"]["class"] == "SingleStreamDiT" and 12.7e9 < models["dit"]["params"] < 12.9e9
-    assert models["text_encoder"]["class"] == "Krea2TextEncoder"
-    assert 4.4e9 < models["text_encoder"]["params"] < 4.5e9
-    assert models["vae"]["class"] == "QwenImageVAE"
-    assert plan["stages"]["train"]["models"] == ["dit"]
-    assert plan["stages"]["train"]["total"] < plan["stages"]["unsplit"]["total"] - 8 * 2**30
-    assert not (tmp_path / "models").exists()
 
 
 # examples/lingbot_video/model_training/lora/lingbot-video-dense-1.3b_t2v.sh, as it is
@@ -1240,19 +1197,12 @@ def test_diffsynths_lingbot_video_lora_command_runs_as_it_is(tmp_path, monkeypat
 
     from clitools import cli
 
-    monkeypatch.chdir(tmp_path)
-    for name in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD"):
-        monkeypatch.delenv(name, raising=False)
-    write_tiny_models(tmp_path / "models", "lingbot_video")
-    argv = shlex_argv(LINGBOT_VIDEO_COMMAND)
+    argv = ported(LINGBOT_VIDEO_COMMAND, "lingbot_video", tmp_path, monkeypatch, videos=("video",), frames=5,
+                  **{"--height": "32", "--width": "32", "--num_frames": "5"})
     data = tmp_path / argv[argv.index("--dataset_base_path") + 1]
-    write_synthetic_dataset(data, count=2, size=32, videos=("video",), frames=5)
     with open(data / "metadata.csv", newline="", encoding="utf-8") as f:
         rows = [{"video": r["video"], "prompt": r["prompt"]} for r in csv.DictReader(f)]
     (data / "metadata.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
-    for flag, value in (("--height", "32"), ("--width", "32"), ("--num_frames", "5"), ("--num_epochs", "1"),
-                        ("--dataset_repeat", "1")):
-        argv[argv.index(flag) + 1] = value
     code, out, err = cli(capsys, "train", *argv)
     assert code == 0, err
     assert ("pipeline: diffsynth:lingbot_video (DiffSynth's LingBotVideoPipeline; the model id names LingBot-Video)"
@@ -1262,29 +1212,6 @@ def test_diffsynths_lingbot_video_lora_command_runs_as_it_is(tmp_path, monkeypat
     assert lora and not any(k.startswith("pipe.") for k in lora)
     assert {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in lora} == {"to_q", "to_k", "to_v", "to_out"}
     assert {v.shape[0] for k, v in lora.items() if ".lora_A." in k} == {32}
-
-
-def test_the_dry_run_of_the_released_lingbot_video_needs_no_file(tmp_path, monkeypatch, capsys):
-    """DiffSynth's LingBot-Video LoRA command, --dry_run, nothing downloaded: the dense DiT at its released 1.36 B, Krea
-    2's 4.44 B text encoder, the VAE sized as Qwen-Image's (DiffSynth's table knows it under Qwen-Image's example);
-    stage 2 holds the DiT alone, a quarter of the unsplit run."""
-    import json
-
-    from clitools import cli
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("DIFFSYNTH_SKIP_DOWNLOAD", "True")
-    monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
-    code, out, err = cli(capsys, "train", *shlex_argv(LINGBOT_VIDEO_COMMAND), "--dry_run", "--json")
-    assert code == 0, err
-    plan = json.loads(out[out.index("{"):])
-    models = plan["models"]
-    assert models["dit"]["class"] == "LingBotVideoDiT" and 1.3e9 < models["dit"]["params"] < 1.4e9
-    assert models["text_encoder"]["class"] == "Krea2TextEncoder"
-    assert models["vae"]["class"] == "QwenImageVAE"
-    assert plan["stages"]["train"]["models"] == ["dit"]
-    assert plan["stages"]["train"]["total"] < plan["stages"]["unsplit"]["total"] / 3
-    assert not (tmp_path / "models").exists()
 
 
 # examples/stable_diffusion/model_training/full/stable-diffusion-v1-5.sh and
@@ -1350,9 +1277,9 @@ def test_diffsynths_sd_full_commands_run_as_they_are(module, tmp_path, monkeypat
     assert len(weights) == len(unet) and any(not torch.equal(weights[k], unet[k]) for k in weights if k in unet)
 
 
-def test_the_dry_run_of_the_released_anima_needs_no_file(tmp_path, monkeypatch, capsys):
-    """DiffSynth's Anima LoRA command, --dry_run, nothing downloaded: each file sized as DiffSynth's table knows it
-    (the DiT 2.09 B, the Qwen3 0.6 B text encoder, the Wan 2.1 VAE); stage 2 holds the DiT alone."""
+def released_plan(command: str, tmp_path: Path, monkeypatch, capsys) -> dict:
+    """The --dry_run --json plan of a DiffSynth example's command at the released sizes, run in an empty folder with
+    downloads off: nothing is looked for, downloaded or written (no ./models appears)."""
     import json
 
     from clitools import cli
@@ -1360,15 +1287,44 @@ def test_the_dry_run_of_the_released_anima_needs_no_file(tmp_path, monkeypatch, 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DIFFSYNTH_SKIP_DOWNLOAD", "True")
     monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
-    code, out, err = cli(capsys, "train", *shlex_argv(ANIMA_COMMAND), "--dry_run", "--json")
+    code, out, err = cli(capsys, "train", *shlex_argv(command), "--dry_run", "--json")
     assert code == 0, err
-    plan = json.loads(out[out.index("{"):])
-    models = plan["models"]
-    assert models["dit"]["class"] == "AnimaDiT" and 2.0e9 < models["dit"]["params"] < 2.2e9
-    assert models["text_encoder"]["class"] == "ZImageTextEncoder" and 0.5e9 < models["text_encoder"]["params"] < 0.7e9
-    assert models["vae"]["class"] == "WanVideoVAE"
-    assert plan["stages"]["train"]["models"] == ["dit"]
     assert not (tmp_path / "models").exists()
+    return json.loads(out[out.index("{"):])
+
+
+# the released sizes of DiffSynth's examples whose classes fix a large size, as its model-config table builds them:
+# {module: (its command, {model: (class, fewest parameters, most)}, the most stage 2 may hold of the unsplit run)}
+RELEASED = {
+    # the VAE is sized as FLUX.2's (DiffSynth's table knows it under FLUX.2-dev's example)
+    "ernie_image": (ERNIE_IMAGE_COMMAND, {"dit": ("ErnieImageDiT", 7.9e9, 8.1e9),
+                                          "text_encoder": ("ErnieImageTextEncoder", 3.4e9, 3.5e9),
+                                          "vae": ("Flux2VAE", 0.05e9, 0.1e9)}, 0.75),
+    "krea2": (KREA2_COMMAND, {"dit": ("SingleStreamDiT", 12.7e9, 12.9e9),
+                              "text_encoder": ("Krea2TextEncoder", 4.4e9, 4.5e9),
+                              "vae": ("QwenImageVAE", 0.1e9, 0.15e9)}, 0.8),
+    # the VAE is sized as Qwen-Image's (the same weights under Qwen-Image's example)
+    "lingbot_video": (LINGBOT_VIDEO_COMMAND, {"dit": ("LingBotVideoDiT", 1.3e9, 1.4e9),
+                                              "text_encoder": ("Krea2TextEncoder", 4.4e9, 4.5e9),
+                                              "vae": ("QwenImageVAE", 0.1e9, 0.15e9)}, 0.3),
+    # the Qwen3 0.6 B text encoder, the Wan 2.1 VAE
+    "anima_image": (ANIMA_COMMAND, {"dit": ("AnimaDiT", 2.0e9, 2.2e9),
+                                    "text_encoder": ("ZImageTextEncoder", 0.5e9, 0.7e9),
+                                    "vae": ("WanVideoVAE", 0.1e9, 0.15e9)}, 0.8),
+}
+
+
+@pytest.mark.parametrize("module", sorted(RELEASED))
+def test_the_dry_run_of_a_released_pipeline_needs_no_file(module, tmp_path, monkeypatch, capsys):
+    """DiffSynth's LoRA command of a pipeline whose classes fix a large size, --dry_run, nothing downloaded: each file
+    sized as DiffSynth's table knows it; stage 2 holds the DiT alone, at most the given share of the unsplit run."""
+    command, sizes, share = RELEASED[module]
+    plan = released_plan(command, tmp_path, monkeypatch, capsys)
+    for name, (cls, fewest, most) in sizes.items():
+        assert plan["models"][name]["class"] == cls, name
+        assert fewest < plan["models"][name]["params"] < most, name
+    assert plan["stages"]["train"]["models"] == ["dit"]
+    assert plan["stages"]["train"]["total"] < share * plan["stages"]["unsplit"]["total"]
 
 
 def shlex_argv(command: str) -> list[str]:
