@@ -75,6 +75,13 @@ LIGHT = sorted(set(PIPELINES) - HEAVY)
 # the inputs an image example's get_pipeline_inputs sets beyond the picture, its size, cfg_scale, rand_device and the
 # checkpointing flags (examples/flux2/model_training/train.py: "embedded_guidance": 1.0)
 EXAMPLE_INPUTS = {"flux2_image": {"embedded_guidance": 1.0}}
+# the inputs a video example's get_pipeline_inputs sets beyond the clip, its size and frame count, cfg_scale,
+# rand_device, the checkpointing flags and the timestep boundaries
+EXAMPLE_VIDEO_INPUTS = {
+    # examples/wanvideo/model_training/train.py (it forces gradient checkpointing on)
+    "wan_video": {"tiled": False, "use_gradient_checkpointing": True, "cfg_merge": False, "vace_scale": 1},
+    "lingbot_video": {"seed": None},  # examples/lingbot_video/model_training/train.py
+}
 
 
 def _video(module: str) -> bool:
@@ -177,18 +184,7 @@ def example_inputs(root: Path, flags: dict, args, glue, device, module=None, ind
 def _example_inputs(base: str, metadata: str, flags: dict, args, glue, device, index: int = 1) -> tuple:
     from diffsynth.core import UnifiedDataset
 
-    if flags["module"] == "lingbot_video":  # examples/lingbot_video/model_training/train.py
-        video = UnifiedDataset(base_path=base, metadata_path=metadata, repeat=1, data_file_keys=["video"],
-                               main_data_operator=UnifiedDataset.default_video_operator(
-                                   base_path=base, max_pixels=args.max_pixels, height=32, width=32,
-                                   height_division_factor=16, width_division_factor=16, num_frames=5,
-                                   time_division_factor=4, time_division_remainder=1))[index]
-        return ({"input_video": video["video"], "height": video["video"][0].size[1],
-                 "width": video["video"][0].size[0], "num_frames": len(video["video"]), "cfg_scale": 1, "seed": None,
-                 "rand_device": device, "use_gradient_checkpointing": False,
-                 "use_gradient_checkpointing_offload": False, "max_timestep_boundary": 1.0,
-                 "min_timestep_boundary": 0.0}, {"prompt": video["prompt"]}, {})
-    if _video(flags["module"]):  # examples/wanvideo/model_training/train.py
+    if _video(flags["module"]):  # its video operator as the example's train.py builds it
         data = UnifiedDataset(base_path=base, metadata_path=metadata,
                               repeat=1, data_file_keys=["video"],
                               main_data_operator=UnifiedDataset.default_video_operator(
@@ -198,10 +194,9 @@ def _example_inputs(base: str, metadata: str, flags: dict, args, glue, device, i
         video = data["video"]
         assert len(video) == 5
         return ({"input_video": video, "height": video[0].size[1], "width": video[0].size[0],
-                 "num_frames": len(video), "cfg_scale": 1, "tiled": False, "rand_device": device,
-                 "use_gradient_checkpointing": True,  # its train.py forces it on
-                 "use_gradient_checkpointing_offload": False, "cfg_merge": False, "vace_scale": 1,
-                 "max_timestep_boundary": 1.0, "min_timestep_boundary": 0.0}, {"prompt": data["prompt"]}, {})
+                 "num_frames": len(video), "cfg_scale": 1, "rand_device": device, "use_gradient_checkpointing": False,
+                 "use_gradient_checkpointing_offload": False, "max_timestep_boundary": 1.0,
+                 "min_timestep_boundary": 0.0, **EXAMPLE_VIDEO_INPUTS[flags["module"]]}, {"prompt": data["prompt"]}, {})
     data = UnifiedDataset(base_path=base, metadata_path=metadata,
                           repeat=1, data_file_keys=["image"],
                           main_data_operator=UnifiedDataset.default_image_operator(
