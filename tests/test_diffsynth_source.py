@@ -66,11 +66,13 @@ PIPELINES = {
     "krea2": ("dit", "wq,wk,wv,gate,wo,gate,up,down,first,tmlp.0,tmlp.2,projector,txtmlp.1,txtmlp.3,last.linear,tproj.1",
               "pipe.dit."),
     "lingbot_video": ("dit", "to_q,to_k,to_v,to_out", "pipe.dit."),
+    "mova_audio_video": ("video_dit", "q,k,v,o,ffn.0,ffn.2", "pipe.video_dit."),
 }
 # pipelines whose classes fix a large size (Anima's DiT: 2.09 B parameters, 4.2 GB in bf16; ERNIE-Image's text
 # encoder: 3.43 B, 6.9 GB; Krea 2's and LingBot-Video's: 4.44 B, 8.9 GB): only the checks of the step, the split and
-# the checkpoint run for them, not every test the module-wide `world` fixture gives the others
-HEAVY = {"anima_image", "ernie_image", "krea2", "lingbot_video"}
+# the checkpoint run for them, not every test the module-wide `world` fixture gives the others; nor for MOVA, whose
+# example trains on a clip's sound track, which the other tests' data lacks
+HEAVY = {"anima_image", "ernie_image", "krea2", "lingbot_video", "mova_audio_video"}
 LIGHT = sorted(set(PIPELINES) - HEAVY)
 # the inputs an image example's get_pipeline_inputs sets beyond the picture, its size, cfg_scale, rand_device and the
 # checkpointing flags (examples/flux2/model_training/train.py: "embedded_guidance": 1.0)
@@ -81,7 +83,17 @@ EXAMPLE_VIDEO_INPUTS = {
     # examples/wanvideo/model_training/train.py (it forces gradient checkpointing on)
     "wan_video": {"tiled": False, "use_gradient_checkpointing": True, "cfg_merge": False, "vace_scale": 1},
     "lingbot_video": {"seed": None},  # examples/lingbot_video/model_training/train.py
+    # examples/mova/model_training/train.py (data.get("frame_rate", 24): the metadata has no such column)
+    "mova_audio_video": {"frame_rate": 24, "tiled": False},
 }
+# the losses an example's task_to_loss maps sft to, where not FlowMatchSFTLoss
+EXAMPLE_SFT_LOSS = {"mova_audio_video": "FlowMatchSFTAudioVideoLoss"}
+
+
+def _sound(module: str) -> bool:
+    from unitgraph.backends.diffusion.diffsynth_source.glue import glue_for
+
+    return bool(glue_for(module).audio)
 
 
 def _video(module: str) -> bool:
@@ -96,8 +108,8 @@ def world(request, tmp_path_factory):
     module = request.param
     root = tmp_path_factory.mktemp(f"diffsynth_{module}")
     flags = dict(write_tiny_models(root / "models", module), module=module)
-    if _video(module):  # 5-frame clips (a 40 px image scrolling sideways) in a `video` column
-        write_synthetic_dataset(root / "data", count=3, size=40, videos=("video",), frames=5)
+    if _video(module):  # 5-frame clips (a 40 px image scrolling sideways) in a `video` column (with a tone: MOVA's)
+        write_synthetic_dataset(root / "data", count=3, size=40, videos=("video",), frames=5, audio=_sound(module))
     else:
         write_synthetic_dataset(root / "data", count=3, size=40)
     with diffsynth_models(root / "models"), any_attention_kernel(module):  # Krea 2's DiT: cuDNN's kernel alone
@@ -112,25 +124,27 @@ def _args(root: Path, flags: dict, **over):
                 lora_target_modules=targets, lora_rank=4, remove_prefix_in_ckpt=prefix, num_epochs=2, seed=3)
     if _video(flags["module"]):
         base.update(num_frames=5, data_file_keys="video")
+    if _sound(flags["module"]):  # as MOVA's LoRA example hands the clip's sound and first frame to the pipeline
+        base.update(data_file_keys="video,input_audio", extra_inputs="input_audio,input_image")
     if flags["module"] == "flux2_image":  # its train.py defaults to FLUX.2-dev's tokenizer; klein's example names its own
         base.update(tokenizer_path=flags["tokenizer_path"])
     base.update(over)
     return make_args(**base)
 
 
-def diffsynths_step(module, inputs: tuple, seed: int, base_model: str, task: str = "sft"):
+def diffsynths_step(module, inputs: tuple, seed: int, base_model: str, task: str = "sft", sft: str = "FlowMatchSFTLoss"):
     """DiffSynth's own training step on `inputs` (shared, positive, negative), as its training module runs it: the
     data to the pipeline's device and dtype, torch's stream seeded, every unit through its runner, the task's loss as
-    the example's task_to_loss maps it (FlowMatchSFTLoss, DirectDistillLoss), backward. Returns the loss and the
-    gradients of `base_model`'s trained parameters."""
-    from diffsynth.diffusion.loss import DirectDistillLoss, FlowMatchSFTLoss
+    the example's task_to_loss maps it (`sft`: FlowMatchSFTLoss, MOVA's FlowMatchSFTAudioVideoLoss; DirectDistillLoss),
+    backward. Returns the loss and the gradients of `base_model`'s trained parameters."""
+    from diffsynth.diffusion import loss as losses
 
     pipe = module.pipe
     inputs = module.transfer_data_to_device(inputs, pipe.device, pipe.torch_dtype)
     torch.manual_seed(seed)
     for unit in pipe.units:
         inputs = pipe.unit_runner(unit, pipe, *inputs)
-    loss = {"sft": FlowMatchSFTLoss, "direct_distill": DirectDistillLoss}[task](pipe, **inputs[0], **inputs[1])
+    loss = {"sft": getattr(losses, sft), "direct_distill": losses.DirectDistillLoss}[task](pipe, **inputs[0], **inputs[1])
     loss.backward()
     return loss, {n: p.grad for n, p in getattr(pipe, base_model).named_parameters() if p.requires_grad}
 
@@ -144,7 +158,7 @@ def our_unsplit_step(setup, args, base_model: str):
     state = ds_run.run_units(pipe, setup.stage_units("data_process"),
                              ds_run._transfer(ds_run.sample_state(setup, dataset, 1, pipe.device), pipe))
     seed = ds_run.step_seed(args.seed, 0, dataset.sample_id(1))
-    loss = ds_run.train_step(pipe, setup.stage_units("train"), state, seed, args.task)
+    loss = ds_run.train_step(pipe, setup.stage_units("train"), state, seed, args.task, ds_run.step_loss(args))
     loss.backward()
     grads = {n: p.grad.clone() for n, p in getattr(pipe, base_model).named_parameters() if p.requires_grad}
     return loss, grads, seed
@@ -175,22 +189,50 @@ def example_inputs(root: Path, flags: dict, args, glue, device, module=None, ind
 
     base, metadata = str(args.dataset_base_path), str(args.dataset_metadata_path)
     made = _example_inputs(base, metadata, flags, args, glue, device, index)
-    if args.extra_inputs:
+    if args.extra_inputs and _sound(flags["module"]):  # MOVA's parse_extra_inputs, on its dataset's sample
+        data = _sound_data(base, metadata, index)
+        for name in args.extra_inputs.split(","):
+            made[0][name] = data["video"][0] if name == "input_image" else data[name]
+    elif args.extra_inputs:
         data = UnifiedDataset(base_path=base, metadata_path=metadata, repeat=1, data_file_keys=[])[index]
         module.parse_extra_inputs(data, args.extra_inputs.split(","), made[0])
     return made
+
+
+def pyav_load(path: str) -> tuple:
+    """torchaudio.load's (float32 (channels, samples) tensor, rate) of a file's whole sound track, read with PyAV's
+    bundled decoder (torchaudio 2.11 reads through torchcodec, which needs a system FFmpeg, absent here)."""
+    from unitgraph.backends.diffusion.data.audio import read_audio
+
+    samples, rate = read_audio(Path(path))
+    return torch.from_numpy(samples), rate
+
+
+def _sound_data(base: str, metadata: str, index: int) -> dict:
+    """Row `index` as MOVA's example's UnifiedDataset reads it: its clip by the video operator at 24 fps
+    (fix_frame_rate), its sound by LoadAudioWithTorchaudio (the clip's length at 24 fps), handed `pyav_load`."""
+    from diffsynth.core import UnifiedDataset
+    from diffsynth.core.data.operators import LoadAudioWithTorchaudio, ToAbsolutePath
+
+    sound = LoadAudioWithTorchaudio(num_frames=5, time_division_factor=4, time_division_remainder=1, frame_rate=24)
+    sound.audio_loader = pyav_load
+    return UnifiedDataset(base_path=base, metadata_path=metadata, repeat=1, data_file_keys=["video", "input_audio"],
+                          main_data_operator=UnifiedDataset.default_video_operator(
+                              base_path=base, height=32, width=32, height_division_factor=16,
+                              width_division_factor=16, num_frames=5, time_division_factor=4,
+                              time_division_remainder=1, frame_rate=24, fix_frame_rate=True),
+                          special_operator_map={"input_audio": ToAbsolutePath(base) >> sound})[index]
 
 
 def _example_inputs(base: str, metadata: str, flags: dict, args, glue, device, index: int = 1) -> tuple:
     from diffsynth.core import UnifiedDataset
 
     if _video(flags["module"]):  # its video operator as the example's train.py builds it
-        data = UnifiedDataset(base_path=base, metadata_path=metadata,
-                              repeat=1, data_file_keys=["video"],
-                              main_data_operator=UnifiedDataset.default_video_operator(
-                                  base_path=base, max_pixels=args.max_pixels, height=32, width=32,
-                                  height_division_factor=16, width_division_factor=16, num_frames=5,
-                                  time_division_factor=4, time_division_remainder=1))[index]
+        data = _sound_data(base, metadata, index) if _sound(flags["module"]) else UnifiedDataset(
+            base_path=base, metadata_path=metadata, repeat=1, data_file_keys=["video"],
+            main_data_operator=UnifiedDataset.default_video_operator(
+                base_path=base, max_pixels=args.max_pixels, height=32, width=32, height_division_factor=16,
+                width_division_factor=16, num_frames=5, time_division_factor=4, time_division_remainder=1))[index]
         video = data["video"]
         assert len(video) == 5
         return ({"input_video": video, "height": video[0].size[1], "width": video[0].size[0],
@@ -252,7 +294,8 @@ def test_the_unsplit_step_is_diffsynths_own_training_step(world):
     configs = [ModelConfig(path=m.path) for m in setup.models]  # the files the command's model ids name
     module = diffsynths_module(setup, configs, base_model, targets, args.seed)
     inputs = example_inputs(root, flags, args, setup.glue, module.pipe.device)
-    theirs, theirs_grads = diffsynths_step(module, inputs, seed, base_model)
+    theirs, theirs_grads = diffsynths_step(module, inputs, seed, base_model,
+                                           sft=EXAMPLE_SFT_LOSS.get(flags["module"], "FlowMatchSFTLoss"))
     assert_same_step(ours, ours_grads, theirs, theirs_grads)
 
 
@@ -786,9 +829,13 @@ def test_split_equals_unsplit_and_stage_2_needs_no_text_encoder(world, tmp_path)
     setup = ds_run.setup(_args(root, flags))
     given = flags["model_id_with_origin_paths"].split(",")
     kept = [i for i, m in zip(given, setup.models) if set(m.attributes) & set(setup.plan.train_models)]
-    folders = {Path(m.path).parent for i, m in zip(given, setup.models) if i not in kept}
-    folders -= {Path(m.path).parent for i, m in zip(given, setup.models) if i in kept}
-    assert any(a.startswith("text_encoder") for i, m in zip(given, setup.models) if Path(m.path).parent in folders
+
+    def folder(m) -> Path:  # (a model in shards: their folder)
+        return Path(m.path if isinstance(m.path, str) else m.path[0]).parent
+
+    folders = {folder(m) for i, m in zip(given, setup.models) if i not in kept}
+    folders -= {folder(m) for i, m in zip(given, setup.models) if i in kept}
+    assert any(a.startswith("text_encoder") for i, m in zip(given, setup.models) if folder(m) in folders
                for a in m.attributes)  # FLUX.2 [klein]'s is text_encoder_qwen3
     hidden = {folder: tmp_path / f"hidden{n}" for n, folder in enumerate(sorted(folders))}
     for folder, where in hidden.items():
@@ -882,6 +929,38 @@ def test_bad_commands_are_one_line(world, tmp_path):
         run(_args(root, flags, lora_target_modules="nope", output_path=str(tmp_path / "x")))
     with pytest.raises(BackendError, match="no cache of stage 1 here"):
         run(_args(root, flags, task="sft:train", dataset_base_path=str(tmp_path), output_path=str(tmp_path / "x")))
+    with pytest.raises(BackendError, match="--frame_rate: diffsynth:stable_diffusion's example reads no clip"):
+        run(_args(root, flags, frame_rate=24, output_path=str(tmp_path / "x")))
+
+
+@pytest.mark.parametrize("world", ["mova_audio_video"], indirect=True)
+def test_mova_refuses_what_it_cannot_train_as_its_example_does_in_one_line(world, tmp_path):
+    """MOVA's sound: a row whose clip has no sound track stops the run naming the row and file (DiffSynth would train
+    that clip without sound, unlike the others, and its own split then fails); its loss is DiffSynth's
+    FlowMatchSFTAudioVideoLoss, so the samplings and weightings of FlowMatchSFTLoss are refused; nothing is written."""
+    import csv
+
+    from unitgraph.backends.diffusion.data.video import write_clip
+    from PIL import Image
+
+    root, flags = world
+    with pytest.raises(BackendError, match="--timestep_sampling logit_normal: diffsynth:mova_audio_video trains "
+                                           "DiffSynth's own FlowMatchSFTAudioVideoLoss"):
+        run(_args(root, flags, timestep_sampling="logit_normal", output_path=str(tmp_path / "x")))
+    data = tmp_path / "data"
+    shutil.copytree(root / "data", data)
+    write_clip(data / "images" / "silent.mp4", [Image.new("RGB", (40, 40), (200, 30, 30))] * 5)
+    with open(data / "metadata.csv", newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    rows[1]["input_audio"] = "images/silent.mp4"
+    with open(data / "metadata.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    with pytest.raises(BackendError, match="row 2: 'silent.mp4' \\(column 'input_audio'\\) has no sound track"):
+        run(_args(root, flags, dataset_base_path=str(data), dataset_metadata_path=str(data / "metadata.csv"),
+                  task="sft:data_process", output_path=str(tmp_path / "cache")))
+    assert not (tmp_path / "cache" / ds_run.MANIFEST).exists()
 
 
 IDEOGRAM4_COMMAND = r"""
@@ -1052,18 +1131,18 @@ def test_diffsynths_anima_lora_command_runs_as_it_is(tmp_path, monkeypatch, caps
 
 
 def ported(command: str, module: str, tmp_path: Path, monkeypatch, videos: tuple = (), frames: int = 5,
-           **lowered: str) -> list[str]:
+           audio: bool = False, **lowered: str) -> list[str]:
     """The flags of a DiffSynth example's command, to run in `tmp_path` as the folder it is launched from: the
-    pipeline's tiny ./models written there, two 32 px samples (clips: `videos`) where its --dataset_base_path points,
-    downloads not turned off (the files are where the command looks), --num_epochs and --dataset_repeat 1 and the
-    `lowered` flags (`{"--height": "32"}`) set."""
+    pipeline's tiny ./models written there, two 32 px samples (clips: `videos`, with a sound track and an input_audio
+    column: `audio`) where its --dataset_base_path points, downloads not turned off (the files are where the command
+    looks), --num_epochs and --dataset_repeat 1 and the `lowered` flags (`{"--height": "32"}`) set."""
     monkeypatch.chdir(tmp_path)
     for name in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD"):
         monkeypatch.delenv(name, raising=False)
     write_tiny_models(tmp_path / "models", module)
     argv = shlex_argv(command)
     write_synthetic_dataset(tmp_path / argv[argv.index("--dataset_base_path") + 1], count=2, size=32,
-                            **({"videos": videos, "frames": frames} if videos else {}))
+                            **({"videos": videos, "frames": frames, "audio": audio} if videos else {}))
     for flag, value in {"--num_epochs": "1", "--dataset_repeat": "1", **lowered}.items():
         argv[argv.index(flag) + 1] = value
     return argv
@@ -1211,6 +1290,58 @@ def test_diffsynths_lingbot_video_lora_command_runs_as_it_is(tmp_path, monkeypat
 
 # examples/stable_diffusion/model_training/full/stable-diffusion-v1-5.sh and
 # examples/stable_diffusion_xl/model_training/full/stable-diffusion-xl-base-1.0.sh, as they are
+# examples/mova/model_training/lora/MOVA-360P-I2AV.sh, its two commands as they are: the high-noise expert's LoRA, then
+# the low-noise one's
+MOVA_COMMANDS = [r"""
+accelerate launch examples/mova/model_training/train.py \
+  --dataset_base_path data/diffsynth_example_dataset/mova/MOVA-360P-I2AV \
+  --dataset_metadata_path data/diffsynth_example_dataset/mova/MOVA-360P-I2AV/metadata.csv \
+  --data_file_keys "video,input_audio" \
+  --extra_inputs "input_audio,input_image" \
+  --height 352 \
+  --width 640 \
+  --num_frames 121 \
+  --dataset_repeat 100 \
+  --model_id_with_origin_paths "openmoss/MOVA-360p:%s/diffusion_pytorch_model-*.safetensors,openmoss/MOVA-360p:audio_dit/diffusion_pytorch_model.safetensors,openmoss/MOVA-360p:dual_tower_bridge/diffusion_pytorch_model.safetensors,openmoss/MOVA-720p:audio_vae/diffusion_pytorch_model.safetensors,DiffSynth-Studio/Wan-Series-Converted-Safetensors:Wan2.1_VAE.safetensors,DiffSynth-Studio/Wan-Series-Converted-Safetensors:models_t5_umt5-xxl-enc-bf16.safetensors" \
+  --learning_rate 1e-4 \
+  --num_epochs 5 \
+  --remove_prefix_in_ckpt "pipe.video_dit." \
+  --output_path "./models/train/MOVA-360p-I2AV_%s_lora" \
+  --lora_base_model "video_dit" \
+  --lora_target_modules "q,k,v,o,ffn.0,ffn.2" \
+  --lora_rank 32 \
+  --max_timestep_boundary %s \
+  --min_timestep_boundary %s \
+  --use_gradient_checkpointing
+""" % expert for expert in (("video_dit", "high_noise", "0.358", "0"), ("video_dit_2", "low_noise", "1", "0.358"))]
+
+
+def test_diffsynths_mova_lora_commands_run_as_they_are(tmp_path, monkeypatch, capsys):
+    """DiffSynth's examples/mova/model_training/lora/MOVA-360P-I2AV.sh, both commands (the high- and the low-noise
+    expert), with `unitgraph train` for `accelerate launch .../train.py`; only sizes are lowered (--height and --width
+    32, --num_frames 5, --num_epochs 1, --dataset_repeat 1, two clips with a sound track). The model ids alone choose
+    DiffSynth's own pipeline; the clips are read at 24 fps by DiffSynth's video operator, their sound by its
+    LoadAudioWithTorchaudio handed PyAV's decoder, and the audio VAE runs in stage 1; the tokenizer is looked for
+    where its train.py looks by default. Each expert's LoRA is written in DiffSynth's layout."""
+    from clitools import cli
+
+    for command in MOVA_COMMANDS:
+        argv = ported(command, "mova_audio_video", tmp_path, monkeypatch, videos=("video",), frames=5, audio=True,
+                      **{"--height": "32", "--width": "32", "--num_frames": "5"})
+        code, out, err = cli(capsys, "train", *argv)
+        assert code == 0, err
+        assert ("pipeline: diffsynth:mova_audio_video (DiffSynth's MovaAudioVideoPipeline; the model id names MOVA)"
+                in out), out
+        plan = next(line for line in out.splitlines() if line.startswith("plan:"))
+        assert "InputAudioEmbedder" in plan.split("stage 2")[0] and "audio_vae" in plan.split("stage 2")[0], plan
+        assert "training: 2 steps" in out
+        lora = load_file(str(tmp_path / argv[argv.index("--output_path") + 1] / "epoch-0.safetensors"))
+        assert lora and all(k.startswith("blocks.") and k.endswith((".lora_A.default.weight", ".lora_B.default.weight"))
+                            for k in lora), sorted(lora)[:3]
+        assert {v.shape[0] for k, v in lora.items() if ".lora_A." in k} == {32}
+        assert any(".ffn.2." in k for k in lora) and any(".self_attn.o." in k for k in lora)
+
+
 SD_FULL_COMMANDS = {
     "stable_diffusion": r"""
 accelerate launch examples/stable_diffusion/model_training/train.py \

@@ -189,7 +189,7 @@ class TrainArgs:
     template_model_id_or_path: Optional[str] = _f(None, "DiffSynth's: refused (its template models are not trained by unitgraph).", "diffsynth")
     enable_lora_hot_loading: bool = _f(False, "DiffSynth's: refused (for its image-to-LoRA models, not trained by unitgraph).", "diffsynth")
     enable_npu_patch: bool = _f(False, "DiffSynth's: no effect (an Ascend NPU kernel patch; unitgraph runs torch's own kernels).", "diffsynth")
-    frame_rate: Optional[float] = _f(None, "DiffSynth's LTX-2 frame rate: unitgraph trains LTX-2 at 24 fps, DiffSynth's default (another rate is refused).", "diffsynth")
+    frame_rate: Optional[float] = _f(None, "DiffSynth's frame rate of clips with sound (LTX-2, MOVA): unitgraph trains them at 24 fps, DiffSynth's default (another rate is refused).", "diffsynth")
     zero_cond_t: bool = _f(False, "DiffSynth's Qwen-Image-Edit-2511 flag: refused (that release is not trained by unitgraph).", "diffsynth")
     audio_processor_path: Optional[str] = _f(None, "DiffSynth's speech-to-video (S2V) flag: refused (not trained by unitgraph).", "diffsynth")
     framewise_decoding: bool = _f(False, "DiffSynth's dance-video (ToDance) flag: refused (not trained by unitgraph).", "diffsynth")
@@ -260,8 +260,8 @@ class TrainArgs:
             if name in REFUSED_DIFFSYNTH_FLAGS:
                 raise BackendError(f"--{name}: {REFUSED_DIFFSYNTH_FLAGS[name]}")
         if self.frame_rate is not None and float(self.frame_rate) != 24.0:
-            raise BackendError(f"--frame_rate {self.frame_rate}: unitgraph trains LTX-2 at 24 fps (DiffSynth's default "
-                               "and diffusers' pipeline's)")
+            raise BackendError(f"--frame_rate {self.frame_rate}: unitgraph trains clips with sound at 24 fps (DiffSynth's "
+                               "default, and diffusers' LTX-2 pipeline's)")
         logs = [kind for kind, on in (("tensorboard", self.enable_tensorboard_log), ("wandb", self.enable_wandb_log)) if on]
         if len(logs) > 1 or (logs and self.report_to not in ("none", logs[0])):
             shown = " and ".join([*(f"--enable_{k}_log" for k in logs), *([f"--report_to {self.report_to}"]
@@ -287,7 +287,7 @@ class TrainArgs:
             notes.append("note: --enable_npu_patch has no effect: it patches Ascend NPU kernels; unitgraph runs "
                          "torch's own")
         if self.frame_rate is not None:
-            notes.append("note: --frame_rate 24 is the rate unitgraph trains LTX-2 at (no other is taken)")
+            notes.append("note: --frame_rate 24 is the rate unitgraph trains clips with sound at (no other is taken)")
         if self.enable_tensorboard_log or self.enable_wandb_log:
             notes.append(f"note: --enable_{self.report_to}_log is read as --report_to {self.report_to}")
         if self.resume_from_checkpoint is not None:

@@ -526,7 +526,8 @@ class DiffSynthPipeline:
     `inputs_nega` prompt (None: an empty dict). checkpointing: whether its train.py turns gradient checkpointing on
     whatever the flag says. sized_as: release files known to DiffSynth's table by another repository's example
     (the dry run sizes them from it). attention: a DiffSynth attention function that allows torch only kernels some
-    devices lack, tried before a training stage loads anything. A family that trains the same models declares it
+    devices lack, tried before a training stage loads anything. loss, audio, frame_rate: an audio-video pipeline's
+    loss, sound columns and clip rate (see the fields). A family that trains the same models declares it
     (`Family.diffsynth`), with a writer of its test-size models in DiffSynth's layout; DiffSynth's pipelines of no
     family are listed in diffsynth_source/glue.py.
     """
@@ -556,6 +557,22 @@ class DiffSynthPipeline:
     # "module:function" of a DiffSynth attention function that allows torch only some kernels (one DiT asks for cuDNN's
     # alone): tried on the run's device before a training stage loads anything ("": none)
     attention: str = ""
+    # "module:function" of the DiffSynth loss its train.py maps `sft` to ("": FlowMatchSFTLoss; an audio-video pipeline
+    # trains FlowMatchSFTAudioVideoLoss, its video's and its sound's errors summed)
+    loss: str = ""
+    # the --data_file_keys columns whose file's sound track is an input (read by DiffSynth's LoadAudioWithTorchaudio,
+    # the clip's length at --frame_rate, through PyAV: data/audio.py)
+    audio: tuple[str, ...] = ()
+    # the latents its units make of that sound, which its loss noises when a sample has them: a run that hands the
+    # pipeline a sound column requires a track in every row, so every step's loss overwrites the noise they replace
+    # (planning.loss_overwrites' `present`) and stage 1 caches them
+    audio_latents: str = ""
+    # whether its train.py reads clips at --frame_rate (DiffSynth's video operator with fix_frame_rate: frames sampled
+    # at that rate, not the file's own) and hands the pipeline a `frame_rate` (a metadata column, else 24)
+    frame_rate: bool = False
+    # functions of the pipeline's module its `from_pretrained` applies to a list of its models, assuming each loaded
+    # (MOVA's `set_to_torch_norm`): a stage that loads some of them hands the others over as None, which they skip
+    on_loaded: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:

@@ -94,8 +94,9 @@ def inputs(glue: Glue, sample: Mapping[str, Any], device: Any, gradient_checkpoi
     the picture (an image pipeline's `input_image`; a video pipeline's `input_video` frames and their count) and its
     size, `cfg_scale` 1, the pipeline's device as `rand_device`, the gradient checkpointing flags (on whatever they
     say where the example's train.py forces it), the glue's constants, the timestep boundaries where the example
-    passes them (`boundaries`: max, min), and each --extra_inputs column by its own name (a video pipeline's
-    `input_image` / `end_image`: the clip's first / last frame)."""
+    passes them (`boundaries`: max, min), the clip's `frame_rate` where the example hands one, and each --extra_inputs
+    column by its own name (a video pipeline's `input_image` / `end_image`: the clip's first / last frame; a sound
+    column: what DiffSynth's audio operator made of it, run.sample_state)."""
     if glue.media == "video":
         frames = sample["video"]
         shared: dict[str, Any] = {"input_video": frames, "height": frames[0].size[1], "width": frames[0].size[0],
@@ -110,6 +111,8 @@ def inputs(glue: Glue, sample: Mapping[str, Any], device: Any, gradient_checkpoi
         "use_gradient_checkpointing_offload": gradient_checkpointing_offload,
     })
     shared.update(dict(glue.constants))
+    if glue.frame_rate:  # the row's frame_rate column, else 24 (MOVA's get_pipeline_inputs: data.get("frame_rate", 24))
+        shared["frame_rate"] = 24 if sample.get("frame_rate") is None else sample["frame_rate"]
     if glue.boundaries:
         shared["max_timestep_boundary"], shared["min_timestep_boundary"] = boundaries
     for name in extra_inputs:

@@ -28,6 +28,7 @@ family's `.pth` text encoder and VAE) is looked for where DiffSynth looks: at th
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import inspect
 import json
@@ -35,7 +36,7 @@ import os
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 from ..errors import BackendError
 from ..models.hub import Hub, origin_subfolder
@@ -434,9 +435,12 @@ def _from_config(files: Files, attributes: dict[str, str]) -> Optional[dict[str,
                            "brings", source=str(config_file))
     shapes = _file_shapes(files)
     seen: set[tuple[str, str, str]] = set()
-    for entry in MODEL_CONFIGS:
-        if entry["model_name"] not in attributes or entry.get("quant_config"):
-            continue  # an entry of a prequantized release file is that file's alone
+    candidates = [e for e in MODEL_CONFIGS if e["model_name"] in attributes and not e.get("quant_config")]
+    # a config's `_class_name` naming one of the candidates' classes chooses among weights that fit several (MOVA's
+    # audio DiT is Wan's DiT class one-dimensional: a Wan DiT of patch (1,) has the same names and shapes); a diffusers
+    # class name (AutoencoderKLQwenImage) names none of DiffSynth's and chooses nothing
+    named = [e for e in candidates if e["model_class"].rpartition(".")[2] == config.get("_class_name")]
+    for entry in named or candidates:  # (an entry of a prequantized release file is that file's alone)
         ident = (entry["model_name"], entry["model_class"], entry.get("state_dict_converter", ""))
         if ident in seen:
             continue
@@ -444,6 +448,8 @@ def _from_config(files: Files, attributes: dict[str, str]) -> Optional[dict[str,
         cls = _import(entry["model_class"])
         taken = inspect.signature(cls.__init__).parameters
         given = {k: v for k, v in config.items() if k in taken and k != "self"}
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values()):  # a class handing **kwargs on (MOVA's
+            given = {k: v for k, v in config.items() if not k.startswith("_")}  # audio DiT): every value it names
         if "config" in taken and "config" not in config:  # a class taking its whole configuration as one dict
             given["config"] = {k: v for k, v in config.items() if not k.startswith("_")}
         if "config_path" in taken:  # a class reading its configuration's folder itself
@@ -510,13 +516,32 @@ def load_pipeline(glue: Glue, models: Iterable[ModelFile], attributes: Iterable[
         kwargs.setdefault(tokenizer.keyword, None)
     cls = pipeline_class_of(glue)
     try:
-        with _quiet():
+        with _quiet(), _skipping_absent(cls, glue.on_loaded):
             return cls.from_pretrained(torch_dtype=dtype, device=device, model_configs=configs, **kwargs)
     except (RuntimeError, ValueError, OSError, KeyError, TypeError) as exc:  # its loader's own, as one line
         files = ", ".join(Path(c.path if isinstance(c.path, str) else c.path[0]).name for c in configs)
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise BackendError(f"DiffSynth's {cls.__name__}.from_pretrained failed on {files or 'no model'}: "
                            f"{type(exc).__name__}: {detail[:300]}") from None
+
+
+@contextlib.contextmanager
+def _skipping_absent(cls: type, names: Iterable[str]) -> Iterator[None]:
+    """While `from_pretrained` runs: each of `names`, a function of the pipeline's module that it applies to a list of
+    its models, applied to the loaded ones only (a stage loads some; the others are None)."""
+    module = importlib.import_module(cls.__module__)
+    saved = {name: getattr(module, name) for name in names}
+
+    def skipping(function: Any) -> Any:
+        return lambda models, *a, **kw: function([m for m in models if m is not None], *a, **kw)
+
+    try:
+        for name, function in saved.items():
+            setattr(module, name, skipping(function))
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(module, name, function)
 
 
 def fp8_storage(device: str) -> dict[str, Any]:
@@ -538,7 +563,6 @@ class _quiet:
     line instead."""
 
     def __enter__(self) -> None:
-        import contextlib
         import io
 
         self._redirect = contextlib.redirect_stdout(io.StringIO())

@@ -43,15 +43,19 @@ from unitgraph.spec import Pipeline, Sink
 __all__ = ["live_projection", "loss_overwrites", "seeded_units"]
 
 
-def loss_overwrites(loss: Callable[..., Any], name: str = "inputs") -> frozenset[str]:
-    """Params the loss `loss(pipe, **inputs)` assigns at its top level before any read of them.
+def loss_overwrites(loss: Callable[..., Any], name: str = "inputs", present: frozenset[str] = frozenset()) -> frozenset[str]:
+    """Params the loss `loss(pipe, **inputs)` assigns at its top level before any read of them; with `present` (params
+    every sample's state holds), also those it assigns in a top-level `if inputs.get(P) is not None:` or `if P in
+    inputs:` of such a param (a branch every step takes: MOVA's loss noises the sound's latents when they are there).
 
     >>> def loss(pipe, **inputs):
     ...     t = inputs.get("max_timestep_boundary", 1)
     ...     inputs["latents"] = pipe.add_noise(inputs["input_latents"], t)
+    ...     if inputs.get("sound") is not None:
+    ...         inputs["sound_latents"] = pipe.add_noise(inputs["sound"], t)
     ...     return pipe.model_fn(**inputs)
-    >>> sorted(loss_overwrites(loss))
-    ['latents']
+    >>> sorted(loss_overwrites(loss)), sorted(loss_overwrites(loss, present=frozenset({"sound"})))
+    (['latents'], ['latents', 'sound_latents'])
     """
     tree = ast.parse(textwrap.dedent(inspect.getsource(loss)))
     func = next(n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
@@ -78,7 +82,20 @@ def loss_overwrites(loss: Callable[..., Any], name: str = "inputs") -> frozenset
             found.add("*")  # the whole dict handed on (model_fn(**inputs)): every param read from here on
         return found  # type: ignore[return-value]
 
+    def taken(stmt: ast.AST) -> bool:  # an `if` on a present param, without an else
+        if not isinstance(stmt, ast.If) or stmt.orelse:
+            return False
+        test = stmt.test
+        if (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.IsNot)
+                and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None):
+            test = test.left
+        return (isinstance(test, (ast.Call, ast.Compare)) and key(test) in present
+                and not (isinstance(test, ast.Compare) and isinstance(test.ops[0], ast.NotIn)))
+
+    body = []
     for stmt in func.body:
+        body.extend(stmt.body if taken(stmt) else [stmt])
+    for stmt in body:
         if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and key(stmt.targets[0]) is not None):
             read |= reads_of(stmt.value)
             target = key(stmt.targets[0])

@@ -85,7 +85,7 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
         "config_file", "num_processes", "fp8_models", "offload_models", "tokenizer_t5xxl_path", "optimizer_args",
         "lr_warmup_steps", "ema_decay", "ema_device", "validation_use_ema", "max_grad_norm", "validation_dataset",
         "validation_steps", "caption_dropout", "weighting_scheme", "logit_mean", "logit_std", "mode_scale",
-        "masked_loss", "masked_loss_unmasked_weight", "processor_path"}
+        "masked_loss", "masked_loss_unmasked_weight", "processor_path", "frame_rate"}
 # the flags naming a tokenizer (or processor) folder: each only for a pipeline that takes one by it
 TOKENIZER_FLAGS = ("tokenizer_path", "tokenizer_2_path", "tokenizer_t5xxl_path", "processor_path")
 
@@ -165,6 +165,12 @@ def check_flags(args: TrainArgs) -> None:
         if glue.media == "video":
             raise BackendError(f"--masked_loss: {glue.name} trains on clips; a mask weighs an image's latent cells "
                                "(image pipelines only)")
+    if chosen and glue.loss:
+        raise BackendError(f"{chosen[0]}: {glue.name} trains DiffSynth's own {glue.loss.rpartition(':')[2]} (its train.py's "
+                           "sft loss); the samplings, weightings and masked loss apply to FlowMatchSFTLoss")
+    if args.frame_rate is not None and not glue.frame_rate:
+        raise BackendError(f"--frame_rate: {glue.name}'s example reads no clip at a frame rate (its train.py has no such "
+                           "flag)")
     if chosen and task_kind(args.task) != "sft":
         raise BackendError(f"{chosen[0]}: --task {args.task} trains DiffSynth's own {task_kind(args.task)} loss (a "
                            "denoising loop, no drawn timestep); the samplings, weightings and masked loss apply to sft")
@@ -191,20 +197,28 @@ def task_stage(task: str) -> str:
 
 def step_loss(args: TrainArgs) -> Callable[..., Any]:
     """The loss a step trains: the task's own (`loss_function`), `sft`'s with --timestep_sampling, --weighting_scheme
-    and --masked_loss (objective.py: DiffSynth's FlowMatchSFTLoss itself at their defaults)."""
-    if task_kind(args.task) == "sft":
+    and --masked_loss (objective.py: DiffSynth's FlowMatchSFTLoss itself at their defaults; a pipeline whose example
+    maps sft to a loss of its own trains that one, at the defaults only: check_flags)."""
+    glue = glue_for(str(args.pipeline))
+    if task_kind(args.task) == "sft" and not glue.loss:
         return sft_loss(args.sampling(), args.loss_weighting,
                         args.masked_loss_unmasked_weight if args.masked_loss else None)
-    return loss_function(args.task)
+    return loss_function(args.task, glue)
 
 
-def loss_function(task: str) -> Callable[..., Any]:
+def loss_function(task: str, glue: Optional[Glue] = None) -> Callable[..., Any]:
     """DiffSynth's own loss of the task, as its examples' train.py map them: FlowMatchSFTLoss for `sft` (a drawn
-    timestep and noise, one prediction), DirectDistillLoss for `direct_distill` (the denoising loop of the sample's
+    timestep and noise, one prediction; the glue's own where its example maps sft to another, e.g. MOVA's
+    FlowMatchSFTAudioVideoLoss), DirectDistillLoss for `direct_distill` (the denoising loop of the sample's
     num_inference_steps from its initial latents, the last latents against the target's)."""
     from diffsynth.diffusion.loss import DirectDistillLoss, FlowMatchSFTLoss
 
-    return DirectDistillLoss if task_kind(task) == "direct_distill" else FlowMatchSFTLoss
+    if task_kind(task) == "direct_distill":
+        return DirectDistillLoss
+    if glue is not None and glue.loss:
+        module, _, name = glue.loss.partition(":")
+        return getattr(importlib.import_module(module), name)
+    return FlowMatchSFTLoss
 
 
 # ------------------------------------------------------------------------------------------------
@@ -302,7 +316,7 @@ def setup(args: TrainArgs) -> Setup:
     active, _dropped = prune(whole, given)  # units that would do nothing for these inputs are left out first
     kept = {u.name for u in active.units}
     on = [u.name in kept for u in whole.units]
-    spec, notes = live_projection(active, [d for d, keep in zip(decls, on) if keep], loss_overwrites(loss_function(args.task)))
+    spec, notes = live_projection(active, [d for d, keep in zip(decls, on) if keep], loss_overwrites(loss_function(args.task, glue), present=_sound_present(glue, args)))
     backward = [m for m in (args.trainable_models or "").split(",") if m]
     try:
         plan = split(spec, trainable_models=backward, lora_base_model=args.lora_base_model or None, provided=given)
@@ -457,10 +471,13 @@ def dataset_of(setup: Setup, base: Optional[str] = None, metadata: Optional[str]
     keys = tuple(dict.fromkeys([*(k for k in (args.data_file_keys or "image").split(",") if k), media, *mask]))
     derived = ("input_image", "end_image") if media == "video" else ()  # taken from the clip, not from a column
     columns = tuple(n for n in extra if n not in derived)
-    params = ("prompt", *columns) if media == "video" else (media, "prompt", *columns, *mask)  # frames: sample_state
+    rate = ("frame_rate",) if setup.glue.frame_rate else ()  # a clip's own frame_rate column, when the metadata has one
+    params = ("prompt", *columns, *rate) if media == "video" else (media, "prompt", *columns, *mask)  # frames: sample_state
+    types = {**call_types(setup.pipe_class), **{name: float for name in rate}}
     dataset = DiffusionDataset(base or args.dataset_base_path, metadata or args.dataset_metadata_path, params,
                                data_file_keys=keys, extra_inputs=columns, required=(*setup.glue.columns, *mask),
-                               param_types=call_types(setup.pipe_class), image_params=(media, *mask), strict=mask)
+                               optional=rate, param_types=types, image_params=(media, *mask), strict=mask,
+                               audio_params=setup.glue.audio, num_frames=args.num_frames or 81)
     for index in range(len(dataset) if mask else 0):  # every mask, before any work: present, an image, its image's size
         dataset.check(index)
     return dataset
@@ -484,10 +501,11 @@ def sample_state(setup: Setup, dataset: DiffusionDataset, index: int, device: An
         from diffsynth.core import UnifiedDataset
 
         path = dataset.files(index)["video"][0]
+        at_rate = {"frame_rate": args.frame_rate or 24, "fix_frame_rate": True} if glue.frame_rate else {}
         read = UnifiedDataset.default_video_operator(
             base_path=str(dataset.base_path), max_pixels=args.max_pixels, height=args.height, width=args.width,
             height_division_factor=glue.division, width_division_factor=glue.division, num_frames=args.num_frames,
-            time_division_factor=glue.frames[0], time_division_remainder=glue.frames[1])
+            time_division_factor=glue.frames[0], time_division_remainder=glue.frames[1], **at_rate)
         try:
             sample["video"] = read(str(Path(path).resolve()))
         except Exception as exc:  # imageio's and PIL's decoders raise many types for a damaged file
@@ -496,6 +514,13 @@ def sample_state(setup: Setup, dataset: DiffusionDataset, index: int, device: An
                                source=str(dataset.metadata_path)) from None
         if not sample["video"]:
             raise BackendError(f"row {index + 1}: the video {path.name!r} has no frame", source=str(dataset.metadata_path))
+        for column in set(glue.audio) & set(_extra_inputs(args)):
+            if sample.get(column) is None:  # DiffSynth would train this clip without sound, unlike the rest
+                raise BackendError(f"row {index + 1}: {dataset.files(index)[column][0].name!r} (column {column!r}) has "
+                                   f"no sound track; {glue.name} trains a clip with its sound (every row needs one, "
+                                   f"or leave {column} out of --extra_inputs to train none with sound)",
+                                   source=str(dataset.metadata_path))
+            sample[column] = _sound(setup, dataset, index, column, sample[column])
     else:
         from PIL import Image
 
@@ -512,6 +537,42 @@ def sample_state(setup: Setup, dataset: DiffusionDataset, index: int, device: An
     if args.masked_loss:  # the resized mask's pixels, which the loss reads (objective.py); no unit reads them
         state[0][LOSS_MASK] = mask_pixels(sample[MASK])
     return state
+
+
+def _sound_present(glue: Glue, args: TrainArgs) -> frozenset[str]:
+    """The sound latents every sample's state holds: the glue's, when the command hands the pipeline a sound column
+    (each row then needs a track: `_sound`)."""
+    named = set(_extra_inputs(args)) & set(glue.audio)
+    return frozenset({glue.audio_latents}) if named and glue.audio_latents else frozenset()
+
+
+def _sound(setup: Setup, dataset: DiffusionDataset, index: int, column: str, track: Any) -> Any:
+    """What DiffSynth's LoadAudioWithTorchaudio makes of row `index`'s sound file: (float32 (channels, samples) tensor,
+    rate), the track cut or padded to the clip's length at --frame_rate (the frame count its video reader finds in
+    the file). DiffSynth's operator reads the track with torchaudio.load, which needs a system FFmpeg (torchcodec);
+    here it is handed the track the dataset already read with PyAV's bundled decoder (`track`: data/audio.py), so its
+    own cutting runs on the same samples. Where DiffSynth's operator would warn and train the clip without sound
+    (its video reader cannot open the file), the run stops in one line instead."""
+    import warnings
+
+    import torch
+    from diffsynth.core.data.operators import LoadAudioWithTorchaudio
+
+    args, glue = setup.args, setup.glue
+    path = dataset.files(index)[column][0]
+    samples, rate = track
+    operator = LoadAudioWithTorchaudio(num_frames=args.num_frames, time_division_factor=glue.frames[0],
+                                       time_division_remainder=glue.frames[1], frame_rate=args.frame_rate or 24)
+    operator.audio_loader = lambda _path: (torch.from_numpy(samples), rate)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        made = operator(str(Path(path).resolve()))
+    if made is None:
+        why = str(said[-1].message).split(" due to ", 1)[-1].strip().splitlines()[0][:200] if said else "no reason given"
+        raise BackendError(f"row {index + 1}: DiffSynth's audio operator cannot cut the sound of {path.name!r} (column "
+                           f"{column!r}) to its clip ({why}); it reads a video file's sound track",
+                           source=str(dataset.metadata_path))
+    return made
 
 
 # ------------------------------------------------------------------------------------------------

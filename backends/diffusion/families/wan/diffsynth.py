@@ -5,6 +5,11 @@ DiffSynth's Wan 2.1 T2V command names `Wan-AI/Wan2.1-T2V-1.3B:models_t5_umt5-xxl
 `...:Wan2.1_VAE.pth`; its `from_pretrained` redirects both to DiffSynth's own safetensors copies
 (`DiffSynth-Studio/Wan-Series-Converted-Safetensors`), and so does unitgraph (models.py `redirects`), so no pickle is
 read. The test-size models are written where those redirects look.
+
+MOVA (`diffsynth:mova_audio_video`, DiffSynth's pipeline of OpenMOSS's image-to-audio-and-video model) is declared
+here too: its video tower is Wan's DiT, and it encodes with Wan's VAE and T5 from the same converted copies. Beside
+them it loads an audio DiT (Wan's class, one-dimensional), a bridge of cross-attention between the two towers, and
+a DAC audio VAE; its example trains with DiffSynth's FlowMatchSFTAudioVideoLoss on a clip and its own sound track.
 """
 
 from __future__ import annotations
@@ -24,6 +29,17 @@ PIPELINES = (
                       columns=("video", "prompt"), media="video", frames=(4, 1),
                       constants=(("tiled", False), ("cfg_merge", False), ("vace_scale", 1)), boundaries=True,
                       negative=None, checkpointing=True),
+    # its train.py defaults the tokenizer to Gemma 3's folder (HuggingfaceTokenizer reads whatever is there), reads clips
+    # at --frame_rate and their sound through LoadAudioWithTorchaudio, and hands no negative side and no seed
+    DiffSynthPipeline("mova_audio_video", "MovaAudioVideoPipeline", "MOVA audio and video (DiffSynth's pipeline)",
+                      example="mova",
+                      tokenizers=(DiffSynthTokenizer("tokenizer_config", "tokenizer_path",
+                                                     "google/gemma-3-12b-it-qat-q4_0-unquantized", ""),),
+                      columns=("video", "prompt"), media="video", frames=(4, 1), constants=(("tiled", False),),
+                      boundaries=True, negative=None, distill=False,
+                      loss="diffsynth.diffusion.loss:FlowMatchSFTAudioVideoLoss", audio=("input_audio",),
+                      audio_latents="audio_input_latents",
+                      frame_rate=True, on_loaded=("set_to_torch_norm",)),
 )
 
 # DiffSynth's Wan classes take their sizes in their constructors, except the VAE's (z_dim 16, 127 M parameters,
@@ -48,24 +64,39 @@ def _random(module: Any, seed: int) -> dict[str, Any]:
 def write_diffsynth_models(outdir: Path, module: str, seed: int = 0) -> dict[str, Any]:
     """Wan 2.1 T2V as DiffSynth's example downloads it under `outdir`: the DiT in `Wan-AI/Wan2.1-T2V-1.3B/` beside
     its config.json, the umt5 tokenizer in its `google/umt5-xxl/`, the T5 encoder and the VAE in DiffSynth's
-    converted copies. Returns the flags naming them as the example does (its .pth names, which are redirected)."""
-    import torch
+    converted copies. Returns the flags naming them as the example does (its .pth names, which are redirected).
+    MOVA's (`module` mova_audio_video): `_write_mova`."""
     from diffsynth.models.wan_video_dit import WanModel
+    from safetensors.torch import save_file
+
+    if module == "mova_audio_video":
+        return _write_mova(Path(outdir), seed)
+    root = Path(outdir) / MODEL_ID
+    root.mkdir(parents=True, exist_ok=True)
+    _write_converted(Path(outdir), root / "google" / "umt5-xxl", seed)
+    dit_kwargs = {k: v for k, v in DIT.items() if k not in ("model_type", "text_len")}
+    dit = WanModel(**{**dit_kwargs, "patch_size": tuple(DIT["patch_size"]), "has_image_input": False})
+    save_file(_random(dit, seed), str(root / "diffusion_pytorch_model.safetensors"))
+    (root / "config.json").write_text(json.dumps({"_class_name": "WanModel", **DIT}, indent=1) + "\n", encoding="utf-8")
+    files = [f"{MODEL_ID}:diffusion_pytorch_model*.safetensors", f"{MODEL_ID}:models_t5_umt5-xxl-enc-bf16.pth",
+             f"{MODEL_ID}:Wan2.1_VAE.pth"]
+    return {"model_id_with_origin_paths": ",".join(files), "tokenizer_path": str(root / "google" / "umt5-xxl")}
+
+
+def _write_converted(outdir: Path, tokenizer_folder: Path, seed: int) -> None:
+    """The test-size umt5 tokenizer in `tokenizer_folder`, the T5 encoder (test-sized, `T5`, its config.json beside
+    it) and the VAE in DiffSynth's converted copies under `outdir`."""
+    import torch
     from diffsynth.models.wan_video_text_encoder import WanTextEncoder
     from diffsynth.models.wan_video_vae import WanVideoVAE
     from safetensors.torch import save_file
 
     from ...models.tiny_tokenizers import t5_tokenizer
 
-    root, converted = Path(outdir) / MODEL_ID, Path(outdir) / CONVERTED
-    root.mkdir(parents=True, exist_ok=True)
+    converted = outdir / CONVERTED
     converted.mkdir(parents=True, exist_ok=True)
     tokenizer = t5_tokenizer()
-    tokenizer.save_pretrained(str(root / "google" / "umt5-xxl"))
-    dit_kwargs = {k: v for k, v in DIT.items() if k not in ("model_type", "text_len")}
-    dit = WanModel(**{**dit_kwargs, "patch_size": tuple(DIT["patch_size"]), "has_image_input": False})
-    save_file(_random(dit, seed), str(root / "diffusion_pytorch_model.safetensors"))
-    (root / "config.json").write_text(json.dumps({"_class_name": "WanModel", **DIT}, indent=1) + "\n", encoding="utf-8")
+    tokenizer.save_pretrained(str(tokenizer_folder))
     encoder = WanTextEncoder(vocab=len(tokenizer), **T5)
     save_file(_random(encoder, seed + 1), str(converted / "models_t5_umt5-xxl-enc-bf16.safetensors"))
     (converted / "config.json").write_text(json.dumps({"vocab": len(tokenizer), **T5}, indent=1) + "\n",
@@ -74,6 +105,63 @@ def write_diffsynth_models(outdir: Path, module: str, seed: int = 0) -> dict[str
     vae = WanVideoVAE()
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in vae.model.state_dict().items()},
               str(converted / "Wan2.1_VAE.safetensors"))
-    files = [f"{MODEL_ID}:diffusion_pytorch_model*.safetensors", f"{MODEL_ID}:models_t5_umt5-xxl-enc-bf16.pth",
-             f"{MODEL_ID}:Wan2.1_VAE.pth"]
-    return {"model_id_with_origin_paths": ",".join(files), "tokenizer_path": str(root / "google" / "umt5-xxl")}
+
+
+# MOVA at test size: both towers 24 wide with heads of 12 (Wan's rotary axes of 4, 4 and 4; the bridge's head_dim) and 2
+# blocks each, the bridge
+# between every pair; the video DiT image-to-video (16 latent channels, and 20 of the first frame's mask and
+# latents); the DAC audio VAE at 8 kHz with 160 samples a latent step, 50 a second as the release's 48 kHz / 960
+MOVA_ID, MOVA_720P = "openmoss/MOVA-360p", "openmoss/MOVA-720p"
+MOVA_VIDEO_DIT = {"dim": 24, "in_dim": 36, "ffn_dim": 48, "out_dim": 16, "text_dim": T5["dim"], "freq_dim": 256,
+                  "eps": 1e-6, "patch_size": [1, 2, 2], "num_heads": 2, "num_layers": 2, "has_image_input": False}
+MOVA_AUDIO_DIT = {**MOVA_VIDEO_DIT, "in_dim": 8, "out_dim": 8, "patch_size": [1]}
+MOVA_BRIDGE = {"visual_layers": 2, "audio_layers": 2, "visual_hidden_dim": 24, "audio_hidden_dim": 24, "head_dim": 12}
+MOVA_AUDIO_VAE = {"encoder_dim": 8, "encoder_rates": [4, 5, 8], "latent_dim": 8, "decoder_dim": 16,
+                  "decoder_rates": [8, 5, 4], "sample_rate": 8000}
+MOVA_GEMMA = "google/gemma-3-12b-it-qat-q4_0-unquantized"
+
+
+def _write_mova(outdir: Path, seed: int) -> dict[str, Any]:
+    """MOVA 360p image-to-audio-and-video as its LoRA examples download it: openmoss/MOVA-360p's video_dit and
+    video_dit_2 (the high- and the low-noise expert, two shards each), audio_dit and dual_tower_bridge, MOVA-720p's audio_vae, each test-sized with its config.json beside it; Wan's T5
+    and VAE in DiffSynth's converted copies; the test-size umt5 tokenizer where its train.py looks by default (Gemma
+    3's folder). Returns the flags naming them as the example does."""
+    import torch
+    from diffsynth.models.mova_audio_dit import MovaAudioDit
+    from diffsynth.models.mova_audio_vae import DacVAE
+    from diffsynth.models.mova_dual_tower_bridge import DualTowerConditionalBridge
+    from diffsynth.models.wan_video_dit import WanModel
+    from safetensors.torch import save_file
+
+    def folder(model_id: str, name: str, config: dict, cls: type) -> Path:
+        where = outdir / model_id / name
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "config.json").write_text(json.dumps({"_class_name": cls.__name__, **config}, indent=1) + "\n",
+                                           encoding="utf-8")
+        return where
+
+    def sized(config: dict) -> dict:
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in config.items()}
+
+    _write_converted(outdir, outdir / MOVA_GEMMA, seed)
+    for offset, name in enumerate(("video_dit", "video_dit_2")):  # the high-noise and the low-noise experts
+        video = _random(WanModel(**sized(MOVA_VIDEO_DIT)), seed + 3 + 10 * offset)
+        names = sorted(video)
+        where = folder(MOVA_ID, name, MOVA_VIDEO_DIT, WanModel)
+        for part, chunk in enumerate((names[: len(names) // 2], names[len(names) // 2:]), start=1):
+            save_file({k: video[k] for k in chunk},
+                      str(where / f"diffusion_pytorch_model-0000{part}-of-00002.safetensors"))
+    save_file(_random(MovaAudioDit(**sized(MOVA_AUDIO_DIT)), seed + 4),
+              str(folder(MOVA_ID, "audio_dit", MOVA_AUDIO_DIT, MovaAudioDit) / "diffusion_pytorch_model.safetensors"))
+    save_file(_random(DualTowerConditionalBridge(**MOVA_BRIDGE), seed + 5),
+              str(folder(MOVA_ID, "dual_tower_bridge", MOVA_BRIDGE, DualTowerConditionalBridge) / "diffusion_pytorch_model.safetensors"))
+    torch.manual_seed(seed + 6)
+    audio_vae = DacVAE(**MOVA_AUDIO_VAE)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in audio_vae.state_dict().items()},
+              str(folder(MOVA_720P, "audio_vae", MOVA_AUDIO_VAE, DacVAE) / "diffusion_pytorch_model.safetensors"))
+    files = [f"{MOVA_ID}:video_dit/diffusion_pytorch_model-*.safetensors",
+             f"{MOVA_ID}:audio_dit/diffusion_pytorch_model.safetensors",
+             f"{MOVA_ID}:dual_tower_bridge/diffusion_pytorch_model.safetensors",
+             f"{MOVA_720P}:audio_vae/diffusion_pytorch_model.safetensors",
+             f"{CONVERTED}:Wan2.1_VAE.safetensors", f"{CONVERTED}:models_t5_umt5-xxl-enc-bf16.safetensors"]
+    return {"model_id_with_origin_paths": ",".join(files)}
