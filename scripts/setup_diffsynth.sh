@@ -9,8 +9,10 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 if [ "$(uname -m)" = aarch64 ]; then
   PINS="torch==2.9.1 torchvision==0.24.1"
+  AUDIO="torchaudio==2.9.1"
 else
   PINS="torch==2.14.1 torchvision==0.29.1"
+  AUDIO="torchaudio==2.11.0"
 fi
 
 if [ ! -x .venv-diffsynth/bin/python ]; then
@@ -26,5 +28,8 @@ if [ "$(cat .venv-diffsynth/.setup-stamp 2>/dev/null || true)" != "$stamp" ]; th
   # (the optimizers extra at scripts/setup.sh's pins: --optimizer schedulefree/prodigy/came on DiffSynth's pipelines)
   .venv-diffsynth/bin/python -m pip install -q --disable-pip-version-check $PINS -e ".[diffusion,dev,diffsynth,deepspeed,optimizers]" \
     prodigyopt==1.1.2 came-pytorch==0.1.3 schedulefree==1.4.1
+  # DiffSynth's audio-video pipelines (MOVA) import torchaudio, for its resampler; its newest build pins another
+  # torch, so it comes without dependencies (its file reading, which needs a system FFmpeg, is not used: PyAV reads)
+  .venv-diffsynth/bin/python -m pip install -q --disable-pip-version-check --no-deps "$AUDIO"
   echo "$stamp" > .venv-diffsynth/.setup-stamp
 fi

@@ -46,6 +46,9 @@ __all__ = ["ModelFile", "examples", "find_models", "fp8_storage", "load_pipeline
            "planned_models", "recognise", "redirects", "skeleton", "with_fp8"]
 
 Files = Union[str, list[str]]
+# torchaudio's newest build requires its own torch; without its dependencies it imports beside the diffsynth
+# environment's (its resampler is what DiffSynth's audio pipelines call; its file reading is not used)
+TORCHAUDIO_HINT = "pip install --no-deps torchaudio==2.11.0"
 
 
 @dataclass(frozen=True)
@@ -369,7 +372,16 @@ def with_fp8(models: list[ModelFile], value: Optional[str], trained: Iterable[st
 
 
 def pipeline_class_of(glue: Glue) -> type:
-    module = importlib.import_module(f"diffsynth.pipelines.{glue.module}")
+    """The pipeline class; one line when its module imports a package that is not installed (MOVA's imports
+    torchaudio, which DiffSynth's wheel does not require)."""
+    try:
+        module = importlib.import_module(f"diffsynth.pipelines.{glue.module}")
+    except ModuleNotFoundError as exc:
+        if not exc.name or exc.name.split(".")[0] == "diffsynth":
+            raise
+        how = f" (scripts/setup_diffsynth.sh installs it: {TORCHAUDIO_HINT})" if exc.name == "torchaudio" else ""
+        raise BackendError(f"{glue.name}: DiffSynth's pipeline module imports {exc.name}, which is not installed"
+                           f"{how}") from None
     return getattr(module, glue.class_name)
 
 

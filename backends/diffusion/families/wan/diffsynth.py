@@ -23,6 +23,9 @@ from ...family import DiffSynthPipeline, DiffSynthTokenizer
 MODEL_ID = "Wan-AI/Wan2.1-T2V-1.3B"
 CONVERTED = "DiffSynth-Studio/Wan-Series-Converted-Safetensors"
 
+MOVA_ID, MOVA_720P = "openmoss/MOVA-360p", "openmoss/MOVA-720p"
+WAN22_I2V_A14B = "md5:5b013604280dd715f8457c6ed6d6a626"  # the table's entry of Wan2.2-I2V-A14B's experts
+
 PIPELINES = (
     DiffSynthPipeline("wan_video", "WanVideoPipeline", "Wan 2.1/2.2 video (DiffSynth's pipeline)", example="wanvideo",
                       tokenizers=(DiffSynthTokenizer("tokenizer_config", "tokenizer_path", MODEL_ID, "google/umt5-xxl/"),),
@@ -39,7 +42,21 @@ PIPELINES = (
                       boundaries=True, negative=None, distill=False,
                       loss="diffsynth.diffusion.loss:FlowMatchSFTAudioVideoLoss", audio=("input_audio",),
                       audio_latents="audio_input_latents",
-                      frame_rate=True, on_loaded=("set_to_torch_norm",)),
+                      frame_rate=True, on_loaded=("set_to_torch_norm",),
+                      # DiffSynth's table names MOVA's audio DiT and bridge under MOVA-720p's example, and its video
+                      # experts under none: they are Wan 2.2 I2V A14B's DiT class and size (5120 wide, 40 blocks, the
+                      # first frame's 20 channels beside the 16 latent ones, no CLIP image input: the bridge's
+                      # defaults are that width and depth), so the dry run sizes them by that entry
+                      sized_as=((f"{MOVA_ID}:video_dit/diffusion_pytorch_model-*.safetensors", WAN22_I2V_A14B),
+                                (f"{MOVA_ID}:video_dit_2/diffusion_pytorch_model-*.safetensors", WAN22_I2V_A14B),
+                                (f"{MOVA_ID}:audio_dit/diffusion_pytorch_model.safetensors",
+                                 f"{MOVA_720P}:audio_dit/diffusion_pytorch_model.safetensors"),
+                                (f"{MOVA_ID}:dual_tower_bridge/diffusion_pytorch_model.safetensors",
+                                 f"{MOVA_720P}:dual_tower_bridge/diffusion_pytorch_model.safetensors"),
+                                # the converted copies, which the table knows by the .pth files they convert
+                                (f"{CONVERTED}:Wan2.1_VAE.safetensors", "Wan-AI/Wan2.1-T2V-14B:Wan2.1_VAE.pth"),
+                                (f"{CONVERTED}:models_t5_umt5-xxl-enc-bf16.safetensors",
+                                 "Wan-AI/Wan2.1-T2V-14B:models_t5_umt5-xxl-enc-bf16.pth"))),
 )
 
 # DiffSynth's Wan classes take their sizes in their constructors, except the VAE's (z_dim 16, 127 M parameters,
@@ -111,7 +128,6 @@ def _write_converted(outdir: Path, tokenizer_folder: Path, seed: int) -> None:
 # blocks each, the bridge
 # between every pair; the video DiT image-to-video (16 latent channels, and 20 of the first frame's mask and
 # latents); the DAC audio VAE at 8 kHz with 160 samples a latent step, 50 a second as the release's 48 kHz / 960
-MOVA_ID, MOVA_720P = "openmoss/MOVA-360p", "openmoss/MOVA-720p"
 MOVA_VIDEO_DIT = {"dim": 24, "in_dim": 36, "ffn_dim": 48, "out_dim": 16, "text_dim": T5["dim"], "freq_dim": 256,
                   "eps": 1e-6, "patch_size": [1, 2, 2], "num_heads": 2, "num_layers": 2, "has_image_input": False}
 MOVA_AUDIO_DIT = {**MOVA_VIDEO_DIT, "in_dim": 8, "out_dim": 8, "patch_size": [1]}
