@@ -43,7 +43,8 @@ LORA = {"stable_diffusion": ("unet", "to_q,to_k,to_v,to_out.0"),
         "anima_image": ("dit", ""),
         "ernie_image": ("dit", "to_q,to_k,to_v,to_out.0"),
         "krea2": ("dit", "wq,wk,wv,gate,wo,up,down,first,tmlp.0,tmlp.2,projector,txtmlp.1,txtmlp.3,last.linear,tproj.1"),
-        "lingbot_video": ("dit", "to_q,to_k,to_v,to_out")}
+        "lingbot_video": ("dit", "to_q,to_k,to_v,to_out"),
+        "mova_audio_video": ("video_dit", "q,k,v,o,ffn.0,ffn.2")}
 # pipelines whose classes fix a large size (Anima's DiT, the text encoders of ERNIE-Image, Krea 2 and LingBot-Video):
 # 4 samples each, so a run is 8 steps
 HEAVY, HEAVY_SAMPLES = ("anima_image", "ernie_image", "krea2", "lingbot_video"), 4
@@ -78,6 +79,12 @@ RELEASED = {
     "lingbot_video": ("Robbyant/lingbot-video-dense-1.3b:transformer/diffusion_pytorch_model.safetensors,"
                       "Qwen/Qwen3-VL-4B-Instruct:*.safetensors,"
                       "Robbyant/lingbot-video-dense-1.3b:vae/diffusion_pytorch_model.safetensors", 32),
+    "mova_audio_video": ("openmoss/MOVA-360p:video_dit/diffusion_pytorch_model-*.safetensors,"
+                         "openmoss/MOVA-360p:audio_dit/diffusion_pytorch_model.safetensors,"
+                         "openmoss/MOVA-360p:dual_tower_bridge/diffusion_pytorch_model.safetensors,"
+                         "openmoss/MOVA-720p:audio_vae/diffusion_pytorch_model.safetensors,"
+                         "DiffSynth-Studio/Wan-Series-Converted-Safetensors:Wan2.1_VAE.safetensors,"
+                         "DiffSynth-Studio/Wan-Series-Converted-Safetensors:models_t5_umt5-xxl-enc-bf16.safetensors", 32),
 }
 
 
@@ -103,13 +110,15 @@ def measure(module: str, rounds: int, root: Path) -> dict[str, Any]:
 
     folder = root / module
     flags = write_tiny_models(folder / "models", module)
-    video = glue_for(module).media == "video"
+    video, sound = glue_for(module).media == "video", bool(glue_for(module).audio)
     write_synthetic_dataset(folder / "data", count=HEAVY_SAMPLES if module in HEAVY else SAMPLES, size=40,
-                            **({"videos": ("video",), "frames": FRAMES} if video else {}))
+                            **({"videos": ("video",), "frames": FRAMES, "audio": sound} if video else {}))
     os.environ["DIFFSYNTH_MODEL_BASE_PATH"] = str(folder / "models")
     os.environ["DIFFSYNTH_SKIP_DOWNLOAD"] = "True"
     folders = {k: v for k, v in flags.items() if k in ("tokenizer_path", "tokenizer_t5xxl_path", "processor_path")}
-    both = {**folders, **({"num_frames": FRAMES, "data_file_keys": "video"} if video else {})}
+    both = {**folders, **({"num_frames": FRAMES, "data_file_keys": "video"} if video else {}),
+            # MOVA's example: the clip's sound and first frame
+            **({"data_file_keys": "video,input_audio", "extra_inputs": "input_audio,input_image"} if sound else {})}
     data = {"dataset_base_path": str(folder / "data"), "dataset_metadata_path": str(folder / "data" / "metadata.csv"),
             "model_id_with_origin_paths": flags["model_id_with_origin_paths"], **both}
     quiet = lambda _line: None  # noqa: E731

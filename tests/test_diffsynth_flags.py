@@ -64,7 +64,7 @@ def test_dmd2_settings_and_other_tasks_are_named_as_not_trained(tmp_path, capsys
     one_error_line(code, err, "--tokenizer_t5xxl_path: a flag of DiffSynth's Anima, which unitgraph trains through "
                    "DiffSynth's own pipeline only (--pipeline diffsynth:anima_image")
     code, _, err = cli(capsys, *base, "--frame_rate", "25")
-    one_error_line(code, err, "unitgraph trains LTX-2 at 24 fps")
+    one_error_line(code, err, "unitgraph trains clips with sound at 24 fps")
     code, _, err = cli(capsys, *base, "--enable_tensorboard_log", "--report_to", "wandb")
     one_error_line(code, err, "--enable_tensorboard_log and --report_to wandb ask for different trackers")
     code, _, err = cli(capsys, *base, "--resume_from_checkpoint", "x.safetensors", "--lora_base_model", "",

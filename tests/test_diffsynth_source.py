@@ -931,6 +931,29 @@ def test_bad_commands_are_one_line(world, tmp_path):
         run(_args(root, flags, task="sft:train", dataset_base_path=str(tmp_path), output_path=str(tmp_path / "x")))
     with pytest.raises(BackendError, match="--frame_rate: diffsynth:stable_diffusion's example reads no clip"):
         run(_args(root, flags, frame_rate=24, output_path=str(tmp_path / "x")))
+    with pytest.raises(BackendError, match="--validation_image: diffsynth:stable_diffusion draws its validation "
+                                           "samples from the prompt alone"):
+        run(_args(root, flags, validation_prompt=["x"], validation_image=["x.png"], output_path=str(tmp_path / "x")))
+
+
+@pytest.mark.parametrize("world", ["mova_audio_video"], indirect=True)
+def test_mova_validation_clips_are_drawn_from_their_first_frame_with_sound(world, tmp_path):
+    """--validation_prompt with --validation_image on MOVA: stage 2 draws each prompt's clip through the pipeline's
+    own `__call__` from its first frame, the encoders and VAEs loaded for the while from the files the command names,
+    and writes it as an mp4 with its sound track (the audio VAE's rate); drawing changes no training step."""
+    from unitgraph.backends.diffusion.data.audio import probe_audio
+    from unitgraph.backends.diffusion.data.video import read_clip
+
+    root, flags = world
+    plain = run(_args(root, flags, num_epochs=1, output_path=str(tmp_path / "plain")))
+    drawn = run(_args(root, flags, num_epochs=1, output_path=str(tmp_path / "drawn"), validation_prompt=["a tone"],
+                      validation_image=[str(root / "data" / "images" / "000.png")], validation_inference_steps=2))
+    assert plain.losses == drawn.losses and same_file_tensors(plain.last_checkpoint, drawn.last_checkpoint)
+    clip = tmp_path / "drawn" / "samples" / "epoch-0" / "0.mp4"
+    assert probe_audio(clip) == 8000 and len(read_clip(clip, 81)) == 5
+    with pytest.raises(BackendError, match="--validation_image: no such file"):
+        run(_args(root, flags, num_epochs=1, output_path=str(tmp_path / "x"), validation_prompt=["a tone"],
+                  validation_image=[str(root / "nope.png")]))
 
 
 @pytest.mark.parametrize("world", ["mova_audio_video"], indirect=True)
@@ -947,6 +970,9 @@ def test_mova_refuses_what_it_cannot_train_as_its_example_does_in_one_line(world
     with pytest.raises(BackendError, match="--timestep_sampling logit_normal: diffsynth:mova_audio_video trains "
                                            "DiffSynth's own FlowMatchSFTAudioVideoLoss"):
         run(_args(root, flags, timestep_sampling="logit_normal", output_path=str(tmp_path / "x")))
+    with pytest.raises(BackendError, match="--validation_prompt: diffsynth:mova_audio_video draws a clip from its "
+                                           "first frame; give each prompt its frame with --validation_image"):
+        run(_args(root, flags, validation_prompt=["a tone"], output_path=str(tmp_path / "x")))
     data = tmp_path / "data"
     shutil.copytree(root / "data", data)
     write_clip(data / "images" / "silent.mp4", [Image.new("RGB", (40, 40), (200, 30, 30))] * 5)

@@ -573,6 +573,9 @@ class DiffSynthPipeline:
     # functions of the pipeline's module its `from_pretrained` applies to a list of its models, assuming each loaded
     # (MOVA's `set_to_torch_norm`): a stage that loads some of them hands the others over as None, which they skip
     on_loaded: tuple[str, ...] = ()
+    # whether its `__call__` draws from a first frame (`input_image`: MOVA's video DiT takes the frame's latents beside
+    # its own): a validation sample then needs --validation_image
+    first_frame: bool = False
 
     @property
     def name(self) -> str:

@@ -449,8 +449,8 @@ def _from_config(files: Files, attributes: dict[str, str]) -> Optional[dict[str,
     seen: set[tuple[str, str, str]] = set()
     candidates = [e for e in MODEL_CONFIGS if e["model_name"] in attributes and not e.get("quant_config")]
     # a config's `_class_name` naming one of the candidates' classes chooses among weights that fit several (MOVA's
-    # audio DiT is Wan's DiT class one-dimensional: a Wan DiT of patch (1,) has the same names and shapes); a diffusers
-    # class name (AutoencoderKLQwenImage) names none of DiffSynth's and chooses nothing
+    # audio DiT subclasses a video DiT, one-dimensional: the parent built with a patch of (1,) has the same names and
+    # shapes); a diffusers class name (an AutoencoderKL...) names none of DiffSynth's and chooses nothing
     named = [e for e in candidates if e["model_class"].rpartition(".")[2] == config.get("_class_name")]
     for entry in named or candidates:  # (an entry of a prequantized release file is that file's alone)
         ident = (entry["model_name"], entry["model_class"], entry.get("state_dict_converter", ""))

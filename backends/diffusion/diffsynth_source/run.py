@@ -85,7 +85,7 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
         "config_file", "num_processes", "fp8_models", "offload_models", "tokenizer_t5xxl_path", "optimizer_args",
         "lr_warmup_steps", "ema_decay", "ema_device", "validation_use_ema", "max_grad_norm", "validation_dataset",
         "validation_steps", "caption_dropout", "weighting_scheme", "logit_mean", "logit_std", "mode_scale",
-        "masked_loss", "masked_loss_unmasked_weight", "processor_path", "frame_rate"}
+        "masked_loss", "masked_loss_unmasked_weight", "processor_path", "frame_rate", "validation_image"}
 # the flags naming a tokenizer (or processor) folder: each only for a pipeline that takes one by it
 TOKENIZER_FLAGS = ("tokenizer_path", "tokenizer_2_path", "tokenizer_t5xxl_path", "processor_path")
 
@@ -168,6 +168,12 @@ def check_flags(args: TrainArgs) -> None:
     if chosen and glue.loss:
         raise BackendError(f"{chosen[0]}: {glue.name} trains DiffSynth's own {glue.loss.rpartition(':')[2]} (its train.py's "
                            "sft loss); the samplings, weightings and masked loss apply to FlowMatchSFTLoss")
+    if args.validation_image and not glue.first_frame:
+        raise BackendError(f"--validation_image: {glue.name} draws its validation samples from the prompt alone (a "
+                           "pipeline that starts from a first frame takes one)")
+    if args.validation_prompt and glue.first_frame and not args.validation_image:
+        raise BackendError(f"--validation_prompt: {glue.name} draws a clip from its first frame; give each prompt its "
+                           "frame with --validation_image")
     if args.frame_rate is not None and not glue.frame_rate:
         raise BackendError(f"--frame_rate: {glue.name}'s example reads no clip at a frame rate (its train.py has no such "
                            "flag)")

@@ -4,8 +4,9 @@ At each checkpoint (or every `--validation_steps` optimizer steps), each `--vali
 weights being trained: DiffSynth's `__call__` with the prompt, `--validation_negative_prompt`,
 `--validation_guidance` as its `cfg_scale` (its own default without it), `--validation_inference_steps`,
 `--validation_seed` (else `--seed`) and the run's `--height`/`--width` (else DiffSynth's defaults), as
-`OUTPUT/samples/<checkpoint or step-N>/<k>.png` (a clip as `<k>.mp4`); OUTPUT/samples.html shows every rendering side
-by side. The whole pipeline draws a sample, so models the stage does not train with (stage 2's text encoder, or a
+`OUTPUT/samples/<checkpoint or step-N>/<k>.png` (a clip as `<k>.mp4`, with its sound track where the pipeline draws
+one: MOVA's, at its audio VAE's rate; a pipeline that starts from a first frame is handed prompt k's
+`--validation_image`); OUTPUT/samples.html shows every rendering side by side. The whole pipeline draws a sample, so models the stage does not train with (stage 2's text encoder, or a
 VAE whose encoding went to stage 1) are loaded while it renders, from the files the command names, and released
 after; their files must then be on disk in stage 2 too.
 Rendering does not change what is trained: `__call__` takes its noise from its own seeded generator, every training
@@ -48,6 +49,12 @@ class Renderer:
                   "num_inference_steps": args.validation_inference_steps, "rand_device": "cpu",
                   "num_frames": args.num_frames if setup.glue.media == "video" else None}
         self.kwargs = {k: v for k, v in wanted.items() if v is not None and k in taken}
+        self.sound = bool(setup.glue.audio)  # `__call__` returns (frames, sound)
+        self.frames: list[Any] = []
+        if setup.glue.first_frame:  # read now: a missing or damaged file stops the run before any step
+            from ..train.validation import read_images
+
+            self.frames = read_images(args.validation_image or ())
         if "progress_bar_cmd" in taken:
             self.kwargs["progress_bar_cmd"] = lambda iterable, **_kw: iterable
 
@@ -85,14 +92,15 @@ class Renderer:
             pipe.eval()
             with torch.random.fork_rng(devices=[]):
                 for k, prompt in enumerate(self.prompts):
+                    first = {"input_image": self.frames[k]} if self.frames else {}
                     try:
-                        image = pipe(prompt=prompt, **self.kwargs)
+                        image = pipe(prompt=prompt, **self.kwargs, **first)
                     except Exception as exc:  # DiffSynth's own code: one line naming the prompt
                         raise BackendError(f"rendering --validation_prompt {prompt!r} through {type(pipe).__name__} "
                                            f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}") from None
                     if write:
                         folder.mkdir(parents=True, exist_ok=True)
-                        written.append(_save(image, folder / str(k)))
+                        written.append(_save(image, folder / str(k), pipe if self.sound else None))
         finally:
             for name, value in saved.items():
                 pipe._modules.pop(name, None)
@@ -103,18 +111,23 @@ class Renderer:
         return written
 
 
-def _save(drawn: Any, stem: Path) -> Path:
+def _save(drawn: Any, stem: Path, sounding: Any = None) -> Path:
     """A drawn image as `stem`.png, a drawn video (a list of frames) as `stem`.mp4 (H.264, 16 frames a second,
-    written beside and renamed, so no half-written clip is left)."""
+    written beside and renamed, so no half-written clip is left); with `sounding` (the pipeline, which drew
+    (frames, sound)), the clip at 24 frames a second with its sound track (AAC) at the audio VAE's rate."""
     import os
 
     if isinstance(drawn, (list, tuple)):
         from ..data.video import write_clip
 
+        fps, sound = 16, None
+        if sounding is not None:
+            drawn, samples = drawn
+            fps, sound = 24, (samples.float().clamp(-1, 1).numpy(), int(sounding.audio_vae.sample_rate))
         path = stem.with_suffix(".mp4")
         partial = stem.with_name(stem.name + ".partial.mp4")
         try:
-            write_clip(partial, list(drawn), fps=16)
+            write_clip(partial, list(drawn), fps=fps, audio=sound)
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)

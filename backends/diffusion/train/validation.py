@@ -34,7 +34,7 @@ import importlib
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from unitgraph.atomic import write_bytes_atomic, write_text_atomic
 
@@ -154,10 +154,16 @@ def _file_digest(name: str) -> str:
 def read_validation_images(cfg: Any) -> list[Any]:
     """The --validation_image files as 8-bit RGB images, in the prompts' order; a missing or unreadable file is one
     line naming it."""
+    return read_images(cfg.validation.images)
+
+
+def read_images(names: Iterable[str]) -> list[Any]:
+    """`names` (--validation_image files) as 8-bit RGB images, in order; a missing or unreadable file is one line
+    naming it."""
     from ..data.dataset import ImageProblem, image_to_rgb, open_image
 
     images = []
-    for name in cfg.validation.images:
+    for name in names:
         path = Path(name)
         if not path.is_file():
             raise BackendError("--validation_image: no such file", source=name)

@@ -42,7 +42,7 @@ PIPELINES = (
                       boundaries=True, negative=None, distill=False,
                       loss="diffsynth.diffusion.loss:FlowMatchSFTAudioVideoLoss", audio=("input_audio",),
                       audio_latents="audio_input_latents",
-                      frame_rate=True, on_loaded=("set_to_torch_norm",),
+                      frame_rate=True, on_loaded=("set_to_torch_norm",), first_frame=True,
                       # DiffSynth's table names MOVA's audio DiT and bridge under MOVA-720p's example, and its video
                       # experts under none: they are Wan 2.2 I2V A14B's DiT class and size (5120 wide, 40 blocks, the
                       # first frame's 20 channels beside the 16 latent ones, no CLIP image input: the bridge's
