@@ -322,7 +322,8 @@ def setup(args: TrainArgs) -> Setup:
     active, _dropped = prune(whole, given)  # units that would do nothing for these inputs are left out first
     kept = {u.name for u in active.units}
     on = [u.name in kept for u in whole.units]
-    spec, notes = live_projection(active, [d for d, keep in zip(decls, on) if keep], loss_overwrites(loss_function(args.task, glue), present=_sound_present(glue, args)))
+    overwritten = loss_overwrites(loss_function(args.task, glue), present=_sound_present(glue, args))
+    spec, notes = live_projection(active, [d for d, keep in zip(decls, on) if keep], overwritten)
     backward = [m for m in (args.trainable_models or "").split(",") if m]
     try:
         plan = split(spec, trainable_models=backward, lora_base_model=args.lora_base_model or None, provided=given)
