@@ -28,6 +28,7 @@ What they show, per pipeline:
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -67,12 +68,13 @@ PIPELINES = {
               "pipe.dit."),
     "lingbot_video": ("dit", "to_q,to_k,to_v,to_out", "pipe.dit."),
     "mova_audio_video": ("video_dit", "q,k,v,o,ffn.0,ffn.2", "pipe.video_dit."),
+    "ace_step": ("dit", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "pipe.dit."),
 }
 # pipelines whose classes fix a large size (Anima's DiT: 2.09 B parameters, 4.2 GB in bf16; ERNIE-Image's text
 # encoder: 3.43 B, 6.9 GB; Krea 2's and LingBot-Video's: 4.44 B, 8.9 GB): only the checks of the step, the split and
 # the checkpoint run for them, not every test the module-wide `world` fixture gives the others; nor for MOVA, whose
-# example trains on a clip's sound track, which the other tests' data lacks
-HEAVY = {"anima_image", "ernie_image", "krea2", "lingbot_video", "mova_audio_video"}
+# example trains on a clip's sound track, which the other tests' data lacks; nor for ACE-Step, which trains on songs
+HEAVY = {"anima_image", "ernie_image", "krea2", "lingbot_video", "mova_audio_video", "ace_step"}
 LIGHT = sorted(set(PIPELINES) - HEAVY)
 # the inputs an image example's get_pipeline_inputs sets beyond the picture, its size, cfg_scale, rand_device and the
 # checkpointing flags (examples/flux2/model_training/train.py: "embedded_guidance": 1.0)
@@ -96,6 +98,24 @@ def _sound(module: str) -> bool:
     return bool(glue_for(module).audio)
 
 
+def _song(module: str) -> bool:
+    from unitgraph.backends.diffusion.diffsynth_source.glue import glue_for
+
+    return glue_for(module).media == "audio"
+
+
+def song_metadata(folder: Path) -> Path:
+    """The synthetic songs' metadata.csv as the metadata.json ACE-Step's example dataset has (an empty cell: no key,
+    which its get_pipeline_inputs reads as its default; DiffSynth's pandas would read a csv's empty bpm as NaN)."""
+    import csv
+
+    with (folder / "metadata.csv").open(newline="", encoding="utf-8") as handle:
+        rows = [{k: (int(v) if k == "bpm" else v) for k, v in row.items() if v != "" or k == "lyrics"}
+                for row in csv.DictReader(handle)]
+    (folder / "metadata.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    return folder / "metadata.json"
+
+
 def _video(module: str) -> bool:
     from unitgraph.backends.diffusion.diffsynth_source.glue import glue_for
 
@@ -110,6 +130,9 @@ def world(request, tmp_path_factory):
     flags = dict(write_tiny_models(root / "models", module), module=module)
     if _video(module):  # 5-frame clips (a 40 px image scrolling sideways) in a `video` column (with a tone: MOVA's)
         write_synthetic_dataset(root / "data", count=3, size=40, videos=("video",), frames=5, audio=_sound(module))
+    elif _song(module):  # 1.3 s songs (a tone; one mono) with lyrics (one empty), as ACE-Step's metadata.json has them
+        write_synthetic_dataset(root / "data", count=3, size=40, songs=1.3)
+        song_metadata(root / "data")
     else:
         write_synthetic_dataset(root / "data", count=3, size=40)
     with diffsynth_models(root / "models"), any_attention_kernel(module):  # Krea 2's DiT: cuDNN's kernel alone
@@ -126,6 +149,10 @@ def _args(root: Path, flags: dict, **over):
         base.update(num_frames=5, data_file_keys="video")
     if _sound(flags["module"]):  # as MOVA's LoRA example hands the clip's sound and first frame to the pipeline
         base.update(data_file_keys="video,input_audio", extra_inputs="input_audio,input_image")
+    if _song(flags["module"]):  # ACE-Step's example: songs, no picture size; its tokenizer and silence latent named
+        base.update(data_file_keys="audio", height=None, width=None, tokenizer_path=flags["tokenizer_path"],
+                    silence_latent_path=flags["silence_latent_path"],
+                    dataset_metadata_path=str(root / "data" / "metadata.json"))
     if flags["module"] == "flux2_image":  # its train.py defaults to FLUX.2-dev's tokenizer; klein's example names its own
         base.update(tokenizer_path=flags["tokenizer_path"])
     base.update(over)
@@ -173,12 +200,27 @@ def diffsynths_module(setup, configs, base_model: str, targets: str, seed: int):
     glue = setup.glue
     module = DiffusionTrainingModule()
     tokenizers = {k: ModelConfig(path=v) for k, v in setup.tokenizers_for([t.encoder for t in glue.tokenizers]).items()}
+    for tensor in glue.tensors:  # the release's .pt (a pickle, which DiffSynth's from_pretrained reads) of the twin
+        tokenizers[tensor.keyword] = ModelConfig(path=str(released_pt(setup, tensor)))
     module.pipe = setup.pipe_class.from_pretrained(torch_dtype=getattr(torch, glue.dtype), device="cpu",
                                                    model_configs=configs, **tokenizers)
     module.pipe = module.split_pipeline_units("sft", module.pipe, None, base_model)
     with seeded_global_stream(seed, "diffsynth-lora-init"):  # unitgraph's LoRA initialisation stream
         module.switch_pipe_to_training_mode(module.pipe, None, base_model, targets, 4, None, None, None, task="sft")
     return module
+
+
+def released_pt(setup, tensor) -> Path:
+    """The `.pt` file a release keeps `tensor` in (what DiffSynth's from_pretrained unpickles), written here with
+    torch.save from unitgraph's safetensors twin beside it, as the release has it."""
+    from unitgraph.backends.diffusion.diffsynth_source.models import tensor_file
+
+    twin = tensor_file(tensor, getattr(setup.args, tensor.flag, None), setup.hub)
+    pt = twin.with_suffix(".pt")
+    if not pt.is_file():
+        (value,) = load_file(str(twin)).values()
+        torch.save(value, str(pt))
+    return pt
 
 
 def example_inputs(root: Path, flags: dict, args, glue, device, module=None, index: int = 1) -> tuple:
@@ -224,8 +266,42 @@ def _sound_data(base: str, metadata: str, index: int) -> dict:
                           special_operator_map={"input_audio": ToAbsolutePath(base) >> sound})[index]
 
 
+def pyav_read_audio(path: str, resample: bool = False, resample_rate: int = 48000) -> tuple:
+    """DiffSynth's read_audio (what its LoadPureAudioWithTorchaudio calls) with PyAV's decoder for torchcodec's: the
+    whole track, resampled by DiffSynth's own resample_waveform."""
+    from diffsynth.utils.data.audio import resample_waveform
+
+    waveform, rate = pyav_load(path)
+    return (resample_waveform(waveform, rate, resample_rate), resample_rate) if resample else (waveform, rate)
+
+
+def ace_step_inputs(base: str, metadata: str, device, index: int) -> tuple:
+    """Row `index` as ACE-Step's example reads it and its get_pipeline_inputs makes the pipeline's inputs of it
+    (examples/ace_step/model_training/train.py, written out: the song at 48 kHz by LoadPureAudioWithTorchaudio, its
+    length in whole seconds, the lyrics and the metadata with its defaults, the sides marked)."""
+    import math
+
+    from diffsynth.core import UnifiedDataset
+    from diffsynth.core.data.operators import LoadPureAudioWithTorchaudio, ToAbsolutePath
+
+    reader = LoadPureAudioWithTorchaudio(target_sample_rate=48000, max_audio_duration=None)
+    reader.audio_loader = pyav_read_audio
+    data = UnifiedDataset(base_path=base, metadata_path=metadata, repeat=1, data_file_keys=["audio"],
+                          main_data_operator=ToAbsolutePath(base) >> reader)[index]
+    duration = math.floor(data["audio"][0].shape[1] / data["audio"][1])
+    shared = {"input_audio": data["audio"], "lyrics": data["lyrics"], "task_type": "text2music", "duration": duration,
+              "bpm": data.get("bpm", 100), "keyscale": data.get("keyscale", "C major"),
+              "timesignature": data.get("timesignature", "4"), "vocal_language": data.get("vocal_language", "unknown"),
+              "cfg_scale": 1, "rand_device": device, "use_gradient_checkpointing": False,
+              "use_gradient_checkpointing_offload": False}
+    return shared, {"prompt": data["prompt"], "positive": True}, {"positive": False}
+
+
 def _example_inputs(base: str, metadata: str, flags: dict, args, glue, device, index: int = 1) -> tuple:
     from diffsynth.core import UnifiedDataset
+
+    if _song(flags["module"]):
+        return ace_step_inputs(base, metadata, device, index)
 
     if _video(flags["module"]):  # its video operator as the example's train.py builds it
         data = _sound_data(base, metadata, index) if _sound(flags["module"]) else UnifiedDataset(

@@ -65,15 +65,15 @@ REFUSED_DIFFSYNTH_FLAGS = {
     "audio_processor_path": NOT_TRAINED.format(what="speech-to-video release (S2V)"),
     "framewise_decoding": NOT_TRAINED.format(what="dance-video (ToDance) models"),
     "first_frame_as_condition": NOT_TRAINED.format(what="LingBot-Video"),
-    "max_audio_duration": NOT_TRAINED.format(what="ACE-Step"),
-    "silence_latent_path": NOT_TRAINED.format(what="ACE-Step"),
     "silent_on_missing_audio": NOT_TRAINED.format(what="MiniMax-H3"),
     "noise_scale": NOT_TRAINED.format(what="HiDream-O1-Image"),
     "processor_config": NOT_TRAINED.format(what="HiDream-O1-Image"),
 }
 # DiffSynth's flags of a pipeline unitgraph trains only through DiffSynth's own code (--pipeline diffsynth:MODULE):
 # refused by unitgraph's own pipelines (config.py), read by diffsynth_source
-DIFFSYNTH_PIPELINE_FLAGS = {"tokenizer_t5xxl_path": ("Anima", "diffsynth:anima_image")}
+DIFFSYNTH_PIPELINE_FLAGS = {"tokenizer_t5xxl_path": ("Anima", "diffsynth:anima_image"),
+                            "max_audio_duration": ("ACE-Step", "diffsynth:ace_step"),
+                            "silence_latent_path": ("ACE-Step", "diffsynth:ace_step")}
 REPORT_TO = ("none", "tensorboard", "wandb")
 # --lr_scheduler: DiffSynth's (torch's ConstantLR with its defaults) and diffusers' get_scheduler names (train/lr.py)
 LR_SCHEDULERS = ("diffsynth", "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
@@ -194,8 +194,8 @@ class TrainArgs:
     audio_processor_path: Optional[str] = _f(None, "DiffSynth's speech-to-video (S2V) flag: refused (not trained by unitgraph).", "diffsynth")
     framewise_decoding: bool = _f(False, "DiffSynth's dance-video (ToDance) flag: refused (not trained by unitgraph).", "diffsynth")
     first_frame_as_condition: bool = _f(False, "DiffSynth's LingBot-Video flag: refused (not trained by unitgraph).", "diffsynth")
-    max_audio_duration: Optional[str] = _f(None, "DiffSynth's ACE-Step flag: refused (not trained by unitgraph).", "diffsynth")
-    silence_latent_path: Optional[str] = _f(None, "DiffSynth's ACE-Step flag: refused (not trained by unitgraph).", "diffsynth")
+    max_audio_duration: Optional[float] = _f(None, "DiffSynth's ACE-Step flag (--pipeline diffsynth:ace_step): the seconds of each song trained, its beginning (default: the whole song, at most 600 s).", "diffsynth")
+    silence_latent_path: Optional[str] = _f(None, "DiffSynth's ACE-Step flag (--pipeline diffsynth:ace_step): the silence latent, a file or MODEL_ID:PATTERN (default: ACE-Step/Ace-Step1.5:acestep-v15-turbo/silence_latent.pt), read from its .safetensors twin beside it.", "diffsynth")
     silent_on_missing_audio: bool = _f(False, "DiffSynth's MiniMax-H3 flag: refused (not trained by unitgraph).", "diffsynth")
     noise_scale: Optional[str] = _f(None, "DiffSynth's HiDream-O1-Image flag: refused (not trained by unitgraph).", "diffsynth")
     processor_config: Optional[str] = _f(None, "DiffSynth's HiDream-O1-Image flag: refused (not trained by unitgraph).", "diffsynth")

@@ -33,6 +33,7 @@ from unitgraph.spec import Pipeline, Sink, Unit
 __all__ = [
     "DiffSynthPipeline",
     "DiffSynthTokenizer",
+    "DiffSynthTensor",
     "Family",
     "Guidance",
     "ModelRepo",
@@ -511,6 +512,23 @@ class DiffSynthTokenizer:
 
 
 @dataclass(frozen=True)
+class DiffSynthTensor:
+    """A tensor a DiffSynth pipeline's `from_pretrained` reads from a `.pt` file with torch.load (ACE-Step's silence
+    latent), which unitgraph reads from the file's safetensors twin instead (it unpickles nothing): the keyword
+    `from_pretrained` takes it by (handed None), the flag that names it, the model id and pattern its `train.py` falls
+    back to, the pipeline attribute it fills, the dimensions `from_pretrained` swaps, and the models whose stage needs it
+    (the stage whose units read it)."""
+
+    keyword: str
+    flag: str
+    model_id: str
+    pattern: str
+    attribute: str
+    transpose: tuple[int, ...] = ()
+    models: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class DiffSynthPipeline:
     """One of DiffSynth-Studio's trainable pipelines, as its example's `train.py` puts it together for training
     (backends/diffusion/diffsynth_source runs it with DiffSynth's own units, loader and loss).
@@ -519,8 +537,9 @@ class DiffSynthPipeline:
     in. tokenizers: the tokenizer folders of `from_pretrained`. columns: the metadata columns a sample must have.
     division: the multiple its dataset's ImageCropAndResize rounds sides to. example: its folder under DiffSynth's
     `examples/`. opensource_lora: the converter of its LoRA files to the open-source layout. media: what a sample
-    trains on, "image" (its `image` column, one picture) or "video" (its `video` column, frames read by DiffSynth's
-    video operator: --num_frames, cut to `frames` = (time division, remainder)). constants: the inputs its
+    trains on, "image" (its `image` column, one picture), "video" (its `video` column, frames read by DiffSynth's
+    video operator: --num_frames, cut to `frames` = (time division, remainder)) or "audio" (its `audio` column, a song
+    at `sample_rate`). constants: the inputs its
     `get_pipeline_inputs` sets to fixed values beyond the image pipelines' (a video one's `tiled`, `cfg_merge`,
     `vace_scale`). boundaries: whether it passes --max/--min_timestep_boundary to the loss. negative: the
     `inputs_nega` prompt (None: an empty dict). checkpointing: whether its train.py turns gradient checkpointing on
@@ -576,6 +595,19 @@ class DiffSynthPipeline:
     # whether its `__call__` draws from a first frame (`input_image`: MOVA's video DiT takes the frame's latents beside
     # its own): a validation sample then needs --validation_image
     first_frame: bool = False
+    # an audio pipeline's (media "audio": its `audio` column, a song read by DiffSynth's LoadPureAudioWithTorchaudio):
+    # the rate its train.py resamples songs to
+    sample_rate: int = 0
+    # metadata columns its get_pipeline_inputs reads with a default where a row has none (ACE-Step's bpm, keyscale...)
+    defaults: tuple[tuple[str, Any], ...] = ()
+    # tensors its from_pretrained would unpickle (`DiffSynthTensor`), read from their safetensors twins
+    tensors: tuple[DiffSynthTensor, ...] = ()
+    # whether its get_pipeline_inputs marks the two sides (`positive`: True in inputs_posi, False in inputs_nega)
+    sides: bool = False
+    # (unit class, param): a unit whose every draw is under `if PARAM is not None` (ACE-Step's reference-audio unit cuts
+    # a reference at random places, Python's random): deterministic in a run that gives no PARAM, so the plan may cache
+    # it (stage 1 checks torch's stream as it runs; hazards.py)
+    quiet_without: tuple[tuple[str, str], ...] = ()
 
     @property
     def name(self) -> str:

@@ -164,6 +164,7 @@ class DiffusionDataset:
         num_frames: int = 81,
         audio_params: Iterable[str] = (),
         strict: Iterable[str] = (),
+        audio_seconds: Optional[float] = None,
     ):
         self.base_path = Path(base_path or ".")
         if not self.base_path.is_dir():
@@ -178,6 +179,9 @@ class DiffusionDataset:
         self.video_params = tuple(video_params)
         self.audio_params = tuple(audio_params)
         self.num_frames = int(num_frames)
+        # a song's read (an audio pipeline's own column): its first `audio_seconds`, and one second more, which tells a
+        # longer track (None: a clip's sound, `clip_seconds`)
+        self.audio_seconds = None if audio_seconds is None else float(audio_seconds)
         self.param_types = dict(PARAM_TYPES if param_types is None else param_types)
         columns = set().union(*(r.keys() for r in self.rows))
         self.extra_inputs = list(dict.fromkeys(list(extra_inputs) + [c for c in optional if c in columns]))
@@ -335,8 +339,9 @@ class DiffusionDataset:
     def _audio(self, index: int, param: str, path: Path) -> Any:
         from .audio import clip_seconds, read_audio
 
+        seconds = clip_seconds(self.num_frames) if self.audio_seconds is None else self.audio_seconds + 1.0
         try:
-            return read_audio(path, seconds=clip_seconds(self.num_frames))  # what the clip needs, never the whole
+            return read_audio(path, seconds=seconds)  # what the clip or the song needs, never more
         except VideoProblem as exc:
             raise SampleError(f"row {index + 1}: {path.name!r} (column {param!r}) {exc}", index=index,
                               source=str(self.metadata_path)) from None
@@ -413,6 +418,20 @@ def _tone(index: int, seconds: float, rate: int = 16000) -> tuple[Any, int]:
     t = np.arange(int(round(seconds * rate)), dtype=np.float32) / rate
     wave = 0.3 * np.sin(2 * np.pi * (220.0 + 55.0 * index) * t)
     return np.stack([wave, 0.5 * wave]).astype(np.float32), rate
+
+
+def _write_wav(path: Path, samples: Any, rate: int) -> None:
+    """float (channels, n) samples as a 16-bit PCM WAV file (the standard library's writer)."""
+    import wave
+
+    import numpy as np
+
+    pcm = (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").T.copy()
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(int(samples.shape[0]))
+        out.setsampwidth(2)
+        out.setframerate(int(rate))
+        out.writeframes(pcm.tobytes())
 
 
 def _not_a_file(path: Path) -> Optional[str]:
@@ -511,14 +530,17 @@ def _converts_to_rgb(mode: str) -> bool:
 
 def write_synthetic_dataset(folder: str | Path, count: int = 8, size: int = 64, seed: int = 0,
                             edit: bool = False, distill: bool = False, images: Iterable[str] = (),
-                            videos: Iterable[str] = (), frames: int = 5, audio: bool = False) -> Path:
+                            videos: Iterable[str] = (), frames: int = 5, audio: bool = False,
+                            songs: float = 0.0) -> Path:
     """A small captioned image set (coloured shapes on a background) with metadata.csv; returns the csv path.
 
     For tests and the demo. `images` adds a column per name, each naming a mirrored copy of the row's
     image (a reference or edit image); `videos` a column per name, each naming an mp4 clip of `frames`
     frames in which the row's image scrolls sideways (2 px a frame); `edit` adds the edit_image column;
     `distill` adds seed, num_inference_steps and cfg_scale columns; `audio` gives the clips a sound track (a tone of
-    the row's own pitch, 16 kHz stereo) and an `input_audio` column naming the first clip (DiffSynth's column).
+    the row's own pitch, 16 kHz stereo) and an `input_audio` column naming the first clip (DiffSynth's column);
+    `songs` (seconds) an `audio` column naming a WAV of the row's tone, mono on every third row, with `lyrics` (the third
+    row's empty: an instrumental) and a `bpm` column (empty on odd rows), as ACE-Step's dataset has them.
     """
     import random
 
@@ -565,6 +587,12 @@ def write_synthetic_dataset(folder: str | Path, count: int = 8, size: int = 64, 
             row[column] = clip_name
             if audio:
                 row.setdefault("input_audio", clip_name)
+        if songs:
+            song_name = f"images/{i:03d}_song.wav"
+            samples, rate = _tone(i, songs)
+            _write_wav(folder / song_name, samples[:1] if i % 3 == 2 else samples, rate)
+            row.update({"audio": song_name, "lyrics": "" if i % 3 == 2 else f"[verse]\nla la {fg} {shape}",
+                        "bpm": "" if i % 2 else str(90 + 10 * i)})
         if distill:
             row.update({"seed": i, "num_inference_steps": 2, "cfg_scale": 1.0})
         rows.append(row)

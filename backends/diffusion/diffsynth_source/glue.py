@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..errors import BackendError
-from ..family import DiffSynthPipeline, DiffSynthTokenizer
+from ..family import DiffSynthPipeline, DiffSynthTensor, DiffSynthTokenizer
 
 __all__ = ["Glue", "OWN", "Tokenizer", "call_types", "glue_for", "glues", "inputs", "provided"]
 
@@ -58,6 +58,19 @@ OWN: tuple[Glue, ...] = (
          tokenizers=(Tokenizer("processor_config", "processor_path", "Qwen/Qwen3-VL-4B-Instruct", ""),),
          columns=("video", "prompt"), example="lingbot_video", media="video", constants=(("seed", None),),
          boundaries=True, negative=None, distill=False),
+    # text to music: its dataset reads a song (`audio`) at 48 kHz with LoadPureAudioWithTorchaudio, its
+    # get_pipeline_inputs hands the song, its length in whole seconds, the lyrics and the metadata columns (with its
+    # defaults), the sides marked `positive`; its context unit reads a silence latent its from_pretrained unpickles
+    Glue("ace_step", "AceStepPipeline", "ACE-Step 1.5 (DiffSynth's pipeline)",
+         tokenizers=(Tokenizer("text_tokenizer_config", "tokenizer_path", "ACE-Step/Ace-Step1.5",
+                               "Qwen3-Embedding-0.6B/"),),
+         columns=("audio", "prompt", "lyrics"), example="ace_step", media="audio", sample_rate=48000,
+         constants=(("task_type", "text2music"),), negative=None, distill=False, sides=True,
+         defaults=(("bpm", 100), ("keyscale", "C major"), ("timesignature", "4"), ("vocal_language", "unknown")),
+         quiet_without=(("AceStepUnit_ReferenceAudioEmbedder", "reference_audios"),),
+         tensors=(DiffSynthTensor("silence_latent_config", "silence_latent_path", "ACE-Step/Ace-Step1.5",
+                                  "acestep-v15-turbo/silence_latent.pt", "silence_latent", (1, 2),
+                                  ("vae", "tokenizer_model")),)),
 )
 
 
@@ -101,6 +114,12 @@ def inputs(glue: Glue, sample: Mapping[str, Any], device: Any, gradient_checkpoi
         frames = sample["video"]
         shared: dict[str, Any] = {"input_video": frames, "height": frames[0].size[1], "width": frames[0].size[0],
                                   "num_frames": len(frames)}
+    elif glue.media == "audio":  # (waveform, rate) as LoadPureAudioWithTorchaudio gives it, and its whole seconds
+        import math
+
+        song = sample["audio"]
+        shared = {"input_audio": song, "lyrics": sample.get("lyrics"),
+                  "duration": math.floor(song[0].shape[1] / song[1]) if song is not None else sample.get("duration", 60)}
     else:
         image = sample["image"]
         shared = {"input_image": image, "height": image.size[1], "width": image.size[0]}
@@ -111,6 +130,8 @@ def inputs(glue: Glue, sample: Mapping[str, Any], device: Any, gradient_checkpoi
         "use_gradient_checkpointing_offload": gradient_checkpointing_offload,
     })
     shared.update(dict(glue.constants))
+    for name, default in glue.defaults:  # its data.get(name, default)
+        shared[name] = default if sample.get(name) is None else sample[name]
     if glue.frame_rate:  # the row's frame_rate column, else 24 (MOVA's get_pipeline_inputs: data.get("frame_rate", 24))
         shared["frame_rate"] = 24 if sample.get("frame_rate") is None else sample["frame_rate"]
     if glue.boundaries:
@@ -124,7 +145,10 @@ def inputs(glue: Glue, sample: Mapping[str, Any], device: Any, gradient_checkpoi
         else:
             shared[name] = sample.get(name)
     negative = {} if glue.negative is None else {"negative_prompt": glue.negative}
-    return shared, {"prompt": sample["prompt"]}, negative
+    positive = {"prompt": sample["prompt"]}
+    if glue.sides:
+        positive["positive"], negative["positive"] = True, False
+    return shared, positive, negative
 
 
 def provided(glue: Glue, extra_inputs: tuple[str, ...] = ()) -> frozenset[str]:
@@ -133,8 +157,11 @@ def provided(glue: Glue, extra_inputs: tuple[str, ...] = ()) -> frozenset[str]:
     as DiffSynth's runner would run it to no effect."""
     from PIL import Image
 
+    import numpy as np
+
     picture = Image.new("RGB", (16, 16))
-    sample = {"video": [picture], "image": picture, "prompt": "", **{n: 0 for n in extra_inputs}}
+    sample = {"video": [picture], "image": picture, "audio": (np.zeros((2, 16), np.float32), 16), "prompt": "",
+              "lyrics": "", **{n: 0 for n in extra_inputs}}
     given = inputs(glue, sample, "cpu", False, False, extra_inputs)
     return frozenset(k for part in given for k, v in part.items() if v is not None)
 

@@ -42,8 +42,8 @@ from ..errors import BackendError
 from ..models.hub import Hub, origin_subfolder
 from .glue import Glue
 
-__all__ = ["ModelFile", "examples", "find_models", "fp8_storage", "load_pipeline", "model_attributes", "named_models",
-           "planned_models", "recognise", "redirects", "skeleton", "with_fp8"]
+__all__ = ["ModelFile", "examples", "find_models", "fp8_storage", "load_pipeline", "load_tensor", "model_attributes",
+           "named_models", "planned_models", "recognise", "redirects", "skeleton", "tensor_file", "with_fp8"]
 
 Files = Union[str, list[str]]
 # torchaudio's newest build requires its own torch; without its dependencies it imports beside the diffsynth
@@ -94,8 +94,25 @@ def skeleton(entry: dict[str, Any]) -> Any:
     kwargs = entry.get("extra_kwargs", {})
     if not isinstance(kwargs, dict):
         raise BackendError(f"a model record's sizes are not a mapping ({type(kwargs).__name__})")
-    with torch.device("meta"):
-        return _import(str(entry["model_class"]))(**kwargs)
+    return _empty(_import(str(entry["model_class"])), kwargs)
+
+
+def _empty(cls: type, kwargs: dict[str, Any]) -> Any:
+    """`cls(**kwargs)` without weights: on the meta device, or, for a class that reads a value of a tensor it builds
+    (ACE-Step's audio tokenizer checks its quantizer's levels), with only its parameters there (accelerate's
+    init_empty_weights: its buffers are built, small)."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            return cls(**kwargs)
+    except (RuntimeError, NotImplementedError) as exc:
+        if "meta" not in str(exc):
+            raise
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        return cls(**kwargs)
 
 
 def _import(dotted: str) -> Any:
@@ -418,30 +435,33 @@ def recognise(files: Files, attributes: dict[str, str]) -> tuple[dict, ...]:
     known = tuple(c for c in MODEL_CONFIGS if c["model_hash"] == model_hash and c["model_name"] in attributes)
     if known:
         return known
-    entry = _from_config(files, attributes)
+    entries = _from_config(files, attributes)
     first = files if isinstance(files, str) else files[0]
-    if entry is None:
+    if not entries:
         raise BackendError(f"DiffSynth does not recognise this model (its key hash {model_hash} is in no entry of "
                            "diffsynth.configs.MODEL_CONFIGS) and no config.json beside it builds one of "
                            f"{', '.join(sorted(attributes.values()))}", source=first)
-    entry = dict(entry, model_hash=model_hash)
-    MODEL_CONFIGS.append(entry)
-    return (entry,)
+    entries = [dict(entry, model_hash=model_hash) for entry in entries]
+    MODEL_CONFIGS.extend(entries)
+    return tuple(entries)
 
 
-def _from_config(files: Files, attributes: dict[str, str]) -> Optional[dict[str, Any]]:
+def _from_config(files: Files, attributes: dict[str, str]) -> list[dict[str, Any]]:
+    """The table entries the config.json beside `files` builds, at most one per model name: a release file may hold
+    several models, each entry's state-dict converter taking its own (ACE-Step's DiT, condition encoder and audio
+    tokenizer, under `decoder.`, `encoder.` and `tokenizer.`)."""
     from diffsynth.configs import MODEL_CONFIGS
 
     first = Path(files if isinstance(files, str) else files[0])
     config_file = first.parent / "config.json"
     if not config_file.is_file():
-        return None
+        return []
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BackendError(f"unreadable config.json ({exc})", source=str(config_file)) from None
     if not isinstance(config, dict):
-        return None
+        return []
     if "auto_map" in config:
         raise BackendError("config.json names code to import (auto_map); unitgraph runs no code a model's folder "
                            "brings", source=str(config_file))
@@ -452,9 +472,10 @@ def _from_config(files: Files, attributes: dict[str, str]) -> Optional[dict[str,
     # audio DiT subclasses a video DiT, one-dimensional: the parent built with a patch of (1,) has the same names and
     # shapes); a diffusers class name (an AutoencoderKL...) names none of DiffSynth's and chooses nothing
     named = [e for e in candidates if e["model_class"].rpartition(".")[2] == config.get("_class_name")]
+    found: dict[str, dict[str, Any]] = {}
     for entry in named or candidates:  # (an entry of a prequantized release file is that file's alone)
         ident = (entry["model_name"], entry["model_class"], entry.get("state_dict_converter", ""))
-        if ident in seen:
+        if ident in seen or entry["model_name"] in found:
             continue
         seen.add(ident)
         cls = _import(entry["model_class"])
@@ -471,8 +492,9 @@ def _from_config(files: Files, attributes: dict[str, str]) -> Optional[dict[str,
         for kwargs in ({k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}, given):
             if _fits(cls, entry, kwargs, shapes):
                 extra = {**entry.get("extra_kwargs", {}), **kwargs}
-                return {k: v for k, v in entry.items() if k != "model_hash"} | {"extra_kwargs": extra}
-    return None
+                found[entry["model_name"]] = {k: v for k, v in entry.items() if k != "model_hash"} | {"extra_kwargs": extra}
+                break
+    return list(found.values())
 
 
 def _fits(cls: type, entry: dict[str, Any], kwargs: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> bool:
@@ -481,8 +503,7 @@ def _fits(cls: type, entry: dict[str, Any], kwargs: dict[str, Any], shapes: dict
     import torch
 
     try:
-        with torch.device("meta"):
-            model = cls(**{**entry.get("extra_kwargs", {}), **kwargs})
+        model = _empty(cls, {**entry.get("extra_kwargs", {}), **kwargs})
         state = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
         if entry.get("state_dict_converter"):
             state = _import(entry["state_dict_converter"])(state)
@@ -514,6 +535,51 @@ def tokenizer_folder(tokenizer: Any, given: Optional[str], hub: Hub) -> str:
     return str(folder)
 
 
+def tensor_file(tensor: Any, given: Optional[str], hub: Hub) -> Path:
+    """The safetensors twin of a tensor file the pipeline's `from_pretrained` would unpickle (`DiffSynthTensor`):
+    `given` (its flag's value: a file, or model_id:pattern) or the train.py's default, found as the model files are
+    (the twin where it is kept beside the release file, else the release file as DiffSynth would fetch it); the twin
+    is `NAME.safetensors` beside `NAME.pt`. A release file without its twin is one line saying how to convert it once:
+    unitgraph unpickles nothing."""
+    if given and (Path(given).exists() or ":" not in given):
+        path = Path(given)
+    else:
+        model_id, pattern = given.rsplit(":", 1) if given else (tensor.model_id, tensor.pattern)
+        folder = hub.local(model_id, str(Path(pattern).with_suffix(".safetensors")))
+        if folder is None:
+            folder = hub.snapshot(model_id, pattern, lambda where, problem: BackendError(
+                f"{problem} (or pass --{tensor.flag})", source=str(where)))
+        path = (folder.parent if origin_subfolder(pattern) else folder) / pattern
+    twin = path if path.suffix == ".safetensors" else path.with_suffix(".safetensors")
+    if twin.is_file():
+        return twin
+    if path.is_file():
+        raise BackendError(f"a pickle (torch.save), which unitgraph does not unpickle; convert it once to {twin.name} "
+                           f"beside it: python -c \"import torch, safetensors.torch as st; st.save_file("
+                           f"{{'{tensor.attribute}': torch.load('{path}', weights_only=True).contiguous()}}, "
+                           f"'{twin}')\"", source=str(path))
+    raise BackendError(f"file not found (--{tensor.flag})", source=str(path))
+
+
+def load_tensor(tensor: Any, path: Path, dtype: Any, device: str) -> Any:
+    """The tensor of a twin file (its one tensor), with the dimensions `from_pretrained` swaps swapped, in the
+    pipeline's dtype on its device."""
+    from safetensors.torch import load_file
+
+    try:
+        found = load_file(str(path))
+    except Exception as exc:  # safetensors raises its own types for damaged files
+        raise BackendError(f"unreadable safetensors file ({type(exc).__name__}: {exc})", source=str(path)) from None
+    if len(found) != 1:
+        raise BackendError(f"holds {len(found)} tensors; {tensor.attribute} is one tensor", source=str(path))
+    value = next(iter(found.values()))
+    if tensor.transpose:
+        if value.dim() <= max(tensor.transpose):
+            raise BackendError(f"a tensor of {value.dim()} dimensions, {tensor.attribute} has more", source=str(path))
+        value = value.transpose(*tensor.transpose)
+    return value.to(dtype=dtype, device=device)
+
+
 def load_pipeline(glue: Glue, models: Iterable[ModelFile], attributes: Iterable[str], tokenizers: dict[str, str],
                   dtype: Any, device: str = "cpu") -> Any:
     """The pipeline with only the models filling `attributes` loaded (DiffSynth's `from_pretrained`), and the
@@ -526,6 +592,8 @@ def load_pipeline(glue: Glue, models: Iterable[ModelFile], attributes: Iterable[
     kwargs = {keyword: ModelConfig(path=folder) for keyword, folder in tokenizers.items()}
     for tokenizer in glue.tokenizers:
         kwargs.setdefault(tokenizer.keyword, None)
+    for tensor in glue.tensors:  # read from its twin (load_tensor), never unpickled
+        kwargs[tensor.keyword] = None
     cls = pipeline_class_of(glue)
     try:
         with _quiet(), _skipping_absent(cls, glue.on_loaded):

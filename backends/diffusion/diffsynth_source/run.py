@@ -61,8 +61,8 @@ from ..train.ema import TrainedEMA, ema_name, optional_swap
 from ..train.held_out import FILE as HELD_OUT_FILE, HeldOutLog
 from ..train.lr import make_lr_schedule, step as lr_step
 from ..train.optimizers import build_optimizer, check_optimizer, eval_weights
-from .models import (ModelFile, find_models, load_pipeline, pipeline_class_of, planned_models, skeleton,
-                     named_models, tokenizer_folder, with_fp8)
+from .models import (ModelFile, find_models, load_pipeline, load_tensor, named_models, pipeline_class_of,
+                     planned_models, skeleton, tensor_file, tokenizer_folder, with_fp8)
 
 __all__ = ["run", "wanted", "MANIFEST"]
 
@@ -85,7 +85,10 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
         "config_file", "num_processes", "fp8_models", "offload_models", "tokenizer_t5xxl_path", "optimizer_args",
         "lr_warmup_steps", "ema_decay", "ema_device", "validation_use_ema", "max_grad_norm", "validation_dataset",
         "validation_steps", "caption_dropout", "weighting_scheme", "logit_mean", "logit_std", "mode_scale",
-        "masked_loss", "masked_loss_unmasked_weight", "processor_path", "frame_rate", "validation_image"}
+        "masked_loss", "masked_loss_unmasked_weight", "processor_path", "frame_rate", "validation_image",
+        "max_audio_duration", "silence_latent_path"}
+# the longest song an audio pipeline reads without --max_audio_duration (ACE-Step 1.5 makes songs of up to 10 minutes)
+SONG_SECONDS = 600
 # the flags naming a tokenizer (or processor) folder: each only for a pipeline that takes one by it
 TOKENIZER_FLAGS = ("tokenizer_path", "tokenizer_2_path", "tokenizer_t5xxl_path", "processor_path")
 
@@ -162,9 +165,21 @@ def check_flags(args: TrainArgs) -> None:
                                                         ("weighting_scheme", args.loss_weighting)) if value != "diffsynth"]
     if args.masked_loss:
         chosen.insert(0, "--masked_loss")
-        if glue.media == "video":
-            raise BackendError(f"--masked_loss: {glue.name} trains on clips; a mask weighs an image's latent cells "
-                               "(image pipelines only)")
+        if glue.media != "image":
+            raise BackendError(f"--masked_loss: {glue.name} trains on {'clips' if glue.media == 'video' else 'songs'}; "
+                               "a mask weighs an image's latent cells (image pipelines only)")
+    if args.max_audio_duration is not None:
+        if glue.media != "audio":
+            raise BackendError(f"--max_audio_duration: {glue.name} trains no song (an audio pipeline's flag: "
+                               "diffsynth:ace_step)")
+        if not 0 < args.max_audio_duration <= SONG_SECONDS:
+            raise BackendError(f"--max_audio_duration {args.max_audio_duration:g}: the seconds of a song trained, "
+                               f"more than 0 and at most {SONG_SECONDS}")
+    for flag in ("silence_latent_path",):
+        if getattr(args, flag) and flag not in {t.flag for t in glue.tensors}:
+            raise BackendError(f"--{flag}: {glue.name} reads no such file (a flag of diffsynth:ace_step)")
+    if glue.media == "audio" and (args.height or args.width or args.max_pixels != TrainArgs.max_pixels):
+        raise BackendError(f"--height, --width and --max_pixels size pictures; {glue.name} trains on songs")
     if chosen and glue.loss:
         raise BackendError(f"{chosen[0]}: {glue.name} trains DiffSynth's own {glue.loss.rpartition(':')[2]} (its train.py's "
                            "sft loss); the samplings, weightings and masked loss apply to FlowMatchSFTLoss")
@@ -265,13 +280,23 @@ class Setup:
 
     def load_plain(self, models: list[str]) -> Any:
         """A pipeline holding only `models` (and their tokenizers), as DiffSynth loads them: what a render borrows."""
-        return load_pipeline(self.glue, self.models, models, self.tokenizers_for(models), self.dtype, self.world.device)
+        return self.with_tensors(load_pipeline(self.glue, self.models, models, self.tokenizers_for(models), self.dtype,
+                                               self.world.device), models)
+
+    def with_tensors(self, pipe: Any, models: list[str]) -> Any:
+        """`pipe` with the tensors its `from_pretrained` would unpickle, read from their safetensors twins, where
+        `models` include one whose units read them."""
+        for tensor in self.glue.tensors:
+            if set(tensor.models) & set(models):
+                path = tensor_file(tensor, getattr(self.args, tensor.flag, None), self.hub)
+                setattr(pipe, tensor.attribute, load_tensor(tensor, path, self.dtype, self.world.device))
+        return pipe
 
     def load(self, stage_models: list[str], stage: str, recorded: Optional[dict[str, dict]] = None) -> Any:
         """The pipeline with `stage_models` loaded, the others' attributes standing in (hazards.py): from the
         command's files, else from `recorded` (stage 1's record of every model in the cache's manifest)."""
-        pipe = load_pipeline(self.glue, self.models, stage_models, self.tokenizers_for(stage_models), self.dtype,
-                             self.world.device)
+        pipe = self.with_tensors(load_pipeline(self.glue, self.models, stage_models, self.tokenizers_for(stage_models),
+                                               self.dtype, self.world.device), stage_models)
         needed = set(stage_models) & (self.given | set(self.plan.models_require_backward))  # an optional one may be absent
         missing = sorted(needed - {a for a in self.given if getattr(pipe, a, None) is not None})
         if missing:
@@ -315,7 +340,8 @@ def setup(args: TrainArgs) -> Setup:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # declaration notes belong to 'unitgraph audit', not to every run
         seeded = tuple(seeded_units(bare.units, given))
-        whole = from_object(bare, where=glue.name, deterministic=seeded)
+        quiet = tuple(unit for unit, param in glue.quiet_without if param not in given)
+        whole = from_object(bare, where=glue.name, deterministic=seeded + quiet)
         decls = declarations(bare)
     if len(whole.units) != len(bare.units):
         raise BackendError(f"{glue.name}: the adapter read {len(whole.units)} units of {len(bare.units)}")
@@ -479,12 +505,20 @@ def dataset_of(setup: Setup, base: Optional[str] = None, metadata: Optional[str]
     derived = ("input_image", "end_image") if media == "video" else ()  # taken from the clip, not from a column
     columns = tuple(n for n in extra if n not in derived)
     rate = ("frame_rate",) if setup.glue.frame_rate else ()  # a clip's own frame_rate column, when the metadata has one
-    params = ("prompt", *columns, *rate) if media == "video" else (media, "prompt", *columns, *mask)  # frames: sample_state
+    optional = (*rate, *(name for name, _ in setup.glue.defaults))  # read where the metadata has the column
+    required = setup.glue.columns
+    song = media == "audio"
+    if song:  # the lyrics column must be there, but may be empty (an instrumental: "" to the pipeline)
+        required = tuple(c for c in required if c != "lyrics")
+        columns = tuple(dict.fromkeys(["lyrics", *columns]))
+    params = ("prompt", *columns, *optional) if media == "video" else (media, "prompt", *columns, *optional, *mask)
     types = {**call_types(setup.pipe_class), **{name: float for name in rate}}
     dataset = DiffusionDataset(base or args.dataset_base_path, metadata or args.dataset_metadata_path, params,
-                               data_file_keys=keys, extra_inputs=columns, required=(*setup.glue.columns, *mask),
-                               optional=rate, param_types=types, image_params=(media, *mask), strict=mask,
-                               audio_params=setup.glue.audio, num_frames=args.num_frames or 81)
+                               data_file_keys=keys, extra_inputs=columns, required=(*required, *mask),
+                               optional=optional, param_types=types, image_params=() if song else (media, *mask),
+                               strict=mask, audio_params=(media,) if song else setup.glue.audio,
+                               num_frames=args.num_frames or 81,
+                               audio_seconds=(args.max_audio_duration or SONG_SECONDS) if song else None)
     for index in range(len(dataset) if mask else 0):  # every mask, before any work: present, an image, its image's size
         dataset.check(index)
     return dataset
@@ -528,6 +562,8 @@ def sample_state(setup: Setup, dataset: DiffusionDataset, index: int, device: An
                                    f"or leave {column} out of --extra_inputs to train none with sound)",
                                    source=str(dataset.metadata_path))
             sample[column] = _sound(setup, dataset, index, column, sample[column])
+    elif glue.media == "audio":
+        sample["audio"] = _song(setup, dataset, index, sample.get("audio"))
     else:
         from PIL import Image
 
@@ -544,6 +580,41 @@ def sample_state(setup: Setup, dataset: DiffusionDataset, index: int, device: An
     if args.masked_loss:  # the resized mask's pixels, which the loss reads (objective.py); no unit reads them
         state[0][LOSS_MASK] = mask_pixels(sample[MASK])
     return state
+
+
+def _song(setup: Setup, dataset: DiffusionDataset, index: int, track: Any) -> Any:
+    """What DiffSynth's LoadPureAudioWithTorchaudio makes of row `index`'s song: (float32 (2, samples) tensor, rate),
+    resampled to the pipeline's rate by DiffSynth's own resampler, cut to --max_audio_duration, a mono track made
+    stereo. DiffSynth's operator reads the file through torchcodec, which needs a system FFmpeg; here it is handed the
+    track the dataset read with PyAV's bundled decoder (data/audio.py: the song's first --max_audio_duration seconds
+    and one more, so the resampler sees past the cut as on the whole track; without the flag, SONG_SECONDS, a longer
+    track stopping the run). Where DiffSynth's operator would print and hand None (a file without a sound track), the
+    run stops in one line."""
+    import torch
+    from diffsynth.core.data.operators import LoadPureAudioWithTorchaudio
+    from diffsynth.utils.data.audio import resample_waveform
+
+    args, glue = setup.args, setup.glue
+    path = dataset.files(index)["audio"][0]
+    where = f"row {index + 1}: {path.name!r} (column 'audio')"
+    if track is None:
+        raise BackendError(f"{where} has no sound track; {glue.name} trains on a song", source=str(dataset.metadata_path))
+    samples, rate = track
+    if args.max_audio_duration is None and samples.shape[1] > SONG_SECONDS * rate:
+        raise BackendError(f"{where} is longer than {SONG_SECONDS} s ({glue.name}'s longest song); pass "
+                           "--max_audio_duration SECONDS to train its beginning", source=str(dataset.metadata_path))
+
+    def load(_path: str, resample: bool = False, resample_rate: int = 48000) -> tuple:
+        waveform = torch.from_numpy(samples)
+        return (resample_waveform(waveform, rate, resample_rate), resample_rate) if resample else (waveform, rate)
+
+    operator = LoadPureAudioWithTorchaudio(target_sample_rate=glue.sample_rate,
+                                           max_audio_duration=args.max_audio_duration)
+    operator.audio_loader = load
+    made = operator(str(Path(path).resolve()))
+    if made is None:
+        raise BackendError(f"{where}: DiffSynth's audio operator cannot read it", source=str(dataset.metadata_path))
+    return made
 
 
 def _sound_present(glue: Glue, args: TrainArgs) -> frozenset[str]:

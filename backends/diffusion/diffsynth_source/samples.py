@@ -5,7 +5,7 @@ weights being trained: DiffSynth's `__call__` with the prompt, `--validation_neg
 `--validation_guidance` as its `cfg_scale` (its own default without it), `--validation_inference_steps`,
 `--validation_seed` (else `--seed`) and the run's `--height`/`--width` (else DiffSynth's defaults), as
 `OUTPUT/samples/<checkpoint or step-N>/<k>.png` (a clip as `<k>.mp4`, with its sound track where the pipeline draws
-one: MOVA's, at its audio VAE's rate; a pipeline that starts from a first frame is handed prompt k's
+one: MOVA's, at its audio VAE's rate; a song as `<k>.wav`, of the `__call__`'s default length: ACE-Step's 60 s; a pipeline that starts from a first frame is handed prompt k's
 `--validation_image`); OUTPUT/samples.html shows every rendering side by side. The whole pipeline draws a sample, so models the stage does not train with (stage 2's text encoder, or a
 VAE whose encoding went to stage 1) are loaded while it renders, from the files the command names, and released
 after; their files must then be on disk in stage 2 too.
@@ -50,6 +50,7 @@ class Renderer:
                   "num_frames": args.num_frames if setup.glue.media == "video" else None}
         self.kwargs = {k: v for k, v in wanted.items() if v is not None and k in taken}
         self.sound = bool(setup.glue.audio)  # `__call__` returns (frames, sound)
+        self.rate = setup.glue.sample_rate if setup.glue.media == "audio" else 0  # `__call__` returns a song
         self.frames: list[Any] = []
         if setup.glue.first_frame:  # read now: a missing or damaged file stops the run before any step
             from ..train.validation import read_images
@@ -100,7 +101,7 @@ class Renderer:
                                            f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}") from None
                     if write:
                         folder.mkdir(parents=True, exist_ok=True)
-                        written.append(_save(image, folder / str(k), pipe if self.sound else None))
+                        written.append(_save(image, folder / str(k), pipe if self.sound else None, self.rate))
         finally:
             for name, value in saved.items():
                 pipe._modules.pop(name, None)
@@ -111,11 +112,20 @@ class Renderer:
         return written
 
 
-def _save(drawn: Any, stem: Path, sounding: Any = None) -> Path:
+def _save(drawn: Any, stem: Path, sounding: Any = None, rate: int = 0) -> Path:
     """A drawn image as `stem`.png, a drawn video (a list of frames) as `stem`.mp4 (H.264, 16 frames a second,
     written beside and renamed, so no half-written clip is left); with `sounding` (the pipeline, which drew
-    (frames, sound)), the clip at 24 frames a second with its sound track (AAC) at the audio VAE's rate."""
+    (frames, sound)), the clip at 24 frames a second with its sound track (AAC) at the audio VAE's rate; a drawn song
+    (a (1, channels, samples) tensor) as `stem`.wav at `rate`."""
     import os
+
+    if rate:
+        from ..family import Sound
+        from ..train.validation import _save_wav
+
+        path = stem.with_suffix(".wav")
+        _save_wav(Sound(drawn.reshape(-1, drawn.shape[-1]), rate), path)
+        return path
 
     if isinstance(drawn, (list, tuple)):
         from ..data.video import write_clip

@@ -337,6 +337,72 @@ def _lingbot_video(outdir: Path, seed: int) -> dict[str, Any]:
     return {"model_id_with_origin_paths": ",".join(files), "processor_path": "Qwen/Qwen3-VL-4B-Instruct:"}
 
 
+# ACE-Step 1.5's turbo file at test size: its DiT (`decoder.`), condition encoder (`encoder.`) and audio tokenizer
+# (`tokenizer.`, `detokenizer.`), each class taking every size; the latents have the test VAE's 4 channels (the DiT reads
+# them, the context's silence latents and its chunk mask: 12); the lyric side keeps the fixed text encoder's 1024
+ACE_STEP_DIT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                "num_key_value_heads": 1, "head_dim": 16, "in_channels": 12, "audio_acoustic_hidden_dim": 4,
+                "timbre_hidden_dim": 4, "text_hidden_dim": 1024, "num_lyric_encoder_hidden_layers": 1,
+                "num_timbre_encoder_hidden_layers": 1, "num_attention_pooler_hidden_layers": 1,
+                "num_audio_decoder_hidden_layers": 1, "fsq_dim": 32}
+# its VAE (diffusers' AutoencoderOobleck, whose configuration names DiffSynth's class takes as they are) at test size:
+# the release's 1920x down at 48 kHz (the pipeline's units assume it), 4 latent channels (half the encoder's 8)
+ACE_STEP_VAE = {"_class_name": "AutoencoderOobleck", "encoder_hidden_size": 8, "downsampling_ratios": [2, 4, 4, 6, 10],
+                "channel_multiples": [1, 1, 1, 1, 1], "decoder_channels": 8, "decoder_input_channels": 4,
+                "audio_channels": 2, "sampling_rate": 48000}
+ACE_STEP_SILENCE_FRAMES = 800  # the release's is longer; its units take the first 750 (a 30 s reference) or a song's
+
+
+def _ace_step(outdir: Path, seed: int) -> dict[str, Any]:
+    """ACE-Step 1.5 as its LoRA example downloads it (ACE-Step/Ace-Step1.5's acestep-v15-turbo/model.safetensors,
+    Qwen3-Embedding-0.6B/ and vae/), each file in the release's layout: the turbo file holds three test-size models
+    (`ACE_STEP_DIT`, with its configuration beside it); the text encoder's class fixes Qwen3-Embedding's 0.6 B
+    parameters, so it is that model with random N(0, 0.02) weights in bf16 (1.2 GB, written once a session), its
+    keys without the class's `model.`; the VAE is test-sized (`ACE_STEP_VAE`); the tokenizer a test-size Qwen one in
+    the encoder's folder, where its train.py looks by default. The silence latent, which the release keeps as a
+    `.pt` pickle, is written as the safetensors twin unitgraph reads (models.tensor_file): a random (1, 4, 800)
+    tensor."""
+    import torch
+    from diffsynth.models.ace_step_vae import AceStepVAE
+    from safetensors.torch import save_file
+
+    from .models import skeleton
+
+    model_id = "ACE-Step/Ace-Step1.5"
+    root = outdir / model_id
+    turbo = root / "acestep-v15-turbo"
+    turbo.mkdir(parents=True, exist_ok=True)
+    (turbo / "config.json").write_text(json.dumps(ACE_STEP_DIT, indent=1) + "\n", encoding="utf-8")
+    weights: dict[str, Any] = {}
+    for attribute, prefix in (("dit", "decoder."), ("conditioner", "encoder."), ("tokenizer_model", "")):
+        entry = smallest_entry("ace_step", attribute, converted=True)
+        built = _random_weights(skeleton(dict(entry, extra_kwargs=dict(ACE_STEP_DIT))), seed + len(weights), prefix)
+        weights.update(built)
+    weights["null_condition_emb"] = weights.pop("encoder.null_condition_emb")  # the release keeps it at the top
+    save_file(weights, str(turbo / "model.safetensors"))
+    generator = torch.Generator().manual_seed(seed + 3)
+    silence = torch.randn(1, ACE_STEP_VAE["decoder_input_channels"], ACE_STEP_SILENCE_FRAMES, generator=generator)
+    save_file({"silence_latent": silence.to(torch.bfloat16)}, str(turbo / "silence_latent.safetensors"))
+    text = root / "Qwen3-Embedding-0.6B"
+    _family_with_slot("AutoencoderKLFlux2").tiny_module().build_tokenizer().save_pretrained(str(text))
+    (text / "config.json").write_text(json.dumps({"architectures": ["Qwen3Model"], "model_type": "qwen3",
+                                                  "hidden_size": 1024}, indent=1) + "\n", encoding="utf-8")
+    encoder = smallest_entry("ace_step", "text_encoder", converted=True)
+    _once(text / "model.safetensors", (encoder["model_hash"], seed + 2), lambda target: save_file(
+        {k.removeprefix("model."): v for k, v in _random_weights(skeleton(encoder), seed + 2).items()}, str(target)))
+    (root / "vae").mkdir(parents=True, exist_ok=True)
+    (root / "vae" / "config.json").write_text(json.dumps(ACE_STEP_VAE, indent=1) + "\n", encoding="utf-8")
+    torch.manual_seed(seed + 1)
+    vae = AceStepVAE(**{k: v for k, v in ACE_STEP_VAE.items() if not k.startswith("_")})
+    save_file({k: v.contiguous() for k, v in vae.state_dict().items()},
+              str(root / "vae" / "diffusion_pytorch_model.safetensors"))
+    files = ["acestep-v15-turbo/model.safetensors", "Qwen3-Embedding-0.6B/model.safetensors",
+             "vae/diffusion_pytorch_model.safetensors"]
+    return {"model_id_with_origin_paths": ",".join(f"{model_id}:{f}" for f in files),
+            "tokenizer_path": f"{model_id}:Qwen3-Embedding-0.6B/",
+            "silence_latent_path": f"{model_id}:acestep-v15-turbo/silence_latent.pt"}
+
+
 def _seeded_vae(seed: int) -> Any:
     """The VAE (diffusers' AutoencoderKLFlux2) of the tests' Ideogram 4 and ERNIE-Image (`IDEOGRAM4_VAE`), its
     weights drawn from `seed`."""
@@ -348,7 +414,7 @@ def _seeded_vae(seed: int) -> Any:
 
 
 OWN = {"ideogram4": _ideogram4, "anima_image": _anima, "ernie_image": _ernie_image,
-       "krea2": _krea2, "lingbot_video": _lingbot_video}  # writers of DiffSynth's pipelines of no family
+       "krea2": _krea2, "lingbot_video": _lingbot_video, "ace_step": _ace_step}  # writers of DiffSynth's pipelines of no family
 
 
 def writers() -> dict[str, Any]:

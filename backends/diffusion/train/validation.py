@@ -448,7 +448,7 @@ class Validator:
 
 def samples_page(output: Path, title: str, prompts: list[str], names: list[str], inputs: bool = False) -> None:
     """OUTPUT/samples.html: a row per prompt, a column per rendering (`names`: the folders under OUTPUT/samples/,
-    oldest first), each cell the prompt's sample there (`k.png`, a clip `k.mp4`, and its sound `k.wav`), with the
+    oldest first), each cell the prompt's sample there (`k.png`, a clip `k.mp4`, and its sound `k.wav`, or a song alone), with the
     --validation_image inputs as the first column when `inputs`."""
     folder = output / SAMPLES_DIR
     head = ("<th>input</th>" if inputs else "") + "".join(f"<th>{html.escape(n)}</th>" for n in names)
@@ -458,9 +458,11 @@ def samples_page(output: Path, title: str, prompts: list[str], names: list[str],
         cells = []
         for n in names:
             where = f"{SAMPLES_DIR}/{html.escape(n)}/{k}"
+            heard = (folder / n / f"{k}.wav").is_file()
             shown = (f'<video controls src="{where}.mp4"></video>' if (folder / n / f"{k}.mp4").is_file()
+                     else "" if heard and not (folder / n / f"{k}.png").is_file()  # a song alone
                      else f'<img src="{where}.png" alt="{html.escape(n)}">')
-            sound = f'<br><audio controls src="{where}.wav"></audio>' if (folder / n / f"{k}.wav").is_file() else ""
+            sound = f'{"<br>" if shown else ""}<audio controls src="{where}.wav"></audio>' if heard else ""
             cells.append(f"<td>{shown}{sound}</td>")
         rows.append(f"<tr><th class=p>{html.escape(prompt)}</th>{given}{''.join(cells)}</tr>")
     page = ("<!doctype html><meta charset=utf-8><title>unitgraph samples</title>"
