@@ -1065,6 +1065,85 @@ def test_mova_refuses_what_it_cannot_train_as_its_example_does_in_one_line(world
     assert not (tmp_path / "cache" / ds_run.MANIFEST).exists()
 
 
+def _with_rows(root: Path, tmp_path: Path, change) -> Path:
+    """A copy of the world's song dataset whose metadata.json rows `change(rows)` edits; its folder."""
+    data = tmp_path / "songs"
+    shutil.copytree(root / "data", data)
+    rows = json.loads((data / "metadata.json").read_text(encoding="utf-8"))
+    change(rows)
+    (data / "metadata.json").write_text(json.dumps(rows), encoding="utf-8")
+    return data
+
+
+@pytest.mark.parametrize("world", ["ace_step"], indirect=True)
+def test_ace_step_songs_are_cut_drawn_and_refused_in_one_line(world, tmp_path):
+    """ACE-Step's songs: --max_audio_duration trains each song's beginning (its step DiffSynth's own on the song its
+    LoadPureAudioWithTorchaudio cuts); --validation_prompt draws a song through the pipeline's `__call__`, written as a
+    WAV at 48 kHz, without changing a step; a row without a sound track, a song longer than 600 s without the flag,
+    and flags that size pictures or apply to images only are each one line, before anything is cached."""
+    import wave
+
+    from diffsynth.core import ModelConfig
+
+    from unitgraph.backends.diffusion.data.dataset import _write_wav
+    from unitgraph.backends.diffusion.data.video import write_clip
+    from PIL import Image
+
+    root, flags = world
+    base_model, targets, _prefix = PIPELINES["ace_step"]
+    # --max_audio_duration 1: the first second of each song, as DiffSynth's operator cuts it
+    args = _args(root, flags, max_audio_duration=1)
+    setup = ds_run.setup(args)
+    ours, ours_grads, seed = our_unsplit_step(setup, args, base_model)
+    module = diffsynths_module(setup, [ModelConfig(path=m.path) for m in setup.models], base_model, targets, args.seed)
+    from diffsynth.core import UnifiedDataset
+    from diffsynth.core.data.operators import LoadPureAudioWithTorchaudio, ToAbsolutePath
+
+    inputs = ace_step_inputs(str(root / "data"), str(root / "data" / "metadata.json"), module.pipe.device, 1)
+    reader = LoadPureAudioWithTorchaudio(target_sample_rate=48000, max_audio_duration=1)
+    reader.audio_loader = pyav_read_audio
+    cut = UnifiedDataset(base_path=str(root / "data"), metadata_path=str(root / "data" / "metadata.json"), repeat=1,
+                         data_file_keys=["audio"], main_data_operator=ToAbsolutePath(str(root / "data")) >> reader)[1]
+    assert cut["audio"][0].shape == (2, 48000)
+    inputs[0]["input_audio"], inputs[0]["duration"] = cut["audio"], 1
+    theirs, theirs_grads = diffsynths_step(module, inputs, seed, base_model)
+    assert_same_step(ours, ours_grads, theirs, theirs_grads)
+
+    plain = run(_args(root, flags, num_epochs=1, output_path=str(tmp_path / "plain")))
+    drawn = run(_args(root, flags, num_epochs=1, output_path=str(tmp_path / "drawn"), validation_prompt=["a tone"],
+                      validation_inference_steps=2))
+    assert plain.losses == drawn.losses and same_file_tensors(plain.last_checkpoint, drawn.last_checkpoint)
+    with wave.open(str(tmp_path / "drawn" / "samples" / "epoch-0" / "0.wav")) as song:
+        assert song.getframerate() == 48000 and song.getnchannels() == 2 and song.getnframes() == 60 * 48000
+    assert "<audio controls" in (tmp_path / "drawn" / "samples.html").read_text(encoding="utf-8")
+
+    write_clip(tmp_path / "silent.mp4", [Image.new("RGB", (16, 16))] * 2)
+    data = _with_rows(root, tmp_path, lambda rows: rows[1].update(audio="../silent.mp4"))
+    with pytest.raises(BackendError, match="row 2: 'silent.mp4' \\(column 'audio'\\) has no sound track; "
+                                           "diffsynth:ace_step trains on a song"):
+        run(_args(root, flags, dataset_base_path=str(data), dataset_metadata_path=str(data / "metadata.json"),
+                  task="sft:data_process", output_path=str(tmp_path / "cache")))
+    assert not (tmp_path / "cache" / ds_run.MANIFEST).exists()
+    shutil.rmtree(data)
+    import numpy as np
+    # the interrupted stage 1's folder (the first row's entry) is its own: the next one reuses the entry
+    again = run(_args(root, flags, task="sft:data_process", output_path=str(tmp_path / "cache")))
+    assert (again.entries_reused, again.entries_computed) == (1, 2)
+
+    _write_wav(tmp_path / "long.wav", np.zeros((1, 601 * 1000), np.float32), 1000)  # 601 s, 1.2 MB
+    data = _with_rows(root, tmp_path, lambda rows: rows[0].update(audio="../long.wav"))
+    with pytest.raises(BackendError, match="row 1: 'long.wav' \\(column 'audio'\\) is longer than 600 s"):
+        run(_args(root, flags, dataset_base_path=str(data), dataset_metadata_path=str(data / "metadata.json"),
+                  task="sft:data_process", output_path=str(tmp_path / "cache")))
+    for over, said in (({"height": 32, "width": 32}, "--height, --width and --max_pixels size pictures"),
+                       ({"masked_loss": True}, "--masked_loss: diffsynth:ace_step trains on songs"),
+                       ({"max_audio_duration": 0}, "--max_audio_duration 0: the seconds of a song trained"),
+                       ({"silence_latent_path": str(tmp_path / "nope.pt")}, "file not found \\(--silence_latent_path\\)")):
+        with pytest.raises(BackendError, match=said):
+            run(_args(root, flags, output_path=str(tmp_path / "x"), **over))
+    assert not (tmp_path / "x").exists()
+
+
 IDEOGRAM4_COMMAND = r"""
 accelerate launch examples/ideogram4/model_training/train.py \
     --learning_rate 1e-4 \
@@ -1444,6 +1523,72 @@ def test_diffsynths_mova_lora_commands_run_as_they_are(tmp_path, monkeypatch, ca
         assert any(".ffn.2." in k for k in lora) and any(".self_attn.o." in k for k in lora)
 
 
+# examples/ace_step/model_training/lora/Ace-Step1.5.sh, as it is
+ACE_STEP_COMMAND = r"""
+accelerate launch examples/ace_step/model_training/train.py \
+    --learning_rate 1e-4 \
+    --num_epochs 20 \
+    --lora_rank 32 \
+    --use_gradient_checkpointing \
+    --find_unused_parameters \
+    --dataset_base_path "./data/diffsynth_example_dataset/ace_step/Ace-Step1.5" \
+    --dataset_metadata_path "./data/diffsynth_example_dataset/ace_step/Ace-Step1.5/metadata.json" \
+    --model_id_with_origin_paths "ACE-Step/Ace-Step1.5:acestep-v15-turbo/model.safetensors,ACE-Step/Ace-Step1.5:Qwen3-Embedding-0.6B/model.safetensors,ACE-Step/Ace-Step1.5:vae/diffusion_pytorch_model.safetensors" \
+    --tokenizer_path "ACE-Step/Ace-Step1.5:Qwen3-Embedding-0.6B/" \
+    --silence_latent_path "ACE-Step/Ace-Step1.5:acestep-v15-turbo/silence_latent.pt" \
+    --lora_base_model "dit" \
+    --remove_prefix_in_ckpt "pipe.dit." \
+    --dataset_repeat 50 \
+    --output_path "./models/train/Ace-Step1.5_lora" \
+    --lora_target_modules "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj" \
+    --data_file_keys "audio"
+"""
+
+
+def test_diffsynths_ace_step_lora_command_runs_as_it_is(tmp_path, monkeypatch, capsys):
+    """DiffSynth's examples/ace_step/model_training/lora/Ace-Step1.5.sh with `unitgraph train` for `accelerate launch
+    .../train.py`; only sizes are lowered (--num_epochs 1, --dataset_repeat 1, two 1.3 s songs). The model ids alone
+    choose DiffSynth's own pipeline. The release's silence latent is a `.pt` pickle: alone, it is refused in one line
+    that says how to convert it once, and the command it gives writes the safetensors twin the run then reads."""
+    import subprocess
+    import sys
+
+    from clitools import cli
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD"):
+        monkeypatch.delenv(name, raising=False)
+    write_tiny_models(tmp_path / "models", "ace_step")
+    argv = shlex_argv(ACE_STEP_COMMAND)
+    data = tmp_path / argv[argv.index("--dataset_base_path") + 1]
+    write_synthetic_dataset(data, count=2, size=32, songs=1.3)
+    song_metadata(data)
+    for flag, value in {"--num_epochs": "1", "--dataset_repeat": "1"}.items():
+        argv[argv.index(flag) + 1] = value
+    turbo = tmp_path / "models" / "ACE-Step" / "Ace-Step1.5" / "acestep-v15-turbo"
+    (value,) = load_file(str(turbo / "silence_latent.safetensors")).values()
+    torch.save(value, str(turbo / "silence_latent.pt"))  # the release's file
+    (turbo / "silence_latent.safetensors").unlink()
+    code, out, err = cli(capsys, "train", *argv)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "silence_latent.pt: a pickle (torch.save), which unitgraph does not unpickle; convert it once" in err, err
+    conversion = err.split("beside it: ", 1)[1].strip()
+    assert conversion.startswith("python -c ")
+    import shlex
+
+    subprocess.run([sys.executable, *shlex.split(conversion)[1:]], check=True)
+    assert torch.equal(load_file(str(turbo / "silence_latent.safetensors"))["silence_latent"], value)
+    code, out, err = cli(capsys, "train", *argv)
+    assert code == 0, err
+    assert "pipeline: diffsynth:ace_step (DiffSynth's AceStepPipeline; the model id names ACE-Step)" in out, out
+    plan = next(line for line in out.splitlines() if line.startswith("plan:"))
+    assert "ConditionEmbedder" in plan.split("stage 2")[0] and "conditioner" in plan.split("stage 2")[0], plan
+    assert "training: 2 steps" in out
+    lora = load_file(str(tmp_path / "models" / "train" / "Ace-Step1.5_lora" / "epoch-0.safetensors"))
+    assert lora and all(k.startswith("layers.") for k in lora) and any(".mlp.down_proj." in k for k in lora)
+    assert {v.shape[0] for k, v in lora.items() if ".lora_A." in k} == {32}
+
+
 SD_FULL_COMMANDS = {
     "stable_diffusion": r"""
 accelerate launch examples/stable_diffusion/model_training/train.py \
@@ -1524,6 +1669,11 @@ def released_plan(command: str, tmp_path: Path, monkeypatch, capsys) -> dict:
 # the released sizes of DiffSynth's examples whose classes fix a large size, as its model-config table builds them:
 # {module: (its command, {model: (class, fewest parameters, most)}, the most stage 2 may hold of the unsplit run)}
 RELEASED = {
+    # the turbo file holds the DiT, the condition encoder and the audio tokenizer
+    "ace_step": (ACE_STEP_COMMAND, {"dit": ("AceStepDiTModel", 1.5e9, 1.65e9),
+                                    "conditioner": ("AceStepConditionEncoder", 0.6e9, 0.62e9),
+                                    "text_encoder": ("AceStepTextEncoder", 0.59e9, 0.6e9),
+                                    "vae": ("AceStepVAE", 0.16e9, 0.18e9)}, 0.65),
     # the VAE is sized as FLUX.2's (DiffSynth's table knows it under FLUX.2-dev's example)
     "ernie_image": (ERNIE_IMAGE_COMMAND, {"dit": ("ErnieImageDiT", 7.9e9, 8.1e9),
                                           "text_encoder": ("ErnieImageTextEncoder", 3.4e9, 3.5e9),
@@ -1549,7 +1699,8 @@ RELEASED = {
                                             "text_encoder": ("WanTextEncoder", 5.6e9, 5.7e9)}, 0.8),
 }
 # what stage 2 holds where not the DiT alone: MOVA's two towers and their bridge (the in-iteration models)
-RELEASED_STAGE_2 = {"mova_audio_video": ["audio_dit", "dual_tower_bridge", "video_dit"]}
+RELEASED_STAGE_2 = {"mova_audio_video": ["audio_dit", "dual_tower_bridge", "video_dit"],
+                    "ace_step": ["dit", "vae"]}  # its VAE encodes the song to the drawn noise's length
 
 
 @pytest.mark.parametrize("module", sorted(RELEASED))

@@ -24,6 +24,7 @@ import contextlib
 import csv
 import importlib
 import json
+import re
 import time
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
@@ -686,8 +687,12 @@ def data_process(setup: Setup, cache_dir: Path, report: Callable[[str], None]) -
     import torch
 
     if cache_dir.is_dir() and not (cache_dir / MANIFEST).is_file():
+        # an interrupted stage 1's folder (a row it could not read: its entries so far and hashes.json) is its own,
+        # and the next one reuses those entries; anything else there is someone else's
         foreign = sorted(p.name for p in cache_dir.iterdir() if p.name not in ("entries", HASHES))
-        if foreign or any((cache_dir / "entries").glob("*")):
+        entries = cache_dir / "entries"
+        if foreign or (entries.exists() and not entries.is_dir()) or any(
+                not re.fullmatch(r"[0-9a-f]{64}\.safetensors", p.name) for p in entries.glob("*")):
             raise BackendError(f"is not empty and not a stage-1 cache of unitgraph's (it holds "
                                f"{', '.join(foreign[:3]) or 'entries/'}); stage 1 writes only into a new, empty or own "
                                "folder: choose another --output_path", source=str(cache_dir))
