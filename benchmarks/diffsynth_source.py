@@ -44,11 +44,13 @@ LORA = {"stable_diffusion": ("unet", "to_q,to_k,to_v,to_out.0"),
         "ernie_image": ("dit", "to_q,to_k,to_v,to_out.0"),
         "krea2": ("dit", "wq,wk,wv,gate,wo,up,down,first,tmlp.0,tmlp.2,projector,txtmlp.1,txtmlp.3,last.linear,tproj.1"),
         "lingbot_video": ("dit", "to_q,to_k,to_v,to_out"),
-        "mova_audio_video": ("video_dit", "q,k,v,o,ffn.0,ffn.2")}
+        "mova_audio_video": ("video_dit", "q,k,v,o,ffn.0,ffn.2"),
+        "ace_step": ("dit", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")}
 # pipelines whose classes fix a large size (Anima's DiT, the text encoders of ERNIE-Image, Krea 2 and LingBot-Video):
 # 4 samples each, so a run is 8 steps
 HEAVY, HEAVY_SAMPLES = ("anima_image", "ernie_image", "krea2", "lingbot_video"), 4
 FRAMES = 5  # a video pipeline's clips: 5 frames (4k+1) of 32 px
+SONG_SECONDS = 1.3  # an audio pipeline's songs
 # the released files of each pipeline's DiffSynth example, for the dry run (nothing is downloaded)
 RELEASED = {
     "stable_diffusion": ("AI-ModelScope/stable-diffusion-v1-5:text_encoder/model.safetensors,"
@@ -85,15 +87,21 @@ RELEASED = {
                          "openmoss/MOVA-720p:audio_vae/diffusion_pytorch_model.safetensors,"
                          "DiffSynth-Studio/Wan-Series-Converted-Safetensors:Wan2.1_VAE.safetensors,"
                          "DiffSynth-Studio/Wan-Series-Converted-Safetensors:models_t5_umt5-xxl-enc-bf16.safetensors", 32),
+    "ace_step": ("ACE-Step/Ace-Step1.5:acestep-v15-turbo/model.safetensors,"
+                 "ACE-Step/Ace-Step1.5:Qwen3-Embedding-0.6B/model.safetensors,"
+                 "ACE-Step/Ace-Step1.5:vae/diffusion_pytorch_model.safetensors", 32),
 }
 
 
 def _args(module: str, **over: Any) -> Any:
     from unitgraph.backends.diffusion.args import make_args
 
+    from unitgraph.backends.diffusion.diffsynth_source.glue import glue_for
+
     base, targets = LORA[module]
+    size = {} if glue_for(module).media == "audio" else {"height": SIDE, "width": SIDE}  # songs have none
     return make_args(**{"pipeline": f"diffsynth:{module}", "lora_base_model": base, "lora_target_modules": targets,
-                        "lora_rank": 4, "height": SIDE, "width": SIDE, "num_epochs": EPOCHS, "seed": 1, **over})
+                        "lora_rank": 4, **size, "num_epochs": EPOCHS, "seed": 1, **over})
 
 
 def _median_step(result: Any) -> float:
@@ -111,12 +119,16 @@ def measure(module: str, rounds: int, root: Path) -> dict[str, Any]:
     folder = root / module
     flags = write_tiny_models(folder / "models", module)
     video, sound = glue_for(module).media == "video", bool(glue_for(module).audio)
+    song = glue_for(module).media == "audio"
     write_synthetic_dataset(folder / "data", count=HEAVY_SAMPLES if module in HEAVY else SAMPLES, size=40,
-                            **({"videos": ("video",), "frames": FRAMES, "audio": sound} if video else {}))
+                            **({"videos": ("video",), "frames": FRAMES, "audio": sound} if video else {}),
+                            **({"songs": SONG_SECONDS} if song else {}))
     os.environ["DIFFSYNTH_MODEL_BASE_PATH"] = str(folder / "models")
     os.environ["DIFFSYNTH_SKIP_DOWNLOAD"] = "True"
-    folders = {k: v for k, v in flags.items() if k in ("tokenizer_path", "tokenizer_t5xxl_path", "processor_path")}
+    folders = {k: v for k, v in flags.items() if k in ("tokenizer_path", "tokenizer_t5xxl_path", "processor_path",
+                                                       "silence_latent_path")}
     both = {**folders, **({"num_frames": FRAMES, "data_file_keys": "video"} if video else {}),
+            **({"data_file_keys": "audio"} if song else {}),  # ACE-Step's example: songs
             # MOVA's example: the clip's sound and first frame
             **({"data_file_keys": "video,input_audio", "extra_inputs": "input_audio,input_image"} if sound else {})}
     data = {"dataset_base_path": str(folder / "data"), "dataset_metadata_path": str(folder / "data" / "metadata.csv"),
@@ -175,6 +187,7 @@ def render(found: dict[str, Any], plans: dict[str, Any], rounds: int, started: s
              f"{installed_versions(('torch', 'diffsynth', 'peft'))}), in `.venv-diffsynth`, by "
              f"`benchmarks/diffsynth_source.py --rounds {rounds}`: each pipeline's test-size models from DiffSynth's "
              f"own classes, {SAMPLES} images at {SIDE} px (a video pipeline's: {SAMPLES} clips of {FRAMES} frames; "
+             f"an audio pipeline's: {SAMPLES} songs of {SONG_SECONDS} s; "
              f"{HEAVY_SAMPLES} for a pipeline whose classes fix a large size: {', '.join(HEAVY)}), a rank-4 LoRA on "
              f"the denoiser, {EPOCHS} epochs; the median step of the unsplit run and of stage 2, alternating, median "
              "over the rounds (Krea 2's DiT, which asks torch for cuDNN's attention kernel alone, with torch's math "

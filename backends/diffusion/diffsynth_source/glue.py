@@ -118,8 +118,8 @@ def inputs(glue: Glue, sample: Mapping[str, Any], device: Any, gradient_checkpoi
         import math
 
         song = sample["audio"]
-        shared = {"input_audio": song, "lyrics": sample.get("lyrics"),
-                  "duration": math.floor(song[0].shape[1] / song[1]) if song is not None else sample.get("duration", 60)}
+        seconds = math.floor(song[0].shape[1] / song[1]) if song is not None else sample.get("duration", 60)
+        shared = {"input_audio": song, "lyrics": sample.get("lyrics") or "", "duration": seconds}
     else:
         image = sample["image"]
         shared = {"input_image": image, "height": image.size[1], "width": image.size[0]}

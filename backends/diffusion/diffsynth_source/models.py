@@ -492,7 +492,8 @@ def _from_config(files: Files, attributes: dict[str, str]) -> list[dict[str, Any
         for kwargs in ({k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}, given):
             if _fits(cls, entry, kwargs, shapes):
                 extra = {**entry.get("extra_kwargs", {}), **kwargs}
-                found[entry["model_name"]] = {k: v for k, v in entry.items() if k != "model_hash"} | {"extra_kwargs": extra}
+                found[entry["model_name"]] = {**{k: v for k, v in entry.items() if k != "model_hash"},
+                                              "extra_kwargs": extra}
                 break
     return list(found.values())
 

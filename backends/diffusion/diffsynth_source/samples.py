@@ -5,10 +5,11 @@ weights being trained: DiffSynth's `__call__` with the prompt, `--validation_neg
 `--validation_guidance` as its `cfg_scale` (its own default without it), `--validation_inference_steps`,
 `--validation_seed` (else `--seed`) and the run's `--height`/`--width` (else DiffSynth's defaults), as
 `OUTPUT/samples/<checkpoint or step-N>/<k>.png` (a clip as `<k>.mp4`, with its sound track where the pipeline draws
-one: MOVA's, at its audio VAE's rate; a song as `<k>.wav`, of the `__call__`'s default length: ACE-Step's 60 s; a pipeline that starts from a first frame is handed prompt k's
-`--validation_image`); OUTPUT/samples.html shows every rendering side by side. The whole pipeline draws a sample, so models the stage does not train with (stage 2's text encoder, or a
-VAE whose encoding went to stage 1) are loaded while it renders, from the files the command names, and released
-after; their files must then be on disk in stage 2 too.
+one: MOVA's, at its audio VAE's rate; a song as `<k>.wav`, of the `__call__`'s default length: ACE-Step's 60 s; a
+pipeline that starts from a first frame is handed prompt k's `--validation_image`); OUTPUT/samples.html shows every
+rendering side by side. The whole pipeline draws a sample, so models the stage does not train with (stage 2's text
+encoder, or a VAE whose encoding went to stage 1) are loaded while it renders, from the files the command names, and
+released after; their files must then be on disk in stage 2 too.
 Rendering does not change what is trained: `__call__` takes its noise from its own seeded generator, every training
 step seeds torch's stream itself, the scheduler is put back into training mode and the models into train mode.
 Under ZeRO-3 and FSDP2, whose processes each hold a shard of the trained weights, every process draws the samples
@@ -121,10 +122,10 @@ def _save(drawn: Any, stem: Path, sounding: Any = None, rate: int = 0) -> Path:
 
     if rate:
         from ..family import Sound
-        from ..train.validation import _save_wav
+        from ..train.validation import save_wav
 
         path = stem.with_suffix(".wav")
-        _save_wav(Sound(drawn.reshape(-1, drawn.shape[-1]), rate), path)
+        save_wav(Sound(drawn.reshape(-1, drawn.shape[-1]), rate), path)
         return path
 
     if isinstance(drawn, (list, tuple)):

@@ -55,7 +55,7 @@ from ..tensorfile import finite, header_of_bytes, load_tensors
 
 __all__ = ["VALIDATION_FILE", "SAMPLES_DIR", "Guidance", "ValidationTexts", "prompt_units", "sample_prompt_units",
            "encode_prompts", "encode_validation", "store_encoded", "load_encoded", "guidance_of", "validation_texts",
-           "Validator", "samples_page"]
+           "Validator", "samples_page", "save_wav"]
 
 SAMPLES_DIR = "samples"
 SAMPLES_PAGE = "samples.html"
@@ -392,7 +392,7 @@ class Validator:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     _save_png(image, path)
                     if sound is not None:  # a clip's sound track, beside its frames
-                        _save_wav(sound, path.with_suffix(".wav"))
+                        save_wav(sound, path.with_suffix(".wav"))
                     paths.append(path)
         finally:
             for slot, training in modes.items():
@@ -481,7 +481,7 @@ def _save_png(image: Any, path: Path) -> None:
     write_bytes_atomic(path, buffer.getvalue())
 
 
-def _save_wav(sound: Any, path: Path) -> None:
+def save_wav(sound: Any, path: Path) -> None:
     """A `family.Sound` as a 16-bit PCM WAV file (the standard library's writer: every browser plays it); samples
     outside [-1, 1] are clipped, as any 16-bit writer must."""
     import io
