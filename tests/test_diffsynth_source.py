@@ -1131,13 +1131,17 @@ def test_ace_step_songs_are_cut_drawn_and_refused_in_one_line(world, tmp_path):
     assert (again.entries_reused, again.entries_computed) == (1, 2)
 
     _write_wav(tmp_path / "long.wav", np.zeros((1, 601 * 1000), np.float32), 1000)  # 601 s, 1.2 MB
-    data = _with_rows(root, tmp_path, lambda rows: rows[0].update(audio="../long.wav"))
-    with pytest.raises(BackendError, match="row 1: 'long.wav' \\(column 'audio'\\) is longer than 600 s"):
-        run(_args(root, flags, dataset_base_path=str(data), dataset_metadata_path=str(data / "metadata.json"),
-                  task="sft:data_process", output_path=str(tmp_path / "cache")))
+    _write_wav(tmp_path / "short.wav", np.zeros((1, 900), np.float32), 1000)  # 0.9 s
+    for name, said in (("long.wav", "is longer than 600 s"), ("short.wav", "is shorter than a second \\(0.90 s\\)")):
+        data = _with_rows(root, tmp_path, lambda rows: rows[0].update(audio=f"../{name}"))
+        with pytest.raises(BackendError, match=f"row 1: '{name}' \\(column 'audio'\\) {said}"):
+            run(_args(root, flags, dataset_base_path=str(data), dataset_metadata_path=str(data / "metadata.json"),
+                      task="sft:data_process", output_path=str(tmp_path / "cache")))
+        shutil.rmtree(data)
     for over, said in (({"height": 32, "width": 32}, "--height, --width and --max_pixels size pictures"),
                        ({"masked_loss": True}, "--masked_loss: diffsynth:ace_step trains on songs"),
-                       ({"max_audio_duration": 0}, "--max_audio_duration 0: the seconds of a song trained"),
+                       ({"max_audio_duration": 0.5}, "--max_audio_duration 0.5: the seconds of a song trained, "
+                                                     "at least 1"),
                        ({"silence_latent_path": str(tmp_path / "nope.pt")}, "file not found \\(--silence_latent_path\\)")):
         with pytest.raises(BackendError, match=said):
             run(_args(root, flags, output_path=str(tmp_path / "x"), **over))

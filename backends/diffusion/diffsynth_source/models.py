@@ -32,6 +32,7 @@ import contextlib
 import importlib
 import inspect
 import json
+import math
 import os
 import textwrap
 from dataclasses import dataclass
@@ -447,9 +448,11 @@ def recognise(files: Files, attributes: dict[str, str]) -> tuple[dict, ...]:
 
 
 def _from_config(files: Files, attributes: dict[str, str]) -> list[dict[str, Any]]:
-    """The table entries the config.json beside `files` builds, at most one per model name: a release file may hold
-    several models, each entry's state-dict converter taking its own (ACE-Step's DiT, condition encoder and audio
-    tokenizer, under `decoder.`, `encoder.` and `tokenizer.`)."""
+    """The table entries the config.json beside `files` builds. The first that fits, when it takes the whole file;
+    else every entry (one per model name) that takes a part of it: a release file may hold several models, each entry's
+    state-dict converter picking its own (ACE-Step's DiT, condition encoder and audio tokenizer, under `decoder.`,
+    `encoder.` and `tokenizer.`), while weights a whole model has may fit another pipeline model's class too (SDXL's
+    two text encoders at test size), which the first decides, as before."""
     from diffsynth.configs import MODEL_CONFIGS
 
     first = Path(files if isinstance(files, str) else files[0])
@@ -466,6 +469,7 @@ def _from_config(files: Files, attributes: dict[str, str]) -> list[dict[str, Any
         raise BackendError("config.json names code to import (auto_map); unitgraph runs no code a model's folder "
                            "brings", source=str(config_file))
     shapes = _file_shapes(files)
+    whole = sum(math.prod(shape) for shape in shapes.values())
     seen: set[tuple[str, str, str]] = set()
     candidates = [e for e in MODEL_CONFIGS if e["model_name"] in attributes and not e.get("quant_config")]
     # a config's `_class_name` naming one of the candidates' classes chooses among weights that fit several (MOVA's
@@ -490,17 +494,22 @@ def _from_config(files: Files, attributes: dict[str, str]) -> list[dict[str, Any
         # a JSON list as a tuple (what most classes' defaults are), else as the list it is (a class that adds
         # lists to it: Qwen-Image's VAE, `[1] + dim_mult`)
         for kwargs in ({k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}, given):
-            if _fits(cls, entry, kwargs, shapes):
-                extra = {**entry.get("extra_kwargs", {}), **kwargs}
-                found[entry["model_name"]] = {**{k: v for k, v in entry.items() if k != "model_hash"},
-                                              "extra_kwargs": extra}
+            taken_numel = _fits(cls, entry, kwargs, shapes)
+            if taken_numel:
+                if not found and taken_numel >= whole:  # the whole file is this model
+                    return [{**{k: v for k, v in entry.items() if k != "model_hash"},
+                             "extra_kwargs": {**entry.get("extra_kwargs", {}), **kwargs}}]
+                if taken_numel < whole:
+                    found[entry["model_name"]] = {**{k: v for k, v in entry.items() if k != "model_hash"},
+                                                  "extra_kwargs": {**entry.get("extra_kwargs", {}), **kwargs}}
                 break
     return list(found.values())
 
 
-def _fits(cls: type, entry: dict[str, Any], kwargs: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> bool:
-    """Whether the table entry's class built with `kwargs` (on the meta device) has exactly the weights `shapes`
-    names, read through the entry's state-dict converter."""
+def _fits(cls: type, entry: dict[str, Any], kwargs: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> int:
+    """The number of the file's weights the table entry's class built with `kwargs` (on the meta device) takes, when
+    it has exactly the weights `shapes` names read through the entry's state-dict converter (which may pick a part of
+    the file); 0 when it does not."""
     import torch
 
     try:
@@ -509,8 +518,11 @@ def _fits(cls: type, entry: dict[str, Any], kwargs: dict[str, Any], shapes: dict
         if entry.get("state_dict_converter"):
             state = _import(entry["state_dict_converter"])(state)
     except Exception:  # a class these values do not build, a converter these names do not fit: not this entry
-        return False
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()} == {k: tuple(v.shape) for k, v in state.items()}
+        return 0
+    wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if wanted != {k: tuple(v.shape) for k, v in state.items()}:
+        return 0
+    return sum(math.prod(shape) for shape in wanted.values()) or 1
 
 
 # ------------------------------------------------------------------------------------------------

@@ -173,9 +173,9 @@ def check_flags(args: TrainArgs) -> None:
         if glue.media != "audio":
             raise BackendError(f"--max_audio_duration: {glue.name} trains no song (an audio pipeline's flag: "
                                "diffsynth:ace_step)")
-        if not 0 < args.max_audio_duration <= SONG_SECONDS:
+        if not 1 <= args.max_audio_duration <= SONG_SECONDS:  # its inputs count a song's whole seconds
             raise BackendError(f"--max_audio_duration {args.max_audio_duration:g}: the seconds of a song trained, "
-                               f"more than 0 and at most {SONG_SECONDS}")
+                               f"at least 1 and at most {SONG_SECONDS}")
     for flag in ("silence_latent_path",):
         if getattr(args, flag) and flag not in {t.flag for t in glue.tensors}:
             raise BackendError(f"--{flag}: {glue.name} reads no such file (a flag of diffsynth:ace_step)")
@@ -615,6 +615,9 @@ def _song(setup: Setup, dataset: DiffusionDataset, index: int, track: Any) -> An
     made = operator(str(Path(path).resolve()))
     if made is None:
         raise BackendError(f"{where}: DiffSynth's audio operator cannot read it", source=str(dataset.metadata_path))
+    if made[0].shape[1] < made[1]:  # a `duration` of 0 s: no latent frame to train
+        raise BackendError(f"{where} is shorter than a second ({made[0].shape[1] / made[1]:.2f} s); {glue.name}'s "
+                           "inputs count a song's whole seconds", source=str(dataset.metadata_path))
     return made
 
 

@@ -52,6 +52,7 @@ class Renderer:
         self.kwargs = {k: v for k, v in wanted.items() if v is not None and k in taken}
         self.sound = bool(setup.glue.audio)  # `__call__` returns (frames, sound)
         self.rate = setup.glue.sample_rate if setup.glue.media == "audio" else 0  # `__call__` returns a song
+        self.tensors = tuple(t.attribute for t in setup.glue.tensors)  # read beside the models it borrows
         self.frames: list[Any] = []
         if setup.glue.first_frame:  # read now: a missing or damaged file stops the run before any step
             from ..train.validation import read_images
@@ -88,7 +89,7 @@ class Renderer:
                 for name in self.missing:
                     pipe._modules.pop(name, None)
                     setattr(pipe, name, getattr(side, name))
-                for name in ("tokenizer", "tokenizer_2", "processor"):
+                for name in ("tokenizer", "tokenizer_2", "processor", *self.tensors):
                     if getattr(pipe, name, None) is None and getattr(side, name, None) is not None:
                         setattr(pipe, name, getattr(side, name))
             pipe.eval()

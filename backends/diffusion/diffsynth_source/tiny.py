@@ -374,10 +374,10 @@ def _ace_step(outdir: Path, seed: int) -> dict[str, Any]:
     turbo.mkdir(parents=True, exist_ok=True)
     (turbo / "config.json").write_text(json.dumps(ACE_STEP_DIT, indent=1) + "\n", encoding="utf-8")
     weights: dict[str, Any] = {}
-    for attribute, prefix in (("dit", "decoder."), ("conditioner", "encoder."), ("tokenizer_model", "")):
+    for offset, (attribute, prefix) in enumerate((("dit", "decoder."), ("conditioner", "encoder."),
+                                                  ("tokenizer_model", ""))):
         entry = smallest_entry("ace_step", attribute, converted=True)
-        built = _random_weights(skeleton(dict(entry, extra_kwargs=dict(ACE_STEP_DIT))), seed + len(weights), prefix)
-        weights.update(built)
+        weights.update(_random_weights(skeleton(dict(entry, extra_kwargs=dict(ACE_STEP_DIT))), seed + 4 * offset, prefix))
     weights["null_condition_emb"] = weights.pop("encoder.null_condition_emb")  # the release keeps it at the top
     save_file(weights, str(turbo / "model.safetensors"))
     generator = torch.Generator().manual_seed(seed + 3)
