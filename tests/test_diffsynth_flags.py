@@ -63,6 +63,10 @@ def test_dmd2_settings_and_other_tasks_are_named_as_not_trained(tmp_path, capsys
     code, _, err = cli(capsys, *base, "--tokenizer_t5xxl_path", "x")  # Anima's: read by its DiffSynth pipeline only
     one_error_line(code, err, "--tokenizer_t5xxl_path: a flag of DiffSynth's Anima, which unitgraph trains through "
                    "DiffSynth's own pipeline only (--pipeline diffsynth:anima_image")
+    for flag, value in (("--max_audio_duration", "30"), ("--silence_latent_path", "x.pt")):  # ACE-Step's, alike
+        code, _, err = cli(capsys, *base, flag, value)
+        one_error_line(code, err, f"{flag}: a flag of DiffSynth's ACE-Step, which unitgraph trains through DiffSynth's "
+                       "own pipeline only (--pipeline diffsynth:ace_step")
     code, _, err = cli(capsys, *base, "--frame_rate", "25")
     one_error_line(code, err, "unitgraph trains clips with sound at 24 fps")
     code, _, err = cli(capsys, *base, "--enable_tensorboard_log", "--report_to", "wandb")

@@ -451,8 +451,8 @@ def _from_config(files: Files, attributes: dict[str, str]) -> list[dict[str, Any
     """The table entries the config.json beside `files` builds. The first that fits, when it takes the whole file;
     else every entry (one per model name) that takes a part of it: a release file may hold several models, each entry's
     state-dict converter picking its own (ACE-Step's DiT, condition encoder and audio tokenizer, under `decoder.`,
-    `encoder.` and `tokenizer.`), while weights a whole model has may fit another pipeline model's class too (SDXL's
-    two text encoders at test size), which the first decides, as before."""
+    `encoder.` and `tokenizer.`), while weights a whole model has may fit another pipeline model's class too (a
+    pipeline's two CLIP text encoders at test size), which the first decides, as before."""
     from diffsynth.configs import MODEL_CONFIGS
 
     first = Path(files if isinstance(files, str) else files[0])
