@@ -199,11 +199,11 @@ def diffsynths_module(setup, configs, base_model: str, targets: str, seed: int):
 
     glue = setup.glue
     module = DiffusionTrainingModule()
-    tokenizers = {k: ModelConfig(path=v) for k, v in setup.tokenizers_for([t.encoder for t in glue.tokenizers]).items()}
+    files = {k: ModelConfig(path=v) for k, v in setup.tokenizers_for([t.encoder for t in glue.tokenizers]).items()}
     for tensor in glue.tensors:  # the release's .pt (a pickle, which DiffSynth's from_pretrained reads) of the twin
-        tokenizers[tensor.keyword] = ModelConfig(path=str(released_pt(setup, tensor)))
+        files[tensor.keyword] = ModelConfig(path=str(released_pt(setup, tensor)))
     module.pipe = setup.pipe_class.from_pretrained(torch_dtype=getattr(torch, glue.dtype), device="cpu",
-                                                   model_configs=configs, **tokenizers)
+                                                   model_configs=configs, **files)
     module.pipe = module.split_pipeline_units("sft", module.pipe, None, base_model)
     with seeded_global_stream(seed, "diffsynth-lora-init"):  # unitgraph's LoRA initialisation stream
         module.switch_pipe_to_training_mode(module.pipe, None, base_model, targets, 4, None, None, None, task="sft")
@@ -275,16 +275,17 @@ def pyav_read_audio(path: str, resample: bool = False, resample_rate: int = 4800
     return (resample_waveform(waveform, rate, resample_rate), resample_rate) if resample else (waveform, rate)
 
 
-def ace_step_inputs(base: str, metadata: str, device, index: int) -> tuple:
+def ace_step_inputs(base: str, metadata: str, device, index: int, max_audio_duration=None) -> tuple:
     """Row `index` as ACE-Step's example reads it and its get_pipeline_inputs makes the pipeline's inputs of it
-    (examples/ace_step/model_training/train.py, written out: the song at 48 kHz by LoadPureAudioWithTorchaudio, its
-    length in whole seconds, the lyrics and the metadata with its defaults, the sides marked)."""
+    (examples/ace_step/model_training/train.py, written out: the song at 48 kHz by LoadPureAudioWithTorchaudio, cut to
+    its --max_audio_duration, its length in whole seconds, the lyrics and the metadata with its defaults, the sides
+    marked)."""
     import math
 
     from diffsynth.core import UnifiedDataset
     from diffsynth.core.data.operators import LoadPureAudioWithTorchaudio, ToAbsolutePath
 
-    reader = LoadPureAudioWithTorchaudio(target_sample_rate=48000, max_audio_duration=None)
+    reader = LoadPureAudioWithTorchaudio(target_sample_rate=48000, max_audio_duration=max_audio_duration)
     reader.audio_loader = pyav_read_audio
     data = UnifiedDataset(base_path=base, metadata_path=metadata, repeat=1, data_file_keys=["audio"],
                           main_data_operator=ToAbsolutePath(base) >> reader)[index]
@@ -1085,7 +1086,7 @@ def test_ace_step_songs_are_cut_drawn_and_refused_in_one_line(world, tmp_path):
 
     from diffsynth.core import ModelConfig
 
-    from unitgraph.backends.diffusion.data.dataset import _write_wav
+    from unitgraph.backends.diffusion.data.audio import wav_bytes
     from unitgraph.backends.diffusion.data.video import write_clip
     from PIL import Image
 
@@ -1096,16 +1097,9 @@ def test_ace_step_songs_are_cut_drawn_and_refused_in_one_line(world, tmp_path):
     setup = ds_run.setup(args)
     ours, ours_grads, seed = our_unsplit_step(setup, args, base_model)
     module = diffsynths_module(setup, [ModelConfig(path=m.path) for m in setup.models], base_model, targets, args.seed)
-    from diffsynth.core import UnifiedDataset
-    from diffsynth.core.data.operators import LoadPureAudioWithTorchaudio, ToAbsolutePath
-
-    inputs = ace_step_inputs(str(root / "data"), str(root / "data" / "metadata.json"), module.pipe.device, 1)
-    reader = LoadPureAudioWithTorchaudio(target_sample_rate=48000, max_audio_duration=1)
-    reader.audio_loader = pyav_read_audio
-    cut = UnifiedDataset(base_path=str(root / "data"), metadata_path=str(root / "data" / "metadata.json"), repeat=1,
-                         data_file_keys=["audio"], main_data_operator=ToAbsolutePath(str(root / "data")) >> reader)[1]
-    assert cut["audio"][0].shape == (2, 48000)
-    inputs[0]["input_audio"], inputs[0]["duration"] = cut["audio"], 1
+    inputs = ace_step_inputs(str(root / "data"), str(root / "data" / "metadata.json"), module.pipe.device, 1,
+                             max_audio_duration=1)
+    assert inputs[0]["input_audio"][0].shape == (2, 48000) and inputs[0]["duration"] == 1
     theirs, theirs_grads = diffsynths_step(module, inputs, seed, base_model)
     assert_same_step(ours, ours_grads, theirs, theirs_grads)
 
@@ -1130,8 +1124,8 @@ def test_ace_step_songs_are_cut_drawn_and_refused_in_one_line(world, tmp_path):
     again = run(_args(root, flags, task="sft:data_process", output_path=str(tmp_path / "cache")))
     assert (again.entries_reused, again.entries_computed) == (1, 2)
 
-    _write_wav(tmp_path / "long.wav", np.zeros((1, 601 * 1000), np.float32), 1000)  # 601 s, 1.2 MB
-    _write_wav(tmp_path / "short.wav", np.zeros((1, 900), np.float32), 1000)  # 0.9 s
+    (tmp_path / "long.wav").write_bytes(wav_bytes(np.zeros((1, 601 * 1000), np.float32), 1000))  # 601 s, 1.2 MB
+    (tmp_path / "short.wav").write_bytes(wav_bytes(np.zeros((1, 900), np.float32), 1000))  # 0.9 s
     for name, said in (("long.wav", "is longer than 600 s"), ("short.wav", "is shorter than a second \\(0.90 s\\)")):
         data = _with_rows(root, tmp_path, lambda rows: rows[0].update(audio=f"../{name}"))
         with pytest.raises(BackendError, match=f"row 1: '{name}' \\(column 'audio'\\) {said}"):

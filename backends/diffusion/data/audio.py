@@ -20,7 +20,8 @@ from typing import Any, Optional
 
 from .video import VideoProblem
 
-__all__ = ["read_audio", "resample", "has_audio", "probe_audio", "clip_seconds", "MIN_SAMPLE_RATE", "MAX_SAMPLE_RATE"]
+__all__ = ["read_audio", "resample", "has_audio", "probe_audio", "clip_seconds", "wav_bytes", "MIN_SAMPLE_RATE",
+           "MAX_SAMPLE_RATE"]
 
 MIN_SAMPLE_RATE = 1_000  # Hz: below any recorded sound track (telephony is 8 kHz)
 MAX_SAMPLE_RATE = 384_000  # Hz: the highest rate of studio formats
@@ -145,3 +146,22 @@ def resample(samples: Any, rate: int, target: int) -> Any:
     resampler = av.AudioResampler(format="fltp", layout=layout, rate=int(target))
     out = [f.to_ndarray() for f in resampler.resample(frame)] + [f.to_ndarray() for f in resampler.resample(None)]
     return np.concatenate(out, axis=1).astype(np.float32) if out else np.zeros((samples.shape[0], 0), np.float32)
+
+
+def wav_bytes(samples: Any, rate: int) -> bytes:
+    """float (channels, n) samples as a 16-bit PCM WAV file's bytes (the standard library's writer: every browser
+    plays it); samples outside [-1, 1] are clipped, as any 16-bit writer must."""
+    import io
+    import wave
+
+    import numpy as np
+
+    samples = np.asarray(samples, dtype=np.float32)
+    pcm = (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").T.copy()  # frames x channels, interleaved
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(int(samples.shape[0]))
+        out.setsampwidth(2)
+        out.setframerate(int(rate))
+        out.writeframes(pcm.tobytes())
+    return buffer.getvalue()

@@ -420,20 +420,6 @@ def _tone(index: int, seconds: float, rate: int = 16000) -> tuple[Any, int]:
     return np.stack([wave, 0.5 * wave]).astype(np.float32), rate
 
 
-def _write_wav(path: Path, samples: Any, rate: int) -> None:
-    """float (channels, n) samples as a 16-bit PCM WAV file (the standard library's writer)."""
-    import wave
-
-    import numpy as np
-
-    pcm = (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").T.copy()
-    with wave.open(str(path), "wb") as out:
-        out.setnchannels(int(samples.shape[0]))
-        out.setsampwidth(2)
-        out.setframerate(int(rate))
-        out.writeframes(pcm.tobytes())
-
-
 def _not_a_file(path: Path) -> Optional[str]:
     """Why `path` is not a regular file to read, in words ("is missing", "is a folder", ...), or None."""
     import stat
@@ -590,7 +576,9 @@ def write_synthetic_dataset(folder: str | Path, count: int = 8, size: int = 64, 
         if songs:
             song_name = f"images/{i:03d}_song.wav"
             samples, rate = _tone(i, songs)
-            _write_wav(folder / song_name, samples[:1] if i % 3 == 2 else samples, rate)
+            from .audio import wav_bytes
+
+            (folder / song_name).write_bytes(wav_bytes(samples[:1] if i % 3 == 2 else samples, rate))
             row.update({"audio": song_name, "lyrics": "" if i % 3 == 2 else f"[verse]\nla la {fg} {shape}",
                         "bpm": "" if i % 2 else str(90 + 10 * i)})
         if distill:

@@ -115,11 +115,9 @@ def inputs(glue: Glue, sample: Mapping[str, Any], device: Any, gradient_checkpoi
         shared: dict[str, Any] = {"input_video": frames, "height": frames[0].size[1], "width": frames[0].size[0],
                                   "num_frames": len(frames)}
     elif glue.media == "audio":  # (waveform, rate) as LoadPureAudioWithTorchaudio gives it, and its whole seconds
-        import math
-
-        song = sample["audio"]
-        seconds = math.floor(song[0].shape[1] / song[1]) if song is not None else sample.get("duration", 60)
-        shared = {"input_audio": song, "lyrics": sample.get("lyrics") or "", "duration": seconds}
+        waveform, rate = sample["audio"]
+        shared = {"input_audio": sample["audio"], "lyrics": sample.get("lyrics") or "",
+                  "duration": waveform.shape[1] // rate}
     else:
         image = sample["image"]
         shared = {"input_image": image, "height": image.size[1], "width": image.size[0]}

@@ -495,14 +495,15 @@ def _from_config(files: Files, attributes: dict[str, str]) -> list[dict[str, Any
         # lists to it: Qwen-Image's VAE, `[1] + dim_mult`)
         for kwargs in ({k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}, given):
             taken_numel = _fits(cls, entry, kwargs, shapes)
-            if taken_numel:
-                if not found and taken_numel >= whole:  # the whole file is this model
-                    return [{**{k: v for k, v in entry.items() if k != "model_hash"},
-                             "extra_kwargs": {**entry.get("extra_kwargs", {}), **kwargs}}]
-                if taken_numel < whole:
-                    found[entry["model_name"]] = {**{k: v for k, v in entry.items() if k != "model_hash"},
-                                                  "extra_kwargs": {**entry.get("extra_kwargs", {}), **kwargs}}
-                break
+            if not taken_numel:
+                continue
+            built = {**{k: v for k, v in entry.items() if k != "model_hash"},
+                     "extra_kwargs": {**entry.get("extra_kwargs", {}), **kwargs}}
+            if not found and taken_numel >= whole:  # the whole file is this model
+                return [built]
+            if taken_numel < whole:
+                found[entry["model_name"]] = built
+            break
     return list(found.values())
 
 

@@ -176,9 +176,8 @@ def check_flags(args: TrainArgs) -> None:
         if not 1 <= args.max_audio_duration <= SONG_SECONDS:  # its inputs count a song's whole seconds
             raise BackendError(f"--max_audio_duration {args.max_audio_duration:g}: the seconds of a song trained, "
                                f"at least 1 and at most {SONG_SECONDS}")
-    for flag in ("silence_latent_path",):
-        if getattr(args, flag) and flag not in {t.flag for t in glue.tensors}:
-            raise BackendError(f"--{flag}: {glue.name} reads no such file (a flag of diffsynth:ace_step)")
+    if args.silence_latent_path and "silence_latent_path" not in {t.flag for t in glue.tensors}:
+        raise BackendError(f"--silence_latent_path: {glue.name} reads no such file (a flag of diffsynth:ace_step)")
     if glue.media == "audio" and (args.height or args.width or args.max_pixels != TrainArgs.max_pixels):
         raise BackendError(f"--height, --width and --max_pixels size pictures; {glue.name} trains on songs")
     if chosen and glue.loss:

@@ -482,19 +482,7 @@ def _save_png(image: Any, path: Path) -> None:
 
 
 def save_wav(sound: Any, path: Path) -> None:
-    """A `family.Sound` as a 16-bit PCM WAV file (the standard library's writer: every browser plays it); samples
-    outside [-1, 1] are clipped, as any 16-bit writer must."""
-    import io
-    import wave
+    """A `family.Sound` as a 16-bit PCM WAV file (data/audio.wav_bytes), written whole or not at all."""
+    from ..data.audio import wav_bytes
 
-    import torch
-
-    samples = sound.samples.detach().float().clamp(-1.0, 1.0)
-    pcm = (samples * 32767.0).round().to(torch.int16).t().contiguous()  # frames x channels, interleaved
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(int(samples.shape[0]))
-        out.setsampwidth(2)
-        out.setframerate(int(sound.rate))
-        out.writeframes(pcm.numpy().tobytes())
-    write_bytes_atomic(path, buffer.getvalue())
+    write_bytes_atomic(path, wav_bytes(sound.samples.detach().float().cpu().numpy(), sound.rate))
