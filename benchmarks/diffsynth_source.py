@@ -45,10 +45,12 @@ LORA = {"stable_diffusion": ("unet", "to_q,to_k,to_v,to_out.0"),
         "krea2": ("dit", "wq,wk,wv,gate,wo,up,down,first,tmlp.0,tmlp.2,projector,txtmlp.1,txtmlp.3,last.linear,tproj.1"),
         "lingbot_video": ("dit", "to_q,to_k,to_v,to_out"),
         "mova_audio_video": ("video_dit", "q,k,v,o,ffn.0,ffn.2"),
-        "ace_step": ("dit", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")}
-# pipelines whose classes fix a large size (Anima's DiT, the text encoders of ERNIE-Image, Krea 2 and LingBot-Video):
-# 4 samples each, so a run is 8 steps
-HEAVY, HEAVY_SAMPLES = ("anima_image", "ernie_image", "krea2", "lingbot_video"), 4
+        "ace_step": ("dit", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"),
+        "qwen_image": ("dit", "to_q,to_k,to_v,add_q_proj,add_k_proj,add_v_proj,to_out.0,to_add_out,img_mlp.net.2,"
+                              "img_mod.1,txt_mlp.net.2,txt_mod.1")}
+# pipelines whose classes fix a large size (Anima's DiT, the text encoders of ERNIE-Image, Krea 2, LingBot-Video and
+# Qwen-Image): 4 samples each, so a run is 8 steps
+HEAVY, HEAVY_SAMPLES = ("anima_image", "ernie_image", "krea2", "lingbot_video", "qwen_image"), 4
 FRAMES = 5  # a video pipeline's clips: 5 frames (4k+1) of 32 px
 SONG_SECONDS = 1.3  # an audio pipeline's songs
 # the released files of each pipeline's DiffSynth example, for the dry run (nothing is downloaded)
@@ -90,6 +92,9 @@ RELEASED = {
     "ace_step": ("ACE-Step/Ace-Step1.5:acestep-v15-turbo/model.safetensors,"
                  "ACE-Step/Ace-Step1.5:Qwen3-Embedding-0.6B/model.safetensors,"
                  "ACE-Step/Ace-Step1.5:vae/diffusion_pytorch_model.safetensors", 32),
+    "qwen_image": ("Qwen/Qwen-Image:transformer/diffusion_pytorch_model*.safetensors,"
+                   "Qwen/Qwen-Image:text_encoder/model*.safetensors,"
+                   "Qwen/Qwen-Image:vae/diffusion_pytorch_model.safetensors", 32),
 }
 
 

@@ -15,11 +15,12 @@ import inspect
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 from ..errors import BackendError
 
-__all__ = ["OWN", "smallest_entry", "write_smallest_model", "write_tiny_models", "writers"]
+__all__ = ["OWN", "smallest_entry", "write_released_shards", "write_smallest_model", "write_tiny_models",
+           "writers"]
 
 
 def _family_with_slot(class_name: str) -> Any:
@@ -122,6 +123,40 @@ def write_smallest_model(folder: Path, module: str, attribute: str, seed: int, n
     return _once(folder / name, memo, lambda target: save_file(_random_weights(skeleton(entry), seed), str(target)))
 
 
+def write_released_shards(folder: Path, module: str, attribute: str, seed: int, released: Callable[[str], str],
+                          shards: int, name: str = "model") -> list[Path]:
+    """The pipeline's model `attribute` at the size its class fixes (the smallest entry of DiffSynth's table, a
+    state-dict converter allowed), with random N(0, 0.02) weights in bf16, as a transformers release keeps a large
+    model: `shards` files `NAME-0000i-of-0000n.safetensors` of about equal size, each key under the release's name
+    (`released`: the inverse of the entry's converter), and `NAME.safetensors.index.json` mapping each key to its
+    file. A release written so has the release's key hash, by which DiffSynth's table knows it. One shard is held in
+    memory at a time (an 8 B-parameter encoder: 4 GB per shard of 4), and each is written once a session (`_once`)."""
+    import math
+
+    from safetensors.torch import save_file
+
+    from .models import skeleton
+
+    entry = smallest_entry(module, attribute, converted=True)
+    model = skeleton(entry)
+    sizes = {k: math.prod(v.shape) * 2 for k, v in model.state_dict().items()}
+    share, groups, filled = sum(sizes.values()) / shards, [[] for _ in range(shards)], 0
+    for key, size in sizes.items():  # in the model's order, a new file once a file holds its share
+        groups[min(int(filled // share), shards - 1)].append(key)
+        filled += size
+    folder.mkdir(parents=True, exist_ok=True)
+    files, weight_map = [], {}
+    for index, keys in enumerate(groups):
+        file = folder / f"{name}-{index + 1:05d}-of-{shards:05d}.safetensors"
+        weight_map.update({released(k): file.name for k in keys})
+        memo = (entry["model_hash"], entry["model_class"], seed, shards, index)
+        files.append(_once(file, memo, lambda target, keys=set(keys), index=index: save_file(
+            {released(k): v for k, v in _random_weights(model, seed + index, names=keys).items()}, str(target))))
+    index_file = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / f"{name}.safetensors.index.json").write_text(json.dumps(index_file, indent=1) + "\n", encoding="utf-8")
+    return files
+
+
 def _once(target: Path, memo: tuple, write: Any) -> Path:
     """`target` written by `write(target)`, or linked to (else copied from) the file this process already wrote for
     `memo`: the large fixed-size models are written once a session."""
@@ -143,14 +178,17 @@ def _once(target: Path, memo: tuple, write: Any) -> Path:
 _WRITTEN: dict[tuple, Path] = {}  # memo -> the file this process wrote
 
 
-def _random_weights(model: Any, seed: int, prefix: str = "") -> dict[str, Any]:
-    """{prefix + name: tensor} of a meta-device `model` filled with N(0, 0.02) (norm scales 1) in bf16, parameter by
-    parameter, so a 2 B-parameter model never holds more than its bf16 copy and one fp32 tensor."""
+def _random_weights(model: Any, seed: int, prefix: str = "", names: Optional[set] = None) -> dict[str, Any]:
+    """{prefix + name: tensor} of a meta-device `model` (of its `names` only, when given) filled with N(0, 0.02)
+    (norm scales 1) in bf16, parameter by parameter, so a 2 B-parameter model never holds more than its bf16 copy
+    and one fp32 tensor."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     out = {}
     for name, param in model.state_dict().items():
+        if names is not None and name not in names:
+            continue
         value = torch.empty(param.shape, dtype=torch.float32)
         value.fill_(1.0) if "norm" in name else value.normal_(0.0, 0.02, generator=generator)
         out[prefix + name] = value.to(torch.bfloat16)
@@ -428,9 +466,11 @@ def writers() -> dict[str, Any]:
         for glue in module.PIPELINES:
             writer = module.write_diffsynth_models
             # a family's folder may not import this package (the rooms of CONTRIBUTING.md): a writer that needs a
-            # model at the smallest size DiffSynth's table allows is handed the function that writes it
-            tools = ({"write_smallest": write_smallest_model}
-                     if "write_smallest" in inspect.signature(writer).parameters else {})
+            # model at the smallest size DiffSynth's table allows (in one file, or in a release's shards) is handed
+            # the function that writes it
+            taken = inspect.signature(writer).parameters
+            tools = {k: v for k, v in (("write_smallest", write_smallest_model),
+                                       ("write_released", write_released_shards)) if k in taken}
             found[glue.module] = partial(writer, module=glue.module, **tools)
     return {**found, **OWN}
 

@@ -134,4 +134,5 @@ FAMILY = Family(
     render=".render",
     render_models=("vae",),
     repos=REPOS,
+    diffsynth=".diffsynth",
 )
