@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -47,10 +48,12 @@ LORA = {"stable_diffusion": ("unet", "to_q,to_k,to_v,to_out.0"),
         "mova_audio_video": ("video_dit", "q,k,v,o,ffn.0,ffn.2"),
         "ace_step": ("dit", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"),
         "qwen_image": ("dit", "to_q,to_k,to_v,add_q_proj,add_k_proj,add_v_proj,to_out.0,to_add_out,img_mlp.net.2,"
-                              "img_mod.1,txt_mlp.net.2,txt_mod.1")}
-# pipelines whose classes fix a large size (Anima's DiT, the text encoders of ERNIE-Image, Krea 2, LingBot-Video and
-# Qwen-Image): 4 samples each, so a run is 8 steps
-HEAVY, HEAVY_SAMPLES = ("anima_image", "ernie_image", "krea2", "lingbot_video", "qwen_image"), 4
+                              "img_mod.1,txt_mlp.net.2,txt_mod.1"),
+        "boogu_image": ("dit", "to_q,to_k,to_v,to_out.0,img_to_q,img_to_k,img_to_v,img_out,instruct_to_q,instruct_to_k,"
+                               "instruct_to_v,instruct_out")}
+# pipelines whose classes fix a large size (Anima's DiT, the text encoders of ERNIE-Image, Krea 2, LingBot-Video,
+# Qwen-Image and Boogu-Image): 4 samples each, so a run is 8 steps
+HEAVY, HEAVY_SAMPLES = ("anima_image", "ernie_image", "krea2", "lingbot_video", "qwen_image", "boogu_image"), 4
 FRAMES = 5  # a video pipeline's clips: 5 frames (4k+1) of 32 px
 SONG_SECONDS = 1.3  # an audio pipeline's songs
 # the released files of each pipeline's DiffSynth example, for the dry run (nothing is downloaded)
@@ -95,6 +98,8 @@ RELEASED = {
     "qwen_image": ("Qwen/Qwen-Image:transformer/diffusion_pytorch_model*.safetensors,"
                    "Qwen/Qwen-Image:text_encoder/model*.safetensors,"
                    "Qwen/Qwen-Image:vae/diffusion_pytorch_model.safetensors", 32),
+    "boogu_image": ("Boogu/Boogu-Image-0.1-Base:transformer/*.safetensors,Boogu/Boogu-Image-0.1-Base:mllm/*.safetensors,"
+                    "Boogu/Boogu-Image-0.1-Base:vae/*.safetensors", 32),
 }
 
 
@@ -162,6 +167,7 @@ def measure(module: str, rounds: int, root: Path) -> dict[str, Any]:
             result = runs[name](str(folder / f"r{r}-{name.replace(' ', '')}"))
             medians[name].append(_median_step(result))
             losses[name] = result.losses
+    shutil.rmtree(folder, ignore_errors=True)  # its released-size files (up to 17.5 GB) gone before the next's
     return {"stage1_s": stage1_s, "entries": stage1.entries_computed, "plan": stage1.plan, "given": planned.given,
             "unsplit_ms": 1000 * statistics.median(medians["unsplit"]),
             "stage2_ms": 1000 * statistics.median(medians["stage 2"]),

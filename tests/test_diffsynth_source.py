@@ -71,13 +71,16 @@ PIPELINES = {
     "ace_step": ("dit", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "pipe.dit."),
     "qwen_image": ("dit", "to_q,to_k,to_v,add_q_proj,add_k_proj,add_v_proj,to_out.0,to_add_out,img_mlp.net.2,img_mod.1,"
                           "txt_mlp.net.2,txt_mod.1", "pipe.dit."),
+    "boogu_image": ("dit", "to_q,to_k,to_v,to_out.0,img_to_q,img_to_k,img_to_v,img_out,instruct_to_q,instruct_to_k,"
+                           "instruct_to_v,instruct_out", "pipe.dit."),
 }
 # pipelines whose classes fix a large size (Anima's DiT: 2.09 B parameters, 4.2 GB in bf16; ERNIE-Image's text
 # encoder: 3.43 B, 6.9 GB; Krea 2's and LingBot-Video's: 4.44 B, 8.9 GB; Qwen-Image's: 8.29 B, 16.6 GB, and its DiT's
-# one block at the released width, 0.38 B): only the checks of the step, the split and
+# one block at the released width, 0.38 B; Boogu-Image's: 8.77 B, 17.5 GB): only the checks of the step, the split and
 # the checkpoint run for them, not every test the module-wide `world` fixture gives the others; nor for MOVA, whose
 # example trains on a clip's sound track, which the other tests' data lacks; nor for ACE-Step, which trains on songs
-HEAVY = {"anima_image", "ernie_image", "krea2", "lingbot_video", "mova_audio_video", "ace_step", "qwen_image"}
+HEAVY = {"anima_image", "ernie_image", "krea2", "lingbot_video", "mova_audio_video", "ace_step", "qwen_image",
+         "boogu_image"}
 LIGHT = sorted(set(PIPELINES) - HEAVY)
 # the inputs an image example's get_pipeline_inputs sets beyond the picture, its size, cfg_scale, rand_device and the
 # checkpointing flags (examples/flux2/model_training/train.py: "embedded_guidance": 1.0)
@@ -140,6 +143,18 @@ def world(request, tmp_path_factory):
         write_synthetic_dataset(root / "data", count=3, size=40)
     with diffsynth_models(root / "models"), any_attention_kernel(module):  # Krea 2's DiT: cuDNN's kernel alone
         yield root, flags
+    shutil.rmtree(root, ignore_errors=True)  # (disk: see models_removed_after)
+
+
+@pytest.fixture(autouse=True)
+def models_removed_after(tmp_path):
+    """A test's `./models` removed when it ends, as each `world` is when its pipeline's tests end. The released-size
+    files (Qwen-Image's text encoder alone is 16.6 GB) are written once a session and linked into every further
+    folder (tiny._once), but pytest removes a passed test's folder only when the session ends: kept, the set would
+    hold every pipeline's at once (about 40 GB). Removed, a later test writes its pipeline's again (a minute or so),
+    and the disk holds about one pipeline's at a time."""
+    yield
+    shutil.rmtree(tmp_path / "models", ignore_errors=True)
 
 
 def _args(root: Path, flags: dict, **over):
@@ -1688,6 +1703,51 @@ def test_diffsynths_qwen_image_split_training_commands_run_as_they_are(tmp_path,
     assert any(".txt_mlp.net.2.lora_A." in k for k in lora) and any(".img_mod.1.lora_B." in k for k in lora)
     assert {v.shape[0] for k, v in lora.items() if ".lora_A." in k} == {32}
 
+
+# examples/boogu_image/model_training/lora/Boogu-Image-0.1-Base.sh, as it is
+BOOGU_IMAGE_COMMAND = r"""
+accelerate launch examples/boogu_image/model_training/train.py \
+  --dataset_base_path "./data/diffsynth_example_dataset/boogu_image/Boogu-Image-0.1-Base" \
+  --dataset_metadata_path "./data/diffsynth_example_dataset/boogu_image/Boogu-Image-0.1-Base/metadata.csv" \
+  --max_pixels 1048576 \
+  --dataset_repeat 50 \
+  --model_id_with_origin_paths "Boogu/Boogu-Image-0.1-Base:transformer/*.safetensors,Boogu/Boogu-Image-0.1-Base:mllm/*.safetensors,Boogu/Boogu-Image-0.1-Base:vae/*.safetensors" \
+  --learning_rate 1e-4 \
+  --num_epochs 5 \
+  --remove_prefix_in_ckpt "pipe.dit." \
+  --output_path "./models/train/Boogu-Image-0.1-Base_lora" \
+  --lora_base_model "dit" \
+  --lora_target_modules "to_q,to_k,to_v,to_out.0,img_to_q,img_to_k,img_to_v,img_out,instruct_to_q,instruct_to_k,instruct_to_v,instruct_out" \
+  --lora_rank 32 \
+  --use_gradient_checkpointing \
+  --dataset_num_workers 8 \
+  --find_unused_parameters \
+  --data_file_keys "image"
+"""
+
+
+def test_diffsynths_boogu_image_lora_command_runs_as_it_is(tmp_path, monkeypatch, capsys):
+    """DiffSynth's examples/boogu_image/model_training/lora/Boogu-Image-0.1-Base.sh with `unitgraph train` for
+    `accelerate launch .../train.py`; only sizes are lowered (--num_epochs, --dataset_repeat). The model ids alone
+    choose DiffSynth's pipeline; its processor is read from the release's mllm/ folder, where its train.py looks by
+    default, beside the text encoder's four shards (the released Qwen3-VL 8B, known to DiffSynth's table by its key
+    hash); the text encoder and the VAE run in stage 1."""
+    from clitools import cli
+
+    argv = ported(BOOGU_IMAGE_COMMAND, "boogu_image", tmp_path, monkeypatch)
+    mllm = tmp_path / "models" / "Boogu" / "Boogu-Image-0.1-Base" / "mllm"
+    assert len(list(mllm.glob("model-*-of-00004.safetensors"))) == 4 and (mllm / "tokenizer_config.json").is_file()
+    code, out, err = cli(capsys, "train", *argv)
+    assert code == 0, err
+    assert "pipeline: diffsynth:boogu_image (DiffSynth's BooguImagePipeline; the model id names Boogu-Image)" in out, out
+    plan = next(line for line in out.splitlines() if line.startswith("plan:"))
+    assert "text_encoder" in plan.split("stage 2")[0] and "vae_encoder" in plan.split("stage 2")[0], plan
+    assert "training: 2 steps" in out, out
+    lora = load_file(str(tmp_path / "models" / "train" / "Boogu-Image-0.1-Base_lora" / "epoch-0.safetensors"))
+    assert lora and not any(k.startswith("pipe.") for k in lora)
+    assert any(".instruct_to_q.lora_A." in k for k in lora) and any(".img_to_q.lora_B." in k for k in lora)
+    assert {v.shape[0] for k, v in lora.items() if ".lora_A." in k} == {32}
+
 SD_FULL_COMMANDS = {
     "stable_diffusion": r"""
 accelerate launch examples/stable_diffusion/model_training/train.py \
@@ -1788,6 +1848,10 @@ RELEASED = {
     "qwen_image": (QWEN_IMAGE_DIFFSYNTH, {"dit": ("QwenImageDiT", 20.3e9, 20.5e9),
                                           "text_encoder": ("QwenImageTextEncoder", 8.28e9, 8.3e9),
                                           "vae": ("QwenImageVAE", 0.1e9, 0.15e9)}, 0.8),
+    # Qwen3-VL 8B's encoder, the 16-channel VAE (encoder and decoder from one file)
+    "boogu_image": (BOOGU_IMAGE_COMMAND, {"dit": ("BooguImageDiT", 10.2e9, 10.4e9),
+                                          "text_encoder": ("QwenImage21TextEncoder", 8.7e9, 8.8e9),
+                                          "vae_encoder": ("FluxVAEEncoder", 0.03e9, 0.04e9)}, 0.6),
     # the Qwen3 0.6 B text encoder, the Wan 2.1 VAE
     "anima_image": (ANIMA_COMMAND, {"dit": ("AnimaDiT", 2.0e9, 2.2e9),
                                     "text_encoder": ("ZImageTextEncoder", 0.5e9, 0.7e9),

@@ -194,6 +194,39 @@ def test_a_cached_view_comes_back_with_its_layout(tmp_path_factory, shape, data)
     assert torch.equal(plain["view"], view) and plain["view"].is_contiguous()
 
 
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(1, 4), min_size=0, max_size=4), double=st.booleans(), transpose=st.booleans())
+def test_a_complex_tensor_comes_back_bit_for_bit(tmp_path_factory, shape, double, transpose):
+    """safetensors has no complex dtypes; a complex value of a unit (Boogu-Image's rotary frequencies, complex128)
+    is cached as its real and imaginary parts and read back as the same complex tensor, dtype and bits, also nested
+    and when it was a transposed view."""
+    dtype = torch.complex128 if double else torch.complex64
+    value = torch.randn(tuple(shape), dtype=dtype)
+    if transpose and value.dim() >= 2:
+        value = value.transpose(0, 1)
+    path = tmp_path_factory.mktemp("complex") / "e.safetensors"
+    write_entry(path, {"freqs": value, "nested": [{"f": value}], "plain": torch.ones(2)}, {}, keep_layout=True)
+    got, _ = read_entry(path)
+    for back in (got["freqs"], got["nested"][0]["f"]):
+        assert back.dtype == dtype and back.shape == value.shape
+        assert torch.equal(torch.view_as_real(back), torch.view_as_real(value.contiguous()))
+    assert torch.equal(got["plain"], torch.ones(2))
+
+
+@pytest.mark.parametrize("stored", [torch.zeros(2, 3), torch.zeros(2, 2, dtype=torch.int64), torch.zeros(())])
+def test_a_damaged_complex_record_in_an_entry_is_one_line(stored):
+    import json as _json
+
+    from safetensors.torch import save
+
+    from unitgraph.backends.diffusion.cache.entries import HEADER_KEY, parse_entry
+
+    header = _json.dumps({"meta": {}, "values": {"v": {"__complex__": "v"}}})
+    data = save({"v": stored}, metadata={HEADER_KEY: header})
+    with pytest.raises(BackendError, match="unreadable cache entry"):
+        parse_entry(data, "entry.safetensors")
+
+
 @pytest.mark.parametrize("order", [[5, 0], [0, 0], [1], "01", [0.5, 1]])
 def test_a_damaged_layout_record_in_an_entry_is_one_line(order):
     import json as _json

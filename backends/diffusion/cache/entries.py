@@ -3,7 +3,10 @@
 An entry file holds the sample's cached values under their entry keys (`param` in latest mode,
 `param@writer` in versioned mode). Tensors are safetensors tensors; everything else (None, ints,
 strings, lists, tuples) is JSON in the safetensors header (key `unitgraph`), where a tensor nested
-in a list is a reference to a stored tensor. Never pickle. torch is imported where tensors are
+in a list is a reference to a stored tensor. safetensors has no complex dtypes: a complex tensor (a
+rotary embedding's frequencies, which a DiffSynth unit may compute) is stored as its real and
+imaginary parts along a last dimension of 2 (`torch.view_as_real`) and read back as the complex
+tensor it was, bit for bit. Never pickle. torch is imported where tensors are
 handled, so `cache verify` and `cache info` start without it.
 """
 
@@ -31,6 +34,9 @@ HEADER_KEY = "unitgraph"
 def _encode(value: Any, tensors: dict[str, "torch.Tensor"], path: str, keep_layout: bool = False) -> Any:
     import torch
 
+    if isinstance(value, torch.Tensor) and value.is_complex():  # its (real, imaginary) pairs, a last dim of 2
+        tensors[path] = torch.view_as_real(value.detach().to("cpu").contiguous()).clone()
+        return {"__complex__": path}
     if isinstance(value, torch.Tensor):
         order = _memory_order(value) if keep_layout else None
         if order is None:
@@ -50,7 +56,7 @@ def _encode(value: Any, tensors: dict[str, "torch.Tensor"], path: str, keep_layo
     if isinstance(value, list):
         return [_encode(v, tensors, f"{path}.{i}", keep_layout) for i, v in enumerate(value)]
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        if {"__tensor__", "__tuple__", "__image__", "__order__"} & set(value):
+        if {"__tensor__", "__tuple__", "__image__", "__order__", "__complex__"} & set(value):
             raise TypeError(f"cannot cache a dict with reserved key at {path}")
         return {k: _encode(v, tensors, f"{path}.{k}", keep_layout) for k, v in value.items()}
     raise TypeError(f"cannot cache a value of type {type(value).__name__} at {path} (tensors, JSON values, lists, tuples)")
@@ -89,6 +95,13 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
                     or sorted(order) != list(range(stored.dim()))):
                 raise ValueError(f"the layout record {order!r} is not an order of the tensor's {stored.dim()} dims")
             return stored.permute(sorted(range(len(order)), key=order.__getitem__))
+        if set(value) == {"__complex__"}:  # stored as (real, imaginary) pairs: the complex tensor it was
+            import torch
+
+            stored = tensors[value["__complex__"]]
+            if not stored.is_floating_point() or stored.dim() < 1 or stored.shape[-1] != 2:
+                raise ValueError(f"a complex value's parts must lie along a last dimension of 2, not {list(stored.shape)}")
+            return torch.view_as_complex(stored)
         if set(value) == {"__image__"}:
             from PIL import Image
 
@@ -104,8 +117,8 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
 def _tensor_refs(value: Any) -> list[str]:
     """Names of the stored tensors an encoded value refers to."""
     if isinstance(value, dict):
-        if set(value) in ({"__tensor__"}, {"__image__"}, {"__tensor__", "__order__"}):
-            return [value.get("__tensor__", value.get("__image__"))]
+        if set(value) in ({"__tensor__"}, {"__image__"}, {"__tensor__", "__order__"}, {"__complex__"}):
+            return [value.get("__tensor__", value.get("__image__", value.get("__complex__")))]
         if set(value) == {"__tuple__"}:
             return [r for v in value["__tuple__"] for r in _tensor_refs(v)]
         return [r for v in value.values() for r in _tensor_refs(v)]

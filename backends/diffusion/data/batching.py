@@ -216,7 +216,7 @@ def entry_signature(path: "str | Path | dict[str, Any]", sink_keys: Iterable[str
 
     def describe(key: str, value: Any) -> Any:
         if isinstance(value, dict):
-            if set(value) == {"__tensor__"} or set(value) == {"__image__"}:
+            if set(value) in ({"__tensor__"}, {"__image__"}, {"__complex__"}):
                 ref = next(iter(value.values()))
                 return ("tensor", tensors.get(ref))
             return ("dict", tuple(sorted((k, describe(key, v)) for k, v in value.items())))

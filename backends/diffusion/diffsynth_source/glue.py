@@ -58,6 +58,16 @@ OWN: tuple[Glue, ...] = (
          tokenizers=(Tokenizer("processor_config", "processor_path", "Qwen/Qwen3-VL-4B-Instruct", ""),),
          columns=("video", "prompt"), example="lingbot_video", media="video", constants=(("seed", None),),
          boundaries=True, negative=None, distill=False),
+    # its prompt unit reads the last hidden states of a Qwen3-VL 8B encoder over a chat-framed instruction, through a
+    # processor (its train.py's default: the release's mllm/ folder, which holds the encoder's shards too)
+    Glue("boogu_image", "BooguImagePipeline", "Boogu-Image (DiffSynth's pipeline)",
+         tokenizers=(Tokenizer("processor_config", "processor_path", "Boogu/Boogu-Image-0.1-Base", "mllm/"),),
+         example="boogu_image", distill=False,
+         # its example's patterns, which DiffSynth 2.1.12's table names under other patterns (its DiT's shards) or
+         # other releases (the encoder is Qwen-Image 2.1's; the VAE Z-Image-Turbo's diffusers one), by the entries
+         sized_as=(("Boogu/Boogu-Image-0.1-Base:transformer/*.safetensors", "md5:8e29d2d28b83530320ae1d2c5eb323b3"),
+                   ("Boogu/Boogu-Image-0.1-Base:mllm/*.safetensors", "md5:2d11bf14bba8b4e87477c8199a895403"),
+                   ("Boogu/Boogu-Image-0.1-Base:vae/*.safetensors", "md5:1aafa3cc91716fb6b300cc1cd51b85a3"))),
     # text to music: its dataset reads a song (`audio`) at 48 kHz with LoadPureAudioWithTorchaudio, its
     # get_pipeline_inputs hands the song, its length in whole seconds, the lyrics and the metadata columns (with its
     # defaults), the sides marked `positive`; its context unit reads a silence latent its from_pretrained unpickles

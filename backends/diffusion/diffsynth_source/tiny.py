@@ -291,17 +291,11 @@ def _qwen3_vl_4b(outdir: Path, seed: int) -> None:
     processor (its tokenizer, which Krea 2 reads alone, and image and video processors of the release's patch sizes)
     at the folder's root."""
     from safetensors.torch import save_file
-    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     from .models import skeleton
 
     folder = outdir / "Qwen" / "Qwen3-VL-4B-Instruct"
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = _family_with_slot("AutoencoderKLFlux2").tiny_module().build_tokenizer()
-    Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2),
-                     tokenizer=tokenizer, video_processor=Qwen3VLVideoProcessor(),
-                     chat_template=tokenizer.chat_template).save_pretrained(str(folder))
+    _qwen3_vl_processor(folder)
     (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen3VLForConditionalGeneration"],
                                                     "model_type": "qwen3_vl"}, indent=1) + "\n", encoding="utf-8")
     text = smallest_entry("krea2", "text_encoder", converted=True)
@@ -312,6 +306,19 @@ def _qwen3_vl_4b(outdir: Path, seed: int) -> None:
                    if k != "model.lm_head.weight"}, str(target))
 
     _once(folder / "model.safetensors", (text["model_hash"], seed), released)
+
+
+def _qwen3_vl_processor(folder: Path, chat_template: Optional[str] = None) -> None:
+    """A test-size Qwen3-VL processor saved in `folder`: its tokenizer (the test one) with `chat_template` (else the
+    tokenizer's own), and image and video processors of the release's patch sizes."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = _family_with_slot("AutoencoderKLFlux2").tiny_module().build_tokenizer()
+    Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2),
+                     tokenizer=tokenizer, video_processor=Qwen3VLVideoProcessor(),
+                     chat_template=chat_template or tokenizer.chat_template).save_pretrained(str(folder))
 
 
 def _krea2_vae(folder: Path, seed: int) -> None:
@@ -441,6 +448,50 @@ def _ace_step(outdir: Path, seed: int) -> dict[str, Any]:
             "silence_latent_path": f"{model_id}:acestep-v15-turbo/silence_latent.pt"}
 
 
+# Boogu-Image's DiT at test size: a head of 120 (its rotary unit fixes axes of 40, 40 and 40), one block of each kind;
+# its instruction side takes the fixed encoder's 4096 features (the class's default)
+BOOGU_IMAGE_DIT = {"hidden_size": 240, "num_layers": 2, "num_double_stream_layers": 1, "num_refiner_layers": 1,
+                   "num_attention_heads": 2, "num_kv_heads": 1, "multiple_of": 16}
+
+
+def released_qwen3_vl_key(key: str) -> str:
+    """A key of DiffSynth's Qwen3-VL 8B text encoder class under the release's name (its converter's inverse)."""
+    if key == "model.lm_head.weight":
+        return "lm_head.weight"
+    return "model." + key[len("model.model."):] if key.startswith("model.model.") else key
+
+
+def _boogu_image(outdir: Path, seed: int) -> dict[str, Any]:
+    """Boogu-Image 0.1 Base as its LoRA example downloads it: its mllm/ folder (the text encoder, whose class fixes
+    Qwen3-VL 8B's 8.77 B parameters, written as released: random bf16 weights in four shards, 17.5 GB once a session,
+    which DiffSynth's table knows by the release's key hash; and a test-size Qwen3-VL processor, which its train.py
+    reads from the same folder), its transformer (test-sized, `BOOGU_IMAGE_DIT`, its configuration beside it) and
+    its 16-channel VAE at the size the release fixes (84 M parameters, known by its key hash)."""
+    import torch
+    from diffsynth.models.boogu_image_dit import BooguImageDiT
+    from safetensors.torch import save_file
+
+    from ..models.diffsynth_layout import write_released_vae
+
+    model_id = "Boogu/Boogu-Image-0.1-Base"
+    root = outdir / model_id
+    _qwen3_vl_processor(root / "mllm", QWEN3_VL_TEXT_TEMPLATE)
+    write_released_shards(root / "mllm", "boogu_image", "text_encoder", seed + 2, released_qwen3_vl_key, shards=4)
+    torch.manual_seed(seed)
+    dit = BooguImageDiT(**BOOGU_IMAGE_DIT)
+    with torch.no_grad():  # its output layers start at zero, which would leave every LoRA of a first step without a
+        for param in dit.parameters():  # gradient: drawn as the other weights are
+            if not param.any():
+                param.normal_(0.0, 0.02)
+    (root / "transformer").mkdir(parents=True, exist_ok=True)
+    (root / "transformer" / "config.json").write_text(json.dumps(BOOGU_IMAGE_DIT, indent=1) + "\n", encoding="utf-8")
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in dit.state_dict().items()},
+              str(root / "transformer" / "diffusion_pytorch_model.safetensors"))
+    write_released_vae(root / "vae", seed + 1)
+    files = ["transformer/*.safetensors", "mllm/*.safetensors", "vae/*.safetensors"]
+    return {"model_id_with_origin_paths": ",".join(f"{model_id}:{f}" for f in files)}
+
+
 def _seeded_vae(seed: int) -> Any:
     """The VAE (diffusers' AutoencoderKLFlux2) of the tests' Ideogram 4 and ERNIE-Image (`IDEOGRAM4_VAE`), its
     weights drawn from `seed`."""
@@ -451,8 +502,9 @@ def _seeded_vae(seed: int) -> Any:
     return AutoencoderKLFlux2(**IDEOGRAM4_VAE)
 
 
-OWN = {"ideogram4": _ideogram4, "anima_image": _anima, "ernie_image": _ernie_image,
-       "krea2": _krea2, "lingbot_video": _lingbot_video, "ace_step": _ace_step}  # writers of DiffSynth's pipelines of no family
+# writers of DiffSynth's pipelines of no family
+OWN = {"ideogram4": _ideogram4, "anima_image": _anima, "ernie_image": _ernie_image, "krea2": _krea2,
+       "lingbot_video": _lingbot_video, "ace_step": _ace_step, "boogu_image": _boogu_image}
 
 
 def writers() -> dict[str, Any]:

@@ -15,7 +15,30 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-__all__ = ["relay"]
+__all__ = ["RELEASED_16_CHANNEL_VAE", "relay", "write_released_vae"]
+
+# diffusers' AutoencoderKL as several releases keep their 16-channel VAE (Z-Image-Turbo's vae/, Boogu-Image's): the
+# widths and depth those releases fix, no quant convolutions; DiffSynth's table knows its key hash
+RELEASED_16_CHANNEL_VAE = {
+    "in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2, "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "norm_num_groups": 32, "use_quant_conv": False, "use_post_quant_conv": False, "scaling_factor": 0.3611,
+    "shift_factor": 0.1159, "sample_size": 1024}
+
+
+def write_released_vae(folder: Path, seed: int) -> Path:
+    """That VAE (84 M parameters) with diffusers' initialisation drawn from `seed`, in bf16, as the release's
+    `folder/diffusion_pytorch_model.safetensors` (a download by DiffSynth's pattern holds the weights alone)."""
+    import torch
+    from diffusers import AutoencoderKL
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKL(**RELEASED_16_CHANNEL_VAE)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in vae.state_dict().items()},
+              str(folder / "diffusion_pytorch_model.safetensors"))
+    return folder / "diffusion_pytorch_model.safetensors"
 
 
 def relay(writer: Callable[[Path], Path], outdir: Path, model_id: str, prefixes: Mapping[str, str]) -> dict[str, Any]:

@@ -7,18 +7,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ...family import DiffSynthPipeline, DiffSynthTokenizer
+from ...models.diffsynth_layout import write_released_vae
 
 PIPELINES = (
     DiffSynthPipeline("z_image", "ZImagePipeline", "Z-Image (DiffSynth's pipeline)", example="z_image",
                       tokenizers=(DiffSynthTokenizer("tokenizer_config", "tokenizer_path", "Tongyi-MAI/Z-Image-Turbo",
                                                      "tokenizer/"),)),
 )
-
-# the 16-channel VAE of Z-Image-Turbo's vae/ folder: its class in DiffSynth fixes these sizes
-RELEASED_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_out_channels": [128, 256, 512, 512],
-                "layers_per_block": 2, "down_block_types": ["DownEncoderBlock2D"] * 4,
-                "up_block_types": ["UpDecoderBlock2D"] * 4, "norm_num_groups": 32, "use_quant_conv": False,
-                "use_post_quant_conv": False, "scaling_factor": 0.3611, "shift_factor": 0.1159, "sample_size": 1024}
 
 
 def write_diffsynth_models(outdir: Path, module: str, seed: int = 0,
@@ -30,8 +25,7 @@ def write_diffsynth_models(outdir: Path, module: str, seed: int = 0,
     size, recognised by its config.json; the text encoder is written by `write_smallest`, which
     diffsynth_source/tiny.py hands in. Returns the flags naming them."""
     import torch
-    from diffusers import AutoencoderKL, ZImageTransformer2DModel
-    from safetensors.torch import save_file
+    from diffusers import ZImageTransformer2DModel
 
     from .tiny import SIZES, build_tiny_tokenizer
 
@@ -41,11 +35,7 @@ def write_diffsynth_models(outdir: Path, module: str, seed: int = 0,
     torch.manual_seed(seed)
     ZImageTransformer2DModel(**{**SIZES["test"]["transformer"], "cap_feat_dim": 1024}).save_pretrained(
         str(root / "Z-Image" / "transformer"))
-    torch.manual_seed(seed + 1)
-    vae = AutoencoderKL(**RELEASED_VAE)
-    (root / "Z-Image-Turbo" / "vae").mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in vae.state_dict().items()},
-              str(root / "Z-Image-Turbo" / "vae" / "diffusion_pytorch_model.safetensors"))
+    write_released_vae(root / "Z-Image-Turbo" / "vae", seed + 1)
     files = ["Tongyi-MAI/Z-Image:transformer/*.safetensors", "Tongyi-MAI/Z-Image-Turbo:text_encoder/*.safetensors",
              "Tongyi-MAI/Z-Image-Turbo:vae/diffusion_pytorch_model.safetensors"]
     return {"model_id_with_origin_paths": ",".join(files), "tokenizer_path": str(root / "Z-Image-Turbo" / "tokenizer")}
