@@ -9,7 +9,7 @@ and stage 2 (`sft:train`, from a cache stage 1 made once) train the same 16 step
 after one uncounted run of each; each figure is the median step over the rounds' medians (a run's first step,
 which pays one-off set-up, left out). One process; nothing else should run on the machine meanwhile.
 
-    .venv-diffsynth/bin/python benchmarks/diffsynth_source.py [--rounds 3] [--write]
+    .venv-diffsynth/bin/python benchmarks/diffsynth_source.py [--rounds 3] [--write | --only MODULE,...]
 """
 
 from __future__ import annotations
@@ -233,14 +233,21 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--write", action="store_true", help=f"write the results into {DOC.relative_to(ROOT)}")
+    parser.add_argument("--only", default="", help="measure these pipelines only (comma-separated modules; printed, "
+                                                    "not written: the section holds every pipeline)")
     args = parser.parse_args(argv)
+    only = [m for m in args.only.split(",") if m]
+    if only and args.write:
+        parser.error("--only measures part of the section; run without it to --write")
+    if set(only) - set(LORA):
+        parser.error(f"--only: unknown pipelines {sorted(set(only) - set(LORA))} (measured: {', '.join(LORA)})")
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with tempfile.TemporaryDirectory(prefix="unitgraph-bench-ds-") as tmp:
         found = {}
-        for module in LORA:
+        for module in only or LORA:
             with any_attention_kernel(module):
                 found[module] = measure(module, args.rounds, Path(tmp))
-    plans = {module: released(module) for module in RELEASED}
+    plans = {module: released(module) for module in RELEASED if not only or module in only}
     text = render(found, plans, args.rounds, started, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(text)
     if args.write:

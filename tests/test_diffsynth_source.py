@@ -149,10 +149,11 @@ def world(request, tmp_path_factory):
 @pytest.fixture(autouse=True)
 def models_removed_after(tmp_path):
     """A test's `./models` removed when it ends, as each `world` is when its pipeline's tests end. The released-size
-    files (Qwen-Image's text encoder alone is 16.6 GB) are written once a session and linked into every further
-    folder (tiny._once), but pytest removes a passed test's folder only when the session ends: kept, the set would
-    hold every pipeline's at once (about 40 GB). Removed, a later test writes its pipeline's again (a minute or so),
-    and the disk holds about one pipeline's at a time."""
+    files (Boogu-Image's text encoder alone is 17.5 GB) are written once a session and linked into every further
+    folder (tiny._once); pytest removes a passed test's folder as it ends, but keeps a failed test's, and a module's
+    fixture folders, until the session ends: kept, the set would hold every pipeline's at once (about 57 GB).
+    Removed, a later test writes its pipeline's again (a minute or so), and the disk holds about one pipeline's at a
+    time."""
     yield
     shutil.rmtree(tmp_path / "models", ignore_errors=True)
 
@@ -1913,6 +1914,33 @@ def test_what_a_file_is_does_not_depend_on_entries_another_pipeline_registered(w
         assert [m.identity() for m in ds_run.setup(_args(root, flags)).models] == before
     finally:
         del MODEL_CONFIGS[-len(others):]
+
+
+@pytest.mark.parametrize("world", ["ideogram4"], indirect=True)
+def test_the_same_weights_in_another_folder_are_read_with_that_folders_configuration(world, tmp_path):
+    """A test-size file is recognised by the config.json beside it, and the entry registered for it names that
+    configuration (Ideogram 4's text encoder class reads its configuration's folder itself). The same weights in
+    another folder, the first gone, load with the second folder's: the first's entry, which DiffSynth's loader
+    would also load (it loads a file as every entry of its hash), is replaced. Before, a later test loading a copy
+    of a removed folder's models failed reading the removed folder."""
+    from diffsynth.configs import MODEL_CONFIGS
+
+    from unitgraph.backends.diffusion.diffsynth_source.models import REGISTERED_FROM, recognise
+
+    root, _flags = world
+    source = root / "models" / "DiffSynth-Studio" / "ideogram-4-bf16-repackage" / "text_encoder"
+    first, second = tmp_path / "a" / "text_encoder", tmp_path / "b" / "text_encoder"
+    shutil.copytree(source, first)
+    shutil.copytree(source, second)
+    attributes = {"ideogram4_text_encoder": "text_encoder"}
+    (entry,) = recognise(str(first / "model.safetensors"), attributes)
+    assert entry["extra_kwargs"]["config_path"] == str(first) and entry[REGISTERED_FROM] == str(first / "config.json")
+    shutil.rmtree(first)
+    (again,) = recognise(str(second / "model.safetensors"), attributes)
+    assert again["extra_kwargs"]["config_path"] == str(second)
+    same_hash = [c for c in MODEL_CONFIGS if c["model_hash"] == entry["model_hash"]]
+    assert [c.get(REGISTERED_FROM) for c in same_hash] == [str(second / "config.json")]
+    assert recognise(str(second / "model.safetensors"), attributes) == (again,)  # known now: nothing registered
 
 
 def test_the_plan_narrows_an_image_unit_to_what_the_loss_reads():

@@ -421,6 +421,10 @@ def _file_shapes(files: Files) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# the key of a table entry unitgraph registered from a config.json: that file's path
+REGISTERED_FROM = "unitgraph_config"
+
+
 def recognise(files: Files, attributes: dict[str, str]) -> tuple[dict, ...]:
     """The table entries `files` loads as in this pipeline: those of its hash naming a model the pipeline loads, else
     (a file the table does not know for this pipeline) the entry its config.json builds, registered now beside any
@@ -428,21 +432,30 @@ def recognise(files: Files, attributes: dict[str, str]) -> tuple[dict, ...]:
 
     Only this pipeline's entries count: the same weights may be several pipelines' models (two SD generations'
     VAEs; two test-size VAEs of one shape), and an entry another pipeline registered earlier in the process must not
-    change what the file is here (it is part of a cache's key)."""
+    change what the file is here (it is part of a cache's key). Nor does an entry registered from another folder's
+    config.json: the same weights beside another configuration (a class reading its configuration's folder itself,
+    Ideogram 4's text encoder, would read that folder, even once it is gone); it is replaced."""
     from diffsynth.configs import MODEL_CONFIGS
     from diffsynth.core.loader.file import hash_model_file
 
     model_hash = hash_model_file(files)
-    known = tuple(c for c in MODEL_CONFIGS if c["model_hash"] == model_hash and c["model_name"] in attributes)
+    first = files if isinstance(files, str) else files[0]
+    config = str(Path(first).parent / "config.json")
+    # an entry registered from a config.json stands for the files beside that one only
+    known = tuple(c for c in MODEL_CONFIGS if c["model_hash"] == model_hash and c["model_name"] in attributes
+                  and c.get(REGISTERED_FROM, config) == config)
     if known:
         return known
     entries = _from_config(files, attributes)
-    first = files if isinstance(files, str) else files[0]
     if not entries:
         raise BackendError(f"DiffSynth does not recognise this model (its key hash {model_hash} is in no entry of "
                            "diffsynth.configs.MODEL_CONFIGS) and no config.json beside it builds one of "
                            f"{', '.join(sorted(attributes.values()))}", source=first)
-    entries = [dict(entry, model_hash=model_hash) for entry in entries]
+    # DiffSynth's loader loads a file as every entry of its hash: one registered from another folder's config.json
+    # (the same test-size weights elsewhere) would be loaded too, with that folder's configuration
+    MODEL_CONFIGS[:] = [c for c in MODEL_CONFIGS
+                        if not (c["model_hash"] == model_hash and c.get(REGISTERED_FROM, config) != config)]
+    entries = [dict(entry, model_hash=model_hash, **{REGISTERED_FROM: config}) for entry in entries]
     MODEL_CONFIGS.extend(entries)
     return tuple(entries)
 
