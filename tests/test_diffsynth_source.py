@@ -1611,7 +1611,6 @@ def test_diffsynths_ace_step_lora_command_runs_as_it_is(tmp_path, monkeypatch, c
     assert {v.shape[0] for k, v in lora.items() if ".lora_A." in k} == {32}
 
 
-
 # examples/qwen_image/model_training/lora/Qwen-Image.sh, as it is
 QWEN_IMAGE_COMMAND = r"""
 accelerate launch examples/qwen_image/model_training/train.py \

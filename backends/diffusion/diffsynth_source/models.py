@@ -440,7 +440,7 @@ def recognise(files: Files, attributes: dict[str, str]) -> tuple[dict, ...]:
 
     model_hash = hash_model_file(files)
     first = files if isinstance(files, str) else files[0]
-    config = str(Path(first).parent / "config.json")
+    config = str(_config_beside(files))
     # an entry registered from a config.json stands for the files beside that one only
     known = tuple(c for c in MODEL_CONFIGS if c["model_hash"] == model_hash and c["model_name"] in attributes
                   and c.get(REGISTERED_FROM, config) == config)
@@ -460,6 +460,11 @@ def recognise(files: Files, attributes: dict[str, str]) -> tuple[dict, ...]:
     return tuple(entries)
 
 
+def _config_beside(files: Files) -> Path:
+    """The config.json a file (a model in shards: its first) is recognised by: the one in its folder."""
+    return Path(files if isinstance(files, str) else files[0]).parent / "config.json"
+
+
 def _from_config(files: Files, attributes: dict[str, str]) -> list[dict[str, Any]]:
     """The table entries the config.json beside `files` builds. The first that fits, when it takes the whole file;
     else every entry (one per model name) that takes a part of it: a release file may hold several models, each entry's
@@ -468,8 +473,7 @@ def _from_config(files: Files, attributes: dict[str, str]) -> list[dict[str, Any
     pipeline's two CLIP text encoders at test size), which the first decides, as before."""
     from diffsynth.configs import MODEL_CONFIGS
 
-    first = Path(files if isinstance(files, str) else files[0])
-    config_file = first.parent / "config.json"
+    config_file = _config_beside(files)
     if not config_file.is_file():
         return []
     try:
