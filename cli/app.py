@@ -35,7 +35,8 @@ def _register_optional_commands() -> None:
     """Commands from modules that may not exist yet in a partial install are added when present."""
     import importlib
 
-    for module_name in ("view_commands", "backend_commands", "adapter_commands", "cache_commands", "lora_commands"):
+    for module_name in ("view_commands", "backend_commands", "adapter_commands", "cache_commands", "lora_commands",
+                        "twin_commands"):
         try:
             module = importlib.import_module(f"{__package__}.{module_name}")
         except ModuleNotFoundError as exc:
