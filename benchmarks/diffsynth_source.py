@@ -50,10 +50,12 @@ LORA = {"stable_diffusion": ("unet", "to_q,to_k,to_v,to_out.0"),
         "qwen_image": ("dit", "to_q,to_k,to_v,add_q_proj,add_k_proj,add_v_proj,to_out.0,to_add_out,img_mlp.net.2,"
                               "img_mod.1,txt_mlp.net.2,txt_mod.1"),
         "boogu_image": ("dit", "to_q,to_k,to_v,to_out.0,img_to_q,img_to_k,img_to_v,img_out,instruct_to_q,instruct_to_k,"
-                               "instruct_to_v,instruct_out")}
+                               "instruct_to_v,instruct_out"),
+        "joyai_image": ("dit", "img_attn_qkv,txt_attn_qkv,img_attn_proj,txt_attn_proj")}
 # pipelines whose classes fix a large size (Anima's DiT, the text encoders of ERNIE-Image, Krea 2, LingBot-Video,
-# Qwen-Image and Boogu-Image): 4 samples each, so a run is 8 steps
-HEAVY, HEAVY_SAMPLES = ("anima_image", "ernie_image", "krea2", "lingbot_video", "qwen_image", "boogu_image"), 4
+# Qwen-Image, Boogu-Image and JoyAI-Image): 4 samples each, so a run is 8 steps
+HEAVY, HEAVY_SAMPLES = ("anima_image", "ernie_image", "krea2", "lingbot_video", "qwen_image", "boogu_image",
+                        "joyai_image"), 4
 FRAMES = 5  # a video pipeline's clips: 5 frames (4k+1) of 32 px
 SONG_SECONDS = 1.3  # an audio pipeline's songs
 # the released files of each pipeline's DiffSynth example, for the dry run (nothing is downloaded)
@@ -100,6 +102,9 @@ RELEASED = {
                    "Qwen/Qwen-Image:vae/diffusion_pytorch_model.safetensors", 32),
     "boogu_image": ("Boogu/Boogu-Image-0.1-Base:transformer/*.safetensors,Boogu/Boogu-Image-0.1-Base:mllm/*.safetensors,"
                     "Boogu/Boogu-Image-0.1-Base:vae/*.safetensors", 32),
+    "joyai_image": ("jd-opensource/JoyAI-Image-Edit:transformer/transformer.pth,"
+                    "jd-opensource/JoyAI-Image-Edit:JoyAI-Image-Und/model*.safetensors,"
+                    "jd-opensource/JoyAI-Image-Edit:vae/Wan2.1_VAE.pth", 32),
 }
 
 
@@ -110,8 +115,10 @@ def _args(module: str, **over: Any) -> Any:
 
     base, targets = LORA[module]
     size = {} if glue_for(module).media == "audio" else {"height": SIDE, "width": SIDE}  # songs have none
+    # an edit pipeline's example hands the picture it edits (JoyAI-Image's)
+    edit = {"data_file_keys": "image,edit_image", "extra_inputs": "edit_image"} if glue_for(module).edits else {}
     return make_args(**{"pipeline": f"diffsynth:{module}", "lora_base_model": base, "lora_target_modules": targets,
-                        "lora_rank": 4, **size, "num_epochs": EPOCHS, "seed": 1, **over})
+                        "lora_rank": 4, **size, **edit, "num_epochs": EPOCHS, "seed": 1, **over})
 
 
 def _median_step(result: Any) -> float:
@@ -131,6 +138,7 @@ def measure(module: str, rounds: int, root: Path) -> dict[str, Any]:
     video, sound = glue_for(module).media == "video", bool(glue_for(module).audio)
     song = glue_for(module).media == "audio"
     write_synthetic_dataset(folder / "data", count=HEAVY_SAMPLES if module in HEAVY else SAMPLES, size=40,
+                            edit=glue_for(module).edits,
                             **({"videos": ("video",), "frames": FRAMES, "audio": sound} if video else {}),
                             **({"songs": SONG_SECONDS} if song else {}))
     os.environ["DIFFSYNTH_MODEL_BASE_PATH"] = str(folder / "models")

@@ -73,14 +73,15 @@ PIPELINES = {
                           "txt_mlp.net.2,txt_mod.1", "pipe.dit."),
     "boogu_image": ("dit", "to_q,to_k,to_v,to_out.0,img_to_q,img_to_k,img_to_v,img_out,instruct_to_q,instruct_to_k,"
                            "instruct_to_v,instruct_out", "pipe.dit."),
+    "joyai_image": ("dit", "img_attn_qkv,txt_attn_qkv,img_attn_proj,txt_attn_proj", "pipe.dit."),
 }
 # pipelines whose classes fix a large size (Anima's DiT: 2.09 B parameters, 4.2 GB in bf16; ERNIE-Image's text
 # encoder: 3.43 B, 6.9 GB; Krea 2's and LingBot-Video's: 4.44 B, 8.9 GB; Qwen-Image's: 8.29 B, 16.6 GB, and its DiT's
-# one block at the released width, 0.38 B; Boogu-Image's: 8.77 B, 17.5 GB): only the checks of the step, the split and
+# one block at the released width, 0.38 B; Boogu-Image's and JoyAI-Image's: 8.77 B, 17.5 GB): only the checks of the step, the split and
 # the checkpoint run for them, not every test the module-wide `world` fixture gives the others; nor for MOVA, whose
 # example trains on a clip's sound track, which the other tests' data lacks; nor for ACE-Step, which trains on songs
 HEAVY = {"anima_image", "ernie_image", "krea2", "lingbot_video", "mova_audio_video", "ace_step", "qwen_image",
-         "boogu_image"}
+         "boogu_image", "joyai_image"}
 LIGHT = sorted(set(PIPELINES) - HEAVY)
 # the inputs an image example's get_pipeline_inputs sets beyond the picture, its size, cfg_scale, rand_device and the
 # checkpointing flags (examples/flux2/model_training/train.py: "embedded_guidance": 1.0)
@@ -122,6 +123,13 @@ def song_metadata(folder: Path) -> Path:
     return folder / "metadata.json"
 
 
+def _edit(module: str) -> bool:
+    """Whether the pipeline trains edits only (JoyAI-Image): its data has an edit_image column, its commands hand it."""
+    from unitgraph.backends.diffusion.diffsynth_source.glue import glue_for
+
+    return glue_for(module).edits
+
+
 def _video(module: str) -> bool:
     from unitgraph.backends.diffusion.diffsynth_source.glue import glue_for
 
@@ -139,8 +147,8 @@ def world(request, tmp_path_factory):
     elif _song(module):  # 1.3 s songs (a tone; one mono) with lyrics (one empty), as ACE-Step's metadata.json has them
         write_synthetic_dataset(root / "data", count=3, size=40, songs=1.3)
         song_metadata(root / "data")
-    else:
-        write_synthetic_dataset(root / "data", count=3, size=40)
+    else:  # (an edit pipeline's: a picture to edit beside each target, its mirror image)
+        write_synthetic_dataset(root / "data", count=3, size=40, edit=_edit(module))
     with diffsynth_models(root / "models"), any_attention_kernel(module):  # Krea 2's DiT: cuDNN's kernel alone
         yield root, flags
     shutil.rmtree(root, ignore_errors=True)  # (disk: see models_removed_after)
@@ -172,6 +180,8 @@ def _args(root: Path, flags: dict, **over):
         base.update(data_file_keys="audio", height=None, width=None, tokenizer_path=flags["tokenizer_path"],
                     silence_latent_path=flags["silence_latent_path"],
                     dataset_metadata_path=str(root / "data" / "metadata.json"))
+    if _edit(flags["module"]):  # as JoyAI-Image's example hands the picture it edits
+        base.update(data_file_keys="image,edit_image", extra_inputs="edit_image")
     if flags["module"] == "flux2_image":  # its train.py defaults to FLUX.2-dev's tokenizer; klein's example names its own
         base.update(tokenizer_path=flags["tokenizer_path"])
     base.update(over)
@@ -255,8 +265,12 @@ def example_inputs(root: Path, flags: dict, args, glue, device, module=None, ind
         data = _sound_data(base, metadata, index)
         for name in args.extra_inputs.split(","):
             made[0][name] = data["video"][0] if name == "input_image" else data[name]
-    elif args.extra_inputs:
-        data = UnifiedDataset(base_path=base, metadata_path=metadata, repeat=1, data_file_keys=[])[index]
+    elif args.extra_inputs:  # (a picture column through the example's image operator, as its dataset reads it)
+        files = [k for k in args.data_file_keys.split(",") if k != "image"] if args.data_file_keys else []
+        read = dict(main_data_operator=UnifiedDataset.default_image_operator(
+            base_path=base, max_pixels=args.max_pixels, height=32, width=32, height_division_factor=glue.division,
+            width_division_factor=glue.division)) if files else {}
+        data = UnifiedDataset(base_path=base, metadata_path=metadata, repeat=1, data_file_keys=files, **read)[index]
         module.parse_extra_inputs(data, args.extra_inputs.split(","), made[0])
     return made
 
@@ -356,7 +370,15 @@ def diffsynths_own(root: Path, flags: dict, index: int = 1) -> tuple:
     base_model, targets, _prefix = PIPELINES[flags["module"]]
     setup = ds_run.setup(args)
     module = diffsynths_module(setup, [ModelConfig(path=m.path) for m in setup.models], base_model, targets, args.seed)
-    return args, setup, module, example_inputs(root, flags, args, setup.glue, module.pipe.device, index=index)
+    return args, setup, module, example_inputs(root, flags, args, setup.glue, module.pipe.device, module, index=index)
+
+
+def released_file(path):
+    """The file DiffSynth reads where unitgraph reads `path`: the release's pickle beside a safetensors twin (JoyAI's
+    `transformer.pth`, which DiffSynth's loader reads with torch.load), else `path` itself."""
+    if isinstance(path, str) and path.endswith(".safetensors") and Path(path).with_suffix(".pth").is_file():
+        return str(Path(path).with_suffix(".pth"))
+    return path
 
 
 def same_file_tensors(a: Path, b: Path) -> bool:
@@ -392,9 +414,9 @@ def test_the_unsplit_step_is_diffsynths_own_training_step(world):
     ours, ours_grads, seed = our_unsplit_step(setup, args, base_model)
 
     # DiffSynth's own: its loader on the same files, its training module, its dataset, its loss
-    configs = [ModelConfig(path=m.path) for m in setup.models]  # the files the command's model ids name
+    configs = [ModelConfig(path=released_file(m.path)) for m in setup.models]  # the files the model ids name
     module = diffsynths_module(setup, configs, base_model, targets, args.seed)
-    inputs = example_inputs(root, flags, args, setup.glue, module.pipe.device)
+    inputs = example_inputs(root, flags, args, setup.glue, module.pipe.device, module)
     theirs, theirs_grads = diffsynths_step(module, inputs, seed, base_model,
                                            sft=EXAMPLE_SFT_LOSS.get(flags["module"], "FlowMatchSFTLoss"))
     assert_same_step(ours, ours_grads, theirs, theirs_grads)
@@ -814,7 +836,7 @@ def test_fp8_models_train_as_diffsynths_fp8_step_and_split_equals_unsplit(world,
                                                             fp8_models=their_ids, device="cpu")
     module = diffsynths_module(setup, configs, base_model, targets, args.seed)
     assert {p.dtype for p in module.pipe.text_encoder.parameters()} == {torch.float8_e4m3fn}
-    inputs = example_inputs(root, flags, args, setup.glue, module.pipe.device)
+    inputs = example_inputs(root, flags, args, setup.glue, module.pipe.device, module)
     theirs, theirs_grads = diffsynths_step(module, inputs, seed, base_model)
     assert_same_step(ours, ours_grads, theirs, theirs_grads)
 
@@ -972,6 +994,38 @@ def test_the_checkpoint_loads_with_diffsynths_load_lora(world, tmp_path):
     assert changed, "DiffSynth's load_lora left the model as it was"
 
 
+@pytest.mark.parametrize("world", ["stable_diffusion"], indirect=True)
+def test_a_pickled_model_file_is_read_from_its_safetensors_twin(world, tmp_path):
+    """--model_paths naming `.pth` files (torch.save pickles of the world's models, each with its config.json): one
+    line naming the command that writes the twin; once `write_twin` (that command) has run, each is read from its
+    twin, recognised as the same table entry as the safetensors original."""
+    import json
+
+    from unitgraph.backends.diffusion.models.twin import write_twin
+
+    root, flags = world
+    setup = ds_run.setup(_args(root, flags))
+    paths = []
+    for index, model in enumerate(setup.models):
+        original = Path(model.path)
+        pickle = tmp_path / str(index) / f"{original.stem}.pth"
+        pickle.parent.mkdir()
+        shutil.copy(original.parent / "config.json", pickle.parent / "config.json")
+        torch.save(load_file(str(original)), str(pickle))
+        paths.append(str(pickle))
+    args = _args(root, flags, model_id_with_origin_paths=None, model_paths=json.dumps(paths))
+    with pytest.raises(BackendError, match=r"0/.*\.pth: a pickle \(torch.save\), .* once: unitgraph twin /"):
+        ds_run.setup(args)
+    for path in paths:
+        write_twin(path)
+    again = ds_run.setup(args)
+    assert [m.path for m in again.models] == [str(Path(p).with_suffix(".safetensors")) for p in paths]
+    def entries(models):
+        return [[(a, e["model_class"], e["model_hash"]) for a, e in m.loads] for m in models]
+
+    assert entries(again.models) == entries(setup.models) and all(entries(setup.models))
+
+
 def test_a_unit_doing_more_than_it_declares_stops_stage_1(world, tmp_path, monkeypatch):
     from diffsynth.pipelines import stable_diffusion as sd
 
@@ -1055,6 +1109,51 @@ def test_mova_validation_clips_are_drawn_from_their_first_frame_with_sound(world
     with pytest.raises(BackendError, match="--validation_image: no such file"):
         run(_args(root, flags, num_epochs=1, output_path=str(tmp_path / "x"), validation_prompt=["a tone"],
                   validation_image=[str(root / "nope.png")]))
+
+
+@pytest.mark.parametrize("world", ["joyai_image"], indirect=True)
+def test_joyai_validation_edits_are_diffsynths_own_drawing_and_its_commands_need_the_picture(world, tmp_path):
+    """JoyAI-Image edits only: --validation_prompt with --validation_image draws the edit of that picture through the
+    pipeline's own `__call__` (its `edit_image`), equal to DiffSynth's drawing with the checkpoint in the LoRA layers
+    of its training module (its --lora_checkpoint: in bf16, load_lora's fusing into the weights rounds otherwise), and
+    changes no step; a command without the picture column, or a prompt without its picture, is one line (DiffSynth's
+    prompt unit would raise NotImplementedError)."""
+    import numpy as np
+    from diffsynth.core import ModelConfig
+    from diffsynth.diffusion.training_module import DiffusionTrainingModule
+    from PIL import Image
+
+    root, flags = world
+    picture = root / "data" / "images" / "000.png"
+    common = dict(num_epochs=1, learning_rate=1e-2)
+    with pytest.raises(BackendError, match=r"trains edits only .* --extra_inputs edit_image"):
+        run(_args(root, flags, extra_inputs=None, output_path=str(tmp_path / "x"), **common))
+    with pytest.raises(BackendError, match=r"trains edits only"):
+        run(_args(root, flags, data_file_keys="image", output_path=str(tmp_path / "x"), **common))
+    with pytest.raises(BackendError, match=r"--validation_prompt: diffsynth:joyai_image draws an edit of a picture"):
+        run(_args(root, flags, validation_prompt=["make it blue"], output_path=str(tmp_path / "x"), **common))
+    assert not (tmp_path / "x").exists()
+    plain = run(_args(root, flags, output_path=str(tmp_path / "plain"), **common))
+    drawn = run(_args(root, flags, output_path=str(tmp_path / "drawn"), validation_prompt=["make it blue"],
+                      validation_image=[str(picture)], validation_inference_steps=2, **common))
+    assert plain.losses == drawn.losses and same_file_tensors(plain.last_checkpoint, drawn.last_checkpoint)
+    sample = tmp_path / "drawn" / "samples" / "epoch-0" / "0.png"
+    assert drawn.sample_images == [sample]
+    del plain, drawn
+    setup = ds_run.setup(_args(root, flags))
+    tokenizers = {k: ModelConfig(path=v) for k, v in
+                  setup.tokenizers_for([t.encoder for t in setup.glue.tokenizers]).items()}
+    module = DiffusionTrainingModule()
+    pipe = module.pipe = setup.pipe_class.from_pretrained(
+        torch_dtype=torch.bfloat16, device="cpu", **tokenizers,
+        model_configs=[ModelConfig(path=released_file(m.path)) for m in setup.models])
+    base_model, targets, _prefix = PIPELINES[flags["module"]]
+    module.switch_pipe_to_training_mode(pipe, None, base_model, targets, 4, str(tmp_path / "drawn" / "epoch-0.safetensors"),
+                                        None, None, task="sft")
+    pipe.eval()
+    theirs = pipe(prompt="make it blue", edit_image=Image.open(picture).convert("RGB"), height=32, width=32, seed=3,
+                  num_inference_steps=2)
+    assert np.array_equal(np.asarray(theirs), np.asarray(Image.open(sample)))
 
 
 @pytest.mark.parametrize("world", ["mova_audio_video"], indirect=True)
@@ -1334,17 +1433,18 @@ def test_diffsynths_anima_lora_command_runs_as_it_is(tmp_path, monkeypatch, caps
 
 
 def ported(command: str, module: str, tmp_path: Path, monkeypatch, videos: tuple = (), frames: int = 5,
-           audio: bool = False, **lowered: str) -> list[str]:
+           audio: bool = False, edit: bool = False, **lowered: str) -> list[str]:
     """The flags of a DiffSynth example's command, to run in `tmp_path` as the folder it is launched from: the
     pipeline's tiny ./models written there, two 32 px samples (clips: `videos`, with a sound track and an input_audio
-    column: `audio`) where its --dataset_base_path points, downloads not turned off (the files are where the command
-    looks), --num_epochs and --dataset_repeat 1 and the `lowered` flags (`{"--height": "32"}`) set."""
+    column: `audio`; with an edit_image column: `edit`) where its --dataset_base_path points, downloads not turned off
+    (the files are where the command looks), --num_epochs and --dataset_repeat 1 and the `lowered` flags
+    (`{"--height": "32"}`) set."""
     monkeypatch.chdir(tmp_path)
     for name in ("DIFFSYNTH_MODEL_BASE_PATH", "DIFFSYNTH_SKIP_DOWNLOAD"):
         monkeypatch.delenv(name, raising=False)
     write_tiny_models(tmp_path / "models", module)
     argv = shlex_argv(command)
-    write_synthetic_dataset(tmp_path / argv[argv.index("--dataset_base_path") + 1], count=2, size=32,
+    write_synthetic_dataset(tmp_path / argv[argv.index("--dataset_base_path") + 1], count=2, size=32, edit=edit,
                             **({"videos": videos, "frames": frames, "audio": audio} if videos else {}))
     for flag, value in {"--num_epochs": "1", "--dataset_repeat": "1", **lowered}.items():
         argv[argv.index(flag) + 1] = value
@@ -1571,10 +1671,7 @@ def test_diffsynths_ace_step_lora_command_runs_as_it_is(tmp_path, monkeypatch, c
     """DiffSynth's examples/ace_step/model_training/lora/Ace-Step1.5.sh with `unitgraph train` for `accelerate launch
     .../train.py`; only sizes are lowered (--num_epochs 1, --dataset_repeat 1, two 1.3 s songs). The model ids alone
     choose DiffSynth's own pipeline. The release's silence latent is a `.pt` pickle: alone, it is refused in one line
-    that says how to convert it once, and the command it gives writes the safetensors twin the run then reads."""
-    import subprocess
-    import sys
-
+    that names the command writing its safetensors twin once, and that command writes the twin the run then reads."""
     from clitools import cli
 
     monkeypatch.chdir(tmp_path)
@@ -1593,12 +1690,12 @@ def test_diffsynths_ace_step_lora_command_runs_as_it_is(tmp_path, monkeypatch, c
     (turbo / "silence_latent.safetensors").unlink()
     code, out, err = cli(capsys, "train", *argv)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "silence_latent.pt: a pickle (torch.save), which unitgraph does not unpickle; convert it once" in err, err
-    conversion = err.split("beside it: ", 1)[1].strip()
-    assert conversion.startswith("python -c ")
-    import shlex
-
-    subprocess.run([sys.executable, *shlex.split(conversion)[1:]], check=True)
+    assert "silence_latent.pt: a pickle (torch.save), which unitgraph does not unpickle while it runs" in err, err
+    conversion = err.split("beside it once: ", 1)[1].strip()
+    # (DiffSynth's ./models, relative to where the command runs)
+    assert conversion == f"unitgraph twin {(turbo / 'silence_latent.pt').relative_to(tmp_path)}", conversion
+    code, out, err = cli(capsys, *conversion.split()[1:])
+    assert code == 0 and "1 tensors of" in out, err
     assert torch.equal(load_file(str(turbo / "silence_latent.safetensors"))["silence_latent"], value)
     code, out, err = cli(capsys, "train", *argv)
     assert code == 0, err
@@ -1748,6 +1845,101 @@ def test_diffsynths_boogu_image_lora_command_runs_as_it_is(tmp_path, monkeypatch
     assert any(".instruct_to_q.lora_A." in k for k in lora) and any(".img_to_q.lora_B." in k for k in lora)
     assert {v.shape[0] for k, v in lora.items() if ".lora_A." in k} == {32}
 
+
+# examples/joyai_image/model_training/lora/JoyAI-Image-Edit.sh, as it is (its two commands: stage 1, then stage 2)
+JOYAI_IMAGE_COMMANDS = r"""
+accelerate launch examples/joyai_image/model_training/train.py \
+    --dataset_base_path "./data/diffsynth_example_dataset/joyai_image/JoyAI-Image-Edit" \
+    --dataset_metadata_path "./data/diffsynth_example_dataset/joyai_image/JoyAI-Image-Edit/metadata.csv" \
+    --max_pixels 1048576 \
+    --dataset_repeat 1 \
+    --model_id_with_origin_paths "jd-opensource/JoyAI-Image-Edit:JoyAI-Image-Und/model*.safetensors,jd-opensource/JoyAI-Image-Edit:vae/Wan2.1_VAE.pth" \
+    --learning_rate 1e-4 \
+    --num_epochs 5 \
+    --remove_prefix_in_ckpt "pipe.dit." \
+    --output_path "./models/train/JoyAI-Image-Edit-split-cache" \
+    --lora_base_model "dit" \
+    --lora_target_modules "img_attn_qkv,txt_attn_qkv,img_attn_proj,txt_attn_proj" \
+    --lora_rank 32 \
+    --use_gradient_checkpointing \
+    --find_unused_parameters \
+    --data_file_keys "image,edit_image" \
+    --extra_inputs "edit_image" \
+    --task "sft:data_process"
+
+accelerate launch examples/joyai_image/model_training/train.py \
+    --dataset_base_path "./models/train/JoyAI-Image-Edit-split-cache" \
+    --max_pixels 1048576 \
+    --dataset_repeat 50 \
+    --model_id_with_origin_paths "jd-opensource/JoyAI-Image-Edit:transformer/transformer.pth" \
+    --learning_rate 1e-4 \
+    --num_epochs 5 \
+    --remove_prefix_in_ckpt "pipe.dit." \
+    --output_path "./models/train/JoyAI-Image-Edit-lora" \
+    --lora_base_model "dit" \
+    --lora_target_modules "img_attn_qkv,txt_attn_qkv,img_attn_proj,txt_attn_proj" \
+    --lora_rank 32 \
+    --use_gradient_checkpointing \
+    --find_unused_parameters \
+    --data_file_keys "image,edit_image" \
+    --extra_inputs "edit_image" \
+    --task "sft:train"
+"""
+
+# both commands' models in one run, trained unsplit (the run the dry run compares stage 2 with)
+JOYAI_IMAGE_UNSPLIT = JOYAI_IMAGE_COMMANDS.strip().split("\n\n")[0].replace(
+    '"jd-opensource/JoyAI-Image-Edit:JoyAI-Image-Und',
+    '"jd-opensource/JoyAI-Image-Edit:transformer/transformer.pth,jd-opensource/JoyAI-Image-Edit:JoyAI-Image-Und'
+).replace('"sft:data_process"', '"sft"')
+
+
+def test_diffsynths_joyai_image_commands_run_as_they_are(tmp_path, monkeypatch, capsys):
+    """DiffSynth's examples/joyai_image/model_training/lora/JoyAI-Image-Edit.sh, both commands, with `unitgraph train`
+    for `accelerate launch .../train.py`; only sizes are lowered (--num_epochs, --dataset_repeat). The model ids alone
+    choose DiffSynth's pipeline. Its DiT and VAE are released as `.pth` pickles: each command is refused in one line
+    naming the pickle and the command that writes its safetensors twin (`unitgraph twin`), which then runs; stage 2
+    reads the DiT's twin with the pickle removed, and the encoder's and the VAE's folders gone. The LoRA is in
+    DiffSynth's layout, rank 32, on the picture and the text streams."""
+    from clitools import cli, one_error_line
+
+    command_1, command_2 = JOYAI_IMAGE_COMMANDS.strip().split("\n\n")
+    argv_1, argv_2 = ported(command_1, "joyai_image", tmp_path, monkeypatch, edit=True), shlex_argv(command_2)
+    argv_2[argv_2.index("--num_epochs") + 1] = "1"
+    argv_2[argv_2.index("--dataset_repeat") + 1] = "1"
+    root = tmp_path / "models" / "jd-opensource" / "JoyAI-Image-Edit"
+    for twin in (root / "vae" / "Wan2.1_VAE.safetensors", root / "transformer" / "transformer.safetensors"):
+        twin.unlink()  # as released: the pickles alone
+
+    def converted(argv: list[str], pickle: Path) -> None:  # refused in one line; its command writes the twin
+        code, out, err = cli(capsys, "train", *argv)
+        shown = pickle.relative_to(tmp_path)  # (DiffSynth's ./models, relative to where the command runs)
+        line = one_error_line(code, err, f"{shown}: a pickle (torch.save), which unitgraph does not unpickle")
+        assert line.endswith(f"beside it once: unitgraph twin {shown}"), line
+        code, out, err = cli(capsys, *line.rsplit(": ", 1)[1].split()[1:])
+        assert code == 0 and pickle.with_suffix(".safetensors").is_file(), err
+
+    converted(argv_1, root / "vae" / "Wan2.1_VAE.pth")
+    code, out, err = cli(capsys, "train", *argv_1)
+    assert code == 0, err
+    assert "pipeline: diffsynth:joyai_image (DiffSynth's JoyAIImagePipeline; the model id names JoyAI-Image)" in out, out
+    assert "stage 1 runs" in out and "(text_encoder, vae)" in out, out
+    converted(argv_2, root / "transformer" / "transformer.pth")
+    (root / "transformer" / "transformer.pth").unlink()  # converted, the pickle may go
+    for folder in ("JoyAI-Image-Und", "vae"):
+        shutil.move(str(root / folder), str(tmp_path / f"gone-{folder}"))
+    try:
+        code, out, err = cli(capsys, "train", *argv_2)
+    finally:
+        for folder in ("JoyAI-Image-Und", "vae"):
+            shutil.move(str(tmp_path / f"gone-{folder}"), str(root / folder))
+    assert code == 0, err
+    assert "stage 2 (train): 2 steps" in out, out
+    lora = load_file(str(tmp_path / "models" / "train" / "JoyAI-Image-Edit-lora" / "epoch-0.safetensors"))
+    assert lora and not any(k.startswith("pipe.") for k in lora)
+    assert any(".img_attn_qkv.lora_A." in k for k in lora) and any(".txt_attn_proj.lora_B." in k for k in lora)
+    assert {v.shape[0] for k, v in lora.items() if ".lora_A." in k} == {32}
+
+
 SD_FULL_COMMANDS = {
     "stable_diffusion": r"""
 accelerate launch examples/stable_diffusion/model_training/train.py \
@@ -1852,6 +2044,10 @@ RELEASED = {
     "boogu_image": (BOOGU_IMAGE_COMMAND, {"dit": ("BooguImageDiT", 10.2e9, 10.4e9),
                                           "text_encoder": ("QwenImage21TextEncoder", 8.7e9, 8.8e9),
                                           "vae_encoder": ("FluxVAEEncoder", 0.03e9, 0.04e9)}, 0.6),
+    # Boogu-Image's encoder, Wan 2.1's VAE (both known to DiffSynth's table under other patterns), the DiT of 40 blocks
+    "joyai_image": (JOYAI_IMAGE_UNSPLIT, {"dit": ("JoyAIImageDiT", 16.2e9, 16.3e9),
+                                          "text_encoder": ("QwenImage21TextEncoder", 8.7e9, 8.8e9),
+                                          "vae": ("WanVideoVAE", 0.1e9, 0.15e9)}, 0.7),
     # the Qwen3 0.6 B text encoder, the Wan 2.1 VAE
     "anima_image": (ANIMA_COMMAND, {"dit": ("AnimaDiT", 2.0e9, 2.2e9),
                                     "text_encoder": ("ZImageTextEncoder", 0.5e9, 0.7e9),

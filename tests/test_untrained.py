@@ -12,26 +12,23 @@ from clitools import cli, one_error_line
 from unitgraph.backends.diffusion.registry import families
 from unitgraph.backends.diffusion.untrained import UNTRAINED, untrained_by_model_id
 
-# DiffSynth's examples/joyai_image/model_training/lora/JoyAI-Image-Edit.sh, its first command (stage 1 of its split
-# training), the program name swapped
-JOYAI_LORA = """unitgraph train \
-    --dataset_base_path "./data/diffsynth_example_dataset/joyai_image/JoyAI-Image-Edit" \
-    --dataset_metadata_path "./data/diffsynth_example_dataset/joyai_image/JoyAI-Image-Edit/metadata.csv" \
-    --max_pixels 1048576 \
-    --dataset_repeat 1 \
-    --model_id_with_origin_paths "jd-opensource/JoyAI-Image-Edit:JoyAI-Image-Und/model*.safetensors,jd-opensource/JoyAI-Image-Edit:vae/Wan2.1_VAE.pth" \
-    --learning_rate 1e-4 \
-    --num_epochs 5 \
-    --remove_prefix_in_ckpt "pipe.dit." \
-    --output_path "./models/train/JoyAI-Image-Edit-split-cache" \
-    --lora_base_model "dit" \
-    --lora_target_modules "img_attn_qkv,txt_attn_qkv,img_attn_proj,txt_attn_proj" \
-    --lora_rank 32 \
-    --use_gradient_checkpointing \
-    --find_unused_parameters \
-    --data_file_keys "image,edit_image" \
-    --extra_inputs "edit_image" \
-    --task "sft:data_process" """
+# DiffSynth's examples/hidream_o1_image/model_training/lora/HiDream-O1-Image-Dev.sh, the program name swapped
+HIDREAM_LORA = """unitgraph train \
+  --dataset_base_path data/diffsynth_example_dataset/hidream_o1_image/HiDream-O1-Image-Dev \
+  --dataset_metadata_path data/diffsynth_example_dataset/hidream_o1_image/HiDream-O1-Image-Dev/metadata.csv \
+  --max_pixels 4194304 \
+  --dataset_repeat 50 \
+  --model_id_with_origin_paths "HiDream-ai/HiDream-O1-Image-Dev:model-*.safetensors" \
+  --processor_config "HiDream-ai/HiDream-O1-Image-Dev:./" \
+  --learning_rate 1e-4 \
+  --num_epochs 5 \
+  --lora_rank 32 \
+  --remove_prefix_in_ckpt "pipe.dit." \
+  --output_path "./models/train/HiDream-O1-Image-Dev_lora" \
+  --lora_base_model "dit" \
+  --lora_target_modules "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,attn.qkv,attn.proj,mlp.linear_fc1,mlp.linear_fc2" \
+  --use_gradient_checkpointing \
+  --noise_scale 7.5"""
 
 
 @pytest.fixture
@@ -44,18 +41,23 @@ def no_download(monkeypatch):
     return calls
 
 
-def test_diffsynths_joyai_command_is_named_as_untrained_before_any_download(tmp_path, monkeypatch, capsys,
-                                                                           no_download):
+def test_diffsynths_hidream_command_is_named_as_untrained_before_any_download(tmp_path, monkeypatch, capsys,
+                                                                             no_download):
     monkeypatch.chdir(tmp_path)
-    data = tmp_path / "data" / "diffsynth_example_dataset" / "joyai_image" / "JoyAI-Image-Edit"
+    data = tmp_path / "data" / "diffsynth_example_dataset" / "hidream_o1_image" / "HiDream-O1-Image-Dev"
     data.mkdir(parents=True)
-    (data / "metadata.csv").write_text("image,edit_image,prompt\n0.jpg,1.jpg,a cat\n")
-    argv = shlex.split(JOYAI_LORA)[1:]
+    (data / "metadata.csv").write_text("image,prompt\n0.jpg,a cat\n")
+    argv = shlex.split(HIDREAM_LORA)[1:]
+    code, _, err = cli(capsys, *argv)  # as it is: its flags of HiDream's alone say it first
+    one_error_line(code, err, "--noise_scale: a flag of DiffSynth's HiDream-O1-Image, which unitgraph does not train")
+    for flag in ("--processor_config", "--noise_scale"):  # without them, its model id does
+        at = argv.index(flag)
+        del argv[at:at + 2]
     for extra in ([], ["--dry_run"]):
         code, _, err = cli(capsys, *argv, *extra)
-        line = one_error_line(code, err, "jd-opensource/JoyAI-Image-Edit",
-                              "JoyAI-Image (DiffSynth's examples/joyai_image)", "a family unitgraph does not train",
-                              "Qwen-Image")
+        line = one_error_line(code, err, "HiDream-ai/HiDream-O1-Image-Dev",
+                              "HiDream-O1-Image (DiffSynth's examples/hidream_o1_image)",
+                              "a family unitgraph does not train", "Qwen-Image")
         assert "unitgraph pipelines" in line
     assert no_download == [] and not (tmp_path / "models").exists()
 
@@ -92,7 +94,7 @@ IDEOGRAM4_IDS = ("DiffSynth-Studio/ideogram-4-bf16-repackage:transformer/diffusi
 
 
 def test_a_family_trained_through_diffsynth_names_the_extra_where_diffsynth_is_missing(tmp_path, capsys, no_download):
-    """Ideogram 4, ERNIE-Image, Boogu-Image and Krea 2 train through DiffSynth's own pipeline (docs/diffsynth.md); in an
+    """Ideogram 4, ERNIE-Image, Boogu-Image, JoyAI-Image and Krea 2 train through DiffSynth's own pipeline (docs/diffsynth.md); in an
     environment without the `diffsynth` package their model ids, or --pipeline diffsynth:ideogram4, are one line
     saying what to install."""
     import importlib.util
@@ -106,6 +108,8 @@ def test_a_family_trained_through_diffsynth_names_the_extra_where_diffsynth_is_m
                    "--pipeline diffsynth:ideogram4", "scripts/setup_diffsynth.sh")
     for ids, name, module in (("PaddlePaddle/ERNIE-Image:text_encoder/model.safetensors", "ERNIE-Image", "ernie_image"),
                               ("Boogu/Boogu-Image-0.1-Base:mllm/*.safetensors", "Boogu-Image", "boogu_image"),
+                              ("jd-opensource/JoyAI-Image-Edit:transformer/transformer.pth", "JoyAI-Image",
+                               "joyai_image"),
                               ("krea/Krea-2-Raw:raw.safetensors,Qwen/Qwen-Image:vae/diffusion_pytorch_model.safetensors",
                                "Krea 2", "krea2")):
         code, _, err = cli(capsys, *base, "--model_id_with_origin_paths", ids)

@@ -608,6 +608,10 @@ class DiffSynthPipeline:
     # a reference at random places, Python's random): deterministic in a run that gives no PARAM, so the plan may cache
     # it (stage 1 checks torch's stream as it runs; hazards.py)
     quiet_without: tuple[tuple[str, str], ...] = ()
+    # whether it trains and draws edits only (JoyAI-Image: its prompt unit encodes an instruction only beside the picture
+    # it edits): a run needs --extra_inputs edit_image (a file column), and a validation sample a --validation_image,
+    # handed to its `__call__` as `edit_image`
+    edits: bool = False
 
     @property
     def name(self) -> str:

@@ -68,6 +68,19 @@ OWN: tuple[Glue, ...] = (
          sized_as=(("Boogu/Boogu-Image-0.1-Base:transformer/*.safetensors", "md5:8e29d2d28b83530320ae1d2c5eb323b3"),
                    ("Boogu/Boogu-Image-0.1-Base:mllm/*.safetensors", "md5:2d11bf14bba8b4e87477c8199a895403"),
                    ("Boogu/Boogu-Image-0.1-Base:vae/*.safetensors", "md5:1aafa3cc91716fb6b300cc1cd51b85a3"))),
+    # image editing: its prompt unit reads Boogu's Qwen3-VL 8B encoder's last hidden states over the instruction and
+    # the picture it edits, through a processor (its train.py's default: the release's JoyAI-Image-Und/ folder, which
+    # holds the encoder's shards too), and cannot encode an instruction alone (`edits`); its DiT and its VAE are
+    # released as `.pth` pickles, read from their safetensors twins (models/twin.py)
+    Glue("joyai_image", "JoyAIImagePipeline", "JoyAI-Image (DiffSynth's pipeline)",
+         tokenizers=(Tokenizer("processor_config", "processor_path", "jd-opensource/JoyAI-Image-Edit",
+                               "JoyAI-Image-Und/"),),
+         example="joyai_image", distill=False, edits=True,
+         # its example's patterns, which DiffSynth 2.1.12's table names under another pattern (the encoder's shards:
+         # `model-*`) or another release (the VAE), by the entries
+         sized_as=(("jd-opensource/JoyAI-Image-Edit:JoyAI-Image-Und/model*.safetensors",
+                    "md5:2d11bf14bba8b4e87477c8199a895403"),
+                   ("jd-opensource/JoyAI-Image-Edit:vae/Wan2.1_VAE.pth", "md5:ccc42284ea13e1ad04693284c7a09be6"))),
     # text to music: its dataset reads a song (`audio`) at 48 kHz with LoadPureAudioWithTorchaudio, its
     # get_pipeline_inputs hands the song, its length in whole seconds, the lyrics and the metadata columns (with its
     # defaults), the sides marked `positive`; its context unit reads a silence latent its from_pretrained unpickles

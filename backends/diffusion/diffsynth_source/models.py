@@ -21,8 +21,10 @@ Two things are unitgraph's:
   file no entry fits is one line naming it.
 
 Weights are read from safetensors only: DiffSynth would read another file with torch.load (pickle), so unitgraph
-refuses it. A release file the pipeline's `from_pretrained` redirects to DiffSynth's own safetensors copy (a video
-family's `.pth` text encoder and VAE) is looked for where DiffSynth looks: at the copy (`redirects`).
+reads a pickled release file (JoyAI-Image's `transformer/transformer.pth`) from its safetensors twin beside it, and
+without one names `unitgraph twin FILE`, which writes it once (models/twin.py). A release file the pipeline's
+`from_pretrained` redirects to DiffSynth's own safetensors copy (a video family's `.pth` text encoder and VAE) is
+looked for where DiffSynth looks: at the copy (`redirects`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any, Iterable, Iterator, Optional, Union
 
 from ..errors import BackendError
 from ..models.hub import Hub, origin_subfolder
+from ..models.twin import is_pickled, twin_command, twin_path
 from .glue import Glue
 
 __all__ = ["ModelFile", "examples", "find_models", "fp8_storage", "load_pipeline", "load_tensor", "model_attributes",
@@ -231,15 +234,36 @@ def _id_files(hub: Hub, model_id: str, pattern: str) -> Files:
     return files[0] if len(files) == 1 else files
 
 
-def _check_files(files: Files) -> None:
+def _readable_files(files: Files) -> Files:
+    """`files` as unitgraph reads them: each a .safetensors file, a pickled one (`.pth`) by its safetensors twin
+    beside it (models/twin.py); a pickle without its twin is one line naming the command that writes it."""
+    out = []
     for path in [files] if isinstance(files, str) else files:
         p = Path(path)
         if not p.is_file():
             raise BackendError("model file not found" if not p.exists() else "a model is a .safetensors file or a list "
                                "of them, not a folder (DiffSynth's --model_paths names files)", source=str(p))
-        if p.suffix != ".safetensors":
+        if is_pickled(p) and twin_path(p).is_file():
+            p = twin_path(p)
+        elif is_pickled(p):
+            raise BackendError(f"a pickle (torch.save), which unitgraph does not unpickle while it runs (DiffSynth "
+                               f"would read it with torch.load); write its safetensors twin beside it once: "
+                               f"{twin_command(p)}", source=str(p))
+        elif p.suffix != ".safetensors":
             raise BackendError("only .safetensors model files are read (DiffSynth would read this one with torch.load, "
                                "which unpickles it)", source=str(p))
+        out.append(str(p))
+    return out[0] if isinstance(files, str) else out
+
+
+def _release_files(hub: Hub, model_id: str, pattern: str) -> Files:
+    """The files of `model_id:pattern`; of a pickled pattern (`transformer/transformer.pth`), its twins where they are
+    kept without the pickle (a user who converted it may have removed it)."""
+    if is_pickled(Path(pattern)):
+        twins = str(twin_path(Path(pattern)))
+        if hub.found_locally(model_id, twins) is not None:
+            return _id_files(hub, model_id, twins)
+    return _id_files(hub, model_id, pattern)
 
 
 def find_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_paths: Optional[str],
@@ -252,9 +276,9 @@ def find_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_pat
     named = [(files, _named(files)) for files in _parse_model_paths(model_paths)]
     for asked in _parse_ids(model_id_with_origin_paths):
         model_id, pattern = redirected.get(asked[1], asked)
-        named.append((_id_files(hub, model_id, pattern), f"{asked[0]}:{asked[1]}"))
+        named.append((_release_files(hub, model_id, pattern), f"{asked[0]}:{asked[1]}"))
     for files, as_given in named:
-        _check_files(files)
+        files = _readable_files(files)
         found.append(_model_file(files, recognise(files, attributes), attributes, as_given))
     return found
 
@@ -303,15 +327,15 @@ def planned_models(glue: Glue, model_paths: Optional[str], model_id_with_origin_
     known = examples()
     aliases = dict(glue.sized_as)
     for files in _parse_model_paths(model_paths):
-        _check_files(files)
+        files = _readable_files(files)
         entries = recognise(files, attributes)
         found.append(_model_file(files, entries, attributes, _named(files)))
     redirected = redirects(pipeline_class)
     for asked in _parse_ids(model_id_with_origin_paths):
         model_id, pattern = redirected.get(asked[1], asked)
-        local = hub.found_locally(model_id, pattern)
-        if local is not None:
-            files = _id_files(hub, model_id, pattern)
+        twins = str(twin_path(Path(pattern))) if is_pickled(Path(pattern)) else pattern
+        if hub.found_locally(model_id, twins) is not None or hub.found_locally(model_id, pattern) is not None:
+            files = _readable_files(_release_files(hub, model_id, pattern))
             found.append(_model_file(files, recognise(files, attributes), attributes, f"{asked[0]}:{asked[1]}"))
             continue
         model_hash = known.get((model_id, pattern)) or known.get(asked)  # a redirected file: the release's entry
@@ -581,14 +605,12 @@ def tensor_file(tensor: Any, given: Optional[str], hub: Hub) -> Path:
             folder = hub.snapshot(model_id, pattern, lambda where, problem: BackendError(
                 f"{problem} (or pass --{tensor.flag})", source=str(where)))
         path = (folder.parent if origin_subfolder(pattern) else folder) / pattern
-    twin = path if path.suffix == ".safetensors" else path.with_suffix(".safetensors")
+    twin = path if path.suffix == ".safetensors" else twin_path(path)
     if twin.is_file():
         return twin
     if path.is_file():
-        raise BackendError(f"a pickle (torch.save), which unitgraph does not unpickle; convert it once to {twin.name} "
-                           f"beside it: python -c \"import torch, safetensors.torch as st; st.save_file("
-                           f"{{'{tensor.attribute}': torch.load('{path}', weights_only=True).contiguous()}}, "
-                           f"'{twin}')\"", source=str(path))
+        raise BackendError(f"a pickle (torch.save), which unitgraph does not unpickle while it runs; write its "
+                           f"safetensors twin {twin.name} beside it once: {twin_command(path)}", source=str(path))
     raise BackendError(f"file not found (--{tensor.flag})", source=str(path))
 
 

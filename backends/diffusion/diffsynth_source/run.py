@@ -183,12 +183,20 @@ def check_flags(args: TrainArgs) -> None:
     if chosen and glue.loss:
         raise BackendError(f"{chosen[0]}: {glue.name} trains DiffSynth's own {glue.loss.rpartition(':')[2]} (its train.py's "
                            "sft loss); the samplings, weightings and masked loss apply to FlowMatchSFTLoss")
-    if args.validation_image and not glue.first_frame:
+    if glue.edits and ("edit_image" not in _extra_inputs(args)
+                       or "edit_image" not in (args.data_file_keys or "image").split(",")):
+        raise BackendError(f"{glue.name} trains edits only (its prompt unit encodes an instruction only beside the "
+                           "picture it edits): pass --extra_inputs edit_image and name the column in --data_file_keys "
+                           "(its example: --data_file_keys \"image,edit_image\" --extra_inputs \"edit_image\")")
+    if args.validation_image and not (glue.first_frame or glue.edits):
         raise BackendError(f"--validation_image: {glue.name} draws its validation samples from the prompt alone (a "
-                           "pipeline that starts from a first frame takes one)")
+                           "pipeline that starts from a first frame or edits a picture takes one)")
     if args.validation_prompt and glue.first_frame and not args.validation_image:
         raise BackendError(f"--validation_prompt: {glue.name} draws a clip from its first frame; give each prompt its "
                            "frame with --validation_image")
+    if args.validation_prompt and glue.edits and not args.validation_image:
+        raise BackendError(f"--validation_prompt: {glue.name} draws an edit of a picture; give each prompt the picture "
+                           "it edits with --validation_image")
     if args.frame_rate is not None and not glue.frame_rate:
         raise BackendError(f"--frame_rate: {glue.name}'s example reads no clip at a frame rate (its train.py has no such "
                            "flag)")

@@ -6,7 +6,7 @@ weights being trained: DiffSynth's `__call__` with the prompt, `--validation_neg
 `--validation_seed` (else `--seed`) and the run's `--height`/`--width` (else DiffSynth's defaults), as
 `OUTPUT/samples/<checkpoint or step-N>/<k>.png` (a clip as `<k>.mp4`, with its sound track where the pipeline draws
 one: MOVA's, at its audio VAE's rate; a song as `<k>.wav`, of the `__call__`'s default length: ACE-Step's 60 s; a
-pipeline that starts from a first frame is handed prompt k's `--validation_image`); OUTPUT/samples.html shows every
+pipeline that starts from a first frame, or edits a picture, is handed prompt k's `--validation_image`); OUTPUT/samples.html shows every
 rendering side by side. The whole pipeline draws a sample, so models the stage does not train with (stage 2's text
 encoder, or a VAE whose encoding went to stage 1) are loaded while it renders, from the files the command names, and
 released after; their files must then be on disk in stage 2 too.
@@ -54,7 +54,9 @@ class Renderer:
         self.rate = setup.glue.sample_rate if setup.glue.media == "audio" else 0  # `__call__` returns a song
         self.tensors = tuple(t.attribute for t in setup.glue.tensors)  # read beside the models it borrows
         self.frames: list[Any] = []
-        if setup.glue.first_frame:  # read now: a missing or damaged file stops the run before any step
+        # the picture a sample starts from (a clip's first frame) or edits, by the keyword `__call__` takes it by
+        self.picture = "edit_image" if setup.glue.edits else "input_image"
+        if setup.glue.first_frame or setup.glue.edits:  # read now: a missing or damaged file stops the run before any step
             from ..train.validation import read_images
 
             self.frames = read_images(args.validation_image or ())
@@ -95,7 +97,7 @@ class Renderer:
             pipe.eval()
             with torch.random.fork_rng(devices=[]):
                 for k, prompt in enumerate(self.prompts):
-                    first = {"input_image": self.frames[k]} if self.frames else {}
+                    first = {self.picture: self.frames[k]} if self.frames else {}
                     try:
                         image = pipe(prompt=prompt, **self.kwargs, **first)
                     except Exception as exc:  # DiffSynth's own code: one line naming the prompt

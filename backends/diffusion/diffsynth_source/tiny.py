@@ -163,19 +163,20 @@ def _once(target: Path, memo: tuple, write: Any) -> Path:
     import shutil
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    earlier = _WRITTEN.get(memo)
-    if earlier is not None and earlier.is_file():
+    copies = _WRITTEN.setdefault(memo, [])
+    earlier = next((p for p in copies if p.is_file()), None)  # a copy not removed since (a test's folder may be)
+    if earlier is not None:
         try:
             os.link(earlier, target)
         except OSError:
             shutil.copyfile(earlier, target)
-        return target
-    write(target)
-    _WRITTEN[memo] = target
+    else:
+        write(target)
+    copies.append(target)
     return target
 
 
-_WRITTEN: dict[tuple, Path] = {}  # memo -> the file this process wrote
+_WRITTEN: dict[tuple, list[Path]] = {}  # memo -> the files this process wrote or linked for it
 
 
 def _random_weights(model: Any, seed: int, prefix: str = "", names: Optional[set] = None) -> dict[str, Any]:
@@ -308,17 +309,49 @@ def _qwen3_vl_4b(outdir: Path, seed: int) -> None:
     _once(folder / "model.safetensors", (text["model_hash"], seed), released)
 
 
-def _qwen3_vl_processor(folder: Path, chat_template: Optional[str] = None) -> None:
+def _qwen3_vl_processor(folder: Path, chat_template: Optional[str] = None, vision_tokens: bool = False) -> None:
     """A test-size Qwen3-VL processor saved in `folder`: its tokenizer (the test one) with `chat_template` (else the
-    tokenizer's own), and image and video processors of the release's patch sizes."""
+    tokenizer's own), and image and video processors of the release's patch sizes. With `vision_tokens`, the
+    tokenizer has the release's vision tokens at the release's ids (`QWEN_VISION_TOKENS`), which a full-size Qwen-VL
+    encoder's configuration fixes: a prompt with a picture then reaches its vision tower."""
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = _family_with_slot("AutoencoderKLFlux2").tiny_module().build_tokenizer()
+    if vision_tokens:
+        tokenizer = _with_vision_tokens(tokenizer, folder)
     Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2),
                      tokenizer=tokenizer, video_processor=Qwen3VLVideoProcessor(),
                      chat_template=chat_template or tokenizer.chat_template).save_pretrained(str(folder))
+
+
+# the vision tokens of Qwen2.5-VL's and Qwen3-VL's releases, at their ids (their encoders' configurations name them:
+# image_token_id, vision_start_token_id, ...)
+QWEN_VISION_TOKENS = {"<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|vision_pad|>": 151654,
+                      "<|image_pad|>": 151655, "<|video_pad|>": 151656}
+
+
+def _with_vision_tokens(tokenizer: Any, scratch: Path) -> Any:
+    """`tokenizer` (a fast BPE one) with `QWEN_VISION_TOKENS` as special tokens at their ids: each put in the BPE
+    vocabulary at its id (tokenizers numbers an added token after the vocabulary, whatever id its file gives) and
+    marked special. Built through its saved files in `scratch`, which are removed after."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    where = scratch / ".vision_tokenizer"
+    tokenizer.save_pretrained(str(where))
+    spec = json.loads((where / "tokenizer.json").read_text(encoding="utf-8"))
+    for token, index in QWEN_VISION_TOKENS.items():
+        spec["model"]["vocab"][token] = index
+        spec["added_tokens"].append({"id": index, "content": token, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": True})
+    (where / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    try:
+        return AutoTokenizer.from_pretrained(str(where))
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def _krea2_vae(folder: Path, seed: int) -> None:
@@ -492,6 +525,44 @@ def _boogu_image(outdir: Path, seed: int) -> dict[str, Any]:
     return {"model_id_with_origin_paths": ",".join(f"{model_id}:{f}" for f in files)}
 
 
+# JoyAI-Image's DiT at test size: two double-stream blocks 64 wide (a head of 32, its rotary axes 8, 12 and 12); its
+# text side takes the fixed encoder's 4096 features, its picture side the VAE's 16 latent channels
+JOYAI_IMAGE_DIT = {"hidden_size": 64, "heads_num": 2, "mm_double_blocks_depth": 2, "rope_dim_list": [8, 12, 12],
+                   "text_states_dim": 4096, "in_channels": 16, "out_channels": 16}
+
+
+def _joyai_image(outdir: Path, seed: int) -> dict[str, Any]:
+    """JoyAI-Image-Edit as its LoRA example downloads it: its JoyAI-Image-Und/ folder (Boogu-Image's Qwen3-VL 8B
+    encoder, as released in four shards, and a test-size Qwen3-VL processor with the release's vision tokens), its
+    transformer/transformer.pth (the DiT, test-sized: `JOYAI_IMAGE_DIT`, its configuration beside it) and its
+    vae/*.pth (the VAE of DiffSynth's table, whose class fixes its 127 M parameters, in the release's keys), both
+    `torch.save` pickles as released, each with the safetensors twin `unitgraph twin` writes beside it
+    (models/twin.py)."""
+    import torch
+    from diffsynth.models.joyai_image_dit import JoyAIImageDiT
+    from safetensors.torch import save_file
+
+    from .models import skeleton
+
+    model_id = "jd-opensource/JoyAI-Image-Edit"
+    root = outdir / model_id
+    _qwen3_vl_processor(root / "JoyAI-Image-Und", vision_tokens=True)
+    write_released_shards(root / "JoyAI-Image-Und", "joyai_image", "text_encoder", seed + 2, released_qwen3_vl_key,
+                          shards=4)
+    torch.manual_seed(seed)
+    dit = {k: v.to(torch.bfloat16).contiguous() for k, v in JoyAIImageDiT(**JOYAI_IMAGE_DIT).state_dict().items()}
+    vae = _random_weights(skeleton(smallest_entry("joyai_image", "vae", converted=True)), seed + 1)
+    vae = {k.removeprefix("model."): v for k, v in vae.items()}  # the release's keys: its converter's inverse
+    vae_file = "vae/Wan2.1_VAE.pth"
+    for file, weights in (("transformer/transformer.pth", dit), (vae_file, vae)):
+        (root / file).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(weights, str(root / file))
+        save_file(weights, str((root / file).with_suffix(".safetensors")), metadata={"format": "pt"})
+    (root / "transformer" / "config.json").write_text(json.dumps(JOYAI_IMAGE_DIT, indent=1) + "\n", encoding="utf-8")
+    files = ["JoyAI-Image-Und/model*.safetensors", vae_file, "transformer/transformer.pth"]
+    return {"model_id_with_origin_paths": ",".join(f"{model_id}:{f}" for f in files)}
+
+
 def _seeded_vae(seed: int) -> Any:
     """The VAE (diffusers' AutoencoderKLFlux2) of the tests' Ideogram 4 and ERNIE-Image (`IDEOGRAM4_VAE`), its
     weights drawn from `seed`."""
@@ -504,7 +575,8 @@ def _seeded_vae(seed: int) -> Any:
 
 # writers of DiffSynth's pipelines of no family
 OWN = {"ideogram4": _ideogram4, "anima_image": _anima, "ernie_image": _ernie_image, "krea2": _krea2,
-       "lingbot_video": _lingbot_video, "ace_step": _ace_step, "boogu_image": _boogu_image}
+       "lingbot_video": _lingbot_video, "ace_step": _ace_step, "boogu_image": _boogu_image,
+       "joyai_image": _joyai_image}
 
 
 def writers() -> dict[str, Any]:
