@@ -1130,6 +1130,7 @@ def test_joyai_validation_edits_are_diffsynths_own_drawing_and_its_commands_need
         run(_args(root, flags, extra_inputs=None, output_path=str(tmp_path / "x"), **common))
     with pytest.raises(BackendError, match=r"trains edits only"):
         run(_args(root, flags, data_file_keys="image", output_path=str(tmp_path / "x"), **common))
+    ds_run.check_flags(_args(root, flags, task="sft:train", extra_inputs=None, data_file_keys=None))  # reads a cache
     with pytest.raises(BackendError, match=r"--validation_prompt: diffsynth:joyai_image draws an edit of a picture"):
         run(_args(root, flags, validation_prompt=["make it blue"], output_path=str(tmp_path / "x"), **common))
     assert not (tmp_path / "x").exists()

@@ -183,8 +183,8 @@ def check_flags(args: TrainArgs) -> None:
     if chosen and glue.loss:
         raise BackendError(f"{chosen[0]}: {glue.name} trains DiffSynth's own {glue.loss.rpartition(':')[2]} (its train.py's "
                            "sft loss); the samplings, weightings and masked loss apply to FlowMatchSFTLoss")
-    if glue.edits and ("edit_image" not in _extra_inputs(args)
-                       or "edit_image" not in (args.data_file_keys or "image").split(",")):
+    if glue.edits and not args.task.endswith(":train") and (  # (stage 2 reads what stage 1 made of the picture)
+            "edit_image" not in _extra_inputs(args) or "edit_image" not in (args.data_file_keys or "image").split(",")):
         raise BackendError(f"{glue.name} trains edits only (its prompt unit encodes an instruction only beside the "
                            "picture it edits): pass --extra_inputs edit_image and name the column in --data_file_keys "
                            "(its example: --data_file_keys \"image,edit_image\" --extra_inputs \"edit_image\")")

@@ -6,8 +6,8 @@ weights being trained: DiffSynth's `__call__` with the prompt, `--validation_neg
 `--validation_seed` (else `--seed`) and the run's `--height`/`--width` (else DiffSynth's defaults), as
 `OUTPUT/samples/<checkpoint or step-N>/<k>.png` (a clip as `<k>.mp4`, with its sound track where the pipeline draws
 one: MOVA's, at its audio VAE's rate; a song as `<k>.wav`, of the `__call__`'s default length: ACE-Step's 60 s; a
-pipeline that starts from a first frame, or edits a picture, is handed prompt k's `--validation_image`); OUTPUT/samples.html shows every
-rendering side by side. The whole pipeline draws a sample, so models the stage does not train with (stage 2's text
+pipeline that starts from a first frame, or edits a picture, is handed prompt k's `--validation_image`);
+OUTPUT/samples.html shows every rendering side by side. The whole pipeline draws a sample, so models the stage does not train with (stage 2's text
 encoder, or a VAE whose encoding went to stage 1) are loaded while it renders, from the files the command names, and
 released after; their files must then be on disk in stage 2 too.
 Rendering does not change what is trained: `__call__` takes its noise from its own seeded generator, every training
@@ -56,7 +56,7 @@ class Renderer:
         self.frames: list[Any] = []
         # the picture a sample starts from (a clip's first frame) or edits, by the keyword `__call__` takes it by
         self.picture = "edit_image" if setup.glue.edits else "input_image"
-        if setup.glue.first_frame or setup.glue.edits:  # read now: a missing or damaged file stops the run before any step
+        if setup.glue.first_frame or setup.glue.edits:  # read now: a missing or damaged file stops the run early
             from ..train.validation import read_images
 
             self.frames = read_images(args.validation_image or ())
