@@ -265,8 +265,9 @@ def example_inputs(root: Path, flags: dict, args, glue, device, module=None, ind
         data = _sound_data(base, metadata, index)
         for name in args.extra_inputs.split(","):
             made[0][name] = data["video"][0] if name == "input_image" else data[name]
-    elif args.extra_inputs:  # (a picture column through the example's image operator, as its dataset reads it)
-        files = [k for k in args.data_file_keys.split(",") if k != "image"] if args.data_file_keys else []
+    elif args.extra_inputs:  # (a picture column it hands on: through the example's image operator, as read)
+        extra = args.extra_inputs.split(",")
+        files = [k for k in (args.data_file_keys or "").split(",") if k in extra]
         read = dict(main_data_operator=UnifiedDataset.default_image_operator(
             base_path=base, max_pixels=args.max_pixels, height=32, width=32, height_division_factor=glue.division,
             width_division_factor=glue.division)) if files else {}
@@ -1075,7 +1076,7 @@ def test_bad_commands_are_one_line(world, tmp_path):
     if flags["module"] != "stable_diffusion":
         return
     with pytest.raises(BackendError, match="not trained through DiffSynth's own code yet"):
-        run(_args(root, flags, pipeline="diffsynth:joyai_image", output_path=str(tmp_path / "x")))
+        run(_args(root, flags, pipeline="diffsynth:hidream_o1_image", output_path=str(tmp_path / "x")))
     with pytest.raises(BackendError, match="--processor_path: diffsynth:stable_diffusion takes no such tokenizer"):
         run(_args(root, flags, processor_path="Qwen/Qwen3-VL-4B-Instruct:", output_path=str(tmp_path / "x")))
     with pytest.raises(BackendError, match="--fp8_models: diffsynth:stable_diffusion trains in float32"):
@@ -1149,8 +1150,8 @@ def test_joyai_validation_edits_are_diffsynths_own_drawing_and_its_commands_need
         torch_dtype=torch.bfloat16, device="cpu", **tokenizers,
         model_configs=[ModelConfig(path=released_file(m.path)) for m in setup.models])
     base_model, targets, _prefix = PIPELINES[flags["module"]]
-    module.switch_pipe_to_training_mode(pipe, None, base_model, targets, 4, str(tmp_path / "drawn" / "epoch-0.safetensors"),
-                                        None, None, task="sft")
+    checkpoint = str(tmp_path / "drawn" / "epoch-0.safetensors")
+    module.switch_pipe_to_training_mode(pipe, None, base_model, targets, 4, checkpoint, None, None, task="sft")
     pipe.eval()
     theirs = pipe(prompt="make it blue", edit_image=Image.open(picture).convert("RGB"), height=32, width=32, seed=3,
                   num_inference_steps=2)
