@@ -51,11 +51,13 @@ LORA = {"stable_diffusion": ("unet", "to_q,to_k,to_v,to_out.0"),
                               "img_mod.1,txt_mlp.net.2,txt_mod.1"),
         "boogu_image": ("dit", "to_q,to_k,to_v,to_out.0,img_to_q,img_to_k,img_to_v,img_out,instruct_to_q,instruct_to_k,"
                                "instruct_to_v,instruct_out"),
-        "joyai_image": ("dit", "img_attn_qkv,txt_attn_qkv,img_attn_proj,txt_attn_proj")}
+        "joyai_image": ("dit", "img_attn_qkv,txt_attn_qkv,img_attn_proj,txt_attn_proj"),
+        "hidream_o1_image": ("dit", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,attn.qkv,attn.proj,"
+                                    "mlp.linear_fc1,mlp.linear_fc2")}
 # pipelines whose classes fix a large size (Anima's DiT, the text encoders of ERNIE-Image, Krea 2, LingBot-Video,
-# Qwen-Image, Boogu-Image and JoyAI-Image): 4 samples each, so a run is 8 steps
+# Qwen-Image, Boogu-Image and JoyAI-Image; HiDream-O1's DiT): 4 samples each, so a run is 8 steps
 HEAVY, HEAVY_SAMPLES = ("anima_image", "ernie_image", "krea2", "lingbot_video", "qwen_image", "boogu_image",
-                        "joyai_image"), 4
+                        "joyai_image", "hidream_o1_image"), 4
 FRAMES = 5  # a video pipeline's clips: 5 frames (4k+1) of 32 px
 SONG_SECONDS = 1.3  # an audio pipeline's songs
 # the released files of each pipeline's DiffSynth example, for the dry run (nothing is downloaded)
@@ -105,6 +107,7 @@ RELEASED = {
     "joyai_image": ("jd-opensource/JoyAI-Image-Edit:transformer/transformer.pth,"
                     "jd-opensource/JoyAI-Image-Edit:JoyAI-Image-Und/model*.safetensors,"
                     "jd-opensource/JoyAI-Image-Edit:vae/Wan2.1_VAE.pth", 32),
+    "hidream_o1_image": ("HiDream-ai/HiDream-O1-Image-Dev:model-*.safetensors", 32),
 }
 
 
@@ -114,11 +117,20 @@ def _args(module: str, **over: Any) -> Any:
     from unitgraph.backends.diffusion.diffsynth_source.glue import glue_for
 
     base, targets = LORA[module]
-    size = {} if glue_for(module).media == "audio" else {"height": SIDE, "width": SIDE}  # songs have none
+    size = {} if glue_for(module).media == "audio" else {"height": side(module), "width": side(module)}  # songs: none
     # an edit pipeline's example hands the picture it edits (JoyAI-Image's)
     edit = {"data_file_keys": "image,edit_image", "extra_inputs": "edit_image"} if glue_for(module).edits else {}
     return make_args(**{"pipeline": f"diffsynth:{module}", "lora_base_model": base, "lora_target_modules": targets,
                         "lora_rank": 4, **size, **edit, "num_epochs": EPOCHS, "seed": 1, **over})
+
+
+def side(module: str) -> int:
+    """The pictures' side: SIDE, or twice the pipeline's patch where SIDE gives it fewer patches than it takes
+    (HiDream-O1's 32 px patches: 64 px, 2x2 of them)."""
+    from unitgraph.backends.diffusion.diffsynth_source.glue import glue_for
+
+    glue = glue_for(module)
+    return SIDE if (SIDE // glue.division) ** 2 >= glue.min_cells else 2 * glue.division
 
 
 def _median_step(result: Any) -> float:
@@ -205,7 +217,8 @@ def render(found: dict[str, Any], plans: dict[str, Any], rounds: int, started: s
     lines = [f"Measured {started} to {ended} on this machine ({os.cpu_count()} cores; "
              f"{installed_versions(('torch', 'diffsynth', 'peft'))}), in `.venv-diffsynth`, by "
              f"`benchmarks/diffsynth_source.py --rounds {rounds}`: each pipeline's test-size models from DiffSynth's "
-             f"own classes, {SAMPLES} images at {SIDE} px (a video pipeline's: {SAMPLES} clips of {FRAMES} frames; "
+             f"own classes, {SAMPLES} images at {SIDE} px (HiDream-O1's at 64: 2x2 of its 32 px patches; a video "
+             f"pipeline's: {SAMPLES} clips of {FRAMES} frames; "
              f"an audio pipeline's: {SAMPLES} songs of {SONG_SECONDS} s; "
              f"{HEAVY_SAMPLES} for a pipeline whose classes fix a large size: {', '.join(HEAVY)}), a rank-4 LoRA on "
              f"the denoiser, {EPOCHS} epochs; the median step of the unsplit run and of stage 2, alternating, median "

@@ -36,12 +36,13 @@ def _train_signature() -> inspect.Signature:
 
 def train_command(**kwargs: Any) -> None:
     """Train with DiffSynth-Studio's flags (both spellings): --task sft, sft:data_process, sft:train, sft:split, direct_distill[...]."""
-    from unitgraph.backends.diffusion.args import make_args
+    from unitgraph.backends.diffusion.args import unchecked_args
     from unitgraph.backends.diffusion.stages import run
 
     from unitgraph.backends.diffusion.diffsynth_source import run as diffsynth_source
 
-    args, why = diffsynth_source.route(make_args(**kwargs))
+    args, why = diffsynth_source.route(unchecked_args(**kwargs))  # a family not trained is named first
+    args = args.validate()
     if diffsynth_source.wanted(args):  # DiffSynth's own pipeline (backends/diffusion/diffsynth_source/)
         result = diffsynth_source.run(args, typer.echo if _is_main() else None, why)
         if result.memory_plan is not None and _is_main():

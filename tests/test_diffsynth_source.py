@@ -27,6 +27,7 @@ What they show, per pipeline:
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import shutil
@@ -74,18 +75,25 @@ PIPELINES = {
     "boogu_image": ("dit", "to_q,to_k,to_v,to_out.0,img_to_q,img_to_k,img_to_v,img_out,instruct_to_q,instruct_to_k,"
                            "instruct_to_v,instruct_out", "pipe.dit."),
     "joyai_image": ("dit", "img_attn_qkv,txt_attn_qkv,img_attn_proj,txt_attn_proj", "pipe.dit."),
+    "hidream_o1_image": ("dit", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,attn.qkv,attn.proj,"
+                                "mlp.linear_fc1,mlp.linear_fc2", "pipe.dit."),
 }
 # pipelines whose classes fix a large size (Anima's DiT: 2.09 B parameters, 4.2 GB in bf16; ERNIE-Image's text
 # encoder: 3.43 B, 6.9 GB; Krea 2's and LingBot-Video's: 4.44 B, 8.9 GB; Qwen-Image's: 8.29 B, 16.6 GB, and its DiT's
-# one block at the released width, 0.38 B; Boogu-Image's and JoyAI-Image's: 8.77 B, 17.5 GB): only the checks of the step, the split and
+# one block at the released width, 0.38 B; Boogu-Image's and JoyAI-Image's: 8.77 B, 17.5 GB; HiDream-O1's DiT, the
+# model it trains: 8.80 B, 17.6 GB): only the checks of the step, the split and
 # the checkpoint run for them, not every test the module-wide `world` fixture gives the others; nor for MOVA, whose
 # example trains on a clip's sound track, which the other tests' data lacks; nor for ACE-Step, which trains on songs
 HEAVY = {"anima_image", "ernie_image", "krea2", "lingbot_video", "mova_audio_video", "ace_step", "qwen_image",
-         "boogu_image", "joyai_image"}
+         "boogu_image", "joyai_image", "hidream_o1_image"}
 LIGHT = sorted(set(PIPELINES) - HEAVY)
 # the inputs an image example's get_pipeline_inputs sets beyond the picture, its size, cfg_scale, rand_device and the
 # checkpointing flags (examples/flux2/model_training/train.py: "embedded_guidance": 1.0)
-EXAMPLE_INPUTS = {"flux2_image": {"embedded_guidance": 1.0}}
+EXAMPLE_INPUTS = {"flux2_image": {"embedded_guidance": 1.0},
+                  # examples/hidream_o1_image/model_training/train.py: its --noise_scale's default
+                  "hidream_o1_image": {"noise_scale": 8.0}}
+# the negative prompts of the image examples' get_pipeline_inputs, where not "" (HiDream-O1's: " ")
+EXAMPLE_NEGATIVE = {"hidream_o1_image": " "}
 # the inputs a video example's get_pipeline_inputs sets beyond the clip, its size and frame count, cfg_scale,
 # rand_device, the checkpointing flags and the timestep boundaries
 EXAMPLE_VIDEO_INPUTS = {
@@ -182,6 +190,8 @@ def _args(root: Path, flags: dict, **over):
                     dataset_metadata_path=str(root / "data" / "metadata.json"))
     if _edit(flags["module"]):  # as JoyAI-Image's example hands the picture it edits
         base.update(data_file_keys="image,edit_image", extra_inputs="edit_image")
+    if flags["module"] == "hidream_o1_image":  # 2x2 patches of 32 px (its prompt unit fails on a single patch)
+        base.update(height=64, width=64)
     if flags["module"] == "flux2_image":  # its train.py defaults to FLUX.2-dev's tokenizer; klein's example names its own
         base.update(tokenizer_path=flags["tokenizer_path"])
     base.update(over)
@@ -218,7 +228,7 @@ def our_unsplit_step(setup, args, base_model: str):
     loss.backward()
     grads = {n: None if p.grad is None else p.grad.clone() for n, p in getattr(pipe, base_model).named_parameters()
              if p.requires_grad}
-    return loss, grads, seed
+    return loss.detach(), grads, seed  # (nothing of the pipeline kept: a caller may load DiffSynth's own next)
 
 
 def diffsynths_module(setup, configs, base_model: str, targets: str, seed: int):
@@ -269,8 +279,8 @@ def example_inputs(root: Path, flags: dict, args, glue, device, module=None, ind
         extra = args.extra_inputs.split(",")
         files = [k for k in (args.data_file_keys or "").split(",") if k in extra]
         read = dict(main_data_operator=UnifiedDataset.default_image_operator(
-            base_path=base, max_pixels=args.max_pixels, height=32, width=32, height_division_factor=glue.division,
-            width_division_factor=glue.division)) if files else {}
+            base_path=base, max_pixels=args.max_pixels, height=args.height, width=args.width,
+            height_division_factor=glue.division, width_division_factor=glue.division)) if files else {}
         data = UnifiedDataset(base_path=base, metadata_path=metadata, repeat=1, data_file_keys=files, **read)[index]
         module.parse_extra_inputs(data, args.extra_inputs.split(","), made[0])
     return made
@@ -354,12 +364,12 @@ def _example_inputs(base: str, metadata: str, flags: dict, args, glue, device, i
     data = UnifiedDataset(base_path=base, metadata_path=metadata,
                           repeat=1, data_file_keys=["image"],
                           main_data_operator=UnifiedDataset.default_image_operator(
-                              base_path=base, max_pixels=args.max_pixels, height=32, width=32,
+                              base_path=base, max_pixels=args.max_pixels, height=args.height, width=args.width,
                               height_division_factor=glue.division, width_division_factor=glue.division))[index]
     return ({"input_image": data["image"], "height": data["image"].size[1], "width": data["image"].size[0],
              "cfg_scale": 1, "rand_device": device, "use_gradient_checkpointing": False,
              "use_gradient_checkpointing_offload": False, **EXAMPLE_INPUTS.get(flags["module"], {})},
-            {"prompt": data["prompt"]}, {"negative_prompt": ""})
+            {"prompt": data["prompt"]}, {"negative_prompt": EXAMPLE_NEGATIVE.get(flags["module"], "")})
 
 
 def diffsynths_own(root: Path, flags: dict, index: int = 1) -> tuple:
@@ -413,6 +423,7 @@ def test_the_unsplit_step_is_diffsynths_own_training_step(world):
     base_model, targets, _prefix = PIPELINES[flags["module"]]
     setup = ds_run.setup(args)  # recognises the tiny files (registers them in DiffSynth's table for this process)
     ours, ours_grads, seed = our_unsplit_step(setup, args, base_model)
+    gc.collect()  # unitgraph's pipeline gone before DiffSynth's loads (HiDream-O1's trained DiT alone is 17.6 GB)
 
     # DiffSynth's own: its loader on the same files, its training module, its dataset, its loss
     configs = [ModelConfig(path=released_file(m.path)) for m in setup.models]  # the files the model ids name
@@ -959,8 +970,11 @@ def test_split_equals_unsplit_and_stage_2_needs_no_text_encoder(world, tmp_path)
 
     folders = {folder(m) for i, m in zip(given, setup.models) if i not in kept}
     folders -= {folder(m) for i, m in zip(given, setup.models) if i in kept}
-    assert any(a.startswith("text_encoder") for i, m in zip(given, setup.models) if folder(m) in folders
-               for a in m.attributes)  # FLUX.2 [klein]'s is text_encoder_qwen3
+    if setup.plan.data_process_models:
+        assert any(a.startswith("text_encoder") for i, m in zip(given, setup.models) if folder(m) in folders
+                   for a in m.attributes)  # FLUX.2 [klein]'s is text_encoder_qwen3
+    else:  # HiDream-O1: stage 1 only tokenizes (its processor beside the DiT's shards), stage 2 trains the one model
+        assert flags["module"] == "hidream_o1_image" and not folders and len(kept) == len(given)
     hidden = {folder: tmp_path / f"hidden{n}" for n, folder in enumerate(sorted(folders))}
     for folder, where in hidden.items():
         shutil.move(str(folder), str(where))
@@ -989,7 +1003,11 @@ def test_the_checkpoint_loads_with_diffsynths_load_lora(world, tmp_path):
     setup = ds_run.setup(_args(root, flags))
     pipe = setup.load([base_model], "the check")
     model = getattr(pipe, base_model)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # a copy of four weights the file's LoRA moved (its B trained away from zero), not of every weight it targets:
+    # HiDream-O1's LoRA targets 7 B of its DiT's 8.8 B parameters
+    moved = sorted(k.split(".lora_")[0] + ".weight" for k, v in lora.items() if ".lora_B." in k and v.any())[:4]
+    before = {k: v.clone() for k, v in model.state_dict().items() if k in moved}
+    assert len(before) == len(moved) > 0
     pipe.load_lora(model, str(result.last_checkpoint))
     changed = [k for k, v in model.state_dict().items() if k in before and not torch.equal(v, before[k])]
     assert changed, "DiffSynth's load_lora left the model as it was"
@@ -1076,7 +1094,10 @@ def test_bad_commands_are_one_line(world, tmp_path):
     if flags["module"] != "stable_diffusion":
         return
     with pytest.raises(BackendError, match="not trained through DiffSynth's own code yet"):
-        run(_args(root, flags, pipeline="diffsynth:hidream_o1_image", output_path=str(tmp_path / "x")))
+        run(_args(root, flags, pipeline="diffsynth:minimax_h3_audio_video", output_path=str(tmp_path / "x")))
+    for flag, value in (("noise_scale", 7.5), ("processor_config", "HiDream-ai/HiDream-O1-Image-Dev:./")):
+        with pytest.raises(BackendError, match=f"--{flag}: diffsynth:stable_diffusion.* no such"):
+            run(_args(root, flags, **{flag: value}, output_path=str(tmp_path / "x")))
     with pytest.raises(BackendError, match="--processor_path: diffsynth:stable_diffusion takes no such tokenizer"):
         run(_args(root, flags, processor_path="Qwen/Qwen3-VL-4B-Instruct:", output_path=str(tmp_path / "x")))
     with pytest.raises(BackendError, match="--fp8_models: diffsynth:stable_diffusion trains in float32"):
@@ -1435,9 +1456,9 @@ def test_diffsynths_anima_lora_command_runs_as_it_is(tmp_path, monkeypatch, caps
 
 
 def ported(command: str, module: str, tmp_path: Path, monkeypatch, videos: tuple = (), frames: int = 5,
-           audio: bool = False, edit: bool = False, **lowered: str) -> list[str]:
+           audio: bool = False, edit: bool = False, size: int = 32, **lowered: str) -> list[str]:
     """The flags of a DiffSynth example's command, to run in `tmp_path` as the folder it is launched from: the
-    pipeline's tiny ./models written there, two 32 px samples (clips: `videos`, with a sound track and an input_audio
+    pipeline's tiny ./models written there, two `size` px samples (clips: `videos`, with a sound track and an input_audio
     column: `audio`; with an edit_image column: `edit`) where its --dataset_base_path points, downloads not turned off
     (the files are where the command looks), --num_epochs and --dataset_repeat 1 and the `lowered` flags
     (`{"--height": "32"}`) set."""
@@ -1446,7 +1467,7 @@ def ported(command: str, module: str, tmp_path: Path, monkeypatch, videos: tuple
         monkeypatch.delenv(name, raising=False)
     write_tiny_models(tmp_path / "models", module)
     argv = shlex_argv(command)
-    write_synthetic_dataset(tmp_path / argv[argv.index("--dataset_base_path") + 1], count=2, size=32, edit=edit,
+    write_synthetic_dataset(tmp_path / argv[argv.index("--dataset_base_path") + 1], count=2, size=size, edit=edit,
                             **({"videos": videos, "frames": frames, "audio": audio} if videos else {}))
     for flag, value in {"--num_epochs": "1", "--dataset_repeat": "1", **lowered}.items():
         argv[argv.index(flag) + 1] = value
@@ -1942,6 +1963,89 @@ def test_diffsynths_joyai_image_commands_run_as_they_are(tmp_path, monkeypatch, 
     assert {v.shape[0] for k, v in lora.items() if ".lora_A." in k} == {32}
 
 
+# examples/hidream_o1_image/model_training/lora/HiDream-O1-Image-Dev.sh, its command as it is
+HIDREAM_O1_IMAGE_COMMAND = r"""
+accelerate launch examples/hidream_o1_image/model_training/train.py \
+  --dataset_base_path data/diffsynth_example_dataset/hidream_o1_image/HiDream-O1-Image-Dev \
+  --dataset_metadata_path data/diffsynth_example_dataset/hidream_o1_image/HiDream-O1-Image-Dev/metadata.csv \
+  --max_pixels 4194304 \
+  --dataset_repeat 50 \
+  --model_id_with_origin_paths "HiDream-ai/HiDream-O1-Image-Dev:model-*.safetensors" \
+  --processor_config "HiDream-ai/HiDream-O1-Image-Dev:./" \
+  --learning_rate 1e-4 \
+  --num_epochs 5 \
+  --lora_rank 32 \
+  --remove_prefix_in_ckpt "pipe.dit." \
+  --output_path "./models/train/HiDream-O1-Image-Dev_lora" \
+  --lora_base_model "dit" \
+  --lora_target_modules "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,attn.qkv,attn.proj,mlp.linear_fc1,mlp.linear_fc2" \
+  --use_gradient_checkpointing \
+  --noise_scale 7.5
+"""
+
+
+def test_diffsynths_hidream_o1_image_lora_command_runs_as_it_is(tmp_path, monkeypatch, capsys):
+    """DiffSynth's examples/hidream_o1_image/model_training/lora/HiDream-O1-Image-Dev.sh with `unitgraph train` for
+    `accelerate launch .../train.py`; only sizes are lowered (--num_epochs, --dataset_repeat; 64 px samples: 2x2
+    patches). The model ids alone choose DiffSynth's pipeline; its processor is read where --processor_config names
+    it, the release's root beside the DiT's four shards (the released 8.80 B DiT, known to DiffSynth's table by its
+    key hash). Stage 1 loads no model (it tokenizes); its entries hold --noise_scale, and a stage 2 that says another
+    is one line; a picture of one patch is one line."""
+    from clitools import cli, one_error_line
+
+    argv = ported(HIDREAM_O1_IMAGE_COMMAND, "hidream_o1_image", tmp_path, monkeypatch, size=64)
+    root = tmp_path / "models" / "HiDream-ai" / "HiDream-O1-Image-Dev"
+    assert len(list(root.glob("model-*-of-00004.safetensors"))) == 4 and (root / "tokenizer_config.json").is_file()
+    code, out, err = cli(capsys, "train", *argv)
+    assert code == 0, err
+    assert ("pipeline: diffsynth:hidream_o1_image (DiffSynth's HiDreamO1ImagePipeline; the model id names "
+            "HiDream-O1-Image)") in out, out
+    plan = next(line for line in out.splitlines() if line.startswith("plan:"))
+    assert "PromptTokenizer" in plan.split("stage 2")[0] and "(no model)" in plan.split("stage 2")[0], plan
+    assert plan.endswith("(dit)"), plan
+    assert "training: 2 steps" in out, out
+    lora = load_file(str(tmp_path / "models" / "train" / "HiDream-O1-Image-Dev_lora" / "epoch-0.safetensors"))
+    assert lora and not any(k.startswith("pipe.") for k in lora)
+    assert any(".self_attn.q_proj.lora_A." in k for k in lora) and any(".mlp.down_proj.lora_B." in k for k in lora)
+    assert any(".visual.blocks.0.attn.qkv.lora_A." in k for k in lora)  # its vision tower's, as its example names
+    assert {v.shape[0] for k, v in lora.items() if ".lora_A." in k} == {32}
+
+    def at(flag: str, value: str) -> list[str]:
+        changed = list(argv)
+        changed[changed.index(flag) + 1] = value
+        return changed
+
+    cache = tmp_path / "cache"
+    code, out, err = cli(capsys, "train", *at("--output_path", str(cache)), "--task", "sft:data_process")
+    assert code == 0, err
+    entry = next((cache / "entries").glob("*.safetensors"))
+    from unitgraph.backends.diffusion.cache.entries import read_entry
+
+    values, _meta = read_entry(entry)
+    assert values["inputs_shared"]["noise_scale"] == 7.5  # the command's, handed to the loss in stage 2
+    stage_2 = [*at("--dataset_base_path", str(cache)), "--task", "sft:train"]
+    stage_2[stage_2.index("--noise_scale") + 1] = "8"
+    code, out, err = cli(capsys, "train", *stage_2)
+    one_error_line(code, err, "--noise_scale 8: this cache's entries hold noise_scale 7.5 (stage 1's)")
+    # stage 2 as the cache says, drawing a validation sample: the processor is read for it, beside the DiT
+    stage_2 = [*at("--dataset_base_path", str(cache)), "--task", "sft:train", "--output_path", str(tmp_path / "split"),
+               "--validation_prompt", "a red circle", "--validation_inference_steps", "2", "--validation_guidance",
+               "1", "--height", "64", "--width", "64"]
+    stage_2.remove("--noise_scale")
+    stage_2.remove("7.5")
+    code, out, err = cli(capsys, "train", *stage_2)
+    assert code == 0, err
+    from PIL import Image
+
+    with Image.open(tmp_path / "split" / "samples" / "epoch-0" / "0.png") as drawn:
+        assert drawn.size == (64, 64)
+    code, out, err = cli(capsys, "train", *at("--output_path", str(tmp_path / "small")), "--height", "32",
+                         "--width", "32", "--task", "sft:data_process")
+    one_error_line(code, err, "row 1: the picture is 32x32 as trained, diffsynth:hidream_o1_image needs at least 2 "
+                              "patches of 32 px")
+    assert not (tmp_path / "small" / "entries").exists() or not any((tmp_path / "small" / "entries").iterdir())
+
+
 SD_FULL_COMMANDS = {
     "stable_diffusion": r"""
 accelerate launch examples/stable_diffusion/model_training/train.py \
@@ -2050,6 +2154,9 @@ RELEASED = {
     "joyai_image": (JOYAI_IMAGE_UNSPLIT, {"dit": ("JoyAIImageDiT", 16.2e9, 16.3e9),
                                           "text_encoder": ("QwenImage21TextEncoder", 8.7e9, 8.8e9),
                                           "vae": ("WanVideoVAE", 0.1e9, 0.15e9)}, 0.7),
+    # its one model, the DiT (Qwen3-VL 8B with its vision tower, its lm_head, and its patch and timestep layers):
+    # stage 1 loads none (it tokenizes), so stage 2 holds what the unsplit run holds
+    "hidream_o1_image": (HIDREAM_O1_IMAGE_COMMAND, {"dit": ("HiDreamO1ImageModel", 8.8e9, 8.81e9)}, 1.001),
     # the Qwen3 0.6 B text encoder, the Wan 2.1 VAE
     "anima_image": (ANIMA_COMMAND, {"dit": ("AnimaDiT", 2.0e9, 2.2e9),
                                     "text_encoder": ("ZImageTextEncoder", 0.5e9, 0.7e9),

@@ -12,23 +12,27 @@ from clitools import cli, one_error_line
 from unitgraph.backends.diffusion.registry import families
 from unitgraph.backends.diffusion.untrained import UNTRAINED, untrained_by_model_id
 
-# DiffSynth's examples/hidream_o1_image/model_training/lora/HiDream-O1-Image-Dev.sh, the program name swapped
-HIDREAM_LORA = """unitgraph train \
-  --dataset_base_path data/diffsynth_example_dataset/hidream_o1_image/HiDream-O1-Image-Dev \
-  --dataset_metadata_path data/diffsynth_example_dataset/hidream_o1_image/HiDream-O1-Image-Dev/metadata.csv \
-  --max_pixels 4194304 \
-  --dataset_repeat 50 \
-  --model_id_with_origin_paths "HiDream-ai/HiDream-O1-Image-Dev:model-*.safetensors" \
-  --processor_config "HiDream-ai/HiDream-O1-Image-Dev:./" \
+# DiffSynth's examples/minimax_h3/model_training/lora/MiniMax-H3-FL2VA.sh, its first command (T2VA, stage 1), the
+# program name swapped
+MINIMAX_STAGE_1 = """unitgraph train \
+  --dataset_base_path data/diffsynth_example_dataset/minimax_h3/MiniMax-H3-FL2VA \
+  --dataset_metadata_path data/diffsynth_example_dataset/minimax_h3/MiniMax-H3-FL2VA/metadata.csv \
+  --data_file_keys "video,input_audio" \
+  --extra_inputs "input_audio" \
+  --height 480 \
+  --width 832 \
+  --num_frames 124 \
+  --dataset_repeat 1 \
+  --model_id_with_origin_paths "MiniMax/MiniMax-H3:FL2VA/text_encoder/model*.safetensors,MiniMax/MiniMax-H3:FL2VA/video_vae/source/model.safetensors,MiniMax/MiniMax-H3:FL2VA/audio_vae/model.safetensors" \
   --learning_rate 1e-4 \
-  --num_epochs 5 \
-  --lora_rank 32 \
+  --num_epochs 1 \
   --remove_prefix_in_ckpt "pipe.dit." \
-  --output_path "./models/train/HiDream-O1-Image-Dev_lora" \
+  --output_path "./models/train/MiniMax-H3-T2VA-split-cache" \
   --lora_base_model "dit" \
-  --lora_target_modules "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,attn.qkv,attn.proj,mlp.linear_fc1,mlp.linear_fc2" \
+  --lora_target_modules "attn.qkv_proj,attn.out_proj,mlp.fc1,mlp.fc2" \
+  --lora_rank 32 \
   --use_gradient_checkpointing \
-  --noise_scale 7.5"""
+  --task sft:data_process"""
 
 
 @pytest.fixture
@@ -41,24 +45,23 @@ def no_download(monkeypatch):
     return calls
 
 
-def test_diffsynths_hidream_command_is_named_as_untrained_before_any_download(tmp_path, monkeypatch, capsys,
-                                                                             no_download):
+def test_diffsynths_minimax_h3_command_is_named_as_untrained_before_any_download(tmp_path, monkeypatch, capsys,
+                                                                                no_download):
     monkeypatch.chdir(tmp_path)
-    data = tmp_path / "data" / "diffsynth_example_dataset" / "hidream_o1_image" / "HiDream-O1-Image-Dev"
+    data = tmp_path / "data" / "diffsynth_example_dataset" / "minimax_h3" / "MiniMax-H3-FL2VA"
     data.mkdir(parents=True)
-    (data / "metadata.csv").write_text("image,prompt\n0.jpg,a cat\n")
-    argv = shlex.split(HIDREAM_LORA)[1:]
-    code, _, err = cli(capsys, *argv)  # as it is: its flags of HiDream's alone say it first
-    one_error_line(code, err, "--noise_scale: a flag of DiffSynth's HiDream-O1-Image, which unitgraph does not train")
-    for flag in ("--processor_config", "--noise_scale"):  # without them, its model id does
-        at = argv.index(flag)
-        del argv[at:at + 2]
-    for extra in ([], ["--dry_run"]):
+    (data / "metadata.csv").write_text("video,input_audio,prompt\n0.mp4,0.wav,a cat\n")
+    argv = shlex.split(MINIMAX_STAGE_1)[1:]
+    for extra in ([], ["--dry_run"]):  # as it is: its model id says it
         code, _, err = cli(capsys, *argv, *extra)
-        line = one_error_line(code, err, "HiDream-ai/HiDream-O1-Image-Dev",
-                              "HiDream-O1-Image (DiffSynth's examples/hidream_o1_image)",
+        line = one_error_line(code, err, "MiniMax/MiniMax-H3", "MiniMax-H3 (DiffSynth's examples/minimax_h3)",
                               "a family unitgraph does not train", "Qwen-Image")
         assert "unitgraph pipelines" in line
+    at = argv.index("--model_id_with_origin_paths")  # its model id says it before its flags; without it, a flag of
+    del argv[at:at + 2]                                # MiniMax-H3's alone does
+    code, _, err = cli(capsys, *argv, "--silent_on_missing_audio")
+    one_error_line(code, err, "--silent_on_missing_audio: a flag of DiffSynth's MiniMax-H3, which unitgraph does not "
+                              "train")
     assert no_download == [] and not (tmp_path / "models").exists()
 
 
@@ -94,7 +97,7 @@ IDEOGRAM4_IDS = ("DiffSynth-Studio/ideogram-4-bf16-repackage:transformer/diffusi
 
 
 def test_a_family_trained_through_diffsynth_names_the_extra_where_diffsynth_is_missing(tmp_path, capsys, no_download):
-    """Ideogram 4, ERNIE-Image, Boogu-Image, JoyAI-Image and Krea 2 train through DiffSynth's own pipeline (docs/diffsynth.md); in an
+    """Ideogram 4, ERNIE-Image, Boogu-Image, JoyAI-Image, HiDream-O1-Image and Krea 2 train through DiffSynth's own pipeline (docs/diffsynth.md); in an
     environment without the `diffsynth` package their model ids, or --pipeline diffsynth:ideogram4, are one line
     saying what to install."""
     import importlib.util
@@ -110,6 +113,8 @@ def test_a_family_trained_through_diffsynth_names_the_extra_where_diffsynth_is_m
                               ("Boogu/Boogu-Image-0.1-Base:mllm/*.safetensors", "Boogu-Image", "boogu_image"),
                               ("jd-opensource/JoyAI-Image-Edit:transformer/transformer.pth", "JoyAI-Image",
                                "joyai_image"),
+                              ("HiDream-ai/HiDream-O1-Image-Dev:model-*.safetensors", "HiDream-O1-Image",
+                               "hidream_o1_image"),
                               ("krea/Krea-2-Raw:raw.safetensors,Qwen/Qwen-Image:vae/diffusion_pytorch_model.safetensors",
                                "Krea 2", "krea2")):
         code, _, err = cli(capsys, *base, "--model_id_with_origin_paths", ids)

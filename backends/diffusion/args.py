@@ -66,14 +66,14 @@ REFUSED_DIFFSYNTH_FLAGS = {
     "framewise_decoding": NOT_TRAINED.format(what="dance-video (ToDance) models"),
     "first_frame_as_condition": NOT_TRAINED.format(what="LingBot-Video"),
     "silent_on_missing_audio": NOT_TRAINED.format(what="MiniMax-H3"),
-    "noise_scale": NOT_TRAINED.format(what="HiDream-O1-Image"),
-    "processor_config": NOT_TRAINED.format(what="HiDream-O1-Image"),
 }
 # DiffSynth's flags of a pipeline unitgraph trains only through DiffSynth's own code (--pipeline diffsynth:MODULE):
 # refused by unitgraph's own pipelines (config.py), read by diffsynth_source
 DIFFSYNTH_PIPELINE_FLAGS = {"tokenizer_t5xxl_path": ("Anima", "diffsynth:anima_image"),
                             "max_audio_duration": ("ACE-Step", "diffsynth:ace_step"),
-                            "silence_latent_path": ("ACE-Step", "diffsynth:ace_step")}
+                            "silence_latent_path": ("ACE-Step", "diffsynth:ace_step"),
+                            "noise_scale": ("HiDream-O1-Image", "diffsynth:hidream_o1_image"),
+                            "processor_config": ("HiDream-O1-Image", "diffsynth:hidream_o1_image")}
 REPORT_TO = ("none", "tensorboard", "wandb")
 # --lr_scheduler: DiffSynth's (torch's ConstantLR with its defaults) and diffusers' get_scheduler names (train/lr.py)
 LR_SCHEDULERS = ("diffsynth", "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
@@ -197,8 +197,8 @@ class TrainArgs:
     max_audio_duration: Optional[float] = _f(None, "DiffSynth's ACE-Step flag (--pipeline diffsynth:ace_step): the seconds of each song trained, its beginning (default: the whole song, at most 600 s).", "diffsynth")
     silence_latent_path: Optional[str] = _f(None, "DiffSynth's ACE-Step flag (--pipeline diffsynth:ace_step): the silence latent, a file or MODEL_ID:PATTERN (default: ACE-Step/Ace-Step1.5:acestep-v15-turbo/silence_latent.pt), read from its .safetensors twin beside it.", "diffsynth")
     silent_on_missing_audio: bool = _f(False, "DiffSynth's MiniMax-H3 flag: refused (not trained by unitgraph).", "diffsynth")
-    noise_scale: Optional[str] = _f(None, "DiffSynth's HiDream-O1-Image flag: refused (not trained by unitgraph).", "diffsynth")
-    processor_config: Optional[str] = _f(None, "DiffSynth's HiDream-O1-Image flag: refused (not trained by unitgraph).", "diffsynth")
+    noise_scale: Optional[float] = _f(None, "DiffSynth's HiDream-O1-Image flag (--pipeline diffsynth:hidream_o1_image): the scale of the noise the loss draws (default: 8.0, its train.py's), stored in stage 1's cache.", "diffsynth")
+    processor_config: Optional[str] = _f(None, "DiffSynth's HiDream-O1-Image flag (--pipeline diffsynth:hidream_o1_image): its Qwen3-VL processor, a folder or MODEL_ID:PATTERN as its example gives it (default: HiDream-ai/HiDream-O1-Image-Dev:./, the release's root).", "diffsynth")
     tokenizer_t5xxl_path: Optional[str] = _f(None, "DiffSynth's Anima flag: the T5 tokenizer of --pipeline diffsynth:anima_image (a folder, or MODEL_ID:PATTERN as its example gives it; default: stabilityai/stable-diffusion-3.5-large:tokenizer_3/).", "diffsynth")
     dmd2_student_update_freq: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
     dmd2_student_sample_steps: Optional[str] = _f(None, "DiffSynth's DMD2 setting: refused (DMD2 distillation is not trained by unitgraph).", "diffsynth")
@@ -581,10 +581,16 @@ def arg_fields() -> list[tuple[str, Any, Any, str]]:
     return out
 
 
-def make_args(**kwargs: Any) -> TrainArgs:
-    """TrainArgs from keyword arguments, with unknown names reported as a BackendError."""
+def unchecked_args(**kwargs: Any) -> TrainArgs:
+    """TrainArgs from keyword arguments, with unknown names reported as a BackendError, not yet validated (the CLI
+    first names a family unitgraph does not train, whose settings are not unitgraph's to judge)."""
     known = {f.name for f in fields(TrainArgs)}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise BackendError(f"unknown training argument {unknown[0]!r}")
-    return TrainArgs(**kwargs).validate()
+    return TrainArgs(**kwargs)
+
+
+def make_args(**kwargs: Any) -> TrainArgs:
+    """TrainArgs from keyword arguments, with unknown names reported as a BackendError, validated."""
+    return unchecked_args(**kwargs).validate()

@@ -502,7 +502,9 @@ class Sound:
 class DiffSynthTokenizer:
     """A tokenizer folder a DiffSynth pipeline's `from_pretrained` takes: its keyword, the flag that names it, the model
     id and pattern its `train.py` falls back to, and the text encoder (pipeline attribute) it serves: a stage that
-    does not load that encoder does not look for the tokenizer."""
+    does not load that encoder does not look for the tokenizer. An `encoder` of "": it serves a unit that loads no
+    model (HiDream-O1's prompt tokenizer, whose DiT reads the tokens itself): every stage that runs stage 1's units,
+    or draws, looks for it; stage 2 from a cache does not."""
 
     keyword: str
     flag: str
@@ -612,6 +614,12 @@ class DiffSynthPipeline:
     # it edits): a run needs --extra_inputs edit_image (a file column), and a validation sample a --validation_image,
     # handed to its `__call__` as `edit_image`
     edits: bool = False
+    # (flag, default) of flags its own train.py adds whose value its get_pipeline_inputs hands the pipeline as the
+    # input of the same name (HiDream-O1's --noise_scale, 8.0): stage 1 stores it in each entry and its cache key
+    options: tuple[tuple[str, Any], ...] = ()
+    # the fewest `division`-sized cells a picture may have (HiDream-O1's prompt unit puts its vision-start token on the
+    # picture's first patch and looks at the token after it: a one-patch picture fails inside DiffSynth's unit)
+    min_cells: int = 0
 
     @property
     def name(self) -> str:

@@ -11,7 +11,7 @@ input dicts the way the image pipelines' `get_pipeline_inputs` does.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from ..errors import BackendError
 from ..family import DiffSynthPipeline, DiffSynthTensor, DiffSynthTokenizer
@@ -81,6 +81,18 @@ OWN: tuple[Glue, ...] = (
          sized_as=(("jd-opensource/JoyAI-Image-Edit:JoyAI-Image-Und/model*.safetensors",
                     "md5:2d11bf14bba8b4e87477c8199a895403"),
                    ("jd-opensource/JoyAI-Image-Edit:vae/Wan2.1_VAE.pth", "md5:ccc42284ea13e1ad04693284c7a09be6"))),
+    # one model: a Qwen3-VL 8B turned DiT that reads the prompt's tokens and the picture's 32 px patches itself (no
+    # VAE, no text encoder); its prompt unit only tokenizes, through a processor (--processor_config; its train.py's
+    # default: the release's root, beside the DiT's shards) with the DiT's configuration's token ids, so stage 1
+    # loads no model; its get_pipeline_inputs hands --noise_scale (the noise's scale, 8 by default) and " " as the
+    # negative prompt
+    Glue("hidream_o1_image", "HiDreamO1ImagePipeline", "HiDream-O1-Image (DiffSynth's pipeline)",
+         tokenizers=(Tokenizer("processor_config", "processor_config", "HiDream-ai/HiDream-O1-Image-Dev", "./",
+                               encoder=""),),
+         division=32, min_cells=2, example="hidream_o1_image", distill=False, negative=" ",
+         options=(("noise_scale", 8.0),),
+         # its example's release, which DiffSynth 2.1.12's table names by the non-distilled one's example
+         sized_as=(("HiDream-ai/HiDream-O1-Image-Dev:model-*.safetensors", "md5:58a7c1073d79556bfc61e05e6061b771"),)),
     # text to music: its dataset reads a song (`audio`) at 48 kHz with LoadPureAudioWithTorchaudio, its
     # get_pipeline_inputs hands the song, its length in whole seconds, the lyrics and the metadata columns (with its
     # defaults), the sides marked `positive`; its context unit reads a silence latent its from_pretrained unpickles
@@ -125,12 +137,14 @@ def glue_for(name: str) -> Glue:
 
 def inputs(glue: Glue, sample: Mapping[str, Any], device: Any, gradient_checkpointing: bool,
            gradient_checkpointing_offload: bool, extra_inputs: tuple[str, ...] = (),
-           boundaries: tuple[float, float] = (1.0, 0.0)) -> tuple[dict, dict, dict]:
+           boundaries: tuple[float, float] = (1.0, 0.0), options: Optional[Mapping[str, Any]] = None
+           ) -> tuple[dict, dict, dict]:
     """(inputs_shared, inputs_posi, inputs_nega) of one sample, as the example's `get_pipeline_inputs` builds them:
     the picture (an image pipeline's `input_image`; a video pipeline's `input_video` frames and their count) and its
     size, `cfg_scale` 1, the pipeline's device as `rand_device`, the gradient checkpointing flags (on whatever they
     say where the example's train.py forces it), the glue's constants, the timestep boundaries where the example
-    passes them (`boundaries`: max, min), the clip's `frame_rate` where the example hands one, and each --extra_inputs
+    passes them (`boundaries`: max, min), the values of its own flags (`options`: the glue's, their defaults where
+    not given), the clip's `frame_rate` where the example hands one, and each --extra_inputs
     column by its own name (a video pipeline's `input_image` / `end_image`: the clip's first / last frame; a sound
     column: what DiffSynth's audio operator made of it, run.sample_state)."""
     if glue.media == "video":
@@ -151,6 +165,8 @@ def inputs(glue: Glue, sample: Mapping[str, Any], device: Any, gradient_checkpoi
         "use_gradient_checkpointing_offload": gradient_checkpointing_offload,
     })
     shared.update(dict(glue.constants))
+    for name, default in glue.options:
+        shared[name] = default if (options or {}).get(name) is None else options[name]
     for name, default in glue.defaults:  # its data.get(name, default)
         shared[name] = default if sample.get(name) is None else sample[name]
     if glue.frame_rate:  # the row's frame_rate column, else 24 (MOVA's get_pipeline_inputs: data.get("frame_rate", 24))

@@ -24,6 +24,7 @@ import contextlib
 import csv
 import importlib
 import json
+import math
 import re
 import time
 from dataclasses import MISSING, dataclass, fields
@@ -48,7 +49,7 @@ from ..randomness import derive_seed, permutation, seeded_global_stream
 from ..result import RunResult
 from . import EXTRA_HINT, available
 from .captions import EMPTY_CAPTION, applied, difference, dropped, emptied
-from .glue import Glue, call_types, glue_for, inputs, provided
+from .glue import Glue, call_types, glue_for, glues, inputs, provided
 from .objective import LOSS_MASK, check_objective, mask_pixels, sft_loss
 from .world import World, launched
 from .lora import DIFFSYNTH_REMOVE_PREFIX, helper, target_modules
@@ -87,11 +88,11 @@ READ = {"dataset_base_path", "dataset_metadata_path", "dataset_repeat", "data_fi
         "lr_warmup_steps", "ema_decay", "ema_device", "validation_use_ema", "max_grad_norm", "validation_dataset",
         "validation_steps", "caption_dropout", "weighting_scheme", "logit_mean", "logit_std", "mode_scale",
         "masked_loss", "masked_loss_unmasked_weight", "processor_path", "frame_rate", "validation_image",
-        "max_audio_duration", "silence_latent_path"}
+        "max_audio_duration", "silence_latent_path", "noise_scale", "processor_config"}
 # the longest song an audio pipeline reads without --max_audio_duration (ACE-Step 1.5 makes songs of up to 10 minutes)
 SONG_SECONDS = 600
 # the flags naming a tokenizer (or processor) folder: each only for a pipeline that takes one by it
-TOKENIZER_FLAGS = ("tokenizer_path", "tokenizer_2_path", "tokenizer_t5xxl_path", "processor_path")
+TOKENIZER_FLAGS = ("tokenizer_path", "tokenizer_2_path", "tokenizer_t5xxl_path", "processor_path", "processor_config")
 
 
 def wanted(args: TrainArgs) -> bool:
@@ -103,18 +104,23 @@ def route(args: TrainArgs) -> tuple[TrainArgs, Optional[str]]:
     """(args, the line saying why) for a command without --pipeline whose model ids name a DiffSynth family unitgraph
     trains only through DiffSynth's own pipeline (untrained.py's table, glue.py's list): its `--pipeline
     diffsynth:MODULE`, so DiffSynth's command runs as it is. Unchanged otherwise; one line naming the extra when the
-    family is listed but DiffSynth is not installed, before anything is downloaded."""
+    family is listed but DiffSynth is not installed, before anything is downloaded; one line naming a family unitgraph
+    trains in no way (choice.untrained_family). `args` need not be validated yet: a command of such a family is told
+    what it is first, not that a setting of its own (MiniMax-H3's --num_frames 124) is not unitgraph's."""
     from dataclasses import replace
 
+    from ..choice import untrained_family
     from ..untrained import untrained_by_model_id
-    from .glue import glues
 
     if args.pipeline or not args.model_id_with_origin_paths:
         return args, None
     for item in str(args.model_id_with_origin_paths).split(","):
-        family = untrained_by_model_id(item.strip().rpartition(":")[0])
+        model_id = item.strip().rpartition(":")[0]
+        family = untrained_by_model_id(model_id)
         glue = next((g for g in glues() if family is not None and g.example == family.folder), None)
         if glue is None:
+            if family is not None:
+                untrained_family([(model_id, item.strip().rpartition(":")[2])])
             continue
         if not available():
             raise BackendError(f"the model id {item.strip().rpartition(':')[0]} is {family.name}, which unitgraph trains "
@@ -176,6 +182,14 @@ def check_flags(args: TrainArgs) -> None:
         if not 1 <= args.max_audio_duration <= SONG_SECONDS:  # its inputs count a song's whole seconds
             raise BackendError(f"--max_audio_duration {args.max_audio_duration:g}: the seconds of a song trained, "
                                f"at least 1 and at most {SONG_SECONDS}")
+    owned = {name for g in glues() for name, _default in g.options}  # flags of one pipeline's own train.py
+    for name in sorted(owned - {name for name, _default in glue.options}):
+        if getattr(args, name) is not None:
+            whose = ", ".join(g.name for g in glues() if name in dict(g.options))
+            raise BackendError(f"--{name}: {glue.name}'s example has no such flag (a flag of {whose})")
+    if args.noise_scale is not None and not (math.isfinite(args.noise_scale) and args.noise_scale > 0):
+        raise BackendError(f"--noise_scale {args.noise_scale:g}: the scale of the noise the loss draws (its example's "
+                           "default 8.0), a positive number")
     if args.silence_latent_path and "silence_latent_path" not in {t.flag for t in glue.tensors}:
         raise BackendError(f"--silence_latent_path: {glue.name} reads no such file (a flag of diffsynth:ace_step)")
     if glue.media == "audio" and (args.height or args.width or args.max_pixels != TrainArgs.max_pixels):
@@ -281,10 +295,17 @@ class Setup:
         return [(decl.name, obj, self.declared[decl.name]) for decl, obj in zip(self.spec.units, self.units)
                 if decl.name in names]
 
-    def tokenizers_for(self, models: list[str]) -> dict[str, str]:
-        """The tokenizer folders of the text encoders among `models` (keyword of from_pretrained -> folder)."""
+    def tokenizers_for(self, models: list[str], units: bool = True) -> dict[str, str]:
+        """The tokenizer folders of the text encoders among `models` (keyword of from_pretrained -> folder), and with
+        `units` (a pipeline that runs stage 1's units or draws) those of units that load no model."""
         return {tok.keyword: tokenizer_folder(tok, getattr(self.args, tok.flag, None), self.hub)
-                for tok in self.glue.tokenizers if tok.encoder in models}
+                for tok in self.glue.tokenizers if tok.encoder in models or (units and not tok.encoder)}
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The values of the pipeline's own flags (`Glue.options`): the command's, else its train.py's defaults."""
+        return {name: default if getattr(self.args, name) is None else getattr(self.args, name)
+                for name, default in self.glue.options}
 
     def load_plain(self, models: list[str]) -> Any:
         """A pipeline holding only `models` (and their tokenizers), as DiffSynth loads them: what a render borrows."""
@@ -300,11 +321,14 @@ class Setup:
                 setattr(pipe, tensor.attribute, load_tensor(tensor, path, self.dtype, self.world.device))
         return pipe
 
-    def load(self, stage_models: list[str], stage: str, recorded: Optional[dict[str, dict]] = None) -> Any:
+    def load(self, stage_models: list[str], stage: str, recorded: Optional[dict[str, dict]] = None,
+             units: bool = True) -> Any:
         """The pipeline with `stage_models` loaded, the others' attributes standing in (hazards.py): from the
-        command's files, else from `recorded` (stage 1's record of every model in the cache's manifest)."""
-        pipe = self.with_tensors(load_pipeline(self.glue, self.models, stage_models, self.tokenizers_for(stage_models),
-                                               self.dtype, self.world.device), stage_models)
+        command's files, else from `recorded` (stage 1's record of every model in the cache's manifest). `units`:
+        whether it runs stage 1's units (stage 2 from a cache does not: it needs no tokenizer of a model-free unit)."""
+        pipe = self.with_tensors(load_pipeline(self.glue, self.models, stage_models,
+                                               self.tokenizers_for(stage_models, units), self.dtype, self.world.device),
+                                 stage_models)
         needed = set(stage_models) & (self.given | set(self.plan.models_require_backward))  # an optional one may be absent
         missing = sorted(needed - {a for a in self.given if getattr(pipe, a, None) is not None})
         if missing:
@@ -582,9 +606,14 @@ def sample_state(setup: Setup, dataset: DiffusionDataset, index: int, device: An
                 sample[key] = resize(value)
             elif isinstance(value, list) and value and all(isinstance(v, Image.Image) for v in value):
                 sample[key] = [resize(v) for v in value]
+        width, height = sample[glue.media].size
+        if (width // glue.division) * (height // glue.division) < glue.min_cells:
+            raise BackendError(f"row {index + 1}: the picture is {width}x{height} as trained, {glue.name} needs at "
+                               f"least {glue.min_cells} patches of {glue.division} px (a larger --height/--width or "
+                               "--max_pixels)", source=str(dataset.metadata_path))
     state = inputs(glue, sample, device, bool(args.use_gradient_checkpointing),
                    bool(args.use_gradient_checkpointing_offload), _extra_inputs(args),
-                   (args.max_timestep_boundary, args.min_timestep_boundary))
+                   (args.max_timestep_boundary, args.min_timestep_boundary), setup.options)
     if args.masked_loss:  # the resized mask's pixels, which the loss reads (objective.py); no unit reads them
         state[0][LOSS_MASK] = mask_pixels(sample[MASK])
     return state
@@ -686,6 +715,7 @@ def _key_inputs(setup: Setup, memo: HashMemo) -> dict[str, Any]:
                           if not set(m.attributes) & set(setup.plan.data_process_models)},
             "size": ImageSize(args.height, args.width, args.max_pixels).key(),
             "frames": args.num_frames if setup.glue.media == "video" else None,
+            **({"options": setup.options} if setup.options else {}),  # each entry holds them (glue.inputs)
             "gradient_checkpointing": [bool(args.use_gradient_checkpointing),
                                        bool(args.use_gradient_checkpointing_offload)],
             # each entry also holds what the empty caption changes (captions.py): asked for by --caption_dropout
@@ -813,6 +843,19 @@ def read_manifest(folder: Path, setup: Setup) -> dict[str, Any]:
         raise BackendError("the cache was made for another plan (other models to train); run stage 1 again",
                            source=str(path))
     return manifest
+
+
+def check_options(setup: Setup, manifest: dict[str, Any], folder: Path) -> None:
+    """One line when stage 2's command sets one of the pipeline's own flags to another value than stage 1 stored in
+    the cache's entries (DiffSynth's stage 2 trains on the stored one whatever its command says); stage 2 without the
+    flag trains on the stored one."""
+    stored = manifest.get("key", {}).get("options", {})
+    for name, _default in setup.glue.options:
+        given = getattr(setup.args, name)
+        if given is not None and isinstance(stored, dict) and name in stored and stored[name] != given:
+            raise BackendError(f"--{name} {given:g}: this cache's entries hold {name} {stored[name]} (stage 1's); "
+                               f"make the cache again with --{name} {given:g}, or leave the flag out of stage 2",
+                               source=str(folder / MANIFEST))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1145,7 +1188,9 @@ def _run(args: TrainArgs, report: Callable[[str], None], why: Optional[str]) -> 
         manifest = read_manifest(folder, s)
         entries = manifest["entries"]
         recorded = manifest.get("models", {})
-        pipe = s.load(s.plan.train_models, "stage 2", recorded)
+        check_options(s, manifest, folder)
+        # (the tokenizer of a model-free stage-1 unit only where validation samples are drawn through every unit)
+        pipe = s.load(s.plan.train_models, "stage 2", recorded, units=bool(args.validation_prompt))
         result = RunResult(task=args.task, output_path=Path(args.output_path), plan=s.plan, cache_path=folder)
         result.samples = len(entries)
 

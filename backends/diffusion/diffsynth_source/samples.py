@@ -48,7 +48,8 @@ class Renderer:
                   "height": args.height, "width": args.width,
                   "seed": args.validation_seed if args.validation_seed is not None else args.seed,
                   "num_inference_steps": args.validation_inference_steps, "rand_device": "cpu",
-                  "num_frames": args.num_frames if setup.glue.media == "video" else None}
+                  "num_frames": args.num_frames if setup.glue.media == "video" else None,
+                  **setup.options}  # its own flags (HiDream-O1's noise scale), as its training inputs have them
         self.kwargs = {k: v for k, v in wanted.items() if v is not None and k in taken}
         self.sound = bool(setup.glue.audio)  # `__call__` returns (frames, sound)
         self.rate = setup.glue.sample_rate if setup.glue.media == "audio" else 0  # `__call__` returns a song

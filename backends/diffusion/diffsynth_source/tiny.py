@@ -309,18 +309,20 @@ def _qwen3_vl_4b(outdir: Path, seed: int) -> None:
     _once(folder / "model.safetensors", (text["model_hash"], seed), released)
 
 
-def _qwen3_vl_processor(folder: Path, chat_template: Optional[str] = None, vision_tokens: bool = False) -> None:
+def _qwen3_vl_processor(folder: Path, chat_template: Optional[str] = None, vision_tokens: bool = False,
+                        more_tokens: Optional[dict[str, int]] = None) -> None:
     """A test-size Qwen3-VL processor saved in `folder`: its tokenizer (the test one) with `chat_template` (else the
     tokenizer's own), and image and video processors of the release's patch sizes. With `vision_tokens`, the
     tokenizer has the release's vision tokens at the release's ids (`QWEN_VISION_TOKENS`), which a full-size Qwen-VL
-    encoder's configuration fixes: a prompt with a picture then reaches its vision tower."""
+    encoder's configuration fixes: a prompt with a picture then reaches its vision tower; `more_tokens` are added
+    so too (HiDream-O1's)."""
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = _family_with_slot("AutoencoderKLFlux2").tiny_module().build_tokenizer()
     if vision_tokens:
-        tokenizer = _with_vision_tokens(tokenizer, folder)
+        tokenizer = _with_vision_tokens(tokenizer, folder, {**QWEN_VISION_TOKENS, **(more_tokens or {})})
     Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2),
                      tokenizer=tokenizer, video_processor=Qwen3VLVideoProcessor(),
                      chat_template=chat_template or tokenizer.chat_template).save_pretrained(str(folder))
@@ -332,10 +334,10 @@ QWEN_VISION_TOKENS = {"<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|v
                       "<|image_pad|>": 151655, "<|video_pad|>": 151656}
 
 
-def _with_vision_tokens(tokenizer: Any, scratch: Path) -> Any:
-    """`tokenizer` (a fast BPE one) with `QWEN_VISION_TOKENS` as special tokens at their ids: each put in the BPE
-    vocabulary at its id (tokenizers numbers an added token after the vocabulary, whatever id its file gives) and
-    marked special. Built through its saved files in `scratch`, which are removed after."""
+def _with_vision_tokens(tokenizer: Any, scratch: Path, tokens: Optional[dict[str, int]] = None) -> Any:
+    """`tokenizer` (a fast BPE one) with `tokens` (else `QWEN_VISION_TOKENS`) as special tokens at their ids: each put
+    in the BPE vocabulary at its id (tokenizers numbers an added token after the vocabulary, whatever id its file
+    gives) and marked special. Built through its saved files in `scratch`, which are removed after."""
     import shutil
 
     from transformers import AutoTokenizer
@@ -343,7 +345,7 @@ def _with_vision_tokens(tokenizer: Any, scratch: Path) -> Any:
     where = scratch / ".vision_tokenizer"
     tokenizer.save_pretrained(str(where))
     spec = json.loads((where / "tokenizer.json").read_text(encoding="utf-8"))
-    for token, index in QWEN_VISION_TOKENS.items():
+    for token, index in (tokens or QWEN_VISION_TOKENS).items():
         spec["model"]["vocab"][token] = index
         spec["added_tokens"].append({"id": index, "content": token, "single_word": False, "lstrip": False,
                                      "rstrip": False, "normalized": False, "special": True})
@@ -563,6 +565,26 @@ def _joyai_image(outdir: Path, seed: int) -> dict[str, Any]:
     return {"model_id_with_origin_paths": ",".join(f"{model_id}:{f}" for f in files)}
 
 
+# the special tokens HiDream-O1's tokenizer adds after Qwen3-VL's, at the release's ids: its prompt unit frames a
+# prompt with the image's (boi) and the timestep's (tms) tokens, and its DiT puts the timestep's embedding where the
+# tms token's id (151673, fixed in its class) is
+HIDREAM_TOKENS = {"<|boi_token|>": 151669, "<|bor_token|>": 151670, "<|eor_token|>": 151671, "<|bot_token|>": 151672,
+                  "<|tms_token|>": 151673}
+
+
+def _hidream_o1_image(outdir: Path, seed: int) -> dict[str, Any]:
+    """HiDream-O1-Image-Dev as its LoRA example downloads it: its DiT (a Qwen3-VL 8B whose class fixes its 8.80 B
+    parameters), written as released: random bf16 weights in four shards `model-0000i-of-00004.safetensors` at the
+    release's root (17.6 GB once a session), which DiffSynth's table knows by their key hash; and beside them, where
+    its train.py's --processor_config looks by default (`./`), a test-size Qwen3-VL processor whose tokenizer has the
+    release's vision tokens and HiDream's own (`HIDREAM_TOKENS`) at their ids."""
+    model_id = "HiDream-ai/HiDream-O1-Image-Dev"
+    root = outdir / model_id
+    _qwen3_vl_processor(root, vision_tokens=True, more_tokens=HIDREAM_TOKENS)
+    write_released_shards(root, "hidream_o1_image", "dit", seed, lambda key: key, shards=4)  # its own keys
+    return {"model_id_with_origin_paths": f"{model_id}:model-*.safetensors"}
+
+
 def _seeded_vae(seed: int) -> Any:
     """The VAE (diffusers' AutoencoderKLFlux2) of the tests' Ideogram 4 and ERNIE-Image (`IDEOGRAM4_VAE`), its
     weights drawn from `seed`."""
@@ -576,7 +598,7 @@ def _seeded_vae(seed: int) -> Any:
 # writers of DiffSynth's pipelines of no family
 OWN = {"ideogram4": _ideogram4, "anima_image": _anima, "ernie_image": _ernie_image, "krea2": _krea2,
        "lingbot_video": _lingbot_video, "ace_step": _ace_step, "boogu_image": _boogu_image,
-       "joyai_image": _joyai_image}
+       "joyai_image": _joyai_image, "hidream_o1_image": _hidream_o1_image}
 
 
 def writers() -> dict[str, Any]:
