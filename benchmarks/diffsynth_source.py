@@ -228,7 +228,8 @@ def render(found: dict[str, Any], plans: dict[str, Any], rounds: int, started: s
              "stage 2 / unsplit | losses equal |", "|---|---|---|---|---|---|---|---|"]
     for module, f in found.items():
         plan = f["plan"]
-        named = lambda models: ", ".join(m for m in models if m in f["given"]) or "no model"  # noqa: E731 - as the run's plan line
+        # as the run's plan line
+        named = lambda models: ", ".join(m for m in models if m in f["given"]) or "no model"  # noqa: E731
         lines.append(f"| `diffsynth:{module}` | {', '.join(plan.data_process_units)} ({named(plan.data_process_models)}) "
                      f"| {', '.join(plan.train_units) or 'the loss'} ({named(plan.train_models)}) | "
                      f"{f['stage1_s']:.1f} | {f['unsplit_ms']:.1f} | {f['stage2_ms']:.1f} | "
