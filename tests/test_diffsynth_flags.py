@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from clitools import cli, one_error_line
-from unitgraph.backends.diffusion.args import OTHER_TASKS, REFUSED_DIFFSYNTH_FLAGS
+from unitgraph.backends.diffusion.args import DIFFSYNTH_PIPELINE_FLAGS, OTHER_TASKS, REFUSED_DIFFSYNTH_FLAGS
 
 WHEEL = Path(__file__).resolve().parent.parent / ".venv" / "diffsynth-wheel" / "diffsynth" / "diffusion" / "parsers.py"
 # the extra flags of DiffSynth's examples/<family>/model_training/train.py (repository as of DiffSynth 2.1)
@@ -48,6 +48,19 @@ def test_a_flag_unitgraph_cannot_honour_is_one_line_saying_what_it_does_instead(
     code, _, err = cli(capsys, "train", "--dataset_base_path", str(tmp_path), "--lora_base_model", "dit",
                        "--output_path", str(out), f"--{flag}", *value)
     one_error_line(code, err, f"--{flag}: {REFUSED_DIFFSYNTH_FLAGS[flag]}")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flag", sorted(DIFFSYNTH_PIPELINE_FLAGS))
+def test_a_flag_of_a_diffsynth_pipeline_is_one_line_naming_it_for_unitgraphs_own_families(flag, tmp_path, capsys):
+    """A flag only one of DiffSynth's own pipelines reads (HiDream-O1's --noise_scale, ACE-Step's
+    --silence_latent_path, ...) given to a run of unitgraph's own families: one line naming that pipeline."""
+    family, pipeline = DIFFSYNTH_PIPELINE_FLAGS[flag]
+    value = "7.5" if flag in ("noise_scale", "max_audio_duration") else "x"
+    out = tmp_path / "out"
+    code, _, err = cli(capsys, "train", "--dataset_base_path", str(tmp_path), "--lora_base_model", "dit",
+                       "--output_path", str(out), f"--{flag}", value)
+    one_error_line(code, err, f"--{flag}: a flag of DiffSynth's {family}", f"--pipeline {pipeline}")
     assert not out.exists()
 
 
