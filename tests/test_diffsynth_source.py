@@ -190,8 +190,11 @@ def _args(root: Path, flags: dict, **over):
                     dataset_metadata_path=str(root / "data" / "metadata.json"))
     if _edit(flags["module"]):  # as JoyAI-Image's example hands the picture it edits
         base.update(data_file_keys="image,edit_image", extra_inputs="edit_image")
-    if flags["module"] == "hidream_o1_image":  # 2x2 patches of 32 px (its prompt unit fails on a single patch)
-        base.update(height=64, width=64)
+    from unitgraph.backends.diffusion.diffsynth_source.glue import glue_for
+
+    glue = glue_for(flags["module"])
+    if (32 // glue.division) ** 2 < glue.min_cells:  # HiDream-O1: 2x2 patches of 32 px (not its fewest, one)
+        base.update(height=2 * glue.division, width=2 * glue.division)
     if flags["module"] == "flux2_image":  # its train.py defaults to FLUX.2-dev's tokenizer; klein's example names its own
         base.update(tokenizer_path=flags["tokenizer_path"])
     base.update(over)

@@ -115,15 +115,15 @@ def route(args: TrainArgs) -> tuple[TrainArgs, Optional[str]]:
     if args.pipeline or not args.model_id_with_origin_paths:
         return args, None
     for item in str(args.model_id_with_origin_paths).split(","):
-        model_id = item.strip().rpartition(":")[0]
+        model_id, _, pattern = item.strip().rpartition(":")
         family = untrained_by_model_id(model_id)
         glue = next((g for g in glues() if family is not None and g.example == family.folder), None)
         if glue is None:
             if family is not None:
-                untrained_family([(model_id, item.strip().rpartition(":")[2])])
+                untrained_family([(model_id, pattern)])
             continue
         if not available():
-            raise BackendError(f"the model id {item.strip().rpartition(':')[0]} is {family.name}, which unitgraph trains "
+            raise BackendError(f"the model id {model_id} is {family.name}, which unitgraph trains "
                                f"through DiffSynth's own pipeline (--pipeline {glue.name}); {EXTRA_HINT}")
         return replace(args, pipeline=glue.name), f"the model id names {family.name}"
     return args, None
